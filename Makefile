@@ -1,0 +1,27 @@
+# The two set-up commands: `make demo` (a real training run) and `make test`. Each creates .venv if missing.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build of PyTorch; on a GPU machine use e.g. `make TORCH_SPEC=torch==2.11.0 test`.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshtron-installed
+
+.PHONY: demo test bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/meshtron train --config configs/demo.toml --nproc 2
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/throughput.py
+
+clean-venv:
+	rm -rf $(VENV)

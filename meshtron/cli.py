@@ -1,0 +1,138 @@
+"""``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``.
+
+Under ``torchrun`` each process trains its rank. Started by hand, ``--nproc N`` re-launches itself
+through torch's elastic launcher on this machine; without it, one process trains alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from meshtron.errors import ConfigError, MeshtronError
+
+USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
+
+
+def _overrides(extra: list[str]) -> list[str]:
+    """Accept both ``--a.b=v`` and ``--a.b v``."""
+    result, index = [], 0
+    while index < len(extra):
+        item = extra[index]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument '{item}'; settings look like --section.key=value ({USAGE})")
+        if "=" not in item and index + 1 < len(extra) and not extra[index + 1].startswith("--"):
+            item = f"{item}={extra[index + 1]}"
+            index += 1
+        result.append(item[2:])
+        index += 1
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshtron", description="Train causal language models in parallel.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model", usage=USAGE)
+    train.add_argument("--config", help="TOML config file")
+    train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
+    train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    return parser
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _print_error(err: MeshtronError) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"meshtron: error: {err}", file=sys.stderr, flush=True)
+    elif not err.uniform:
+        print(f"meshtron: error [rank {rank}]: {err}", file=sys.stderr, flush=True)
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from meshtron.config import load_config
+    from meshtron.train.runtime import launched_world_size
+
+    cfg = load_config(args.config, _overrides(extra))
+    if _under_torchrun():
+        if args.nproc:
+            raise ConfigError("--nproc cannot be used under torchrun; torchrun already started the processes")
+        return _run_worker(cfg)
+    world_size = args.nproc or 1
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    _check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
+    if world_size == 1 and launched_world_size() == 1:
+        return _run_worker(cfg)
+    return _self_launch(args, extra, cfg, world_size)
+
+
+def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
+    p = cfg.parallel
+    needed = p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.cp * p.pp
+    if not explicit and needed > world_size:
+        raise ConfigError(
+            f"the parallel degrees need {needed} processes but meshtron was started as 1; "
+            f"add --nproc {needed} or launch with torchrun --nproc-per-node {needed}"
+        )
+
+
+def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
+    """Check everything once here, then start ``world_size`` workers with torch's elastic launcher."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from meshtron.train.trainer import preflight
+
+    preflight(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.run.output_dir is None:
+        output_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+        extra = [*extra, f"--run.output_dir={output_dir}"]
+    launcher_args = ["--nnodes=1", f"--nproc-per-node={world_size}", "--max-restarts=0"]
+    if args.master_port:
+        launcher_args += ["--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
+    else:
+        launcher_args += ["--standalone"]
+    worker = ["-m", "meshtron", "train"] + (["--config", args.config] if args.config else []) + extra
+    try:
+        run(get_args_parser().parse_args(launcher_args + worker))
+    except ChildFailedError:
+        return 1
+    return 0
+
+
+def _run_worker(cfg) -> int:
+    from meshtron.train.runtime import init_runtime, launched_world_size, shutdown_runtime
+    from meshtron.train.trainer import preflight, train
+
+    import torch
+
+    plan = preflight(cfg, launched_world_size(), "cuda" if torch.cuda.is_available() else "cpu")
+    runtime = init_runtime()
+    try:
+        train(cfg, runtime, plan)
+    finally:
+        shutdown_runtime()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = _parser().parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args, extra)
+    except MeshtronError as err:
+        _print_error(err)
+        return 2 if isinstance(err, ConfigError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Typed run configuration: dataclasses loaded from TOML, the environment and ``--section.key=value``.
+
+Precedence, lowest first: dataclass defaults, the TOML file, the env vars ``DP_SIZE TP_SIZE CP_SIZE
+PP_SIZE``, CLI overrides. Everything here is checked before any process-group work, so a bad setting
+fails the same way on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+from meshtron.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ON_NONFINITE = ("error", "skip")
+BUILTIN_CORPUS = "builtin:python-stdlib"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None
+    """Local Hugging Face model directory (config.json + safetensors); mutually exclusive with preset."""
+    preset: str | None = None
+    """Named from-scratch architecture (see ``meshtron.models.presets``); ``tiny`` when neither is set."""
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = BUILTIN_CORPUS
+    """Text file, folder, .jsonl, .parquet, saved ``datasets`` dir, ``datasets`` hub name, or the builtin corpus."""
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    """``byte`` for the built-in byte-level tokenizer, or a local Hugging Face tokenizer directory."""
+    seq_len: int = 256
+    shuffle: bool = True
+    seed: int = 0
+    max_documents: int | None = None
+    """Read at most this many documents (handy for quick runs); None reads all."""
+    cache_dir: str | None = None
+    """Where tokenized, packed data is cached; default ``~/.cache/meshtron``."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 8
+    """Sequences per optimizer step, the same whatever the layout."""
+    micro_batch_size: int | None = None
+    """Sequences per rank per forward; None means global_batch_size / dp (no accumulation)."""
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still measured)."""
+    seed: int = 0
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    on_nonfinite: str = "error"
+    """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    """FSDP degree; -1 uses the ranks the other degrees leave."""
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    """Compute dtype of gathered parameters; None keeps model.dtype."""
+    reduce_dtype: str | None = "float32"
+    cpu_offload: bool = False
+
+
+@dataclass
+class RunConfig:
+    output_dir: str | None = None
+    """Default ``runs/<timestamp>``."""
+    log_every: int = 1
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+ENV_DEGREES = {"DP_SIZE": "dp_shard", "TP_SIZE": "tp", "CP_SIZE": "cp", "PP_SIZE": "pp"}
+
+
+def _sections(cfg: Config) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _field_types(section: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _split_optional(tp)
+    return f"{base.__name__}{' or none' if optional else ''}"
+
+
+def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
+    """Return ``value`` as type ``tp`` or raise a ConfigError naming ``key``."""
+    base, optional = _split_optional(tp)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}; fix the value in the config or CLI")
+    if from_text:
+        text = str(value).strip()
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        if base is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise bad
+        try:
+            return base(text)
+        except ValueError:
+            raise bad from None
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is bool and not isinstance(value, bool):
+        raise bad
+    if base is int and isinstance(value, bool):
+        raise bad
+    if not isinstance(value, base):
+        raise bad
+    return value
+
+
+def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
+    sections = _sections(cfg)
+    section_name, _, key = dotted.partition(".")
+    if section_name not in sections or not key:
+        raise ConfigError(
+            f"unknown config key '{dotted}'; keys look like section.key with section one of {', '.join(sections)}"
+        )
+    section = sections[section_name]
+    types_ = _field_types(section)
+    if key not in types_:
+        raise ConfigError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(types_)}")
+    setattr(section, key, _coerce(dotted, value, types_[key], from_text))
+
+
+def load_config(
+    toml_path: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Build a Config from defaults, a TOML file, the env-var degrees and ``section.key=value`` overrides."""
+    cfg = Config()
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found; pass an existing TOML file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+        for section_name, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"unknown config key '{section_name}'; put settings under [section] tables")
+            for key, value in values.items():
+                _set(cfg, f"{section_name}.{key}", value, from_text=False)
+    env = os.environ if env is None else env
+    for var, key in ENV_DEGREES.items():
+        if env.get(var):
+            _set(cfg, f"parallel.{key}", env[var], from_text=True)
+    for item in overrides or []:
+        dotted, sep, value = item.lstrip("-").partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' needs a value: write --{dotted}=VALUE")
+        _set(cfg, dotted, value, from_text=True)
+    validate_config(cfg)
+    return cfg
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ConfigError(f"{key}: must be a positive integer, got {value}")
+
+
+def validate_config(cfg: Config) -> None:
+    """Checks that need neither the world size nor the model or data files."""
+    m, d, t, p, f = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.fsdp
+    if m.name_or_path and m.preset:
+        raise ConfigError("set only one of model.name_or_path and model.preset")
+    _choice("model.dtype", m.dtype, DTYPES)
+    _choice("model.attn_implementation", m.attn_implementation, ATTN_IMPLEMENTATIONS)
+    _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(f, key)
+        if value is not None:
+            _choice(f"fsdp.{key}", value, DTYPES)
+    _positive("data.seq_len", d.seq_len)
+    _positive("data.max_documents", d.max_documents, allow_none=True)
+    _positive("train.steps", t.steps)
+    _positive("train.global_batch_size", t.global_batch_size)
+    _positive("train.micro_batch_size", t.micro_batch_size, allow_none=True)
+    _positive("run.log_every", cfg.run.log_every)
+    for key in ("dp_replicate", "tp", "cp", "pp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.dp_shard != -1:
+        _positive("parallel.dp_shard", p.dp_shard)
+    for key in ("lr", "min_lr", "weight_decay", "max_grad_norm", "eps"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr ({t.min_lr}) is larger than train.lr ({t.lr}); lower train.min_lr")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config as nested dicts, with unset (None) values left out, as TOML has no null."""
+    return {
+        name: {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+        for name, section in _sections(cfg).items()
+    }
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))

@@ -1,0 +1,1 @@
+"""One module per parallelism, and ``parallelize.parallelize_model`` that applies them in order."""

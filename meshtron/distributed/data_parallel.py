@@ -1,0 +1,42 @@
+"""FSDP2 / HSDP / replicated data parallelism with ``fully_shard``, per decoder block then the root."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from meshtron.config import FSDPConfig
+from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.build import torch_dtype
+
+
+def data_parallel_mesh(mesh, dims):
+    """1-D ``dp_shard`` mesh for FSDP; 2-D ``(dp_replicate, dp_shard)`` for HSDP and for plain replication."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_fsdp(model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSDPConfig, model_dtype: str) -> None:
+    """Shard every decoder block, then the root (embeddings, final norm, head) over ``dp_mesh``.
+
+    With ``dp_shard == 1`` the 2-D mesh shards over one rank, which is DDP: parameters replicated,
+    gradients all-reduced.
+    """
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(fsdp_cfg.param_dtype or model_dtype),
+        reduce_dtype=torch_dtype(fsdp_cfg.reduce_dtype) if fsdp_cfg.reduce_dtype else None,
+    )
+    offload = CPUOffloadPolicy() if fsdp_cfg.cpu_offload else OffloadPolicy()
+    blocks = adapter.blocks(model)
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        reshard = fsdp_cfg.reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on (last micro-batch) or off (earlier micro-batches of an accumulation)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

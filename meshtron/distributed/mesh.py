@@ -1,0 +1,81 @@
+"""ParallelDims: the degrees of every parallelism, checked against the world size, and the named mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.config import ParallelConfig
+from meshtron.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Parallelisms whose implementation has not landed yet: a degree > 1 is refused with this message.
+NOT_YET_SUPPORTED = {
+    "tp": "tensor parallelism",
+    "cp": "context parallelism",
+    "pp": "pipeline parallelism",
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees; their product is the world size."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        fixed = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by parallel.dp_replicate*cp*tp*pp = {fixed}; "
+                    "change the degrees or the number of processes"
+                )
+            dp_shard = world_size // fixed
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, world_size)
+        if dims.product != world_size:
+            raise ConfigError(
+                f"world size {world_size} != product of the parallel degrees "
+                f"(pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
+                f"x tp {dims.tp} = {dims.product}); launch {dims.product} processes or change parallel.*"
+            )
+        for key, what in NOT_YET_SUPPORTED.items():
+            if getattr(dims, key) > 1:
+                raise ConfigError(f"parallel.{key}={getattr(dims, key)}: {what} is not available yet; set parallel.{key}=1")
+        return dims
+
+    @property
+    def product(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def build_mesh(self, device_type: str):
+        """The 5-D named mesh plus the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` meshes."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
+
+    def describe(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        return " ".join(parts) or "single process"

@@ -1,0 +1,63 @@
+"""The one place that applies every parallelism to a model, in order.
+
+Order: pipeline split (first), tensor parallel, context parallel, activation checkpointing,
+compile, then FSDP/HSDP. Each step only talks to the model through its adapter.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from meshtron.config import Config
+from meshtron.distributed.data_parallel import apply_fsdp, data_parallel_mesh
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.models.adapter import DecoderAdapter
+
+# Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, adapter: DecoderAdapter, mode: str) -> None:
+    """Wrap each decoder block: ``full`` recomputes the whole block in backward, ``selective`` all but matmuls/attention."""
+    if mode == "none":
+        return
+    blocks = adapter.blocks(model)
+    for index, block in enumerate(blocks):
+        if mode == "full":
+            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            context = partial(create_selective_checkpoint_contexts, _selective_policy)
+            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
+
+
+def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
+    """Compile each decoder block in place (parameter names unchanged)."""
+    for block in adapter.blocks(model):
+        block.compile()
+
+
+def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, mesh, cfg: Config) -> nn.Module:
+    """Apply PP -> TP -> CP -> activation checkpointing -> compile -> FSDP to a meta-device model."""
+    # Pipeline, tensor and context parallelism are refused by ParallelDims until they land.
+    apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        apply_compile(model, adapter)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, adapter, data_parallel_mesh(mesh, dims), cfg.fsdp, cfg.model.dtype)
+    return model

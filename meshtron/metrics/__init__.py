@@ -1,0 +1,1 @@
+"""Metrics: FLOPs and MFU, memory, metrics.jsonl and the progress line."""

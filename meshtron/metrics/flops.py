@@ -1,0 +1,52 @@
+"""Model FLOPs per token and device peak FLOP/s, for MFU."""
+
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 peak FLOP/s per device (no sparsity), from the vendors' data sheets.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of ``device``, or None where it is unknown (CPUs, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (non-embedding parameters + head) + causal attention (6 x L x 2 x s x d / 2 x 2).
+
+    Counts matmuls only: forward 2 FLOPs per weight per token, backward 4. Attention scores and
+    values cost 2 x 2 x s x d per token per layer forward, halved for the causal mask.
+    """
+    hidden = hf_config.hidden_size
+    layers = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp_params = 3 * hidden * inter
+    head_params = hidden * hf_config.vocab_size
+    matmul_params = layers * (attn_params + mlp_params) + head_params
+    attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
+    return 6 * matmul_params + 3 * attention

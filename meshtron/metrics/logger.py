@@ -1,0 +1,69 @@
+"""Per-step metrics: ``metrics.jsonl`` on rank 0 and a live progress line on the console."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import torch
+
+
+def max_memory_gb(device: torch.device) -> float:
+    """Peak memory of this rank: allocated GPU memory on CUDA, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step and prints progress; inactive on ranks other than 0."""
+
+    def __init__(self, output_dir: Path | None, total_steps: int, *, enabled: bool, progress: bool, stream: IO = sys.stdout):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.progress = progress and enabled
+        self.stream = stream
+        self.live = self.progress and stream.isatty()
+        self.start = time.perf_counter()
+        self._file = open(output_dir / "metrics.jsonl", "a") if enabled and output_dir else None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"elapsed_s": round(time.perf_counter() - self.start, 3), **record}
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self.progress:
+            self._print_progress(record)
+
+    def _print_progress(self, r: dict) -> None:
+        mfu = f" | mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        line = (
+            f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} | loss {r['loss']:.4f} | "
+            f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s{mfu} | "
+            f"mem {r['max_memory_gb']:.2f} GB | {r['elapsed_s']:.0f}s"
+        )
+        if self.live:
+            self.stream.write("\r\x1b[2K" + line)
+            if r["step"] == self.total_steps:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            if self.live:
+                self.stream.write("\r\x1b[2K")
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,1 @@
+"""Model presets, family adapters and layout-independent construction."""

@@ -1,0 +1,204 @@
+"""Build a Hugging Face causal LM on the meta device, then fill it per rank, independent of the layout.
+
+Weights are produced one full tensor at a time (seeded from the parameter's name, or read from a
+safetensors / ``weights_only`` checkpoint) and each rank keeps only its own shard, so no rank ever
+holds more than its shard plus one tensor, and the values never depend on how the model is split.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshtron.config import ModelConfig
+from meshtron.errors import ConfigError, MeshtronError
+from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
+from meshtron.models.presets import make_preset_config
+
+DEFAULT_PRESET = "tiny"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def check_model_path(model_cfg: ModelConfig) -> None:
+    """Fail early if ``model.name_or_path`` is missing or is not a decoder-only causal LM."""
+    if not model_cfg.name_or_path:
+        return
+    path = Path(model_cfg.name_or_path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model.name_or_path: '{model_cfg.name_or_path}' is not an existing directory; "
+            "give a local Hugging Face model directory or use model.preset"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.name_or_path: '{path}' has no config.json; it is not a Hugging Face model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model.name_or_path: '{config_file}' is not valid JSON ({err})") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    if architectures:  # what the checkpoint was trained as decides (BERT has a causal-LM class too)
+        causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    else:
+        causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if raw.get("is_encoder_decoder") or not causal:
+        raise ConfigError(
+            f"model.name_or_path: '{path}' (model_type '{model_type}') is not a decoder-only causal language model; "
+            "use a Llama, Qwen or Mistral style model"
+        )
+
+
+def load_hf_config(model_cfg: ModelConfig, tokenizer_vocab_size: int):
+    """The Hugging Face config of the model to train, from a preset or a local directory."""
+    if model_cfg.name_or_path:
+        check_model_path(model_cfg)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            model_cfg.name_or_path, local_files_only=True, trust_remote_code=model_cfg.trust_remote_code
+        )
+    else:
+        config = make_preset_config(model_cfg.preset or DEFAULT_PRESET, tokenizer_vocab_size)
+    if tokenizer_vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size is {config.vocab_size}; "
+            "use the tokenizer that belongs to the model"
+        )
+    return config
+
+
+def build_meta_model(hf_config, model_cfg: ModelConfig) -> tuple[nn.Module, DecoderAdapter]:
+    """Instantiate the model on the meta device (no memory) and find its adapter."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config,
+            attn_implementation=model_cfg.attn_implementation,
+            dtype=torch_dtype(model_cfg.dtype),
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    adapter = adapter_for(hf_config)
+    adapter.check_anatomy(model)
+    return model, adapter
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_tensor(name: str, shape: torch.Size, std: float, seed: int) -> torch.Tensor:
+    """Fresh full-size fp32 value of parameter ``name``: normal(0, std) matrices, 1 for norms, 0 for biases."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.normal(0.0, std, tuple(shape), generator=generator)
+
+
+class CheckpointReader:
+    """Reads single tensors from a Hugging Face model directory (safetensors, else ``weights_only`` torch files)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        self._torch_files: dict[Path, dict] = {}
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = self.directory / index_name
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._where = {k: self.directory / v for k, v in weight_map.items()}
+                return
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            file = self.directory / single
+            if file.is_file():
+                self._where = {k: file for k in self._keys_of(file)}
+                return
+        raise MeshtronError(
+            f"model.name_or_path: '{self.directory}' has no model.safetensors or pytorch_model.bin weights; "
+            "use model.preset to train from scratch"
+        )
+
+    def _keys_of(self, file: Path) -> list[str]:
+        if file.suffix == ".safetensors":
+            return list(self._handle(file).keys())
+        return list(self._torch_file(file).keys())
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def _torch_file(self, file: Path) -> dict:
+        if file not in self._torch_files:
+            self._torch_files[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return self._torch_files[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self._where[name]
+        if file.suffix == ".safetensors":
+            return self._handle(file).get_tensor(name)
+        return self._torch_file(file)[name]
+
+
+def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, tied: bool) -> torch.Tensor:
+    candidates = [name]
+    if tied and name.endswith("lm_head.weight"):
+        candidates.append(name.replace("lm_head.weight", "model.embed_tokens.weight"))
+    for candidate in candidates:
+        if candidate in reader:
+            tensor = reader.get(candidate)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise MeshtronError(
+                    f"model.name_or_path: weight '{candidate}' has shape {tuple(tensor.shape)} but the config "
+                    f"asks for {tuple(param.shape)}; the weights do not belong to this config.json"
+                )
+            return tensor
+    raise MeshtronError(f"model.name_or_path: the checkpoint has no weight '{name}'; it does not match config.json")
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    device: torch.device,
+    *,
+    seed: int,
+    pretrained_dir: str | None = None,
+) -> None:
+    """Allocate the (possibly sharded) parameters on ``device`` and fill them, one full tensor at a time."""
+    model.to_empty(device=device)
+    adapter.init_buffers(model, device)
+    reader = CheckpointReader(pretrained_dir) if pretrained_dir else None
+    std = getattr(model.config, "initializer_range", 0.02)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for raw_name, param in model.named_parameters():
+        name = canonical_name(raw_name)
+        if reader is not None:
+            full = _weight_for(name, param, reader, tied)
+        else:
+            full = init_tensor(name, param.shape, std, seed)
+        full = full.to(device=device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)

@@ -1,0 +1,68 @@
+"""Named from-scratch architectures. Vocabulary size comes from the tokenizer unless a preset fixes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtron.errors import ConfigError
+
+# family (HF model_type) and architecture settings; vocab_size None = taken from the tokenizer.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    ),
+    "qwen2-tiny": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    ),
+    "qwen3-tiny": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+    ),
+    "mistral-tiny": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None,
+    ),
+    "llama-small": dict(
+        model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
+    ),
+    # Llama-3.2-1B shape.
+    "llama-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=True, vocab_size=128256,
+    ),
+    # Llama-3-8B shape.
+    "llama-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, vocab_size=128256,
+    ),
+}
+ALIASES = {"tiny": "llama-tiny", "small": "llama-small"}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS) + sorted(ALIASES)
+
+
+def make_preset_config(name: str, tokenizer_vocab_size: int):
+    """Build the Hugging Face config of preset ``name``; the vocab is padded to a multiple of 64."""
+    from transformers import AutoConfig
+
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset '{name}'; choose one of {', '.join(preset_names())}")
+    settings = dict(PRESETS[key])
+    model_type = settings.pop("model_type")
+    rope_theta = settings.pop("rope_theta", 10000.0)
+    if settings.get("vocab_size") is None:
+        settings["vocab_size"] = -(-tokenizer_vocab_size // 64) * 64
+    settings.setdefault("tie_word_embeddings", False)
+    settings.setdefault("initializer_range", 0.02)
+    settings.setdefault("rms_norm_eps", 1e-5)
+    return AutoConfig.for_model(
+        model_type, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **settings
+    )

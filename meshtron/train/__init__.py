@@ -1,0 +1,1 @@
+"""Process start-up, optimizer and schedule, and the training loop."""

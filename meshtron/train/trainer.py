@@ -1,0 +1,235 @@
+"""The training loop: build, parallelize and materialize the model, then step through the global batches.
+
+Loss is the sum of token losses over the whole global batch divided by the global number of target
+tokens, so it is the same number whatever the layout, micro-batch size or accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.config import Config, save_config
+from meshtron.data.dataset import PackedDataset, build_packed_dataset
+from meshtron.data.sampler import GlobalBatchSchedule
+from meshtron.data.sources import check_data_path
+from meshtron.data.tokenizer import load_tokenizer
+from meshtron.distributed.data_parallel import set_gradient_sync
+from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.parallelize import parallelize_model
+from meshtron.errors import ConfigError, MeshtronError
+from meshtron.metrics.flops import device_peak_flops, flops_per_token
+from meshtron.metrics.logger import MetricsLogger, max_memory_gb
+from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
+from meshtron.train.optim import build_optimizer, build_scheduler
+from meshtron.train.runtime import Runtime
+
+IGNORE_INDEX = -100
+RUN_MARKERS = ("config.toml", "metrics.jsonl")
+
+
+@dataclass
+class Plan:
+    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
+
+    dims: ParallelDims
+    micro_batch_size: int
+    accumulation_steps: int
+    tokenizer: object
+    hf_config: object
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    output_dir: Path | None = None
+    model: nn.Module | None = None
+
+
+def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+    """(micro_batch_size, accumulation_steps) per rank, or a ConfigError if the batch does not split."""
+    batch, dp = cfg.train.global_batch_size, dims.dp
+    micro = cfg.train.micro_batch_size or max(1, batch // dp)
+    if batch % (dp * micro):
+        raise ConfigError(
+            f"train.global_batch_size {batch} is not divisible by data-parallel degree {dp} x "
+            f"train.micro_batch_size {micro} = {dp * micro}; make the global batch a multiple of {dp * micro}"
+        )
+    return micro, batch // (dp * micro)
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """Refuse to write into a directory that already holds a run's outputs."""
+    if output_dir is None:
+        return
+    path = Path(output_dir)
+    if any((path / marker).exists() for marker in RUN_MARKERS):
+        raise ConfigError(f"run.output_dir '{path}' already holds a run; choose a new run.output_dir")
+
+
+def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
+    """All checks that need no process group, run identically on every rank (and by the launcher)."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    micro, accumulation = micro_batch_plan(cfg, dims)
+    if cfg.fsdp.cpu_offload and device_type != "cuda":
+        raise ConfigError("fsdp.cpu_offload needs CUDA devices; set fsdp.cpu_offload=false on CPU")
+    check_output_dir(cfg.run.output_dir)
+    check_model_path(cfg.model)
+    check_data_path(cfg.data.path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if max_positions is not None and cfg.data.seq_len > max_positions:
+        raise ConfigError(
+            f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
+            f"use data.seq_len <= {max_positions}"
+        )
+    return Plan(dims, micro, accumulation, tokenizer, hf_config)
+
+
+def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
+    """The run's output directory, chosen by rank 0 and shared with the others."""
+    chosen = [cfg.run.output_dir]
+    if runtime.is_main and chosen[0] is None:
+        chosen[0] = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if runtime.distributed:
+        dist.broadcast_object_list(chosen, src=0)
+    cfg.run.output_dir = chosen[0]
+    return Path(chosen[0])
+
+
+def _dp_coordinates(mesh, dims: ParallelDims) -> tuple[int, object | None]:
+    """This rank's index among the data-parallel ranks and the group that sums losses over them."""
+    if mesh is None or dims.dp == 1:
+        return 0, None
+    dp_mesh = mesh["dp"]
+    return dp_mesh.get_local_rank(), mesh["dp_cp"].get_group()
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config."""
+    plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
+    dims = plan.dims
+    output_dir = _resolve_output_dir(cfg, runtime)
+    if runtime.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, output_dir / "config.toml")
+
+    torch.manual_seed(cfg.train.seed)
+    dataset = build_packed_dataset(
+        cfg.data, plan.tokenizer, is_builder=runtime.local_rank == 0, barrier=runtime.barrier
+    )
+    schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
+
+    mesh = dims.build_mesh(runtime.device.type) if runtime.distributed else None
+    model, adapter = build_meta_model(plan.hf_config, cfg.model)
+    model = parallelize_model(model, adapter, dims, mesh, cfg)
+    materialize(model, adapter, runtime.device, seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
+    model.train()
+
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train)
+    dp_rank, loss_group = _dp_coordinates(mesh, dims)
+    logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
+    logger.message(
+        f"meshtron: {adapter.family} model, {_count_params(model):,} parameters | layout: {dims.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
+        f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation"
+    )
+    peak = device_peak_flops(runtime.device)
+    flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
+    result = TrainResult(output_dir=output_dir, model=model)
+    try:
+        for step in range(cfg.train.steps):
+            started = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            loss, grad_norm, tokens = _train_step(
+                model, optimizer, dataset, schedule, step, dp_rank, dims, plan, loss_group, runtime.device, cfg
+            )
+            scheduler.step()
+            if runtime.device.type == "cuda":
+                torch.cuda.synchronize(runtime.device)
+            seconds = time.perf_counter() - started
+            tokens_per_s = tokens / seconds
+            result.losses.append(loss)
+            result.grad_norms.append(grad_norm)
+            result.tokens_per_s.append(tokens_per_s)
+            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps:
+                logger.log(
+                    {
+                        "step": step + 1,
+                        "loss": loss,
+                        "grad_norm": grad_norm,
+                        "lr": lr,
+                        "tokens_per_s": tokens_per_s,
+                        "mfu": flops_tok * tokens_per_s / (peak * runtime.world_size) if peak else None,
+                        "max_memory_gb": max_memory_gb(runtime.device),
+                    }
+                )
+        logger.message(
+            f"meshtron: done, {cfg.train.steps} steps, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; "
+            f"outputs in {output_dir}/ (config.toml, metrics.jsonl)"
+        )
+    finally:
+        logger.close()
+    return result
+
+
+def _count_params(model: nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters())
+
+
+def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, dp_rank, dims, plan, loss_group, device, cfg):
+    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens)."""
+    micro_batches = schedule.local_micro_batches(step, dp_rank, dims.dp, plan.micro_batch_size)
+    batches = [dataset.batch(indices) for indices in micro_batches]
+    targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
+    global_targets = _all_reduce_sum(targets, loss_group)
+    # FSDP averages gradients over the data-parallel ranks; scaling by dp turns that mean into the sum.
+    scale = dims.dp / global_targets.clamp(min=1.0).item()
+    local_loss_sum = torch.zeros((), device=device)
+    for index, (input_ids, labels) in enumerate(batches):
+        set_gradient_sync(model, index == len(batches) - 1)
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        (loss_sum * scale).backward()
+        local_loss_sum += loss_sum.detach()
+        del logits, loss_sum
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = global_grad_norm(parameters)
+    loss = _all_reduce_sum(local_loss_sum, loss_group) / global_targets.clamp(min=1.0)
+    loss_value, norm_value = loss.item(), grad_norm.item()
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        if cfg.train.on_nonfinite == "error":
+            raise MeshtronError(
+                f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
+                "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value, float(global_targets)
+    clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, float(global_targets)

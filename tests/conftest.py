@@ -1,0 +1,50 @@
+"""Shared helpers: launching torchrun workers and running the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    for var in ("DP_SIZE", "TP_SIZE", "CP_SIZE", "PP_SIZE"):
+        env.pop(var, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path | None = None, env=None):
+    """Run ``torchrun --nproc-per-node nproc ARGS`` on this machine; returns the CompletedProcess."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args,
+    ]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli(args: list[str], *, timeout: float = 300, cwd: Path | None = None, env=None):
+    """Run ``python -m meshtron ARGS`` in a fresh process."""
+    cmd = [sys.executable, "-m", "meshtron", *args]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One tokenized-data cache shared by every test of the session."""
+    return tmp_path_factory.mktemp("meshtron-cache")

@@ -1,0 +1,39 @@
+"""Runs several training layouts in one torchrun launch (one transformers import per process).
+
+Usage: torchrun --nproc-per-node N tests/parity_worker.py SPEC.json OUT_DIR
+SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}. For each layout, rank 0 writes
+OUT_DIR/<name>.json (per-step losses and grad norms) and OUT_DIR/<name>.pt (full final weights).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from meshtron.config import load_config
+from meshtron.train.runtime import init_runtime, shutdown_runtime
+from meshtron.train.trainer import preflight, train
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    runtime = init_runtime()
+    try:
+        for name, overrides in spec["layouts"].items():
+            cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
+            plan = preflight(cfg, runtime.world_size, runtime.device.type)
+            result = train(cfg, runtime, plan)
+            state = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if runtime.is_main:
+                torch.save(state, out / f"{name}.pt")
+                (out / f"{name}.json").write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms}))
+            del result, state
+    finally:
+        shutdown_runtime()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Config loading: TOML, env-var degrees, CLI overrides, precedence, validation, round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.config import Config, load_config, save_config, to_dict
+from meshtron.errors import ConfigError
+
+
+def test_defaults_are_valid():
+    cfg = load_config(env={})
+    assert cfg.parallel.dp_shard == -1 and cfg.train.max_grad_norm == 1.0 and cfg.data.tokenizer == "byte"
+
+
+def test_precedence_toml_env_cli(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nsteps = 5\nlr = 1\n[parallel]\ndp_shard = 2\ntp = 1\n[model]\npreset = "qwen3-tiny"\n')
+    cfg = load_config(toml, ["train.lr=0.5", "--parallel.tp=1"], env={"DP_SIZE": "4"})
+    assert cfg.train.steps == 5
+    assert cfg.train.lr == 0.5 and isinstance(cfg.train.lr, float)  # TOML int promoted, then CLI wins
+    assert cfg.parallel.dp_shard == 4  # env beats TOML
+    assert cfg.model.preset == "qwen3-tiny"
+    cfg = load_config(toml, ["parallel.dp_shard=8"], env={"DP_SIZE": "4"})
+    assert cfg.parallel.dp_shard == 8  # CLI beats env
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stepz=3", "unknown config key 'train.stepz'"),
+        ("trainer.steps=3", "unknown config key 'trainer.steps'"),
+        ("train.steps=abc", "train.steps: expected int"),
+        ("train.compile=maybe", "train.compile: expected bool"),
+        ("train.lr=fast", "train.lr: expected float"),
+        ("model.dtype=float64", "model.dtype: 'float64' is not one of"),
+        ("train.activation_checkpointing=some", "train.activation_checkpointing"),
+        ("train.steps=0", "train.steps: must be a positive integer"),
+        ("parallel.dp_shard=0", "parallel.dp_shard: must be a positive integer"),
+    ],
+)
+def test_bad_overrides_name_the_setting(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, [override], env={})
+
+
+def test_bad_toml_type_and_unknown_section(tmp_path):
+    bad_type = tmp_path / "a.toml"
+    bad_type.write_text('[train]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match="train.steps: expected int, got 'ten'"):
+        load_config(bad_type, env={})
+    unknown = tmp_path / "b.toml"
+    unknown.write_text("[optimizer]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'optimizer.lr'"):
+        load_config(unknown, env={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_bool_and_optional_parsing():
+    cfg = load_config(None, ["train.compile=true", "train.micro_batch_size=2", "fsdp.param_dtype=bfloat16"], env={})
+    assert cfg.train.compile is True and cfg.train.micro_batch_size == 2 and cfg.fsdp.param_dtype == "bfloat16"
+    cfg = load_config(None, ["train.micro_batch_size=none", "train.compile=0"], env={})
+    assert cfg.train.micro_batch_size is None and cfg.train.compile is False
+
+
+def test_env_degrees():
+    cfg = load_config(None, env={"TP_SIZE": "1", "DP_SIZE": "3", "CP_SIZE": "1", "PP_SIZE": "1"})
+    assert cfg.parallel.dp_shard == 3
+    with pytest.raises(ConfigError, match="parallel.tp: expected int"):
+        load_config(None, env={"TP_SIZE": "two"})
+
+
+def test_preset_and_path_are_exclusive():
+    with pytest.raises(ConfigError, match="only one of model.name_or_path and model.preset"):
+        load_config(None, ["model.preset=tiny", "model.name_or_path=/x"], env={})
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(None, ["train.steps=7", "data.seq_len=64", "run.output_dir=out"], env={})
+    save_config(cfg, tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml", env={})
+    assert to_dict(again) == to_dict(cfg)
+    assert to_dict(again) != to_dict(Config())

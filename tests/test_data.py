@@ -1,0 +1,294 @@
+"""The data package: tokenizers, sources, packing, the cached dataset and the global batch order."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from meshtron.config import BUILTIN_CORPUS, DataConfig
+from meshtron.data import dataset as dataset_mod
+from meshtron.data.dataset import PackedDataset, build_packed_dataset, cache_path
+from meshtron.data.packing import iter_blocks, pack_documents
+from meshtron.data.sampler import GlobalBatchSchedule
+from meshtron.data.sources import check_data_path, iter_documents, source_fingerprint
+from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from meshtron.errors import ConfigError, MeshtronError
+
+EOS = 99
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_pack_places_eos_and_drops_remainder():
+    docs = [np.array([1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8, 9])]
+    blocks = pack_documents(docs, EOS, seq_len=3)
+    # stream: 1 2 3 E 4 5 E 6 7 8 9 E (12 tokens) -> 3 blocks of 4, nothing left
+    assert blocks.dtype == np.int32 and blocks.shape == (3, 4)
+    assert blocks.tolist() == [[1, 2, 3, EOS], [4, 5, EOS, 6], [7, 8, 9, EOS]]
+    blocks = pack_documents(docs, EOS, seq_len=4)
+    # 12 tokens -> 2 blocks of 5, remainder of 2 dropped
+    assert blocks.tolist() == [[1, 2, 3, EOS, 4], [5, EOS, 6, 7, 8]]
+
+
+def test_pack_chunked_equals_one_shot_and_empty():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50, size=rng.integers(0, 40)) for _ in range(200)]
+    stream = np.concatenate([np.append(d, EOS) for d in docs]).astype(np.int32)
+    n = stream.size // 17 * 17
+    expected = stream[:n].reshape(-1, 17)
+    np.testing.assert_array_equal(pack_documents(docs, EOS, 16), expected)
+    np.testing.assert_array_equal(np.concatenate(list(iter_blocks(docs, EOS, 16, chunk_tokens=23))), expected)
+    assert pack_documents([np.array([1, 2])], EOS, 8).shape == (0, 9)
+
+
+def test_packed_dataset_batch_shifts_labels():
+    blocks = np.arange(30, dtype=np.int32).reshape(3, 10)
+    ds = PackedDataset(blocks)
+    assert len(ds) == 3 and ds.seq_len == 9 and ds.num_tokens == 30
+    x, y = ds.batch(np.array([2, 0]))
+    assert x.dtype == torch.int64 and y.dtype == torch.int64 and x.shape == y.shape == (2, 9)
+    assert x[0].tolist() == list(range(20, 29)) and y[0].tolist() == list(range(21, 30))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_round_trip():
+    tok = load_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer)
+    assert (tok.vocab_size, tok.eos_token_id, tok.name) == (257, 256, "byte")
+    text = "héllo wörld — 日本語 🙂\n"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.size == len(text.encode("utf-8")) and ids.max() < 256
+    assert tok.decode(ids) == text
+    assert tok.decode(np.append(ids, tok.eos_token_id)) == text
+    assert [a.tolist() for a in tok.encode_batch(["ab", ""])] == [[97, 98], []]
+
+
+def test_missing_tokenizer_dir(tmp_path):
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        load_tokenizer(str(tmp_path / "nope"))
+
+
+def _save_hf_tokenizer(path, eos_token: str | None = "</s>"):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"])
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ran to the cat"], trainer)
+    extra = {"eos_token": eos_token} if eos_token else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **extra).save_pretrained(path)
+
+
+def test_hf_tokenizer_from_local_dir(tmp_path):
+    _save_hf_tokenizer(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.name == str(tmp_path.resolve())
+    assert tok.vocab_size == 11  # 2 specials + 9 distinct words
+    assert tok.eos_token_id == 1
+    ids = tok.encode("the cat sat")
+    assert ids.dtype == np.int32 and ids.size == 3 and tok.eos_token_id not in ids.tolist()
+    assert tok.decode(ids) == "the cat sat"
+    batch = tok.encode_batch(["the cat sat", "a dog"])
+    assert [b.tolist() for b in batch] == [ids.tolist(), tok.encode("a dog").tolist()]
+
+
+def test_hf_tokenizer_without_eos(tmp_path):
+    _save_hf_tokenizer(tmp_path, eos_token=None)
+    with pytest.raises(ConfigError, match="data.tokenizer.*EOS"):
+        load_tokenizer(str(tmp_path))
+
+
+# ---------------------------------------------------------------- sources
+
+
+def test_text_file_is_one_document(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("line one\nline two\n")
+    check_data_path(str(f))
+    assert list(iter_documents(str(f))) == ["line one\nline two\n"]
+
+
+def test_folder_nested_sorted(tmp_path):
+    (tmp_path / "b" / "c").mkdir(parents=True)
+    (tmp_path / "b" / "c" / "z.md").write_text("deep")
+    (tmp_path / "b" / "a.py").write_text("print(1)")
+    (tmp_path / "a.txt").write_text("top")
+    (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "row"}) + "\n")
+    check_data_path(str(tmp_path))
+    assert list(iter_documents(str(tmp_path))) == ["top", "print(1)", "deep", "row"]
+    assert list(iter_documents(str(tmp_path), max_documents=2)) == ["top", "print(1)"]
+
+
+def test_jsonl_and_missing_field(tmp_path):
+    f = tmp_path / "d.jsonl"
+    rows = [{"content": "first", "id": 1}, {"content": "", "id": 2}, {"content": "third", "id": 3}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert list(iter_documents(str(f), text_field="content")) == ["first", "third"]
+    with pytest.raises(ConfigError, match=r"data.text_field.*content, id"):
+        list(iter_documents(str(f)))
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"body": ["x", "yy", "zzz"], "n": [1, 2, 3]}), f)
+    check_data_path(str(f))
+    assert list(iter_documents(str(f), text_field="body")) == ["x", "yy", "zzz"]
+    with pytest.raises(ConfigError, match=r"data.text_field.*body, n"):
+        list(iter_documents(str(f)))
+
+
+def test_saved_datasets_dir(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": ["one", "two", "three"], "label": [0, 1, 0]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": ds.select([2, 1])}).save_to_disk(str(tmp_path / "dd"))
+    check_data_path(str(tmp_path / "ds"))
+    assert list(iter_documents(str(tmp_path / "ds"))) == ["one", "two", "three"]
+    assert list(iter_documents(str(tmp_path / "dd"))) == ["three", "two"]
+    with pytest.raises(ConfigError, match=r"data.text_field.*label, text"):
+        list(iter_documents(str(tmp_path / "ds"), text_field="body"))
+
+
+@pytest.mark.parametrize("spec", ["missing.txt", "./missing", "/no/such/dir", "~/no-such-meshtron-file.jsonl"])
+def test_missing_path(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="data.path.*does not exist"):
+        check_data_path(spec)
+
+
+def test_hub_names_accepted():
+    for name in ("org/name", "wikitext", BUILTIN_CORPUS):
+        check_data_path(name)
+    assert source_fingerprint("org/name") == "hub:org/name"
+
+
+def test_empty_file_and_folder(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ConfigError, match="data.path.*empty file"):
+        check_data_path(str(tmp_path / "empty.txt"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "data.bin").write_bytes(b"123")
+    (tmp_path / "folder" / "blank.txt").write_text("")
+    with pytest.raises(ConfigError, match="data.path.*no non-empty"):
+        check_data_path(str(tmp_path / "folder"))
+
+
+def test_builtin_corpus_deterministic():
+    docs = list(iter_documents(BUILTIN_CORPUS))
+    assert len(docs) > 100 and all(docs)
+    assert list(iter_documents(BUILTIN_CORPUS, max_documents=50)) == docs[:50]
+    assert BUILTIN_CORPUS in source_fingerprint(BUILTIN_CORPUS)
+
+
+def test_fingerprint_changes_with_data(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("abc")
+    before = source_fingerprint(str(tmp_path))
+    assert source_fingerprint(str(tmp_path)) == before
+    f.write_text("abcd")
+    assert source_fingerprint(str(tmp_path)) != before
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def test_schedule_slices_match_global_batch():
+    sched = GlobalBatchSchedule(num_samples=37, global_batch_size=8, shuffle=True, seed=3)
+    for step in (0, 1, 4, 9):
+        full = sched.global_batch(step)
+        assert full.shape == (8,)
+        for dp in (1, 2, 4):
+            for micro in [m for m in range(1, 8 // dp + 1) if (8 // dp) % m == 0]:
+                parts = [
+                    mb
+                    for rank in range(dp)
+                    for mb in sched.local_micro_batches(step, rank, dp, micro)
+                ]
+                assert all(len(mb) == micro for mb in parts)
+                np.testing.assert_array_equal(np.concatenate(parts), full)
+    with pytest.raises(ValueError):
+        sched.local_micro_batches(0, 0, 2, 3)
+
+
+def test_schedule_seeds_and_epochs():
+    a = GlobalBatchSchedule(10, 4, shuffle=True, seed=0)
+    b = GlobalBatchSchedule(10, 4, shuffle=True, seed=0)
+    c = GlobalBatchSchedule(10, 4, shuffle=True, seed=1)
+    first = a.indices(0, 30)
+    np.testing.assert_array_equal(first, b.indices(0, 30))
+    assert not np.array_equal(first, c.indices(0, 30))
+    for e in range(3):  # each epoch is a permutation, and the epochs differ
+        assert sorted(first[e * 10 : (e + 1) * 10].tolist()) == list(range(10))
+    assert not np.array_equal(first[:10], first[10:20])
+    # step 2 covers positions 8..11: the end of epoch 0 and the start of epoch 1
+    np.testing.assert_array_equal(a.global_batch(2), np.concatenate([first[8:10], first[10:12]]))
+    np.testing.assert_array_equal(a.indices(5, 17), first[5:22])
+    plain = GlobalBatchSchedule(10, 4, shuffle=False, seed=0)
+    assert plain.indices(8, 4).tolist() == [8, 9, 0, 1]
+
+
+# ---------------------------------------------------------------- cached dataset
+
+
+def _corpus(tmp_path, n_chars: int):
+    f = tmp_path / "corpus.txt"
+    f.write_text("x" * n_chars)
+    return f
+
+
+def test_build_packed_dataset_caches(tmp_path, monkeypatch):
+    f = _corpus(tmp_path, 999)  # 999 bytes + EOS = 1000 tokens -> 15 blocks of 65
+    cfg = DataConfig(path=str(f), seq_len=64, cache_dir=str(tmp_path / "cache"))
+    tok = ByteTokenizer()
+    calls = []
+    ds = build_packed_dataset(cfg, tok, is_builder=True, barrier=lambda: calls.append(1))
+    assert calls == [1] and len(ds) == 15 and ds.seq_len == 64
+    assert isinstance(ds.blocks, np.memmap) and ds.path == cache_path(cfg, tok)
+    assert ds.blocks[0, 0] == ord("x") and ds.blocks[-1, -1] == ord("x")
+    assert [p.suffix for p in sorted((tmp_path / "cache").iterdir())] == [".json", ".npy"]
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("rebuilt although the cache exists")
+
+    monkeypatch.setattr(dataset_mod, "_build", no_build)
+    mtime = ds.path.stat().st_mtime_ns
+    again = build_packed_dataset(cfg, tok, is_builder=True)
+    assert again.path == ds.path and ds.path.stat().st_mtime_ns == mtime
+    np.testing.assert_array_equal(again.blocks, ds.blocks)
+    # a non-builder only loads
+    assert len(build_packed_dataset(cfg, tok, is_builder=False)) == 15
+    # a different seq_len is a different cache entry
+    assert cache_path(DataConfig(path=str(f), seq_len=32, cache_dir=cfg.cache_dir), tok) != ds.path
+
+
+def test_cache_dir_default_respects_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = cache_path(DataConfig(path=str(_corpus(tmp_path, 10))), ByteTokenizer())
+    assert path.parent == tmp_path / "xdg" / "meshtron" and len(path.stem) == 16
+
+
+def test_zero_blocks_error_on_every_rank(tmp_path):
+    f = _corpus(tmp_path, 20)
+    cfg = DataConfig(path=str(f), seq_len=64, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(MeshtronError, match=r"data.path.*21 tokens.*data.seq_len") as err:
+        build_packed_dataset(cfg, ByteTokenizer(), is_builder=True)
+    assert "lower data.seq_len" in str(err.value)
+    with pytest.raises(MeshtronError, match=r"21 tokens"):
+        build_packed_dataset(cfg, ByteTokenizer(), is_builder=False)
+    assert os.path.getsize(cache_path(cfg, ByteTokenizer())) > 0

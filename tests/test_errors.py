@@ -1,0 +1,93 @@
+"""Every bad input gives one clear line naming the setting, a non-zero exit, and no hang."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli, run_torchrun
+from meshtron.cli import main
+
+FAST = ["--model.preset=tiny", "--data.max_documents=5", "--data.seq_len=16", "--train.steps=1", "--run.progress=false"]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("meshtron: error")]
+
+
+def run_main(capsys, args: list[str]) -> tuple[int, str]:
+    code = main(["train", *args])
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.fixture
+def causal_lm_dir(tmp_path):
+    path = tmp_path / "bert"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--nproc", "3", "--parallel.dp_shard=2"], "world size 3 != product of the parallel degrees"),
+        (["--nproc", "2", "--train.global_batch_size=3"], "train.global_batch_size 3 is not divisible"),
+        (["--nproc", "2", "--train.global_batch_size=8", "--train.micro_batch_size=3"], "train.micro_batch_size 3"),
+        (["--train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["--train.steps=three"], "train.steps: expected int, got 'three'"),
+        (["--model.name_or_path=/no/such/model", "--model.preset=none"], "model.name_or_path: '/no/such/model' is not an existing directory"),
+        (["--data.path=/no/such/file.txt"], "data.path"),
+        (["--data.seq_len=100000"], "data.seq_len 100000 is larger than the model's max_position_embeddings"),
+        (["--parallel.dp_shard=2"], "need 2 processes but meshtron was started as 1; add --nproc 2"),
+        (["--data.tokenizer=/no/such/tokenizer"], "data.tokenizer"),
+        (["--parallel.tp=2", "--nproc", "2"], "parallel.tp=2: tensor parallelism is not available yet"),
+    ],
+)
+def test_error_is_one_clear_line(capsys, args, expected):
+    code, err = run_main(capsys, [*FAST, *args])
+    assert code != 0
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert expected in lines[0], lines[0]
+
+
+def test_not_a_causal_lm(capsys, causal_lm_dir):
+    code, err = run_main(capsys, [*FAST, "--model.preset=none", f"--model.name_or_path={causal_lm_dir}"])
+    assert code != 0 and "is not a decoder-only causal language model" in error_lines(err)[0]
+
+
+def test_empty_dataset(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, err = run_main(capsys, [*FAST, f"--data.path={empty}"])
+    assert code != 0 and "data.path" in error_lines(err)[0]
+
+
+def test_output_dir_with_a_run_is_not_overwritten(capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("precious\n")
+    code, err = run_main(capsys, [*FAST, f"--run.output_dir={tmp_path}"])
+    assert code != 0 and "already holds a run" in error_lines(err)[0]
+    assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
+
+
+@pytest.mark.slow
+def test_torchrun_world_size_mismatch_fails_on_every_rank_without_hang():
+    proc = run_torchrun(2, ["-m", "meshtron", "train", *FAST, "--parallel.dp_replicate=2", "--parallel.dp_shard=2"], timeout=120)
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "world size 2 != product of the parallel degrees" in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_self_launch_reports_worker_error_once(tmp_path):
+    """A data error found inside the workers (after the launcher's checks pass) still ends cleanly."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short")
+    proc = run_cli(["train", "--nproc", "2", *FAST, f"--data.path={tiny}", "--data.seq_len=64",
+                    f"--data.cache_dir={tmp_path / 'cache'}", f"--run.output_dir={tmp_path / 'run'}"], timeout=180)
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "data.seq_len" in lines[0], proc.stderr[-3000:]

@@ -1,0 +1,92 @@
+"""Model construction: presets, meta-device build, layout-independent init, pretrained loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.config import ModelConfig
+from meshtron.errors import ConfigError, MeshtronError
+from meshtron.models.build import build_meta_model, init_tensor, load_hf_config, materialize
+from meshtron.models.presets import PRESETS, make_preset_config
+
+CPU = torch.device("cpu")
+
+
+def build(model_cfg: ModelConfig, seed: int = 0, vocab: int = 257):
+    hf_config = load_hf_config(model_cfg, vocab)
+    model, adapter = build_meta_model(hf_config, model_cfg)
+    materialize(model, adapter, CPU, seed=seed, pretrained_dir=model_cfg.name_or_path)
+    return model
+
+
+@pytest.mark.parametrize("preset", [name for name in PRESETS if name.endswith("tiny")])
+def test_tiny_presets_build_and_run(preset):
+    model = build(ModelConfig(preset=preset))
+    assert model.config.model_type == PRESETS[preset]["model_type"]
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert torch.isfinite(model.model.rotary_emb.inv_freq).all()
+    logits = model(input_ids=torch.randint(0, 257, (2, 8))).logits
+    assert logits.shape == (2, 8, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_init_depends_on_seed_and_name_only():
+    a, b, c = build(ModelConfig(preset="tiny"), seed=1), build(ModelConfig(preset="tiny"), seed=1), build(ModelConfig(preset="tiny"), seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if pa.ndim == 2:
+            assert not torch.equal(pa, pc), name
+            assert abs(pa.std().item() - 0.02) < 0.005, name
+        else:
+            assert torch.equal(pa, torch.ones_like(pa)), name
+    q, k = a.model.layers[0].self_attn.q_proj.weight, a.model.layers[1].self_attn.q_proj.weight
+    assert not torch.equal(q, k)
+    assert torch.equal(init_tensor("x.bias", torch.Size([3]), 0.02, 0), torch.zeros(3))
+
+
+def test_vocab_is_padded_from_tokenizer():
+    assert make_preset_config("tiny", 257).vocab_size == 320
+    assert make_preset_config("llama-1b", 257).vocab_size == 128256
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="model.preset: unknown preset 'gpt-9'"):
+        make_preset_config("gpt-9", 257)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("safe", [True, False])
+def test_pretrained_directory_loads_exactly(tmp_path, tied, safe):
+    from transformers import AutoModelForCausalLM
+
+    config = make_preset_config("qwen2-tiny", 257)
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config)
+    original.save_pretrained(tmp_path, safe_serialization=safe)
+    loaded = build(ModelConfig(name_or_path=str(tmp_path)))
+    ref = original.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(ref)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+    ids = torch.randint(0, 257, (1, 12))
+    torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+def test_pretrained_shape_mismatch_is_named(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = make_preset_config("llama-tiny", 257)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    config.intermediate_size = 96
+    config.save_pretrained(tmp_path)
+    with pytest.raises(MeshtronError, match="has shape .* but the config asks for"):
+        build(ModelConfig(name_or_path=str(tmp_path)))
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path):
+    config = make_preset_config("llama-tiny", 257)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="data.tokenizer has 1000 tokens"):
+        load_hf_config(ModelConfig(name_or_path=str(tmp_path)), 1000)

@@ -1,0 +1,106 @@
+"""The training loop in one process, its schedule, clipping, non-finite detection, and the CLI launcher."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import run_cli
+from meshtron.config import load_config
+from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
+from meshtron.errors import MeshtronError
+from meshtron.train.optim import lr_at
+from meshtron.train.runtime import Runtime
+from meshtron.train.trainer import train
+
+CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def small_config(tmp_path, cache_dir, *extra: str):
+    return load_config(
+        None,
+        [
+            "model.preset=tiny", "data.max_documents=30", "data.seq_len=32", f"data.cache_dir={cache_dir}",
+            "train.steps=8", "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=2",
+            "run.progress=false", f"run.output_dir={tmp_path / 'run'}", *extra,
+        ],
+        env={},
+    )
+
+
+def test_single_process_run_writes_metrics_and_config(tmp_path, cache_dir):
+    cfg = small_config(tmp_path, cache_dir)
+    result = train(cfg, CPU_RUNTIME)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for record in records:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "max_memory_gb", "elapsed_s"} <= set(record)
+        assert record["mfu"] is None and record["tokens_per_s"] > 0 and record["max_memory_gb"] > 0
+    assert [r["loss"] for r in records] == pytest.approx(result.losses)
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(s, cfg.train) for s in range(8)])
+    assert records[-1]["loss"] < records[0]["loss"]
+    saved = load_config(tmp_path / "run" / "config.toml", env={})
+    assert saved == cfg
+
+
+def test_same_config_same_losses(tmp_path, cache_dir):
+    first = train(small_config(tmp_path / "a", cache_dir), CPU_RUNTIME).losses
+    second = train(small_config(tmp_path / "b", cache_dir), CPU_RUNTIME).losses
+    third = train(small_config(tmp_path / "c", cache_dir, "train.seed=1"), CPU_RUNTIME).losses
+    assert first == second
+    assert first != third
+
+
+def test_lr_schedule_shape():
+    cfg = load_config(None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"], env={}).train
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(109, cfg) == pytest.approx(0.1, abs=1e-3)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 109))
+
+
+def test_clipping_uses_the_global_norm():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    norm = global_grad_norm(params)
+    assert norm.item() == pytest.approx(5.0)
+    clip_gradients(params, 1.0, norm)
+    assert global_grad_norm(params).item() == pytest.approx(1.0, rel=1e-5)
+    clip_gradients(params, 10.0, global_grad_norm(params))
+    assert global_grad_norm(params).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_nonfinite_loss_stops_with_a_clear_error(tmp_path, cache_dir):
+    cfg = small_config(tmp_path, cache_dir, "train.lr=1e30", "train.min_lr=1e29", "train.warmup_steps=0", "train.max_grad_norm=0")
+    with pytest.raises(MeshtronError, match="training diverged.*train.on_nonfinite=skip"):
+        train(cfg, CPU_RUNTIME)
+
+
+def test_nonfinite_skip_leaves_weights_untouched(tmp_path, cache_dir):
+    cfg = small_config(tmp_path, cache_dir, "train.lr=1e30", "train.min_lr=1e29", "train.warmup_steps=0",
+                       "train.max_grad_norm=0", "train.on_nonfinite=skip")
+    result = train(cfg, CPU_RUNTIME)
+    bad = [i for i, (loss, norm) in enumerate(zip(result.losses, result.grad_norms))
+           if not (math.isfinite(loss) and math.isfinite(norm))]
+    assert bad, "the run was expected to diverge"
+    assert len(result.losses) == 8
+    # Had a non-finite step reached the optimizer, Adam would have written NaN into the weights.
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+
+
+@pytest.mark.slow
+def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    proc = run_cli(["train", "--nproc", "2", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
+                    f"--data.cache_dir={cache_dir}", "--train.steps=6", "--train.global_batch_size=4",
+                    "--train.lr=3e-3", "--run.log_every=2", f"--run.output_dir={out}"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layout: dp_shard=2" in proc.stdout
+    assert "step 6/6" in proc.stdout and f"outputs in {out}" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
