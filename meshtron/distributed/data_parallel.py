@@ -10,8 +10,9 @@ from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.build import torch_dtype
 
 
-def data_parallel_mesh(mesh, dims):
+def data_parallel_mesh(meshes: dict, dims):
     """1-D ``dp_shard`` mesh for FSDP; 2-D ``(dp_replicate, dp_shard)`` for HSDP and for plain replication."""
+    mesh = meshes["world"]
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]

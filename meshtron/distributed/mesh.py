@@ -66,15 +66,20 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
-    def build_mesh(self, device_type: str):
-        """The 5-D named mesh plus the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` meshes."""
+    def build_mesh(self, device_type: str) -> dict:
+        """The 5-D named mesh (key ``world``) plus the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` meshes.
+
+        Flattened meshes are kept here rather than sliced from the root later, which PyTorch deprecates.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        return {
+            "world": mesh,
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]

@@ -52,12 +52,12 @@ def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
         block.compile()
 
 
-def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, mesh, cfg: Config) -> nn.Module:
+def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> nn.Module:
     """Apply PP -> TP -> CP -> activation checkpointing -> compile -> FSDP to a meta-device model."""
     # Pipeline, tensor and context parallelism are refused by ParallelDims until they land.
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model, adapter)
     if dims.fsdp_enabled:
-        apply_fsdp(model, adapter, data_parallel_mesh(mesh, dims), cfg.fsdp, cfg.model.dtype)
+        apply_fsdp(model, adapter, data_parallel_mesh(meshes, dims), cfg.fsdp, cfg.model.dtype)
     return model

@@ -109,12 +109,11 @@ def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
     return Path(chosen[0])
 
 
-def _dp_coordinates(mesh, dims: ParallelDims) -> tuple[int, object | None]:
+def _dp_coordinates(meshes: dict | None, dims: ParallelDims) -> tuple[int, object | None]:
     """This rank's index among the data-parallel ranks and the group that sums losses over them."""
-    if mesh is None or dims.dp == 1:
+    if meshes is None or dims.dp == 1:
         return 0, None
-    dp_mesh = mesh["dp"]
-    return dp_mesh.get_local_rank(), mesh["dp_cp"].get_group()
+    return meshes["dp"].get_local_rank(), meshes["dp_cp"].get_group()
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -138,15 +137,15 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     )
     schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
 
-    mesh = dims.build_mesh(runtime.device.type) if runtime.distributed else None
+    meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     model, adapter = build_meta_model(plan.hf_config, cfg.model)
-    model = parallelize_model(model, adapter, dims, mesh, cfg)
+    model = parallelize_model(model, adapter, dims, meshes, cfg)
     materialize(model, adapter, runtime.device, seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
     model.train()
 
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
-    dp_rank, loss_group = _dp_coordinates(mesh, dims)
+    dp_rank, loss_group = _dp_coordinates(meshes, dims)
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model):,} parameters | layout: {dims.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
