@@ -201,9 +201,9 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, dp_ran
     micro_batches = schedule.local_micro_batches(step, dp_rank, dims.dp, plan.micro_batch_size)
     batches = [dataset.batch(indices) for indices in micro_batches]
     targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
-    global_targets = _all_reduce_sum(targets, loss_group)
+    global_targets = _all_reduce_sum(targets, loss_group).clamp(min=1.0)
     # FSDP averages gradients over the data-parallel ranks; scaling by dp turns that mean into the sum.
-    scale = dims.dp / global_targets.clamp(min=1.0).item()
+    scale = dims.dp / global_targets.item()
     local_loss_sum = torch.zeros((), device=device)
     for index, (input_ids, labels) in enumerate(batches):
         set_gradient_sync(model, index == len(batches) - 1)
@@ -218,7 +218,7 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, dp_ran
         del logits, loss_sum
     parameters = [p for p in model.parameters() if p.grad is not None]
     grad_norm = global_grad_norm(parameters)
-    loss = _all_reduce_sum(local_loss_sum, loss_group) / global_targets.clamp(min=1.0)
+    loss = _all_reduce_sum(local_loss_sum, loss_group) / global_targets
     loss_value, norm_value = loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         if cfg.train.on_nonfinite == "error":
