@@ -88,6 +88,11 @@ class ParallelConfig:
     dp_shard: int = -1
     """FSDP degree; -1 uses the ranks the other degrees leave."""
     tp: int = 1
+    """Tensor-parallel degree: every linear layer, the embeddings and the head split over this many ranks."""
+    sequence_parallel: bool = True
+    """With tp > 1: norms and residuals work on sequence shards between blocks (less activation memory)."""
+    loss_parallel: bool = True
+    """With tp > 1: cross-entropy on vocab-sharded logits, never gathering the full logits."""
     cp: int = 1
     pp: int = 1
 

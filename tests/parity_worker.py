@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node N tests/parity_worker.py SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}. For each layout, rank 0 writes
-OUT_DIR/<name>.json (per-step losses and grad norms) and OUT_DIR/<name>.pt (full final weights).
+OUT_DIR/<name>.json (per-step losses and grad norms, and the largest parameter + gradient + optimizer
+bytes of any rank) and OUT_DIR/<name>.pt (full final weights).
 """
 
 import json
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshtron.config import load_config
@@ -26,10 +28,14 @@ def main() -> None:
             cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
             plan = preflight(cfg, runtime.world_size, runtime.device.type)
             result = train(cfg, runtime, plan)
+            state_bytes = torch.tensor([sum(result.state_bytes.values())], dtype=torch.int64)
+            dist.all_reduce(state_bytes, op=dist.ReduceOp.MAX)
             state = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if runtime.is_main:
                 torch.save(state, out / f"{name}.pt")
-                (out / f"{name}.json").write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms}))
+                (out / f"{name}.json").write_text(json.dumps(
+                    {"losses": result.losses, "grad_norms": result.grad_norms, "state_bytes": int(state_bytes)}
+                ))
             del result, state
     finally:
         shutdown_runtime()

@@ -43,7 +43,12 @@ def causal_lm_dir(tmp_path):
         (["--data.seq_len=100000"], "data.seq_len 100000 is larger than the model's max_position_embeddings"),
         (["--parallel.dp_shard=2"], "need 2 processes but meshtron was started as 1; add --nproc 2"),
         (["--data.tokenizer=/no/such/tokenizer"], "data.tokenizer"),
-        (["--parallel.tp=2", "--nproc", "2"], "parallel.tp=2: tensor parallelism is not available yet"),
+        (["--parallel.cp=2", "--nproc", "2"], "parallel.cp=2: context parallelism is not available yet"),
+        (["--parallel.tp=3", "--nproc", "3"], "parallel.tp=3 does not divide the model's 4 attention heads"),
+        (["--model.preset=llama-small", "--parallel.tp=3", "--nproc", "3"],
+         "parallel.tp=3 and the model's 2 KV heads: one must divide the other"),
+        (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"],
+         "data.seq_len 18 is not divisible by parallel.tp=4"),
     ],
 )
 def test_error_is_one_clear_line(capsys, args, expected):
@@ -91,3 +96,28 @@ def test_self_launch_reports_worker_error_once(tmp_path):
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "data.seq_len" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"intermediate_size": 162}, "does not divide the model's intermediate_size 162"),
+        ({"vocab_size": 322}, "does not divide the model's vocab_size 322"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 16}, "does not divide the model's 6 attention heads"),
+    ],
+)
+def test_tensor_parallel_divisibility(changes, expected):
+    from types import SimpleNamespace
+
+    from meshtron.distributed.tensor_parallel import check_tensor_parallel
+    from meshtron.errors import ConfigError
+    from meshtron.models.adapter import adapter_for
+
+    good = dict(model_type="llama", hidden_size=64, intermediate_size=160, vocab_size=320,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    adapter = adapter_for(SimpleNamespace(**good))
+    check_tensor_parallel(SimpleNamespace(**good), adapter, 4, 32, True)  # the unchanged config passes
+    bad = SimpleNamespace(**{**good, **changes})
+    with pytest.raises(ConfigError, match=expected):
+        check_tensor_parallel(bad, adapter, 4, 32, True)
+    check_tensor_parallel(bad, adapter, 1, 32, True)  # tp=1 never complains

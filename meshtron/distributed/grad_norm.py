@@ -1,47 +1,55 @@
 """Global gradient norm over DTensor shards on any mesh, and clipping by it.
 
-Each gradient contributes the sum of squares of its local shard. Gradients are grouped by the mesh
-dimensions over which they are split (Shard placements); each group is reduced with one all-reduce
-over those dimensions together, so replicated copies are never counted twice.
+Every rank sums the squares of its local gradient pieces, each weighted by 1 / (number of ranks that
+hold an identical copy of that piece), and one all-reduce over all ranks adds them up. So a
+parameter sharded over (dp_shard, tp) and replicated over dp_replicate is counted exactly once, with
+a single collective whatever the mesh.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 
-def _local_and_split_dims(grad: torch.Tensor):
+def _copies(grad: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold the same values as this rank's local piece of ``grad``."""
     if not isinstance(grad, DTensor):
-        return grad, None, ()
-    split = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, (Shard, Partial)))
-    return grad.to_local(), grad.device_mesh, split
+        return world_size
+    mesh = grad.device_mesh
+    # Any placement but Replicate splits the values (Shard, FSDP's _StridedShard, Partial).
+    shards = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if not isinstance(p, Replicate))
+    return world_size // shards
 
 
 @torch.no_grad()
-def global_grad_norm(parameters) -> torch.Tensor:
-    """The L2 norm of all gradients as one vector, identical on every rank (fp32 scalar tensor)."""
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+def global_grad_norm(parameters, group=None) -> torch.Tensor:
+    """The L2 norm of all gradients as one vector, identical on every rank (fp32 scalar tensor).
+
+    ``group`` is the set of ranks that together hold every parameter (default: all ranks).
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size(group) if distributed else 1
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    device = None
     for param in parameters:
         if param.grad is None:
             continue
-        local, mesh, split = _local_and_split_dims(param.grad)
-        key = (id(mesh), split)
-        groups[key].append((local, mesh, split))
-    total = None
-    for entries in groups.values():
-        locals_ = [entry[0] for entry in entries]
-        mesh, split = entries[0][1], entries[0][2]
-        norms = torch._foreach_norm([t.float() for t in locals_], 2.0)
-        sum_sq = torch.stack(norms).pow(2).sum()
-        if mesh is not None and split:
-            placements = [Partial() if i in split else Replicate() for i in range(mesh.ndim)]
-            sum_sq = DTensor.from_local(sum_sq, mesh, placements).full_tensor()
-        total = sum_sq if total is None else total + sum_sq.to(total.device)
-    if total is None:
+        grad = param.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_copies.setdefault(_copies(grad, world_size), []).append(local.float())
+        device = local.device
+    if device is None:
         return torch.zeros(())
+    total = torch.zeros((), device=device)
+    for copies, tensors in sorted(by_copies.items()):
+        sum_sq = torch.stack(torch._foreach_norm(tensors, 2.0)).pow(2).sum()
+        total += sum_sq / copies
+    if distributed and world_size > 1:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 

@@ -10,7 +10,6 @@ from meshtron.errors import ConfigError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Parallelisms whose implementation has not landed yet: a degree > 1 is refused with this message.
 NOT_YET_SUPPORTED = {
-    "tp": "tensor parallelism",
     "cp": "context parallelism",
     "pp": "pipeline parallelism",
 }

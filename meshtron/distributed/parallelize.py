@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from meshtron.config import Config
 from meshtron.distributed.data_parallel import apply_fsdp, data_parallel_mesh
 from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
@@ -54,7 +55,15 @@ def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
 
 def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> nn.Module:
     """Apply PP -> TP -> CP -> activation checkpointing -> compile -> FSDP to a meta-device model."""
-    # Pipeline, tensor and context parallelism are refused by ParallelDims until they land.
+    # Pipeline and context parallelism are refused by ParallelDims until they land.
+    if dims.tp > 1:
+        apply_tensor_parallel(
+            model,
+            adapter,
+            meshes["world"]["tp"],
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            loss_parallel=cfg.parallel.loss_parallel,
+        )
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model, adapter)

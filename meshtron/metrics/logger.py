@@ -12,6 +12,27 @@ from typing import IO
 import torch
 
 
+def _local_bytes(tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+    params = list(model.parameters())
+    optim = sum(
+        _local_bytes(value) for state in optimizer.state.values() for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": optim,
+    }
+
+
 def max_memory_gb(device: torch.device) -> float:
     """Peak memory of this rank: allocated GPU memory on CUDA, the process's peak RSS on CPU."""
     if device.type == "cuda":

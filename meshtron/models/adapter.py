@@ -24,6 +24,41 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# Tensor-parallel roles of a decoder block's submodules (paths relative to the block). The roles are
+# turned into PyTorch parallel styles by meshtron.distributed.tensor_parallel:
+#   attention / mlp   the module whose input is gathered over the sequence (or kept replicated)
+#   colwise / rowwise output features / input features split over tp
+#   kv_colwise        k/v projections: split by KV head, or replicated when tp > KV heads
+#   norm              a norm on the residual stream (sequence-sharded under sequence parallel)
+#   head_norm         a per-head norm inside attention (Qwen3's q_norm / k_norm): works on local heads
+_BLOCK_TP_ROLES = {
+    "input_layernorm": "norm",
+    "self_attn": "attention",
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "kv_colwise",
+    "self_attn.v_proj": "kv_colwise",
+    "self_attn.o_proj": "rowwise",
+    "self_attn.q_norm": "head_norm",
+    "self_attn.k_norm": "head_norm",
+    "post_attention_layernorm": "norm",
+    "mlp": "mlp",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+# Roles of the parts outside the blocks (paths relative to the whole model).
+_TOP_TP_ROLES = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Head counts of a model's attention, as the config gives them."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @dataclass(frozen=True)
 class DecoderAdapter:
     """Anatomy of a ``XForCausalLM`` whose body lives at ``.model`` with ``layers``, ``embed_tokens``, ``norm``."""
@@ -44,6 +79,33 @@ class DecoderAdapter:
 
     def lm_head(self, model: nn.Module) -> nn.Module:
         return model.lm_head
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [block.self_attn for block in self.blocks(model)]
+
+    def attention_shape(self, config) -> AttentionShape:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return AttentionShape(heads, kv_heads, head_dim)
+
+    def set_local_heads(self, model: nn.Module, num_heads: int, num_kv_heads: int) -> None:
+        """Tell each attention module how many query heads share a KV head on this rank."""
+        for attention in self.attention_modules(model):
+            attention.num_key_value_groups = num_heads // num_kv_heads
+
+    def block_tp_roles(self, block: nn.Module) -> dict[str, str]:
+        """Tensor-parallel role of each submodule of a decoder block that has one (see ``_BLOCK_TP_ROLES``)."""
+        present = {name for name, _ in block.named_modules()}
+        return {path: role for path, role in _BLOCK_TP_ROLES.items() if path in present}
+
+    def top_tp_roles(self) -> dict[str, str]:
+        return dict(_TOP_TP_ROLES)
+
+    def tie_weights(self, model: nn.Module) -> None:
+        """Share the head's weight with the embeddings again (parallelizing replaces both parameters)."""
+        if getattr(model.config, "tie_word_embeddings", False):
+            self.lm_head(model).weight = self.embeddings(model).weight
 
     def check_anatomy(self, model: nn.Module) -> None:
         try:

@@ -1,8 +1,9 @@
 """Build a Hugging Face causal LM on the meta device, then fill it per rank, independent of the layout.
 
-Weights are produced one full tensor at a time (seeded from the parameter's name, or read from a
-safetensors / ``weights_only`` checkpoint) and each rank keeps only its own shard, so no rank ever
-holds more than its shard plus one tensor, and the values never depend on how the model is split.
+Fresh weights are drawn one full tensor at a time, seeded from the parameter's name, and each rank
+keeps only its own shard, so the values never depend on how the model is split. Pretrained weights
+are read shard by shard: each rank reads only the slice of each tensor it holds (safetensors slices
+or a memory-mapped ``weights_only`` file), so no rank ever loads the full model.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
@@ -152,26 +153,46 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def shape(self, name: str) -> tuple[int, ...]:
         file = self._where[name]
         if file.suffix == ".safetensors":
-            return self._handle(file).get_tensor(name)
-        return self._torch_file(file)[name]
+            return tuple(self._handle(file).get_slice(name).get_shape())
+        return tuple(self._torch_file(file)[name].shape)
+
+    def get(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only ``region`` of it (read from disk without loading the rest)."""
+        file = self._where[name]
+        if file.suffix == ".safetensors":
+            if region is None:
+                return self._handle(file).get_tensor(name)
+            return self._handle(file).get_slice(name)[region]
+        tensor = self._torch_file(file)[name]  # memory-mapped: slicing reads only the region
+        return tensor if region is None else tensor[region].clone()
 
 
-def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, tied: bool) -> torch.Tensor:
+def _local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """The slice of the full tensor that this rank's shard of ``param`` holds (None: all of it)."""
+    if not isinstance(param, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, tied: bool, region) -> torch.Tensor:
     candidates = [name]
     if tied and name.endswith("lm_head.weight"):
         candidates.append(name.replace("lm_head.weight", "model.embed_tokens.weight"))
     for candidate in candidates:
         if candidate in reader:
-            tensor = reader.get(candidate)
-            if tuple(tensor.shape) != tuple(param.shape):
+            shape = reader.shape(candidate)
+            if shape != tuple(param.shape):
                 raise MeshtronError(
-                    f"model.name_or_path: weight '{candidate}' has shape {tuple(tensor.shape)} but the config "
+                    f"model.name_or_path: weight '{candidate}' has shape {shape} but the config "
                     f"asks for {tuple(param.shape)}; the weights do not belong to this config.json"
                 )
-            return tensor
+            return reader.get(candidate, region)
     raise MeshtronError(f"model.name_or_path: the checkpoint has no weight '{name}'; it does not match config.json")
 
 
@@ -186,19 +207,20 @@ def materialize(
 ) -> None:
     """Allocate the (possibly sharded) parameters on ``device`` and fill them, one full tensor at a time."""
     model.to_empty(device=device)
+    # to_empty gives each module a new Parameter for plain tensors, which unties a tied head.
+    adapter.tie_weights(model)
     adapter.init_buffers(model, device)
     reader = CheckpointReader(pretrained_dir) if pretrained_dir else None
     std = getattr(model.config, "initializer_range", 0.02)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
+        region = _local_region(param)
         if reader is not None:
-            full = _weight_for(name, param, reader, tied)
+            local = _weight_for(name, param, reader, tied, region)
         else:
+            # The full tensor is drawn so that the values never depend on the layout; only the shard is kept.
             full = init_tensor(name, param.shape, std, seed)
-        full = full.to(device=device, dtype=param.dtype)
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
+            local = full if region is None else full[region]
+        target = param.to_local() if isinstance(param, DTensor) else param
+        target.copy_(local.to(device=device, dtype=param.dtype))

@@ -19,6 +19,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-tiny": dict(
         model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        tie_word_embeddings=True,  # as Qwen3-0.6B
     ),
     "mistral-tiny": dict(
         model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -27,6 +28,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-small": dict(
         model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
+    ),
+    # Every dimension divisible by 4 with 4 KV heads: for tensor-parallel measurements up to tp=4.
+    "llama-mini": dict(
+        model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
     ),
     # Llama-3.2-1B shape.
     "llama-1b": dict(

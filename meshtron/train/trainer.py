@@ -26,9 +26,16 @@ from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize_model
+from meshtron.distributed.tensor_parallel import (
+    check_tensor_parallel,
+    local_value,
+    loss_context,
+    reduce_partial_gradients,
+)
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
-from meshtron.metrics.logger import MetricsLogger, max_memory_gb
+from meshtron.metrics.logger import MetricsLogger, max_memory_gb, model_state_bytes
+from meshtron.models.adapter import adapter_for
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.runtime import Runtime
@@ -55,6 +62,9 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     output_dir: Path | None = None
     model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """This rank's parameter, gradient and optimizer-state bytes, measured after the first optimizer step."""
 
 
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -95,6 +105,9 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
             f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
             f"use data.seq_len <= {max_positions}"
         )
+    check_tensor_parallel(
+        hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel
+    )
     return Plan(dims, micro, accumulation, tokenizer, hf_config)
 
 
@@ -153,13 +166,14 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     )
     peak = device_peak_flops(runtime.device)
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
-    result = TrainResult(output_dir=output_dir, model=model)
+    result = TrainResult(output_dir=output_dir, model=model, optimizer=optimizer)
     try:
         for step in range(cfg.train.steps):
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm, tokens = _train_step(
-                model, optimizer, dataset, schedule, step, dp_rank, dims, plan, loss_group, runtime.device, cfg
+                model, optimizer, dataset, schedule, step, dp_rank, dims, plan, loss_group, runtime.device, cfg,
+                measure=result.state_bytes if step == 0 else None,
             )
             scheduler.step()
             if runtime.device.type == "cuda":
@@ -196,8 +210,13 @@ def _count_params(model: nn.Module) -> int:
     return sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters())
 
 
-def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, dp_rank, dims, plan, loss_group, device, cfg):
-    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens)."""
+def _train_step(
+    model, optimizer, dataset: PackedDataset, schedule, step, dp_rank, dims, plan, loss_group, device, cfg, measure=None
+):
+    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
+
+    ``measure``: a dict to fill with this rank's parameter/gradient/optimizer bytes after the step.
+    """
     micro_batches = schedule.local_micro_batches(step, dp_rank, dims.dp, plan.micro_batch_size)
     batches = [dataset.batch(indices) for indices in micro_batches]
     targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
@@ -210,13 +229,16 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, dp_ran
         input_ids, labels = input_ids.to(device), labels.to(device)
         position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        (loss_sum * scale).backward()
-        local_loss_sum += loss_sum.detach()
+        with loss_context(logits):  # vocab-sharded logits under loss parallel: forward and backward inside
+            loss_sum = F.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            (loss_sum * scale).backward()
+        local_loss_sum += local_value(loss_sum.detach())
         del logits, loss_sum
     parameters = [p for p in model.parameters() if p.grad is not None]
+    if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
+        reduce_partial_gradients(parameters)
     grad_norm = global_grad_norm(parameters)
     loss = _all_reduce_sum(local_loss_sum, loss_group) / global_targets
     loss_value, norm_value = loss.item(), grad_norm.item()
@@ -230,5 +252,7 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, dp_ran
         return loss_value, norm_value, float(global_targets)
     clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm)
     optimizer.step()
+    if measure is not None:
+        measure.update(model_state_bytes(model, optimizer))
     optimizer.zero_grad(set_to_none=True)
     return loss_value, norm_value, float(global_targets)

@@ -1,0 +1,227 @@
+"""Tensor parallelism (Megatron-style) with sequence parallel and loss parallel, on PyTorch's ``parallelize_module``.
+
+Per decoder block: q/k/v and gate/up are column-parallel (each rank computes its own heads / its
+slice of the MLP), o and down are row-parallel (partial sums reduced at the output). Embeddings are
+split over the vocabulary, the head over its output vocabulary.
+
+Sequence parallel: between the attention and MLP regions the residual stream, norms and dropout are
+split over the sequence (``Shard(1)``); entering attention or the MLP the sequence is all-gathered,
+leaving it the row-parallel output is reduce-scattered back to sequence shards. Without it the
+residual stream is replicated on every tp rank and the row-parallel outputs are all-reduced.
+
+Loss parallel: the head's logits stay split over the vocabulary and cross-entropy runs on the shards.
+
+GQA with fewer KV heads than ``tp``: the k/v projections are replicated on every tp rank and each rank
+keeps the KV head its query heads use. Their gradient (and that of per-head norms and of
+sequence-parallel norms) is a partial sum per rank; FSDP reduces it, and ``reduce_partial_gradients``
+does when there is no FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from meshtron.errors import ConfigError
+from meshtron.models.adapter import DecoderAdapter
+
+
+def check_tensor_parallel(hf_config, adapter: DecoderAdapter, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Refuse a tp degree the model cannot be split by, naming the setting and a fix (no process group needed)."""
+    if tp == 1:
+        return
+    shape = adapter.attention_shape(hf_config)
+    if shape.num_heads % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide the model's {shape.num_heads} attention heads; "
+            f"use a tp that divides {shape.num_heads}"
+        )
+    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        raise ConfigError(
+            f"parallel.tp={tp} and the model's {shape.num_kv_heads} KV heads: one must divide the other; "
+            f"use a tp that divides {shape.num_kv_heads} or a multiple of it"
+        )
+    for key in ("intermediate_size", "vocab_size"):
+        size = getattr(hf_config, key)
+        if size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide the model's {key} {size}; use a tp that divides {size}")
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len {seq_len} is not divisible by parallel.tp={tp} (sequence parallel splits the sequence); "
+            f"use a multiple of {tp} or set parallel.sequence_parallel=false"
+        )
+
+
+class ReplicatedKVProjection(ParallelStyle):
+    """A k or v projection kept whole on every tp rank; each rank keeps the one KV head its query heads use.
+
+    Used when tp exceeds the number of KV heads. The gradient that reaches the (replicated) weight on a
+    rank covers only its own query heads, so it is marked partial and summed over the tp ranks.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def _input_fn(self, module, inputs, mesh):
+        (hidden,) = inputs
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+        return hidden.redistribute(mesh, [Replicate()])
+
+    def _output_fn(self, module, output: DTensor, mesh):
+        ranks_per_head = mesh.size() // self.num_kv_heads
+        head = mesh.get_local_rank() // ranks_per_head
+        full = output.to_local(grad_placements=[Partial()])
+        return full[..., head * self.head_dim : (head + 1) * self.head_dim]
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # No partition function: distribute_module replicates the parameters over the tp mesh.
+        return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module computed whole on every tp rank (a norm without sequence parallel).
+
+    Its parameters become replicated DTensors so that every parameter of a tensor-parallel model is a
+    DTensor (optimizers cannot mix DTensors and plain tensors in one foreach update). Input and output
+    stay plain tensors.
+    """
+
+    @staticmethod
+    def _input_fn(module, inputs, mesh):
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+            and not isinstance(x, DTensor) else x
+            for x in inputs
+        )
+
+    @staticmethod
+    def _output_fn(module, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+
+
+def _block_styles(roles: dict[str, str], shape, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    stream = Shard(1) if sequence_parallel else Replicate()
+    styles: dict[str, ParallelStyle] = {}
+    for path, role in roles.items():
+        if role == "attention":
+            styles[path] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": stream},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=False,
+            )
+        elif role == "mlp":
+            styles[path] = PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+        elif role == "colwise":
+            styles[path] = ColwiseParallel()
+        elif role == "kv_colwise":
+            if shape.num_kv_heads >= tp:
+                styles[path] = ColwiseParallel()
+            else:
+                styles[path] = ReplicatedKVProjection(shape.num_kv_heads, shape.head_dim)
+        elif role == "rowwise":
+            styles[path] = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
+        elif role == "norm":
+            styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+        elif role == "head_norm":
+            # Works on [batch, seq, local heads, head_dim]: the heads dim is the split one.
+            styles[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        else:
+            raise ValueError(f"unknown tensor-parallel role '{role}' for '{path}'")
+    return styles
+
+
+def _top_styles(roles: dict[str, str], sequence_parallel: bool, loss_parallel_on: bool) -> dict[str, ParallelStyle]:
+    stream = Shard(1) if sequence_parallel else Replicate()
+    styles: dict[str, ParallelStyle] = {}
+    for path, role in roles.items():
+        if role == "embedding":
+            styles[path] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel
+            )
+        elif role == "norm":
+            styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+        elif role == "head":
+            styles[path] = ColwiseParallel(
+                input_layouts=stream,
+                output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+                use_local_output=not loss_parallel_on,
+            )
+        else:
+            raise ValueError(f"unknown tensor-parallel role '{role}' for '{path}'")
+    return styles
+
+
+def apply_tensor_parallel(
+    model: nn.Module, adapter: DecoderAdapter, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """Split ``model`` (on the meta device) over the 1-D ``tp_mesh``, block by block, then the outer parts."""
+    tp = tp_mesh.size()
+    shape = adapter.attention_shape(model.config)
+    for block in adapter.blocks(model):
+        styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel)
+        parallelize_module(block, tp_mesh, styles, src_data_rank=None)
+    parallelize_module(model, tp_mesh, _top_styles(adapter.top_tp_roles(), sequence_parallel, loss_parallel),
+                       src_data_rank=None)
+    adapter.tie_weights(model)
+    adapter.set_local_heads(model, shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
+
+
+def loss_context(logits: torch.Tensor):
+    """The context cross-entropy (forward and backward) must run in: loss parallel for vocab-sharded logits."""
+    if isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements):
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def reduce_partial_gradients(parameters) -> None:
+    """Sum gradients that are partial over some mesh dims (replicated weights used by sharded work).
+
+    FSDP does this itself when it reduces gradients; without FSDP it is needed before the gradient is
+    read. Gradients on the same mesh dims are summed with one all-reduce.
+    """
+    pending: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
+    for param in parameters:
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
+            continue
+        dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Partial))
+        if not dims or any(not isinstance(param.placements[i], Replicate) for i in dims):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+            continue
+        pending[(id(grad.device_mesh), dims)].append(param)
+    for (_, dims), params in pending.items():
+        mesh = params[0].grad.device_mesh
+        locals_ = [p.grad.to_local() for p in params]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim in dims:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+        for param, piece in zip(params, torch.split(flat, [t.numel() for t in locals_])):
+            param.grad = DTensor.from_local(piece.view_as(param.grad.to_local()), mesh, param.placements, run_check=False)
