@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -37,6 +35,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
 
 SKIPPED_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # not collectives
 INPUT_ARGS = ("input", "inputs", "input_tensor", "input_tensors", "input_list", "tensors")
@@ -185,25 +185,6 @@ def worker(args) -> None:
     os._exit(0)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(args, tp: int, run_dir: Path) -> dict:
-    """One torchrun launch of ``tp`` worker processes; returns rank 0's result."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--nnodes", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, "--worker",
-        "--run-dir", str(run_dir),
-    ] + [a for a in sys.argv[1:] if a != "--worker"]
-    repo = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    subprocess.run(command, env=env, check=True)
-    return json.loads((run_dir / "result.json").read_text())
-
-
 def markdown_table(results: list[dict]) -> str:
     base = next((r["state_bytes_max"] for r in results if r["tp"] == 1), None)
     lines = [
@@ -244,7 +225,7 @@ def main() -> None:
     results = []
     for tp in args.tp:
         print(f"tp={tp}: launching {tp} process(es)", flush=True)
-        results.append(launch(args, tp, workdir / f"tp{tp}"))
+        results.append(launch_workers(__file__, tp, workdir / f"tp{tp}"))
         comm = results[-1]["comm"] or {"by_op": {}}
         print(f"tp={tp}: median step {results[-1]['median_step_s']:.3f}s, ops {sorted(comm['by_op'])}", flush=True)
     summary = {

@@ -29,6 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip")
+CP_METHODS = ("ring", "allgather")
 BUILTIN_CORPUS = "builtin:python-stdlib"
 
 
@@ -57,6 +58,8 @@ class DataConfig:
     """Read at most this many documents (handy for quick runs); None reads all."""
     cache_dir: str | None = None
     """Where tokenized, packed data is cached; default ``~/.cache/meshtron``."""
+    mask_documents: bool = True
+    """Packed blocks: tokens attend only within their own document and positions restart per document."""
 
 
 @dataclass
@@ -94,6 +97,9 @@ class ParallelConfig:
     loss_parallel: bool = True
     """With tp > 1: cross-entropy on vocab-sharded logits, never gathering the full logits."""
     cp: int = 1
+    """Context-parallel degree: every sequence split over this many ranks (see docs/context-parallel.md)."""
+    cp_method: str = "ring"
+    """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``."""
     pp: int = 1
 
 
@@ -249,6 +255,7 @@ def validate_config(cfg: Config) -> None:
     _choice("model.attn_implementation", m.attn_implementation, ATTN_IMPLEMENTATIONS)
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _choice("parallel.cp_method", p.cp_method, CP_METHODS)
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(f, key)
         if value is not None:

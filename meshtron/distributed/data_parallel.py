@@ -10,19 +10,12 @@ from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.build import torch_dtype
 
 
-def data_parallel_mesh(meshes: dict, dims):
-    """1-D ``dp_shard`` mesh for FSDP; 2-D ``(dp_replicate, dp_shard)`` for HSDP and for plain replication."""
-    mesh = meshes["world"]
-    if dims.dp_replicate > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
-
-
 def apply_fsdp(model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSDPConfig, model_dtype: str) -> None:
     """Shard every decoder block, then the root (embeddings, final norm, head) over ``dp_mesh``.
 
-    With ``dp_shard == 1`` the 2-D mesh shards over one rank, which is DDP: parameters replicated,
-    gradients all-reduced.
+    ``dp_mesh`` is ``dp_shard x cp`` flattened (context-parallel ranks hold the same parameters), with
+    ``dp_replicate`` in front for HSDP. When that sharding dim has size 1 the mesh shards over one
+    rank, which is DDP: parameters replicated, gradients all-reduced.
     """
     policy = MixedPrecisionPolicy(
         param_dtype=torch_dtype(fsdp_cfg.param_dtype or model_dtype),

@@ -10,7 +10,6 @@ from meshtron.errors import ConfigError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Parallelisms whose implementation has not landed yet: a degree > 1 is refused with this message.
 NOT_YET_SUPPORTED = {
-    "cp": "context parallelism",
     "pp": "pipeline parallelism",
 }
 
@@ -60,25 +59,33 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        """FSDP shards over ``dp_shard x cp``: context-parallel ranks hold the same parameters too."""
+        return self.dp * self.cp > 1
 
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def build_mesh(self, device_type: str) -> dict:
-        """The 5-D named mesh (key ``world``) plus the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` meshes.
+        """The 5-D named mesh (key ``world``), the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` meshes,
+        and ``fsdp``: the mesh FSDP shards over, ``dp_shard_cp`` or ``(dp_replicate, dp_shard_cp)`` for HSDP.
 
         Flattened meshes are kept here rather than sliced from the root later, which PyTorch deprecates.
         """
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_DIMS)
-        return {
+        dp_shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        meshes = {
             "world": mesh,
             "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_shard_cp": dp_shard_cp,
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
+        if self.dp_replicate > 1:
+            meshes["fsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp])
+        else:
+            meshes["fsdp"] = dp_shard_cp
+        return meshes
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]

@@ -14,10 +14,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshtron.config import Config
-from meshtron.distributed.data_parallel import apply_fsdp, data_parallel_mesh
+from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.attention import register_attention, uses_meshtron_attention
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
 _SAVED_OPS = {
@@ -54,8 +55,13 @@ def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
 
 
 def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> nn.Module:
-    """Apply PP -> TP -> CP -> activation checkpointing -> compile -> FSDP to a meta-device model."""
-    # Pipeline and context parallelism are refused by ParallelDims until they land.
+    """Apply PP -> TP -> CP -> activation checkpointing -> compile -> FSDP to a meta-device model.
+
+    Context parallelism changes no parameter: its step routes attention to meshtron's function (which
+    also does document masking without CP); the trainer shards each batch over the ``cp`` ranks, and
+    FSDP shards over ``dp_shard x cp`` so that gradients are reduced over the context-parallel ranks too.
+    """
+    # Pipeline parallelism is refused by ParallelDims until it lands.
     if dims.tp > 1:
         apply_tensor_parallel(
             model,
@@ -64,9 +70,11 @@ def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelD
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
         )
+    if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
+        adapter.use_attention(model, register_attention())
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model, adapter)
     if dims.fsdp_enabled:
-        apply_fsdp(model, adapter, data_parallel_mesh(meshes, dims), cfg.fsdp, cfg.model.dtype)
+        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, cfg.model.dtype)
     return model

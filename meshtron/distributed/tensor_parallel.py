@@ -40,8 +40,13 @@ from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 
 
-def check_tensor_parallel(hf_config, adapter: DecoderAdapter, tp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """Refuse a tp degree the model cannot be split by, naming the setting and a fix (no process group needed)."""
+def check_tensor_parallel(
+    hf_config, adapter: DecoderAdapter, tp: int, seq_len: int, sequence_parallel: bool, cp: int = 1
+) -> None:
+    """Refuse a tp degree the model cannot be split by, naming the setting and a fix (no process group needed).
+
+    ``seq_len`` is the whole sequence; under context parallelism each rank holds ``seq_len / cp`` of it.
+    """
     if tp == 1:
         return
     shape = adapter.attention_shape(hf_config)
@@ -59,10 +64,11 @@ def check_tensor_parallel(hf_config, adapter: DecoderAdapter, tp: int, seq_len: 
         size = getattr(hf_config, key)
         if size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide the model's {key} {size}; use a tp that divides {size}")
-    if sequence_parallel and seq_len % tp:
+    if sequence_parallel and (seq_len // cp) % tp:
+        length = f"data.seq_len {seq_len}" if cp == 1 else f"data.seq_len {seq_len} / parallel.cp={cp} = {seq_len // cp}"
         raise ConfigError(
-            f"data.seq_len {seq_len} is not divisible by parallel.tp={tp} (sequence parallel splits the sequence); "
-            f"use a multiple of {tp} or set parallel.sequence_parallel=false"
+            f"{length} is not divisible by parallel.tp={tp} (sequence parallel splits the sequence); "
+            f"use a data.seq_len that is a multiple of {tp * cp} or set parallel.sequence_parallel=false"
         )
 
 

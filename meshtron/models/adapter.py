@@ -94,6 +94,15 @@ class DecoderAdapter:
         for attention in self.attention_modules(model):
             attention.num_key_value_groups = num_heads // num_kv_heads
 
+    def use_attention(self, model: nn.Module, name: str) -> None:
+        """Route every attention module to the attention function registered with transformers as ``name``."""
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise MeshtronError(
+                f"model family '{self.family}' does not take a custom attention function; "
+                "set parallel.cp=1 and data.mask_documents=false"
+            )
+
     def block_tp_roles(self, block: nn.Module) -> dict[str, str]:
         """Tensor-parallel role of each submodule of a decoder block that has one (see ``_BLOCK_TP_ROLES``)."""
         present = {name for name, _ in block.named_modules()}

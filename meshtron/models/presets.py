@@ -8,9 +8,9 @@ from meshtron.errors import ConfigError
 
 # family (HF model_type) and architecture settings; vocab_size None = taken from the tokenizer.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama-tiny": dict(
+    "llama-tiny": dict(  # long positions for context-parallel runs (default RoPE allocates nothing for them)
         model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
     ),
     "qwen2-tiny": dict(
         model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,

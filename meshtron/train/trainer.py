@@ -22,6 +22,7 @@ from meshtron.data.dataset import PackedDataset, build_packed_dataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import check_data_path
 from meshtron.data.tokenizer import load_tokenizer
+from meshtron.distributed.context_parallel import check_context_parallel
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
 from meshtron.distributed.mesh import ParallelDims
@@ -36,7 +37,9 @@ from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb, model_state_bytes
 from meshtron.models.adapter import adapter_for
+from meshtron.models.attention import check_attention
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
+from meshtron.train.batch import SequenceSplit, model_inputs
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.runtime import Runtime
 
@@ -105,8 +108,10 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
             f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
             f"use data.seq_len <= {max_positions}"
         )
+    check_context_parallel(dims.cp, cfg.data.seq_len)
+    check_attention(hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len)
     check_tensor_parallel(
-        hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel
+        hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
     return Plan(dims, micro, accumulation, tokenizer, hf_config)
 
@@ -123,10 +128,20 @@ def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
 
 
 def _dp_coordinates(meshes: dict | None, dims: ParallelDims) -> tuple[int, object | None]:
-    """This rank's index among the data-parallel ranks and the group that sums losses over them."""
-    if meshes is None or dims.dp == 1:
+    """This rank's index among the data-parallel ranks and the group that sums losses over them
+    (the data-parallel and context-parallel ranks: together they hold every token of the global batch)."""
+    if meshes is None or dims.dp * dims.cp == 1:
         return 0, None
-    return meshes["dp"].get_local_rank(), meshes["dp_cp"].get_group()
+    dp_rank = meshes["dp"].get_local_rank() if dims.dp > 1 else 0
+    return dp_rank, meshes["dp_cp"].get_group()
+
+
+def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
+    cp_rank, cp_group = 0, None
+    if dims.cp > 1:
+        cp_mesh = meshes["world"]["cp"]
+        cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
+    return SequenceSplit(dims.cp, cp_rank, cp_group, cfg.parallel.cp_method, cfg.data.mask_documents, eos_token_id)
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -159,6 +174,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     dp_rank, loss_group = _dp_coordinates(meshes, dims)
+    split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id)
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model):,} parameters | layout: {dims.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
@@ -172,7 +188,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm, tokens = _train_step(
-                model, optimizer, dataset, schedule, step, dp_rank, dims, plan, loss_group, runtime.device, cfg,
+                model, optimizer, dataset, schedule, step, dp_rank, dims, plan, loss_group, split, runtime.device, cfg,
                 measure=result.state_bytes if step == 0 else None,
             )
             scheduler.step()
@@ -211,24 +227,24 @@ def _count_params(model: nn.Module) -> int:
 
 
 def _train_step(
-    model, optimizer, dataset: PackedDataset, schedule, step, dp_rank, dims, plan, loss_group, device, cfg, measure=None
+    model, optimizer, dataset: PackedDataset, schedule, step, dp_rank, dims, plan, loss_group, split, device, cfg,
+    measure=None,
 ):
     """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
 
     ``measure``: a dict to fill with this rank's parameter/gradient/optimizer bytes after the step.
     """
     micro_batches = schedule.local_micro_batches(step, dp_rank, dims.dp, plan.micro_batch_size)
-    batches = [dataset.batch(indices) for indices in micro_batches]
+    batches = [model_inputs(input_ids.to(device), labels.to(device), split)
+               for input_ids, labels in (dataset.batch(indices) for indices in micro_batches)]
     targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
     global_targets = _all_reduce_sum(targets, loss_group).clamp(min=1.0)
-    # FSDP averages gradients over the data-parallel ranks; scaling by dp turns that mean into the sum.
-    scale = dims.dp / global_targets.item()
+    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
+    scale = dims.dp * dims.cp / global_targets.item()
     local_loss_sum = torch.zeros((), device=device)
-    for index, (input_ids, labels) in enumerate(batches):
+    for index, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, index == len(batches) - 1)
-        input_ids, labels = input_ids.to(device), labels.to(device)
-        position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        logits = model(**inputs).logits
         with loss_context(logits):  # vocab-sharded logits under loss parallel: forward and backward inside
             loss_sum = F.cross_entropy(
                 logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"

@@ -1,0 +1,234 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks, with exact attention across them.
+
+Load balancing: the sequence is cut into ``2*cp`` chunks and rank r holds chunks r and 2*cp-1-r, so
+under the causal mask every rank does the same attention work. Token ids, labels and position ids
+are sharded with the same index (``shard_sequence``); RoPE gets the global positions.
+
+Attention (``context_parallel_attention``) computes the rank's queries against every rank's key /
+value chunks, sub-block by sub-block, skipping sub-blocks that the causal or document mask hides
+entirely, and merges the partial results by log-sum-exp. Two ways to get the other ranks' K/V:
+
+* ``ring``: K/V travel around the ring with point-to-point ops; the next block's transfer runs while
+  the current block is computed. In backward the K/V gradients travel with their blocks and arrive
+  home after a full turn. Memory: two K/V blocks at a time.
+* ``allgather``: one all-gather of K/V (small with grouped-query attention), and one reduce-scatter
+  of their gradients in backward. Memory: the whole sequence's K/V on every rank.
+
+Both are written as one autograd function with an explicit backward, so the autograd graph holds
+only q, k, v, the output and the log-sum-exp of the local chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtron.distributed.attention_blocks import block_backward, block_forward, merge_partial
+from meshtron.errors import ConfigError
+
+
+def check_context_parallel(cp: int, seq_len: int) -> None:
+    """Refuse a sequence length the load-balanced split cannot cut into ``2*cp`` equal chunks."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(
+            f"data.seq_len {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp rank holds two "
+            f"equal chunks); use a data.seq_len that is a multiple of {2 * cp}"
+        )
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two sequence chunks (of ``2*cp``) that ``rank`` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def local_token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens ``rank`` holds, in its local order."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp, rank)])
+
+
+def shard_sequence(tensor: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This rank's load-balanced share of ``tensor`` (B, S, ...) along dim 1."""
+    if cp == 1:
+        return tensor
+    return tensor.index_select(1, local_token_index(tensor.shape[1], cp, rank, tensor.device))
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """What attention needs to know about the sequence: its sharding and its documents.
+
+    ``document_ids`` covers the *whole* sequence (B, S) (every cp rank has the full micro-batch), or is
+    None when all tokens of a row form one document.
+    """
+
+    seq_len: int
+    cp: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    method: str = "ring"
+    document_ids: torch.Tensor | None = None
+    kernel: str = "auto"
+    """``auto`` (fastest exact kernel) or ``math`` (plain PyTorch), for tests."""
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // (2 * self.cp)
+
+    def block_mask(self, q_chunk: int, kv_chunk: int):
+        """Mask of a (query chunk, key chunk) sub-block: None, "causal", a bool tensor, or "skip"."""
+        if kv_chunk > q_chunk:
+            return "skip"
+        mask = "causal" if kv_chunk == q_chunk else None
+        if self.document_ids is None:
+            return mask
+        c = self.chunk
+        q_docs = self.document_ids[:, q_chunk * c : (q_chunk + 1) * c]
+        kv_docs = self.document_ids[:, kv_chunk * c : (kv_chunk + 1) * c]
+        if kv_chunk < q_chunk:
+            if bool((kv_docs[:, -1] < q_docs[:, 0]).all()):  # document ids never decrease along a row
+                return "skip"
+            if bool((kv_docs[:, 0] == q_docs[:, -1]).all()):  # one document spans both chunks
+                return None
+        visible = q_docs[:, :, None] == kv_docs[:, None, :]
+        if kv_chunk == q_chunk:
+            visible = visible & torch.ones(c, c, dtype=torch.bool, device=visible.device).tril()
+        return visible
+
+
+def _halves(t: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    return [t[:, :, :chunk], t[:, :, chunk:]]
+
+
+def _peer(layout: SequenceLayout, offset: int) -> int:
+    return dist.get_global_rank(layout.group, (layout.rank + offset) % layout.cp)
+
+
+def _exchange(send: torch.Tensor, layout: SequenceLayout) -> tuple[torch.Tensor, list]:
+    """Start sending ``send`` to the next rank and receiving the previous rank's into a new buffer."""
+    received = torch.empty_like(send)
+    ops = [
+        dist.P2POp(dist.isend, send, _peer(layout, 1), layout.group),
+        dist.P2POp(dist.irecv, received, _peer(layout, -1), layout.group),
+    ]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _forward_block(q_halves, kv, source: int, layout, scale, state) -> None:
+    """Attend the local queries to the K/V chunks of rank ``source``, merging into ``state``."""
+    c = layout.chunk
+    k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
+    for qi, q_chunk in enumerate(chunk_ids(layout.cp, layout.rank)):
+        for ki, kv_chunk in enumerate(chunk_ids(layout.cp, source)):
+            mask = layout.block_mask(q_chunk, kv_chunk)
+            if isinstance(mask, str) and mask == "skip":
+                continue
+            out, lse = block_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
+            state[qi] = merge_partial(*state[qi], out, lse)
+
+
+def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves) -> torch.Tensor:
+    """Add the local queries' gradient from rank ``source``'s K/V and return that K/V's gradient (2, ...)."""
+    c = layout.chunk
+    k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
+    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for qi, q_chunk in enumerate(chunk_ids(layout.cp, layout.rank)):
+        for ki, kv_chunk in enumerate(chunk_ids(layout.cp, source)):
+            mask = layout.block_mask(q_chunk, kv_chunk)
+            if isinstance(mask, str) and mask == "skip":
+                continue
+            dq, dk, dv = block_backward(
+                q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, outs[qi], lses[qi], grad_outs[qi], layout.kernel
+            )
+            dq_halves[qi] += dq
+            grad_kv[0, :, :, ki * c : (ki + 1) * c] += dk
+            grad_kv[1, :, :, ki * c : (ki + 1) * c] += dv
+    return grad_kv
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: SequenceLayout, scale: float):
+        c = layout.chunk
+        q_halves = _halves(q, c)
+        kv = torch.stack([k, v]).contiguous()
+        state = [
+            (torch.zeros(h.shape, dtype=torch.float32, device=q.device),
+             torch.full(h.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
+            for h in q_halves
+        ]
+        if layout.method == "allgather" and layout.cp > 1:
+            gathered = _all_gather_kv(kv, layout)
+            for source in _own_first(layout):
+                _forward_block(q_halves, gathered[source], source, layout, scale, state)
+        else:
+            current = kv
+            for step in range(layout.cp):
+                pending = _exchange(current, layout) if step < layout.cp - 1 else None
+                _forward_block(q_halves, current, (layout.rank - step) % layout.cp, layout, scale, state)
+                if pending is not None:
+                    received, requests = pending
+                    for request in requests:
+                        request.wait()
+                    current = received
+        out = torch.cat([s[0] for s in state], dim=2)
+        lse = torch.cat([s[1] for s in state], dim=2)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, out, lse = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        c = layout.chunk
+        q_halves, outs, lses, grad_outs = _halves(q, c), _halves(out, c), _halves(lse, c), _halves(grad_out, c)
+        dq_halves = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in q_halves]
+        if layout.method == "allgather" and layout.cp > 1:
+            gathered = _all_gather_kv(kv, layout)
+            grads = torch.cat([
+                _backward_block(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves)
+                for s in range(layout.cp)
+            ])
+            grad_kv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+            dist.reduce_scatter_tensor(grad_kv, grads, group=layout.group)
+        else:
+            current = kv
+            grad_kv = None
+            for step in range(layout.cp):
+                pending = _exchange(current, layout) if step < layout.cp - 1 else None
+                source = (layout.rank - step) % layout.cp
+                block_grad = _backward_block(q_halves, current, source, layout, scale, outs, lses, grad_outs, dq_halves)
+                if grad_kv is not None:  # the gradient this block gathered on the ranks before
+                    block_grad += grad_kv
+                if pending is not None:
+                    received, requests = pending
+                    for request in requests:
+                        request.wait()
+                    current = received
+                if layout.cp > 1:  # pass the block's gradient on; after a full turn it is home
+                    grad_kv, requests = _exchange(block_grad, layout)
+                    for request in requests:
+                        request.wait()
+                else:
+                    grad_kv = block_grad
+        dq = torch.cat(dq_halves, dim=2).to(q.dtype)
+        return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None
+
+
+def _all_gather_kv(kv: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Every rank's stacked K/V: (cp, 2, B, Hkv, L, D). Collectives concatenate along dim 0."""
+    gathered = torch.empty((layout.cp * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    dist.all_gather_into_tensor(gathered, kv, group=layout.group)
+    return gathered.view(layout.cp, *kv.shape)
+
+
+def _own_first(layout: SequenceLayout) -> list[int]:
+    """Source ranks with the local one first, so the diagonal block starts every query's running result."""
+    return [(layout.rank - step) % layout.cp for step in range(layout.cp)]
+
+
+def context_parallel_attention(q, k, v, layout: SequenceLayout, scale: float) -> torch.Tensor:
+    """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D)."""
+    return _ContextParallelAttention.apply(q, k, v, layout, scale)

@@ -1,0 +1,95 @@
+"""meshtron's attention for Hugging Face models: document masks for packed sequences and context parallelism.
+
+Packed training blocks hold several documents, each ended by EOS. With document masking a token
+attends only to earlier tokens of its own document and position ids restart at every document. The
+model's attention modules reach ``hf_attention`` through transformers' attention-function registry
+(the adapter switches the model's ``attn_implementation``); per-call information travels in the
+``sequence_layout`` keyword argument that transformers passes down to the attention function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshtron.distributed.context_parallel import SequenceLayout, context_parallel_attention
+from meshtron.errors import ConfigError, MeshtronError
+
+ATTENTION_NAME = "meshtron"
+"""The name under which ``hf_attention`` is registered with transformers."""
+
+
+def document_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, S) index of the document each token belongs to; a document ends with (and includes) its EOS."""
+    is_eos = (input_ids == eos_token_id).to(torch.int64)
+    return torch.cumsum(is_eos, dim=1) - is_eos
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) position of each token within its document (restarting at 0 for every document)."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+def uses_meshtron_attention(cp: int, mask_documents: bool) -> bool:
+    """Whether the model's attention must be replaced by ``hf_attention``."""
+    return cp > 1 or mask_documents
+
+
+def check_attention(hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int) -> None:
+    """Refuse settings meshtron's attention cannot honour, before any process-group work."""
+    if not uses_meshtron_attention(cp, mask_documents):
+        return
+    needs = "parallel.cp > 1" if cp > 1 else "data.mask_documents"
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < seq_len:
+        raise ConfigError(
+            f"the model's sliding_window {window} is shorter than data.seq_len {seq_len}, and meshtron's attention "
+            f"(used for {needs}) has no sliding window; use data.seq_len <= {window}"
+            + ("" if cp > 1 else " or set data.mask_documents=false")
+        )
+    if attn_implementation != "sdpa":
+        raise ConfigError(
+            f"model.attn_implementation={attn_implementation} cannot be combined with {needs} (meshtron's own "
+            "attention replaces it); use model.attn_implementation=sdpa"
+            + ("" if cp > 1 else " or set data.mask_documents=false")
+        )
+    if getattr(hf_config, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"the model's attention_dropout {hf_config.attention_dropout} is not supported with {needs}; "
+            "set attention_dropout to 0 in the model config" + ("" if cp > 1 else " or set data.mask_documents=false")
+        )
+
+
+def _single_device_attention(query, key, value, layout: SequenceLayout, scale: float) -> torch.Tensor:
+    """Whole-sequence attention with the document mask, by PyTorch's SDPA (its fastest kernel for masks)."""
+    seq_len = query.shape[2]
+    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=query.device).tril()
+    if layout.document_ids is not None:
+        docs = layout.document_ids
+        visible = (visible & (docs[:, :, None] == docs[:, None, :]))[:, None]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=True)
+
+
+def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_layout=None, **kwargs):
+    """A transformers attention function: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) -> (B, L, H, D)."""
+    if sequence_layout is None:
+        raise MeshtronError("meshtron attention was called without a sequence_layout; call the model through meshtron")
+    if dropout:
+        raise MeshtronError("attention dropout is not supported with document masking or context parallelism")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if sequence_layout.cp == 1:
+        out = _single_device_attention(query, key, value, sequence_layout, scale)
+    else:
+        out = context_parallel_attention(query, key, value, sequence_layout, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Make ``hf_attention`` known to transformers (idempotent) and return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, hf_attention)
+    return ATTENTION_NAME

@@ -1,0 +1,41 @@
+"""Turn a packed micro-batch into the model's inputs: positions, document layout and the cp shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence
+from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How this rank sees a sequence: its context-parallel coordinates and the attention settings."""
+
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    cp_method: str = "ring"
+    mask_documents: bool = False
+    eos_token_id: int | None = None
+
+
+def model_inputs(input_ids: torch.Tensor, labels: torch.Tensor, split: SequenceSplit) -> tuple[dict, torch.Tensor]:
+    """(keyword arguments for the model, labels), both cut to this rank's share of the sequence."""
+    docs = document_ids(input_ids, split.eos_token_id) if split.mask_documents else None
+    if docs is not None:
+        positions = document_positions(docs)
+    else:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    kwargs = {
+        "input_ids": shard_sequence(input_ids, split.cp, split.cp_rank),
+        "position_ids": shard_sequence(positions, split.cp, split.cp_rank),
+        "use_cache": False,
+    }
+    if uses_meshtron_attention(split.cp, split.mask_documents):
+        kwargs["sequence_layout"] = SequenceLayout(
+            input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs
+        )
+    return kwargs, shard_sequence(labels, split.cp, split.cp_rank)

@@ -1,0 +1,83 @@
+"""Context-parallel attention vs single-device attention, every case in one torchrun launch of 4 ranks.
+
+Usage: torchrun --nproc-per-node 4 tests/cp_attention_worker.py OUT.json
+cp=4 uses all ranks; cp=2 runs on ranks {0,1} and {2,3}. For each case rank 0 writes the largest
+relative error (max abs error / max abs reference) of the output and of dq, dk, dv over all ranks.
+"""
+
+import itertools
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from meshtron.distributed.context_parallel import SequenceLayout, context_parallel_attention, local_token_index
+from meshtron.models.attention import document_ids
+
+SEQ, BATCH, HEADS, KV_HEADS, DIM, EOS = 64, 2, 4, 2, 16, 0
+
+
+def random_tokens(generator) -> torch.Tensor:
+    """Token rows with EOS at uneven places (documents of 1 to 23 tokens crossing chunk borders)."""
+    tokens = torch.randint(1, 50, (BATCH, SEQ), generator=generator)
+    for row, ends in enumerate(([5, 6, 29, 47], [0, 22, 23, 44, 62])):
+        tokens[row, ends] = EOS
+    return tokens
+
+
+def reference(q, k, v, docs, scale):
+    """Plain float64 attention over the whole sequence with the causal (and document) mask."""
+    groups = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    visible = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if docs is not None:
+        visible = visible & (docs[:, :, None] == docs[:, None, :])[:, None]
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def run_case(cp, method, masked, kernel, group, rank) -> dict:
+    generator = torch.Generator().manual_seed(1234)
+    q = torch.randn(BATCH, HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
+    k = torch.randn(BATCH, KV_HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
+    v = torch.randn(BATCH, KV_HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
+    weight = torch.randn(BATCH, HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
+    docs = document_ids(random_tokens(generator), EOS) if masked else None
+    scale = DIM ** -0.5
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference(*ref_inputs, docs, scale)
+    (ref_out * weight).sum().backward()
+
+    index = local_token_index(SEQ, cp, rank)
+    local = [t[:, :, index].float().contiguous().requires_grad_() for t in (q, k, v)]
+    layout = SequenceLayout(SEQ, cp, rank, group, method, docs, kernel)
+    out = context_parallel_attention(*local, layout, scale)
+    (out * weight[:, :, index].float()).sum().backward()
+
+    def rel(got, want):
+        return float((got.double() - want[:, :, index]).abs().max() / want.abs().max())
+
+    errors = [rel(out, ref_out.detach())] + [rel(t.grad, r.grad) for t, r in zip(local, ref_inputs)]
+    worst = torch.tensor(errors, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return dict(zip(("out", "dq", "dk", "dv"), worst.tolist()))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {}
+    for cp, method, masked, kernel in itertools.product((2, 4), ("ring", "allgather"), (False, True), ("auto", "math")):
+        group = dist.group.WORLD if cp == 4 else pairs[rank // 2]
+        name = f"cp{cp}-{method}-{'documents' if masked else 'causal'}-{kernel}"
+        results[name] = run_case(cp, method, masked, kernel, group, rank % cp)
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
