@@ -26,5 +26,6 @@ def launch_workers(script: str, nproc: int, run_dir: Path) -> dict:
     ] + [a for a in sys.argv[1:] if a != "--worker"]
     repo = str(Path(script).resolve().parent.parent)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    run_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run(command, env=env, check=True)
     return json.loads((run_dir / "result.json").read_text())

@@ -30,6 +30,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip")
 CP_METHODS = ("ring", "allgather")
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 BUILTIN_CORPUS = "builtin:python-stdlib"
 
 
@@ -101,11 +102,26 @@ class ParallelConfig:
     cp_method: str = "ring"
     """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``."""
     pp: int = 1
+    """Pipeline-parallel degree: the decoder split into stages over this many ranks (see docs/pipeline-parallel.md)."""
+    pp_schedule: str = "1F1B"
+    """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble."""
+    pp_microbatches: int | None = None
+    """Microbatches each data-parallel rank's batch is split into per step; None means parallel.pp."""
+    pp_stages_per_rank: int | None = None
+    """Stages per pipeline rank: 1 for GPipe/1F1B, 2 by default for the interleaved and zero-bubble schedules."""
+    pp_first_stage_layers: int | None = None
+    """Decoder layers on the first stage (it also holds the embeddings); None spreads the layers evenly."""
+    pp_last_stage_layers: int | None = None
+    """Decoder layers on the last stage (it also holds the final norm, head and loss)."""
+    pp_stage_layers: str | None = None
+    """Explicit layer count per stage, comma-separated (e.g. "3,4,4,3"); overrides the two settings above."""
 
 
 @dataclass
 class FSDPConfig:
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
+    """Free gathered parameters after each block's forward; None: yes, except under pipeline parallelism,
+    where every microbatch's forward would gather them again."""
     param_dtype: str | None = None
     """Compute dtype of gathered parameters; None keeps model.dtype."""
     reduce_dtype: str | None = "float32"
@@ -256,6 +272,9 @@ def validate_config(cfg: Config) -> None:
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("parallel.cp_method", p.cp_method, CP_METHODS)
+    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _positive("parallel.pp_microbatches", p.pp_microbatches, allow_none=True)
+    _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank, allow_none=True)
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(f, key)
         if value is not None:

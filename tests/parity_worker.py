@@ -30,7 +30,14 @@ def main() -> None:
             result = train(cfg, runtime, plan)
             state_bytes = torch.tensor([sum(result.state_bytes.values())], dtype=torch.int64)
             dist.all_reduce(state_bytes, op=dist.ReduceOp.MAX)
-            state = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            options = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
+            state = {}
+            for part in result.model_parts:  # pipeline stages: each holds some of the parameters, names unchanged
+                state.update(get_model_state_dict(part, options=options))
+            if plan.dims.pp > 1:
+                pieces = [None] * runtime.world_size
+                dist.all_gather_object(pieces, state)
+                state = {name: tensor for piece in pieces for name, tensor in piece.items()}
             if runtime.is_main:
                 torch.save(state, out / f"{name}.pt")
                 (out / f"{name}.json").write_text(json.dumps(

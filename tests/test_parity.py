@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,8 @@ REFERENCES = {
     "llama-docs": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"],
     "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
                           "train.lr=5e-4", "data.mask_documents=false"],
+    # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
+    "llama-deep": ["model.preset=llama-deep"],
     "qwen3-docs": ["model.preset=qwen3-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"],
 }
 
@@ -129,6 +132,25 @@ CP_LAYOUTS = {
 for _method in ("ring", "allgather"):
     for _name, (_world, _overrides) in CP_LAYOUTS.items():
         LAYOUTS[f"{_name}_{_method}"] = (_world, _overrides + [f"parallel.cp_method={_method}"], "llama-docs")
+# Pipeline parallelism: schedules at pp 2 and 4, and every composition up to 4-D (16 processes).
+PP_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+for _pp in (2, 4):
+    for _short, _schedule in PP_SCHEDULE_NAMES.items():
+        LAYOUTS[f"pp{_pp}_{_short}"] = (_pp, [f"parallel.pp={_pp}", f"parallel.pp_schedule={_schedule}"], "llama-deep")
+LAYOUTS["pp2_zero_bubble_interleaved"] = (2, ["parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"], "llama-deep")
+LAYOUTS["pp2_zbv"] = (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "llama-deep")
+LAYOUTS["pp2_uneven_8_microbatches_ac"] = (
+    2, ["parallel.pp=2", "parallel.pp_first_stage_layers=3", "parallel.pp_microbatches=8",
+        "train.activation_checkpointing=full"], "llama-deep"
+)
+LAYOUTS["pp2_dp2"] = (4, ["parallel.pp=2", "parallel.dp_shard=2"], "llama-deep")
+LAYOUTS["pp2_tp2"] = (4, ["parallel.pp=2", "parallel.tp=2"], "llama-deep")
+LAYOUTS["pp2_cp2"] = (4, ["parallel.pp=2", "parallel.cp=2"], "llama-deep")
+LAYOUTS["pp2_dp2_tp2"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-deep")
+LAYOUTS["pp2_dp2_cp2_tp2"] = (
+    16, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
+    "llama-deep",
+)
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
 # Replication over dp_replicate with FSDP over dp_shard x cp (the HSDP mesh of CP).
@@ -154,8 +176,10 @@ def parity_runs(tmp_path_factory, cache_dir):
         spec = {"base": base, "layouts": layouts}
         spec_file = out / f"spec{world}.json"
         spec_file.write_text(json.dumps(spec))
+        started = time.perf_counter()
         proc = run_torchrun(world, ["tests/parity_worker.py", str(spec_file), str(out)], timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        print(f"world size {world}: {len(layouts)} layouts in {time.perf_counter() - started:.0f} s")
     return out
 
 

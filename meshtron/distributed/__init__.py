@@ -1,1 +1,1 @@
-"""One module per parallelism, and ``parallelize.parallelize_model`` that applies them in order."""
+"""One module per parallelism, and ``parallelize.parallelize`` that applies them in order."""

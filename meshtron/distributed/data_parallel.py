@@ -10,7 +10,9 @@ from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.build import torch_dtype
 
 
-def apply_fsdp(model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSDPConfig, model_dtype: str) -> None:
+def apply_fsdp(
+    model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSDPConfig, model_dtype: str, pipelined: bool = False
+) -> None:
     """Shard every decoder block, then the root (embeddings, final norm, head) over ``dp_mesh``.
 
     ``dp_mesh`` is ``dp_shard x cp`` flattened (context-parallel ranks hold the same parameters), with
@@ -22,10 +24,12 @@ def apply_fsdp(model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSD
         reduce_dtype=torch_dtype(fsdp_cfg.reduce_dtype) if fsdp_cfg.reduce_dtype else None,
     )
     offload = CPUOffloadPolicy() if fsdp_cfg.cpu_offload else OffloadPolicy()
-    blocks = adapter.blocks(model)
+    reshard_setting = fsdp_cfg.reshard_after_forward
+    reshard_blocks = not pipelined if reshard_setting is None else reshard_setting
+    blocks = [block for _, block in adapter.named_blocks(model)]
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        reshard = fsdp_cfg.reshard_after_forward and index < len(blocks) - 1
+        reshard = reshard_blocks and index < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
 

@@ -15,24 +15,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def _copies(grad: torch.Tensor, world_size: int) -> int:
+def _copies(grad: torch.Tensor, ranks: int) -> int:
     """How many ranks hold the same values as this rank's local piece of ``grad``."""
     if not isinstance(grad, DTensor):
-        return world_size
+        return ranks
     mesh = grad.device_mesh
     # Any placement but Replicate splits the values (Shard, FSDP's _StridedShard, Partial).
     shards = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if not isinstance(p, Replicate))
-    return world_size // shards
+    return ranks // shards
 
 
 @torch.no_grad()
-def global_grad_norm(parameters, group=None) -> torch.Tensor:
+def global_grad_norm(parameters, group=None, pipeline_degree: int = 1) -> torch.Tensor:
     """The L2 norm of all gradients as one vector, identical on every rank (fp32 scalar tensor).
 
-    ``group`` is the set of ranks that together hold every parameter (default: all ranks).
+    ``group`` is the set of ranks that together hold every parameter (default: all ranks);
+    ``pipeline_degree`` how many pipeline ranks split the parameters among them.
     """
     distributed = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size(group) if distributed else 1
+    ranks_per_stage = world_size // pipeline_degree
     by_copies: dict[int, list[torch.Tensor]] = {}
     device = None
     for param in parameters:
@@ -40,7 +42,7 @@ def global_grad_norm(parameters, group=None) -> torch.Tensor:
             continue
         grad = param.grad
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        by_copies.setdefault(_copies(grad, world_size), []).append(local.float())
+        by_copies.setdefault(_copies(grad, ranks_per_stage), []).append(local.float())
         device = local.device
     if device is None:
         return torch.zeros(())

@@ -8,10 +8,6 @@ from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Parallelisms whose implementation has not landed yet: a degree > 1 is refused with this message.
-NOT_YET_SUPPORTED = {
-    "pp": "pipeline parallelism",
-}
 
 
 @dataclass(frozen=True)
@@ -43,9 +39,6 @@ class ParallelDims:
                 f"(pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
                 f"x tp {dims.tp} = {dims.product}); launch {dims.product} processes or change parallel.*"
             )
-        for key, what in NOT_YET_SUPPORTED.items():
-            if getattr(dims, key) > 1:
-                raise ConfigError(f"parallel.{key}={getattr(dims, key)}: {what} is not available yet; set parallel.{key}=1")
         return dims
 
     @property

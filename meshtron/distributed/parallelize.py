@@ -1,7 +1,7 @@
 """The one place that applies every parallelism to a model, in order.
 
-Order: pipeline split (first), tensor parallel, context parallel, activation checkpointing,
-compile, then FSDP/HSDP. Each step only talks to the model through its adapter.
+Order: pipeline split (first), then for each stage: tensor parallel, context parallel, activation
+checkpointing, compile, FSDP/HSDP. Each step only talks to the model through its adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from meshtron.config import Config
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import register_attention, uses_meshtron_attention
@@ -39,29 +40,38 @@ def apply_activation_checkpointing(model: nn.Module, adapter: DecoderAdapter, mo
     """Wrap each decoder block: ``full`` recomputes the whole block in backward, ``selective`` all but matmuls/attention."""
     if mode == "none":
         return
-    blocks = adapter.blocks(model)
-    for index, block in enumerate(blocks):
+    for name, block in adapter.named_blocks(model):
         if mode == "full":
-            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+            adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=False))
         else:
             context = partial(create_selective_checkpoint_contexts, _selective_policy)
-            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
+            adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context))
 
 
 def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
     """Compile each decoder block in place (parameter names unchanged)."""
-    for block in adapter.blocks(model):
+    for _, block in adapter.named_blocks(model):
         block.compile()
 
 
+def parallelize(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> list[tuple[int, nn.Module]]:
+    """Apply every parallelism to a meta-device model: PP split -> (per stage) TP -> CP -> activation
+    checkpointing -> compile -> FSDP. Returns (pipeline stage id, module) for each stage this rank holds
+    (one, stage 0, without pipeline parallelism)."""
+    if dims.pp > 1:
+        stages = split_pipeline(model, adapter, cfg.parallel, meshes["world"]["pp"].get_local_rank())
+    else:
+        stages = [(0, model)]
+    return [(stage_id, parallelize_model(stage, adapter, dims, meshes, cfg)) for stage_id, stage in stages]
+
+
 def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> nn.Module:
-    """Apply PP -> TP -> CP -> activation checkpointing -> compile -> FSDP to a meta-device model.
+    """Apply TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
 
     Context parallelism changes no parameter: its step routes attention to meshtron's function (which
     also does document masking without CP); the trainer shards each batch over the ``cp`` ranks, and
     FSDP shards over ``dp_shard x cp`` so that gradients are reduced over the context-parallel ranks too.
     """
-    # Pipeline parallelism is refused by ParallelDims until it lands.
     if dims.tp > 1:
         apply_tensor_parallel(
             model,
@@ -70,11 +80,11 @@ def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelD
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
         )
-    if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
+    if uses_meshtron_attention(dims.cp, cfg.data.mask_documents, dims.pp):
         adapter.use_attention(model, register_attention())
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model, adapter)
     if dims.fsdp_enabled:
-        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, cfg.model.dtype)
+        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, cfg.model.dtype, pipelined=dims.pp > 1)
     return model

@@ -185,10 +185,10 @@ def apply_tensor_parallel(
     """Split ``model`` (on the meta device) over the 1-D ``tp_mesh``, block by block, then the outer parts."""
     tp = tp_mesh.size()
     shape = adapter.attention_shape(model.config)
-    for block in adapter.blocks(model):
+    for _, block in adapter.named_blocks(model):
         styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel)
         parallelize_module(block, tp_mesh, styles, src_data_rank=None)
-    parallelize_module(model, tp_mesh, _top_styles(adapter.top_tp_roles(), sequence_parallel, loss_parallel),
+    parallelize_module(model, tp_mesh, _top_styles(adapter.top_tp_roles(model), sequence_parallel, loss_parallel),
                        src_data_rank=None)
     adapter.tie_weights(model)
     adapter.set_local_heads(model, shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))

@@ -68,8 +68,52 @@ class DecoderAdapter:
     def body(self, model: nn.Module) -> nn.Module:
         return model.model
 
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
+    def blocks(self, model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
+        """The decoder blocks: a ModuleList, or under pipeline parallelism a ModuleDict of this stage's
+        blocks keyed by their index in the whole model (so parameter names do not change)."""
         return self.body(model).layers
+
+    def named_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(index as a string, block) for every block this model holds, in order."""
+        return list(self.blocks(model).named_children())
+
+    def replace_block(self, model: nn.Module, name: str, block: nn.Module) -> None:
+        """Put ``block`` (e.g. a checkpoint wrapper) in place of the block called ``name``."""
+        self.blocks(model).register_module(name, block)
+
+    def keep_stage(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
+        """Drop every part of a (meta-device) model that a pipeline stage does not hold.
+
+        The stage keeps blocks ``layers`` under their original names, the embeddings when ``first`` and
+        the final norm and head when ``last``; rotary embeddings (no parameters) stay on every stage.
+        """
+        blocks = self.blocks(model)
+        self.body(model).layers = nn.ModuleDict({str(i): blocks[i] for i in layers})
+        if not first:
+            self.body(model).embed_tokens = None
+        if not last:
+            self.body(model).norm = None
+            model.lm_head = None
+
+    def run_stage(self, model: nn.Module, hidden: torch.Tensor, inputs: dict, first: bool, last: bool) -> torch.Tensor:
+        """A pipeline stage's computation: [embeddings] -> its blocks -> [final norm -> head].
+
+        ``inputs`` holds this rank's ``input_ids`` and ``position_ids`` and, when meshtron's attention is
+        in use, the ``sequence_layout``; ``hidden`` is the previous stage's output (ignored when first).
+        """
+        body = self.body(model)
+        if first:
+            hidden = body.embed_tokens(inputs["input_ids"])
+        position_embeddings = body.rotary_emb(hidden, inputs["position_ids"])
+        extra = {"sequence_layout": inputs["sequence_layout"]} if "sequence_layout" in inputs else {}
+        for _, block in self.named_blocks(model):
+            hidden = block(
+                hidden, attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
+                position_embeddings=position_embeddings, **extra,
+            )
+        if last:
+            hidden = model.lm_head(body.norm(hidden))
+        return hidden
 
     def embeddings(self, model: nn.Module) -> nn.Module:
         return self.body(model).embed_tokens
@@ -81,7 +125,7 @@ class DecoderAdapter:
         return model.lm_head
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
-        return [block.self_attn for block in self.blocks(model)]
+        return [block.self_attn for _, block in self.named_blocks(model)]
 
     def attention_shape(self, config) -> AttentionShape:
         heads = config.num_attention_heads
@@ -108,12 +152,14 @@ class DecoderAdapter:
         present = {name for name, _ in block.named_modules()}
         return {path: role for path, role in _BLOCK_TP_ROLES.items() if path in present}
 
-    def top_tp_roles(self) -> dict[str, str]:
-        return dict(_TOP_TP_ROLES)
+    def top_tp_roles(self, model: nn.Module) -> dict[str, str]:
+        """Roles of the parts outside the blocks that ``model`` holds (a pipeline stage may lack some)."""
+        present = {name for name, _ in model.named_modules()}
+        return {path: role for path, role in _TOP_TP_ROLES.items() if path in present}
 
     def tie_weights(self, model: nn.Module) -> None:
         """Share the head's weight with the embeddings again (parallelizing replaces both parameters)."""
-        if getattr(model.config, "tie_word_embeddings", False):
+        if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not None:
             self.lm_head(model).weight = self.embeddings(model).weight
 
     def check_anatomy(self, model: nn.Module) -> None:

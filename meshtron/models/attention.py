@@ -33,33 +33,37 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
 
 
-def uses_meshtron_attention(cp: int, mask_documents: bool) -> bool:
-    """Whether the model's attention must be replaced by ``hf_attention``."""
-    return cp > 1 or mask_documents
+def uses_meshtron_attention(cp: int, mask_documents: bool, pp: int = 1) -> bool:
+    """Whether the model's attention must be replaced by ``hf_attention`` (pipeline stages, which run the
+    blocks without the model's own mask construction, use it for the plain causal mask too)."""
+    return cp > 1 or mask_documents or pp > 1
 
 
-def check_attention(hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int) -> None:
+def check_attention(
+    hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int, pp: int = 1
+) -> None:
     """Refuse settings meshtron's attention cannot honour, before any process-group work."""
-    if not uses_meshtron_attention(cp, mask_documents):
+    if not uses_meshtron_attention(cp, mask_documents, pp):
         return
-    needs = "parallel.cp > 1" if cp > 1 else "data.mask_documents"
+    needs = "parallel.cp > 1" if cp > 1 else "parallel.pp > 1" if pp > 1 else "data.mask_documents"
+    alternative = "" if cp > 1 or pp > 1 else " or set data.mask_documents=false"
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and window < seq_len:
         raise ConfigError(
             f"the model's sliding_window {window} is shorter than data.seq_len {seq_len}, and meshtron's attention "
             f"(used for {needs}) has no sliding window; use data.seq_len <= {window}"
-            + ("" if cp > 1 else " or set data.mask_documents=false")
+            + alternative
         )
     if attn_implementation != "sdpa":
         raise ConfigError(
             f"model.attn_implementation={attn_implementation} cannot be combined with {needs} (meshtron's own "
             "attention replaces it); use model.attn_implementation=sdpa"
-            + ("" if cp > 1 else " or set data.mask_documents=false")
+            + alternative
         )
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ConfigError(
             f"the model's attention_dropout {hf_config.attention_dropout} is not supported with {needs}; "
-            "set attention_dropout to 0 in the model config" + ("" if cp > 1 else " or set data.mask_documents=false")
+            "set attention_dropout to 0 in the model config" + alternative
         )
 
 

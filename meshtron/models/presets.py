@@ -30,6 +30,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
     ),
     # Every dimension divisible by 4 with 4 KV heads: for tensor-parallel measurements up to tp=4.
+    "llama-deep": dict(  # many thin layers: enough stages for pipeline tests (8 stages at pp=4, 2 per rank)
+        model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    ),
     "llama-mini": dict(
         model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,

@@ -10,6 +10,10 @@ from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 
 
+IGNORE_INDEX = -100
+"""Label value that carries no loss."""
+
+
 @dataclass(frozen=True)
 class SequenceSplit:
     """How this rank sees a sequence: its context-parallel coordinates and the attention settings."""
@@ -20,10 +24,20 @@ class SequenceSplit:
     cp_method: str = "ring"
     mask_documents: bool = False
     eos_token_id: int | None = None
+    pp: int = 1
 
 
 def model_inputs(input_ids: torch.Tensor, labels: torch.Tensor, split: SequenceSplit) -> tuple[dict, torch.Tensor]:
     """(keyword arguments for the model, labels), both cut to this rank's share of the sequence."""
+    return sequence_inputs(input_ids, split), shard_labels(labels, split)
+
+
+def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    return shard_sequence(labels, split.cp, split.cp_rank)
+
+
+def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
+    """Token ids, position ids and (when meshtron's attention is in use) the sequence layout, for this rank."""
     docs = document_ids(input_ids, split.eos_token_id) if split.mask_documents else None
     if docs is not None:
         positions = document_positions(docs)
@@ -34,8 +48,8 @@ def model_inputs(input_ids: torch.Tensor, labels: torch.Tensor, split: SequenceS
         "position_ids": shard_sequence(positions, split.cp, split.cp_rank),
         "use_cache": False,
     }
-    if uses_meshtron_attention(split.cp, split.mask_documents):
+    if uses_meshtron_attention(split.cp, split.mask_documents, split.pp):
         kwargs["sequence_layout"] = SequenceLayout(
             input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs
         )
-    return kwargs, shard_sequence(labels, split.cp, split.cp_rank)
+    return kwargs

@@ -26,7 +26,7 @@ from meshtron.distributed.context_parallel import check_context_parallel
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.parallelize import parallelize_model
+from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.tensor_parallel import (
     check_tensor_parallel,
     local_value,
@@ -39,11 +39,12 @@ from meshtron.metrics.logger import MetricsLogger, max_memory_gb, model_state_by
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
-from meshtron.train.batch import SequenceSplit, model_inputs
+from meshtron.distributed.pipeline_parallel import check_pipeline, sum_over_pipeline
+from meshtron.train.batch import IGNORE_INDEX, SequenceSplit, model_inputs, shard_labels
+from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.runtime import Runtime
 
-IGNORE_INDEX = -100
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
 
@@ -56,6 +57,8 @@ class Plan:
     accumulation_steps: int
     tokenizer: object
     hf_config: object
+    pp_microbatches: int = 1
+    """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
 
 
 @dataclass
@@ -65,6 +68,9 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     output_dir: Path | None = None
     model: nn.Module | None = None
+    """The model; under pipeline parallelism an ``nn.ModuleList`` of this rank's stages (see model_parts)."""
+    model_parts: list[nn.Module] = field(default_factory=list)
+    """The Hugging Face model (or, under pipeline parallelism, this rank's stages of it), parameter names unchanged."""
     optimizer: torch.optim.Optimizer | None = None
     state_bytes: dict[str, int] = field(default_factory=dict)
     """This rank's parameter, gradient and optimizer-state bytes, measured after the first optimizer step."""
@@ -73,6 +79,8 @@ class TrainResult:
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     """(micro_batch_size, accumulation_steps) per rank, or a ConfigError if the batch does not split."""
     batch, dp = cfg.train.global_batch_size, dims.dp
+    if dims.pp > 1 and batch % dp == 0:  # the pipeline schedule splits the rank's batch itself
+        return batch // dp, 1
     micro = cfg.train.micro_batch_size or max(1, batch // dp)
     if batch % (dp * micro):
         raise ConfigError(
@@ -109,11 +117,14 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
             f"use data.seq_len <= {max_positions}"
         )
     check_context_parallel(dims.cp, cfg.data.seq_len)
-    check_attention(hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len)
+    check_attention(
+        hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
+    )
+    pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size is not None)
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
-    return Plan(dims, micro, accumulation, tokenizer, hf_config)
+    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches)
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
@@ -141,7 +152,9 @@ def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_to
     if dims.cp > 1:
         cp_mesh = meshes["world"]["cp"]
         cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
-    return SequenceSplit(dims.cp, cp_rank, cp_group, cfg.parallel.cp_method, cfg.data.mask_documents, eos_token_id)
+    return SequenceSplit(
+        dims.cp, cp_rank, cp_group, cfg.parallel.cp_method, cfg.data.mask_documents, eos_token_id, dims.pp
+    )
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -166,30 +179,40 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
 
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
+    split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id)
     model, adapter = build_meta_model(plan.hf_config, cfg.model)
-    model = parallelize_model(model, adapter, dims, meshes, cfg)
-    materialize(model, adapter, runtime.device, seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
-    model.train()
+    stages = parallelize(model, adapter, dims, meshes, cfg)
+    for _, stage in stages:
+        materialize(stage, adapter, runtime.device, seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
+        stage.train()
+    parts = [stage for _, stage in stages]
+    runner = None
+    if dims.pp > 1:
+        model, runner = build_pipeline_runner(stages, adapter, cfg, plan, dims, meshes, runtime.device, split)
+    else:
+        model = parts[0]
+    pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
 
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     dp_rank, loss_group = _dp_coordinates(meshes, dims)
-    split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id)
+    step_context = _StepContext(dp_rank, dims, plan, loss_group, split, runtime.device, cfg, runner, pp_group)
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
-        f"meshtron: {adapter.family} model, {_count_params(model):,} parameters | layout: {dims.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
-        f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation"
+        f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
+        + (f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches "
+           f"({cfg.parallel.pp_schedule})" if dims.pp > 1 else
+           f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation")
     )
     peak = device_peak_flops(runtime.device)
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
-    result = TrainResult(output_dir=output_dir, model=model, optimizer=optimizer)
+    result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
     try:
         for step in range(cfg.train.steps):
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm, tokens = _train_step(
-                model, optimizer, dataset, schedule, step, dp_rank, dims, plan, loss_group, split, runtime.device, cfg,
-                measure=result.state_bytes if step == 0 else None,
+                model, optimizer, dataset, schedule, step, step_context, measure=result.state_bytes if step == 0 else None
             )
             scheduler.step()
             if runtime.device.type == "cuda":
@@ -220,30 +243,38 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     return result
 
 
-def _count_params(model: nn.Module) -> int:
+def _count_params(model: nn.Module, pp_group=None) -> int:
+    """Parameters of the whole model (DTensors counted at full size, pipeline stages summed)."""
     from torch.distributed.tensor import DTensor
 
-    return sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters())
+    count = sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters())
+    if pp_group is None:
+        return count
+    total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)
+    return int(sum_over_pipeline(total, pp_group).item())
 
 
-def _train_step(
-    model, optimizer, dataset: PackedDataset, schedule, step, dp_rank, dims, plan, loss_group, split, device, cfg,
-    measure=None,
-):
-    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
+@dataclass
+class _StepContext:
+    """What every step needs besides the model, optimizer and data."""
 
-    ``measure``: a dict to fill with this rank's parameter/gradient/optimizer bytes after the step.
-    """
-    micro_batches = schedule.local_micro_batches(step, dp_rank, dims.dp, plan.micro_batch_size)
-    batches = [model_inputs(input_ids.to(device), labels.to(device), split)
-               for input_ids, labels in (dataset.batch(indices) for indices in micro_batches)]
-    targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
-    global_targets = _all_reduce_sum(targets, loss_group).clamp(min=1.0)
-    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
-    scale = dims.dp * dims.cp / global_targets.item()
+    dp_rank: int
+    dims: ParallelDims
+    plan: Plan
+    loss_group: object
+    split: SequenceSplit
+    device: torch.device
+    cfg: Config
+    runner: object = None
+    pp_group: object = None
+
+
+def _forward_backward(model, batches, split: SequenceSplit, scale: float, device) -> torch.Tensor:
+    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss."""
     local_loss_sum = torch.zeros((), device=device)
-    for index, (inputs, labels) in enumerate(batches):
+    for index, (input_ids, labels) in enumerate(batches):
         set_gradient_sync(model, index == len(batches) - 1)
+        inputs, labels = model_inputs(input_ids, labels, split)
         logits = model(**inputs).logits
         with loss_context(logits):  # vocab-sharded logits under loss parallel: forward and backward inside
             loss_sum = F.cross_entropy(
@@ -252,11 +283,33 @@ def _train_step(
             (loss_sum * scale).backward()
         local_loss_sum += local_value(loss_sum.detach())
         del logits, loss_sum
+    return local_loss_sum
+
+
+def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, ctx: _StepContext, measure=None):
+    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
+
+    ``measure``: a dict to fill with this rank's parameter/gradient/optimizer bytes after the step.
+    """
+    dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
+    micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
+    raw = [(input_ids.to(device), labels.to(device)) for input_ids, labels in map(dataset.batch, micro_batches)]
+    labels_per_batch = [shard_labels(labels, ctx.split) for _, labels in raw]
+    targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for labels in labels_per_batch)), device=device)
+    global_targets = _all_reduce_sum(targets, ctx.loss_group).clamp(min=1.0)
+    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
+    scale = dims.dp * dims.cp / global_targets.item()
+    if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
+        (input_ids, _), = raw
+        local_loss_sum = ctx.runner.run(input_ids, labels_per_batch[0], scale)
+    else:
+        local_loss_sum = _forward_backward(model, raw, ctx.split, scale, device)
     parameters = [p for p in model.parameters() if p.grad is not None]
     if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
-    grad_norm = global_grad_norm(parameters)
-    loss = _all_reduce_sum(local_loss_sum, loss_group) / global_targets
+    grad_norm = global_grad_norm(parameters, pipeline_degree=dims.pp)
+    loss = _all_reduce_sum(local_loss_sum, ctx.loss_group)
+    loss = sum_over_pipeline(loss, ctx.pp_group) / global_targets
     loss_value, norm_value = loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         if cfg.train.on_nonfinite == "error":

@@ -1,0 +1,192 @@
+"""Pipeline parallelism: the decoder split into stages over the ``pp`` ranks, run by torch's schedules.
+
+The model is cut into ``pp * stages_per_rank`` stages: embeddings on the first, the final norm and
+head (and the loss) on the last, decoder blocks spread over all of them (evenly by default, or as
+``parallel.pp_first_stage_layers`` / ``pp_last_stage_layers`` / ``pp_stage_layers`` say). Each stage
+is the Hugging Face model itself with the parts it does not hold removed, so parameter names,
+initialization and checkpoints are the same as without pipelining. Schedules, microbatching and the
+stage-to-stage transfers are ``torch.distributed.pipelining``'s.
+
+Between stages travel the hidden states and the micro-batch's full token ids, from which every stage
+derives the position ids, document layout and context-parallel shard it needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from meshtron.config import PP_SCHEDULES as SCHEDULES
+from meshtron.config import ParallelConfig
+from meshtron.errors import ConfigError
+from meshtron.models.adapter import DecoderAdapter
+
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble",)
+
+
+def stages_per_rank(cfg: ParallelConfig) -> int:
+    """How many stages each pipeline rank holds (1 for GPipe/1F1B, 2 by default for the others)."""
+    if cfg.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule: '{cfg.pp_schedule}' is not one of {', '.join(SCHEDULES)}")
+    multi = cfg.pp_schedule in MULTI_STAGE_SCHEDULES
+    count = cfg.pp_stages_per_rank or (2 if multi else 1)
+    if not multi and count != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={cfg.pp_schedule} runs one stage per rank; set parallel.pp_stages_per_rank=1 "
+            f"or use one of {', '.join(MULTI_STAGE_SCHEDULES)}"
+        )
+    if multi and count < 2:
+        raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.pp_stages_per_rank >= 2")
+    if cfg.pp_schedule in V_SHAPED_SCHEDULES and count != 2:
+        raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.pp_stages_per_rank=2")
+    return count
+
+
+def split_layers(num_layers: int, cfg: ParallelConfig) -> list[range]:
+    """The decoder blocks of each stage, in stage order."""
+    num_stages = cfg.pp * stages_per_rank(cfg)
+    if cfg.pp_stage_layers:
+        try:
+            counts = [int(part) for part in cfg.pp_stage_layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"parallel.pp_stage_layers '{cfg.pp_stage_layers}': write layer counts like 3,4,4,3") from None
+        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 0:
+            raise ConfigError(
+                f"parallel.pp_stage_layers '{cfg.pp_stage_layers}' must give {num_stages} non-negative layer counts "
+                f"(one per stage) that add up to the model's {num_layers} layers"
+            )
+    else:
+        if num_layers < num_stages:
+            raise ConfigError(
+                f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
+                f"(parallel.pp={cfg.pp} x {stages_per_rank(cfg)} stages per rank); lower parallel.pp or the stages per rank"
+            )
+        counts = _even_counts(num_layers, num_stages, cfg.pp_first_stage_layers, cfg.pp_last_stage_layers)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def _even_counts(num_layers: int, num_stages: int, first: int | None, last: int | None) -> list[int]:
+    fixed = {0: first, num_stages - 1: last} if num_stages > 1 else {0: first}
+    fixed = {stage: count for stage, count in fixed.items() if count is not None}
+    free = [stage for stage in range(num_stages) if stage not in fixed]
+    left = num_layers - sum(fixed.values())
+    if any(count < 0 for count in fixed.values()) or left < 0 or (left > 0 and not free):
+        raise ConfigError(
+            f"parallel.pp_first_stage_layers / pp_last_stage_layers ({first} / {last}) do not fit the model's "
+            f"{num_layers} layers over {num_stages} stages"
+        )
+    counts = [0] * num_stages
+    for stage, count in fixed.items():
+        counts[stage] = count
+    base, extra = divmod(left, len(free)) if free else (0, 0)
+    # Remainder layers go to the middle stages: the first and last also hold embeddings and the head.
+    by_middle = sorted(free, key=lambda stage: abs(stage - (num_stages - 1) / 2))
+    for stage in free:
+        counts[stage] = base + (1 if stage in by_middle[:extra] else 0)
+    return counts
+
+
+def local_stage_ids(pp_rank: int, cfg: ParallelConfig) -> list[int]:
+    """The stages this pipeline rank holds: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r) for ZBV."""
+    count = stages_per_rank(cfg)
+    if cfg.pp_schedule in V_SHAPED_SCHEDULES:
+        return [pp_rank, 2 * cfg.pp - 1 - pp_rank]
+    return [pp_rank + i * cfg.pp for i in range(count)]
+
+
+def check_pipeline(cfg: ParallelConfig, hf_config, local_batch: int, micro_batch_size_set: bool) -> int:
+    """Refuse pipeline settings that cannot work; returns the number of microbatches."""
+    if cfg.pp == 1:
+        return 1
+    split_layers(hf_config.num_hidden_layers, cfg)
+    microbatches = cfg.pp_microbatches or cfg.pp
+    if micro_batch_size_set:
+        raise ConfigError(
+            "train.micro_batch_size is not used with parallel.pp > 1: the pipeline splits each rank's batch into "
+            "parallel.pp_microbatches; leave train.micro_batch_size unset"
+        )
+    if local_batch % microbatches:
+        raise ConfigError(
+            f"parallel.pp_microbatches={microbatches} does not divide the {local_batch} sequences each data-parallel "
+            f"rank gets per step; use a divisor of {local_batch} or change train.global_batch_size"
+        )
+    if cfg.pp_schedule in MULTI_STAGE_SCHEDULES and cfg.pp_schedule != "Interleaved1F1B" and microbatches % cfg.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.pp_microbatches ({microbatches}) to be a multiple "
+            f"of parallel.pp={cfg.pp}"
+        )
+    if cfg.pp_schedule == "Interleaved1F1B":
+        rounds = max(1, microbatches // cfg.pp)
+        if microbatches % rounds:
+            raise ConfigError(
+                f"parallel.pp_schedule=Interleaved1F1B needs parallel.pp_microbatches ({microbatches}) divisible by "
+                f"max(1, microbatches // pp) = {rounds}; use a multiple of parallel.pp={cfg.pp}"
+            )
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ConfigError(
+            "the model ties its embeddings to its head, which pipeline stages cannot share; "
+            "use an untied model or parallel.pp=1"
+        )
+    return microbatches
+
+
+def split_pipeline(model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """(stage id, stage model) for every stage pipeline rank ``pp_rank`` holds, cut from the meta-device ``model``."""
+    ranges = split_layers(model.config.num_hidden_layers, cfg)
+    last_stage = len(ranges) - 1
+    stages = []
+    for stage_id in local_stage_ids(pp_rank, cfg):
+        stage = copy.deepcopy(model)  # meta tensors: no memory
+        adapter.keep_stage(stage, ranges[stage_id], first=stage_id == 0, last=stage_id == last_stage)
+        stages.append((stage_id, stage))
+    return stages
+
+
+def set_stage_forward(model: nn.Module, adapter: DecoderAdapter, first: bool, last: bool, inputs_for, tp_mesh=None):
+    """Give the stage model the forward its pipeline stage calls.
+
+    ``inputs_for(input_ids)`` turns the micro-batch's full token ids into this rank's model inputs.
+    A first stage takes ``(input_ids,)``, the others ``(hidden, input_ids)``; every stage but the last
+    returns ``(hidden, input_ids)``, the last the logits. Under sequence parallel the hidden states
+    are a sequence-sharded DTensor; they travel as their local shard and are rewrapped on arrival.
+    """
+
+    def forward(self, *args):
+        hidden, input_ids = (None, args[0]) if first else args
+        if tp_mesh is not None and hidden is not None and not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
+        out = adapter.run_stage(self, hidden, inputs_for(input_ids), first, last)
+        if last:
+            return out
+        return (out.to_local() if isinstance(out, DTensor) else out), input_ids
+
+    model.forward = types.MethodType(forward, model)
+
+
+def pipeline_schedule(stages: list, cfg: ParallelConfig, microbatches: int, loss_fn):
+    """torch's schedule for this rank's stages; gradients are not rescaled (the loss is already normalized)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    schedule_class = get_schedule_class(cfg.pp_schedule)
+    if issubclass(schedule_class, PipelineScheduleSingle):
+        return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@torch.no_grad()
+def sum_over_pipeline(value: torch.Tensor, pp_group) -> torch.Tensor:
+    """Sum a per-rank value (e.g. the loss, known only on the last stage) over the pipeline ranks."""
+    import torch.distributed as dist
+
+    if pp_group is not None:
+        dist.all_reduce(value, group=pp_group)
+    return value

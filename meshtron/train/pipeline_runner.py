@@ -1,0 +1,71 @@
+"""Pipeline-parallel training: this rank's stages under a torch schedule, one optimizer step at a time."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
+from meshtron.distributed.tensor_parallel import local_value
+from meshtron.train.batch import IGNORE_INDEX, sequence_inputs
+
+
+@dataclass
+class PipelineRunner:
+    """This rank's pipeline stages and their schedule; ``run`` does one optimizer step's forward and backward."""
+
+    schedule: object
+    holds_first: bool
+    holds_last: bool
+    loss_parallel: bool
+    scale: float = 1.0
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's."""
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum * self.scale
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage)."""
+        self.scale = scale
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.holds_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
+        # Loss parallel's context must cover the backward too, which the schedule runs inside step().
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+            self.schedule.step(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=input_ids.device)
+        return torch.stack([local_value(loss.detach()) for loss in losses]).sum() / scale
+
+
+def build_pipeline_runner(stages, adapter, cfg, plan, dims, meshes, device, split) -> tuple[nn.ModuleList, PipelineRunner]:
+    """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
+
+    Returns the stages as one module (for the optimizer and metrics) and the runner.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    pp_mesh = meshes["world"]["pp"]
+    num_stages = len(split_layers(plan.hf_config.num_hidden_layers, cfg.parallel))
+    tp_mesh = meshes["world"]["tp"] if dims.tp > 1 and cfg.parallel.sequence_parallel else None
+    pipeline_stages = []
+    for stage_id, module in stages:
+        first, last = stage_id == 0, stage_id == num_stages - 1
+        set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh)
+        pipeline_stages.append(PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    stage_ids = [stage_id for stage_id, _ in stages]
+    runner = PipelineRunner(
+        schedule=None,
+        holds_first=0 in stage_ids,
+        holds_last=num_stages - 1 in stage_ids,
+        loss_parallel=dims.tp > 1 and cfg.parallel.loss_parallel,
+    )
+    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, plan.pp_microbatches, runner.loss_fn)
+    return nn.ModuleList([module for _, module in stages]), runner

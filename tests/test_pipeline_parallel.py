@@ -1,0 +1,79 @@
+"""Pipeline stages: layer split, stage placement, and that chained stages compute the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.config import ParallelConfig, load_config
+from meshtron.distributed.pipeline_parallel import local_stage_ids, split_layers, split_pipeline
+from meshtron.errors import ConfigError
+
+
+def layer_counts(num_layers, **settings) -> list[int]:
+    return [len(r) for r in split_layers(num_layers, ParallelConfig(**settings))]
+
+
+def test_layers_spread_evenly_with_the_remainder_in_the_middle():
+    assert layer_counts(8, pp=4) == [2, 2, 2, 2]
+    assert layer_counts(10, pp=4) == [2, 3, 3, 2]
+    assert layer_counts(8, pp=2, pp_schedule="Interleaved1F1B") == [2, 2, 2, 2]
+    ranges = split_layers(10, ParallelConfig(pp=4))
+    assert [i for r in ranges for i in r] == list(range(10))  # contiguous, in order, each layer once
+
+
+def test_lighter_first_and_last_stages_and_explicit_counts():
+    assert layer_counts(10, pp=4, pp_first_stage_layers=1, pp_last_stage_layers=1) == [1, 4, 4, 1]
+    assert layer_counts(8, pp=2, pp_first_stage_layers=3) == [3, 5]
+    assert layer_counts(8, pp=4, pp_stage_layers="1,3,3,1") == [1, 3, 3, 1]
+    with pytest.raises(ConfigError, match="add up to the model's 8 layers"):
+        split_layers(8, ParallelConfig(pp=4, pp_stage_layers="1,3,3,2"))
+    with pytest.raises(ConfigError, match="fewer than the 8 pipeline stages"):
+        split_layers(4, ParallelConfig(pp=4, pp_schedule="Interleaved1F1B"))
+
+
+def test_stage_placement_looped_and_v_shaped():
+    assert local_stage_ids(1, ParallelConfig(pp=4)) == [1]
+    assert local_stage_ids(1, ParallelConfig(pp=4, pp_schedule="Interleaved1F1B")) == [1, 5]
+    assert local_stage_ids(0, ParallelConfig(pp=4, pp_schedule="ZBVZeroBubble")) == [0, 7]
+    assert local_stage_ids(3, ParallelConfig(pp=4, pp_schedule="ZBVZeroBubble")) == [3, 4]
+
+
+def test_chained_stages_compute_the_whole_model():
+    """Every stage of pp=2 x 2 stages per rank, materialized on its own, chained by hand, gives the
+    full model's logits: names, initialization and the stage forward all match the unsplit model."""
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.distributed.pipeline_parallel import set_stage_forward
+    from meshtron.models.attention import register_attention
+    from meshtron.models.build import build_meta_model, load_hf_config, materialize
+    from meshtron.train.batch import SequenceSplit, sequence_inputs
+
+    cfg = load_config(None, ["model.preset=llama-deep", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"], env={})
+    tokenizer = load_tokenizer("byte")
+    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+    cpu = torch.device("cpu")
+    full, adapter = build_meta_model(hf_config, cfg.model)
+    materialize(full, adapter, cpu, seed=3)
+    input_ids = torch.randint(0, 200, (2, 24))
+    input_ids[0, 5] = tokenizer.eos_token_id
+    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id, pp=2)
+    inputs = sequence_inputs(input_ids, split)
+    adapter.use_attention(full, register_attention())
+    expected = full(**inputs).logits
+
+    stages = {}
+    for pp_rank in range(2):
+        meta, _ = build_meta_model(hf_config, cfg.model)
+        for stage_id, stage in split_pipeline(meta, adapter, cfg.parallel, pp_rank):
+            materialize(stage, adapter, cpu, seed=3)
+            stages[stage_id] = stage
+    assert sorted(stages) == [0, 1, 2, 3]
+    names = {name for stage in stages.values() for name, _ in stage.named_parameters()}
+    assert names == {name for name, _ in full.named_parameters()}
+    out = (input_ids,)
+    for stage_id in range(4):
+        stage = stages[stage_id]
+        adapter.use_attention(stage, register_attention())
+        set_stage_forward(stage, adapter, stage_id == 0, stage_id == 3, lambda ids: sequence_inputs(ids, split))
+        out = stage(*out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
