@@ -1,4 +1,5 @@
-"""``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``.
+"""``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``
+and ``meshtron export CHECKPOINT OUT_DIR``.
 
 Under ``torchrun`` each process trains its rank. Started by hand, ``--nproc N`` re-launches itself
 through torch's elastic launcher on this machine; without it, one process trains alone.
@@ -39,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file")
     train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
+    export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
+    export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
     return parser
 
 
@@ -128,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, extra)
+        if args.command == "export":
+            if extra:
+                raise ConfigError(f"unexpected arguments {extra}; usage: meshtron export CHECKPOINT OUT_DIR")
+            from meshtron.checkpoint.export import export_checkpoint
+
+            out = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size)
+            print(f"meshtron: exported {args.checkpoint} to {out}/ (loads with AutoModelForCausalLM.from_pretrained)")
     except MeshtronError as err:
         _print_error(err)
         return 2 if isinstance(err, ConfigError) else 1

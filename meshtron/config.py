@@ -129,6 +129,20 @@ class FSDPConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go; default ``<run.output_dir>/checkpoints``."""
+    interval: int = 0
+    """Save every this many optimizer steps (and after the last); 0 saves nothing."""
+    keep_last: int = 2
+    """Complete checkpoints to keep (older ones are deleted after a newer one is complete); 0 keeps all."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (TOML/CLI key ``checkpoint.async`` too)."""
+    resume: str = "auto"
+    """``auto``: continue from ``latest`` in ``checkpoint.dir`` if there is one; a checkpoint path; or ``none``."""
+
+
+@dataclass
 class RunConfig:
     output_dir: str | None = None
     """Default ``runs/<timestamp>``."""
@@ -143,6 +157,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -203,7 +218,11 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     return value
 
 
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # ``async`` is a Python keyword
+
+
 def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
+    dotted = KEY_ALIASES.get(dotted, dotted)
     sections = _sections(cfg)
     section_name, _, key = dotted.partition(".")
     if section_name not in sections or not key:
@@ -294,6 +313,9 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) is larger than train.lr ({t.lr}); lower train.min_lr")
+    for key in ("interval", "keep_last"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(cfg.checkpoint, key)}")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
 
@@ -306,5 +328,9 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     }
 
 
+def to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+    Path(path).write_text(to_toml(cfg))

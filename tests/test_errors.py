@@ -142,3 +142,25 @@ def test_tensor_parallel_divisibility(changes, expected):
     with pytest.raises(ConfigError, match=expected):
         check_tensor_parallel(bad, adapter, 4, 32, True)
     check_tensor_parallel(bad, adapter, 1, 32, True)  # tp=1 never complains
+
+
+def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache_dir):
+    """Resuming refuses, before any work, a missing checkpoint, another model, or another global batch."""
+    common = [*FAST, f"--data.cache_dir={cache_dir}"]
+    code, err = run_main(capsys, [*common, "--checkpoint.interval=1", f"--run.output_dir={tmp_path / 'a'}"])
+    assert code == 0, err
+    saved = tmp_path / "a" / "checkpoints" / "step-00000001"
+    cases = [
+        (["--checkpoint.resume=/no/such/checkpoint"], "checkpoint '/no/such/checkpoint' is missing or incomplete"),
+        ([f"--checkpoint.resume={saved}", "--model.preset=llama-deep"],
+         "is of another model: num_hidden_layers 2 (checkpoint) vs 8 (this run)"),
+        ([f"--checkpoint.resume={saved}", "--train.global_batch_size=4"],
+         "was saved with train.global_batch_size=8 but this run has 4"),
+    ]
+    for index, (args, expected) in enumerate(cases):
+        code, err = run_main(capsys, [*common, *args, f"--run.output_dir={tmp_path / f'b{index}'}"])
+        lines = error_lines(err)
+        assert code != 0 and len(lines) == 1 and expected in lines[0], err
+    (saved / "meshtron.json").write_text("{ broken")
+    code, err = run_main(capsys, [*common, f"--checkpoint.resume={saved}", f"--run.output_dir={tmp_path / 'c'}"])
+    assert code != 0 and "meshtron.json is unreadable" in error_lines(err)[0], err

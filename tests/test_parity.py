@@ -153,9 +153,9 @@ LAYOUTS["pp2_dp2_cp2_tp2"] = (
 )
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
-# Replication over dp_replicate with FSDP over dp_shard x cp (the HSDP mesh of CP).
+# Replication over dp_replicate with FSDP over dp_shard x cp: the (dp_replicate, dp_shard_cp) mesh of HSDP x CP.
 LAYOUTS["ddp2_cp2"] = (4, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2"], "llama-docs")
-LAYOUTS["hsdp2x2_cp2"] = (8, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.cp=2"], "llama-docs")
+
 LAYOUTS["cp2_qwen3_accum_ac"] = (
     2, ["parallel.cp=2", "train.micro_batch_size=2", "train.activation_checkpointing=full"], "qwen3-docs"
 )

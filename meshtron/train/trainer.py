@@ -17,7 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.config import Config, save_config
+from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta, resume_point
+from meshtron.checkpoint.state import TrainingState
+from meshtron.config import Config, save_config, to_toml
 from meshtron.data.dataset import PackedDataset, build_packed_dataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import check_data_path
@@ -59,6 +61,8 @@ class Plan:
     hf_config: object
     pp_microbatches: int = 1
     """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
+    resume_from: Path | None = None
+    """The checkpoint this run continues from."""
 
 
 @dataclass
@@ -72,6 +76,8 @@ class TrainResult:
     model_parts: list[nn.Module] = field(default_factory=list)
     """The Hugging Face model (or, under pipeline parallelism, this rank's stages of it), parameter names unchanged."""
     optimizer: torch.optim.Optimizer | None = None
+    start_step: int = 0
+    """Optimizer steps already done when this run started (from a checkpoint)."""
     state_bytes: dict[str, int] = field(default_factory=dict)
     """This rank's parameter, gradient and optimizer-state bytes, measured after the first optimizer step."""
 
@@ -90,9 +96,9 @@ def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     return micro, batch // (dp * micro)
 
 
-def check_output_dir(output_dir: str | None) -> None:
-    """Refuse to write into a directory that already holds a run's outputs."""
-    if output_dir is None:
+def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
+    """Refuse to write into a directory that already holds a run's outputs, unless continuing that run."""
+    if output_dir is None or resuming:
         return
     path = Path(output_dir)
     if any((path / marker).exists() for marker in RUN_MARKERS):
@@ -105,7 +111,6 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     micro, accumulation = micro_batch_plan(cfg, dims)
     if cfg.fsdp.cpu_offload and device_type != "cuda":
         raise ConfigError("fsdp.cpu_offload needs CUDA devices; set fsdp.cpu_offload=false on CPU")
-    check_output_dir(cfg.run.output_dir)
     check_model_path(cfg.model)
     check_data_path(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
@@ -124,7 +129,9 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
-    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches)
+    resume_from = resume_point(cfg, hf_config)
+    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None)
+    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from)
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
@@ -170,7 +177,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     output_dir = _resolve_output_dir(cfg, runtime)
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, output_dir / "config.toml")
+        if not (plan.resume_from and (output_dir / "config.toml").exists()):  # a resumed run keeps its record
+            save_config(cfg, output_dir / "config.toml")
 
     torch.manual_seed(cfg.train.seed)
     dataset = build_packed_dataset(
@@ -207,12 +215,26 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     peak = device_peak_flops(runtime.device)
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
     result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
+    state = TrainingState(parts, model, optimizer)
+    checkpoints = None
+    if cfg.checkpoint.interval > 0 or plan.resume_from:
+        checkpoints = CheckpointManager(
+            checkpoint_directory(cfg), cfg.checkpoint.interval, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+            runtime,
+        )
+    start_step = 0
+    if plan.resume_from:
+        meta = checkpoints.load(plan.resume_from, state)
+        start_step = meta["step"]
+        scheduler.load_state_dict(meta["scheduler"])
+        logger.message(f"meshtron: resumed from {plan.resume_from} (step {start_step}, saved as {meta['layout']})")
+    result.start_step = start_step
     try:
-        for step in range(cfg.train.steps):
+        for step in range(start_step, cfg.train.steps):
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm, tokens = _train_step(
-                model, optimizer, dataset, schedule, step, step_context, measure=result.state_bytes if step == 0 else None
+                model, optimizer, dataset, schedule, step, step_context, measure=result.state_bytes if step == start_step else None
             )
             scheduler.step()
             if runtime.device.type == "cuda":
@@ -234,9 +256,14 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                         "max_memory_gb": max_memory_gb(runtime.device),
                     }
                 )
+            if checkpoints is not None and checkpoints.due(step + 1, cfg.train.steps):
+                meta = checkpoint_meta(step + 1, scheduler, plan.hf_config, cfg, runtime, dims.describe())
+                checkpoints.save(step + 1, state, meta, to_toml(cfg))
+        if checkpoints is not None:
+            checkpoints.wait()
+        trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
         logger.message(
-            f"meshtron: done, {cfg.train.steps} steps, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; "
-            f"outputs in {output_dir}/ (config.toml, metrics.jsonl)"
+            f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl)"
         )
     finally:
         logger.close()

@@ -1,0 +1,1 @@
+"""Distributed checkpoints (DCP): save, resume under any layout, export to Hugging Face."""

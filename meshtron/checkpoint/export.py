@@ -1,0 +1,55 @@
+"""``meshtron export CHECKPOINT OUT_DIR``: a meshtron checkpoint as a Hugging Face model directory.
+
+The checkpoint's model tensors (saved under any layout) are loaded whole into one process and written
+with ``save_pretrained`` as safetensors (sharded with an index above ``max_shard_size``), with the
+tokenizer when the run used a Hugging Face tokenizer directory. ``AutoModelForCausalLM.from_pretrained``
+loads the result; so does meshtron's ``model.name_or_path``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from meshtron.checkpoint.manager import quiet_single_process, read_meta
+from meshtron.errors import ConfigError
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, max_shard_size: str = "2GB") -> Path:
+    """Write ``checkpoint``'s model to ``out_dir`` (which must not exist or be empty); returns the directory."""
+    from meshtron.config import load_config
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.build import build_meta_model, load_hf_config
+
+    source, target = Path(checkpoint), Path(out_dir)
+    read_meta(source)
+    if target.exists() and any(target.iterdir()):
+        raise ConfigError(f"export directory '{target}' is not empty; choose a new directory (nothing was written)")
+    cfg = load_config(source / "config.toml", env={})
+    tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+    model, adapter = build_meta_model(hf_config, cfg.model)
+    model.to_empty(device=torch.device("cpu"))
+    adapter.tie_weights(model)
+    adapter.init_buffers(model, torch.device("cpu"))
+    weights = {name: tensor for name, tensor in model.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # saved once, as the embeddings
+    state = {"model": weights}
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(source), no_dist=True)
+    missing = model.load_state_dict(state["model"], strict=False).missing_keys
+    if set(missing) - {"lm_head.weight"}:
+        raise ConfigError(f"checkpoint '{source}' lacks model weights {sorted(missing)[:3]}; it is incomplete")
+    adapter.tie_weights(model)
+    target.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(target, safe_serialization=True, max_shard_size=max_shard_size)
+    if Path(cfg.data.tokenizer).is_dir():
+        for item in Path(cfg.data.tokenizer).iterdir():
+            if item.is_file() and ("token" in item.name or item.name == "special_tokens_map.json"):
+                shutil.copy2(item, target / item.name)
+    return target

@@ -1,0 +1,223 @@
+"""Saving, finding and loading checkpoints: atomic, retained, resumable under any layout.
+
+On disk (``checkpoint.dir``, default ``<run.output_dir>/checkpoints``)::
+
+    step-00000020/          a complete checkpoint: DCP files (.metadata, __<rank>_0.distcp),
+                            meshtron.json (step, scheduler, model and data settings), config.toml,
+                            rng-rank<r>.pt (each rank's torch RNG state)
+    step-00000030.partial/  a save in progress (or killed); never loaded
+    latest                  the name of the newest complete checkpoint
+
+A save goes to ``step-N.partial``; once every rank has written, rank 0 adds ``meshtron.json``,
+renames the folder to ``step-N`` and then replaces ``latest`` (write + rename), so a run killed at
+any moment leaves the previous checkpoint complete and named by ``latest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from meshtron.checkpoint.state import TrainingState
+from meshtron.errors import ConfigError, MeshtronError
+
+LATEST = "latest"
+META = "meshtron.json"
+PARTIAL = ".partial"
+# Model settings that must match between a checkpoint and the run that loads it.
+MODEL_KEYS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def model_signature(hf_config) -> dict:
+    return {key: getattr(hf_config, key, None) for key in MODEL_KEYS}
+
+
+def read_meta(path: Path) -> dict:
+    """meshtron.json of a complete checkpoint, or a clear error for a missing or broken one."""
+    meta_file = Path(path) / META
+    if not (Path(path) / ".metadata").is_file() or not meta_file.is_file():
+        raise MeshtronError(
+            f"checkpoint '{path}' is missing or incomplete (no .metadata / {META}); "
+            "point checkpoint.resume at a step-N folder written by meshtron, or use checkpoint.resume=none"
+        )
+    try:
+        return json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise MeshtronError(f"checkpoint '{path}': {META} is unreadable ({err}); the checkpoint is corrupt") from None
+
+
+def find_checkpoint(directory: Path, resume: str) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` asks for: None, the ``latest`` in ``directory``, or a given path."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        read_meta(path)
+        return path
+    marker = directory / LATEST
+    if not marker.is_file():
+        return None
+    path = directory / marker.read_text().strip()
+    read_meta(path)
+    return path
+
+
+def check_compatible(meta: dict, path: Path, hf_config, global_batch_size: int, seq_len: int) -> None:
+    """Refuse a checkpoint of another model or another data layout, naming what differs."""
+    ours = model_signature(hf_config)
+    differs = [f"{key} {meta['model'].get(key)} (checkpoint) vs {ours[key]} (this run)"
+               for key in MODEL_KEYS if meta["model"].get(key) != ours[key]]
+    if differs:
+        raise ConfigError(f"checkpoint '{path}' is of another model: {'; '.join(differs)}; use the model it was saved with")
+    for key, value in (("train.global_batch_size", global_batch_size), ("data.seq_len", seq_len)):
+        if meta[key] != value:
+            raise ConfigError(
+                f"checkpoint '{path}' was saved with {key}={meta[key]} but this run has {value}; the data "
+                f"position would not carry over: resume with {key}={meta[key]}"
+            )
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns on every save/load without a process group that it assumes one process: intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process")
+        yield
+
+
+class CheckpointManager:
+    """Saves every ``checkpoint.interval`` steps (sync or async), keeps the last ``keep_last``, loads one."""
+
+    def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime):
+        self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
+        self.runtime = runtime
+        self.pending = None  # (future, step, partial dir, meta) of an async save not yet committed
+        # Async saves run collectives from a background thread: give them a group of their own.
+        self.group = dist.new_group(backend="gloo") if async_save and runtime.distributed else None
+        if runtime.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            for stale in directory.glob(f"*{PARTIAL}"):  # left by a run that was killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+        runtime.barrier()
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.interval > 0 and (step % self.interval == 0 or step == last_step)
+
+    def save(self, step: int, state: TrainingState, meta: dict, config_text: str) -> None:
+        """Write a checkpoint of the state after ``step`` optimizer steps."""
+        self.wait()
+        partial = self.directory / (step_dir_name(step) + PARTIAL)
+        if self.runtime.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            (partial / "config.toml").write_text(config_text)
+        self.runtime.barrier()
+        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.runtime.rank}.pt")
+        try:
+            with quiet_single_process():
+                if self.async_save:
+                    future = dcp.async_save(state.state_dict(), checkpoint_id=str(partial), process_group=self.group,
+                                            no_dist=not self.runtime.distributed)
+                    self.pending = (future, step, partial, meta)
+                    return
+                dcp.save(state.state_dict(), checkpoint_id=str(partial), no_dist=not self.runtime.distributed)
+        except OSError as err:
+            raise MeshtronError(
+                f"saving checkpoint {partial.name} failed ({err}); free disk space or change checkpoint.dir "
+                "(earlier checkpoints are untouched)"
+            ) from None
+        self._commit(step, partial, meta)
+
+    def wait(self) -> None:
+        """Finish and commit an async save still in flight (every rank calls this at the same point)."""
+        if self.pending is None:
+            return
+        future, step, partial, meta = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except OSError as err:
+            raise MeshtronError(f"saving checkpoint {partial.name} failed ({err}); free disk space or change checkpoint.dir") from None
+        self._commit(step, partial, meta)
+
+    def _commit(self, step: int, partial: Path, meta: dict) -> None:
+        self.runtime.barrier()  # every rank has written its shards
+        if self.runtime.is_main:
+            (partial / META).write_text(json.dumps(meta, indent=1))
+            final = self.directory / step_dir_name(step)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            marker = self.directory / (LATEST + ".tmp")
+            marker.write_text(final.name)
+            os.replace(marker, self.directory / LATEST)
+            self._prune(final)
+        self.runtime.barrier()
+
+    def _prune(self, newest: Path) -> None:
+        if self.keep_last <= 0:
+            return
+        complete = sorted(p for p in self.directory.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL))
+        for old in complete[: -self.keep_last]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, state: TrainingState) -> dict:
+        """Load ``path`` into the model and optimizer (any layout); restore this rank's RNG if the world matches."""
+        meta = read_meta(path)
+        loaded = state.state_dict()
+        try:
+            with quiet_single_process():
+                dcp.load(loaded, checkpoint_id=str(path), no_dist=not self.runtime.distributed)
+        except Exception as err:  # noqa: BLE001 - DCP raises many types for a broken or foreign checkpoint
+            raise MeshtronError(f"checkpoint '{path}' could not be loaded: {str(err).splitlines()[0]}") from None
+        state.load_state_dict(loaded)
+        rng = path / f"rng-rank{self.runtime.rank}.pt"
+        if meta.get("world_size") == self.runtime.world_size and rng.is_file():
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+        return meta
+
+
+def checkpoint_directory(cfg) -> Path | None:
+    """``checkpoint.dir``, or ``<run.output_dir>/checkpoints``; None when neither is known yet."""
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return Path(cfg.run.output_dir) / "checkpoints" if cfg.run.output_dir else None
+
+
+def resume_point(cfg, hf_config) -> Path | None:
+    """The checkpoint this run continues from (checked against the model and data settings), or None."""
+    directory = checkpoint_directory(cfg)
+    if cfg.checkpoint.resume == "auto" and directory is None:
+        return None
+    path = find_checkpoint(directory, cfg.checkpoint.resume)
+    if path is not None:
+        check_compatible(read_meta(path), path, hf_config, cfg.train.global_batch_size, cfg.data.seq_len)
+    return path
+
+
+def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime, layout: str) -> dict:
+    """What meshtron.json records besides the tensors."""
+    return {
+        "step": step,
+        "scheduler": scheduler.state_dict(),
+        "model": model_signature(hf_config),
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "data.seq_len": cfg.data.seq_len,
+        "world_size": runtime.world_size,
+        "layout": layout,
+    }

@@ -1,0 +1,62 @@
+"""The training state as layout-independent tensors, for torch.distributed.checkpoint.
+
+Model entries are named as in the Hugging Face model (``model/<name>``), optimizer entries by
+parameter name too (``optim/state.<name>.exp_avg``, ``optim/param_groups.<name>.lr``), whatever
+FSDP, TP, CP or PP did to the model. DCP stores every tensor with its global shape and each rank's
+shard, so a checkpoint saved under one layout loads under any other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from meshtron.models.adapter import canonical_name
+
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optimizer_key_names(key: str, pipelined: bool) -> str:
+    """A flattened optimizer key with the pipeline container's stage index removed from the parameter name."""
+    if not pipelined:
+        return key
+    kind, rest = key.split(".", 1)  # "state" or "param_groups", then "<index>.<name>.<leaf>"
+    return f"{kind}.{rest.split('.', 1)[1]}"
+
+
+class TrainingState:
+    """Get and set the model and optimizer state of this rank's model parts under canonical names.
+
+    ``container`` is the module the optimizer was built over: the model itself, or under pipeline
+    parallelism an ``nn.ModuleList`` of the stages (whose names carry a stage index to strip).
+    """
+
+    def __init__(self, parts: list[nn.Module], container: nn.Module, optimizer: torch.optim.Optimizer):
+        self.parts, self.container, self.optimizer = parts, container, optimizer
+        self.pipelined = container is not parts[0]
+
+    def state_dict(self) -> dict:
+        model = {}
+        for part in self.parts:
+            model.update({canonical_name(k): v for k, v in get_model_state_dict(part).items()})
+        optim = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIM)
+        return {
+            "model": model,
+            "optim": {_optimizer_key_names(k, self.pipelined): v for k, v in optim.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put a state loaded in place into ``state_dict()``'s structure back into the model and optimizer."""
+        for part in self.parts:
+            own = {canonical_name(k) for k in get_model_state_dict(part)}
+            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own})
+        template = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIM)
+        optim = {key: state["optim"][_optimizer_key_names(key, self.pipelined)] for key in template}
+        set_optimizer_state_dict(self.container, self.optimizer, optim, options=_OPTIM)

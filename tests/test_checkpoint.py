@@ -1,0 +1,172 @@
+"""Checkpoints: exact resume under each parallelism, resume under another layout and world size,
+a run killed mid-save, and export to a Hugging Face directory that plain transformers loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli, run_torchrun, worker_env
+
+STEPS, HALF = 8, 4
+LOSS_RTOL = 1e-5
+
+
+def base(cache_dir) -> list[str]:
+    return [
+        "model.preset=llama-deep", "data.max_documents=40", "data.seq_len=32", f"data.cache_dir={cache_dir}",
+        f"train.steps={STEPS}", "train.global_batch_size=8", "train.lr=1e-3", "train.warmup_steps=2",
+        "train.seed=7", "run.progress=false", f"checkpoint.interval={HALF}",
+    ]
+
+
+def from_half(out: Path, name: str) -> str:
+    return f"checkpoint.resume={out / name / 'checkpoints' / f'step-{HALF:08d}'}"
+
+
+def launch(world: int, layouts: dict, out: Path, cache_dir) -> None:
+    spec = out / f"spec{world}.json"
+    spec.write_text(json.dumps({"base": base(cache_dir), "layouts": layouts}))
+    proc = run_torchrun(world, ["tests/parity_worker.py", str(spec), str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def in_process(name: str, overrides: list[str], out: Path, cache_dir):
+    from meshtron.config import load_config
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    cfg = load_config(None, base(cache_dir) + overrides + [f"run.output_dir={out / name}"], env={})
+    result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    weights = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+    (out / f"{name}.json").write_text(json.dumps({"losses": result.losses}))
+    torch.save(weights, out / f"{name}.pt")
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    """Uninterrupted runs that save at step 4 and 8, and runs resumed from their step-4 checkpoint."""
+    out = tmp_path_factory.mktemp("checkpoint")
+    launch(4, {
+        "fsdp4": ["parallel.dp_shard=4"],
+        "fsdp4_resumed": ["parallel.dp_shard=4", from_half(out, "fsdp4")],
+        "dp2_tp2_from_fsdp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "fsdp4")],
+        "pp2_tp2": ["parallel.pp=2", "parallel.tp=2"],
+        "pp2_tp2_resumed": ["parallel.pp=2", "parallel.tp=2", from_half(out, "pp2_tp2")],
+        "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
+        "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
+        "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
+    }, out, cache_dir)
+    in_process("single", [], out, cache_dir)
+    in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
+    in_process("single_from_fsdp4", [from_half(out, "fsdp4")], out, cache_dir)
+    return out
+
+
+def losses(out: Path, name: str) -> list[float]:
+    return json.loads((out / f"{name}.json").read_text())["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async"])
+def test_resume_is_exact(runs, straight):
+    """N steps, stop, resume for N more: the same losses and weights, bit for bit, as 2N straight."""
+    full, resumed = losses(runs, straight), losses(runs, f"{straight}_resumed")
+    assert len(full) == STEPS and len(resumed) == STEPS - HALF
+    assert resumed == full[HALF:]
+    weights, resumed_weights = torch.load(runs / f"{straight}.pt"), torch.load(runs / f"{straight}_resumed.pt")
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed, straight", [
+    ("dp2_tp2_from_fsdp4", "fsdp4"),     # FSDP4 -> DP2 x TP2, same world size
+    ("single_from_fsdp4", "fsdp4"),      # 4 processes -> 1
+    ("dp2_cp2_from_pp2_tp2", "pp2_tp2"), # PP2 x TP2 -> DP2 x CP2
+])
+def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
+    full, continued = losses(runs, straight), losses(runs, resumed)
+    assert len(continued) == STEPS - HALF
+    for step, (got, want) in enumerate(zip(continued, full[HALF:]), start=HALF + 1):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs uninterrupted {want}"
+
+
+@pytest.mark.slow
+def test_export_loads_in_plain_transformers(runs, tmp_path):
+    """The exported directory, loaded by plain transformers in a fresh process, gives the logits of
+    meshtron's model with the same trained weights."""
+    from meshtron.config import load_config
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.attention import register_attention
+    from meshtron.models.build import build_meta_model, load_hf_config, materialize
+    from meshtron.train.batch import SequenceSplit, sequence_inputs
+
+    checkpoint = runs / "single" / "checkpoints" / f"step-{STEPS:08d}"
+    exported, sharded = tmp_path / "hf", tmp_path / "hf-sharded"
+    proc = run_cli(["export", str(checkpoint), str(exported)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli(["export", str(checkpoint), str(sharded), "--max-shard-size=200KB"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
+    refused = run_cli(["export", str(checkpoint), str(exported)])  # never writes into a non-empty directory
+    assert refused.returncode != 0 and "is not empty" in refused.stderr
+    input_ids = torch.randint(1, 250, (2, 32), generator=torch.Generator().manual_seed(0))  # no EOS: one document
+    torch.save(input_ids, tmp_path / "ids.pt")
+    script = (
+        "import torch; from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(exported)!r}).eval()\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r}, weights_only=True)\n"
+        f"torch.save(model(ids).logits.detach(), {str(tmp_path / 'logits.pt')!r})\n"
+        f"other = AutoModelForCausalLM.from_pretrained({str(sharded)!r}).eval()\n"
+        "assert torch.equal(other(ids).logits, model(ids).logits)\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+
+    run_cfg = load_config(checkpoint / "config.toml", env={})
+    tokenizer = load_tokenizer(run_cfg.data.tokenizer)
+    model, adapter = build_meta_model(load_hf_config(run_cfg.model, tokenizer.vocab_size), run_cfg.model)
+    materialize(model, adapter, torch.device("cpu"), seed=0)
+    model.load_state_dict(torch.load(runs / "single.pt", weights_only=True))  # the run's final weights
+    adapter.use_attention(model, register_attention())
+    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        ours = model.eval()(**sequence_inputs(input_ids, split)).logits
+    theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_killed_during_save_resumes_from_the_last_complete_checkpoint(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    args = ["train", *[f"--{o}" for o in base(cache_dir)], "--checkpoint.interval=1", "--train.steps=400",
+            "--checkpoint.keep_last=2", f"--run.output_dir={out}", "--model.preset=llama-small"]
+    proc = subprocess.Popen([sys.executable, "-m", "meshtron", *args], cwd=REPO, env=worker_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    checkpoints = out / "checkpoints"
+    deadline, caught = time.time() + 240, False
+    while time.time() < deadline and proc.poll() is None:
+        partial = list(checkpoints.glob("*.partial")) if checkpoints.is_dir() else []
+        if partial and (checkpoints / "latest").is_file():
+            os.killpg(proc.pid, signal.SIGKILL)
+            caught = True
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    assert caught, "the run finished or failed before a save could be interrupted"
+    latest = (checkpoints / "latest").read_text().strip()
+    saved_step = int(latest.split("-")[1])
+    resumed = run_cli([*args, "--train.steps=" + str(saved_step + 2)], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoints / latest} (step {saved_step}" in resumed.stdout
+    assert not list(checkpoints.glob("*.partial"))
