@@ -1,6 +1,6 @@
 """The core guarantee: every layout trains the same model as one process.
 
-Per-step losses (12 steps, fp32, CPU) and final weights of DDP, FSDP, HSDP, gradient accumulation,
+Per-step losses and gradient norms (12 steps, fp32, CPU) and final weights of DDP, FSDP, HSDP, gradient accumulation,
 activation checkpointing, tensor parallelism (with and without sequence / loss parallel, alone
 and under FSDP / HSDP) and context parallelism (ring and all-gather, with document masks, alone and
 with FSDP / HSDP / TP) are compared with a plain single-process run of the same config. All layouts
@@ -21,6 +21,7 @@ from conftest import run_torchrun
 
 STEPS = 12
 LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
 # Final weights: relative L2 error per tensor, and a bound on any single element. Layouts that split
 # matmuls (TP) or sums (FSDP, accumulation) round differently from one process by ~1e-7; over 12
 # Adam steps that grows to a few 1e-6 relative, and an element whose gradient is ~0 can move by a few
@@ -198,18 +199,21 @@ def references(tmp_path_factory, cache_dir):
         cfg = load_config(None, overrides, env={})
         result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
         weights = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
-        results[name] = (result.losses, weights, sum(result.state_bytes.values()))
+        results[name] = (result.losses, weights, sum(result.state_bytes.values()), result.grad_norms)
     return results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, parity_runs, references):
-    ref_losses, ref_weights, _ = references[LAYOUTS[layout][2]]
+    ref_losses, ref_weights, _, ref_norms = references[LAYOUTS[layout][2]]
     got = json.loads((parity_runs / f"{layout}.json").read_text())
     assert len(got["losses"]) == STEPS
     for step, (loss, ref) in enumerate(zip(got["losses"], ref_losses), start=1):
         assert abs(loss - ref) <= LOSS_RTOL * abs(ref), f"step {step}: {loss} vs single-process {ref}"
+    # Adam hides a uniform gradient scale (a missing or doubled mean) almost entirely; the norm does not.
+    for step, (norm, ref) in enumerate(zip(got["grad_norms"], ref_norms), start=1):
+        assert abs(norm - ref) <= GRAD_NORM_RTOL * ref, f"step {step}: gradient norm {norm} vs single-process {ref}"
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run did not learn; the comparison would be vacuous"
     weights = torch.load(parity_runs / f"{layout}.pt", weights_only=True)
     assert set(weights) == set(ref_weights)
