@@ -115,17 +115,30 @@ def _exchange(send: torch.Tensor, layout: SequenceLayout) -> tuple[torch.Tensor,
     return received, dist.batch_isend_irecv(ops)
 
 
-def _forward_block(q_halves, kv, source: int, layout, scale, state) -> None:
-    """Attend the local queries to the K/V chunks of rank ``source``, merging into ``state``."""
-    c = layout.chunk
-    k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
+def _finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
+    """Wait for an ``_exchange`` and return what it received."""
+    received, requests = pending
+    for request in requests:
+        request.wait()
+    return received
+
+
+def _visible_blocks(layout: SequenceLayout, source: int):
+    """(query half, key half, mask) of every sub-block of the local queries x rank ``source``'s keys
+    that the causal and document masks do not hide entirely."""
     for qi, q_chunk in enumerate(chunk_ids(layout.cp, layout.rank)):
         for ki, kv_chunk in enumerate(chunk_ids(layout.cp, source)):
             mask = layout.block_mask(q_chunk, kv_chunk)
-            if isinstance(mask, str) and mask == "skip":
-                continue
-            out, lse = block_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
-            state[qi] = merge_partial(*state[qi], out, lse)
+            if not (isinstance(mask, str) and mask == "skip"):
+                yield qi, ki, mask
+
+
+def _forward_block(q_halves, kv, source: int, layout, scale, state) -> None:
+    """Attend the local queries to the K/V chunks of rank ``source``, merging into ``state``."""
+    k_halves, v_halves = _halves(kv[0], layout.chunk), _halves(kv[1], layout.chunk)
+    for qi, ki, mask in _visible_blocks(layout, source):
+        out, lse = block_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
+        state[qi] = merge_partial(*state[qi], out, lse)
 
 
 def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves) -> torch.Tensor:
@@ -133,17 +146,13 @@ def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_o
     c = layout.chunk
     k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
     grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for qi, q_chunk in enumerate(chunk_ids(layout.cp, layout.rank)):
-        for ki, kv_chunk in enumerate(chunk_ids(layout.cp, source)):
-            mask = layout.block_mask(q_chunk, kv_chunk)
-            if isinstance(mask, str) and mask == "skip":
-                continue
-            dq, dk, dv = block_backward(
-                q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, outs[qi], lses[qi], grad_outs[qi], layout.kernel
-            )
-            dq_halves[qi] += dq
-            grad_kv[0, :, :, ki * c : (ki + 1) * c] += dk
-            grad_kv[1, :, :, ki * c : (ki + 1) * c] += dv
+    for qi, ki, mask in _visible_blocks(layout, source):
+        dq, dk, dv = block_backward(
+            q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, outs[qi], lses[qi], grad_outs[qi], layout.kernel
+        )
+        dq_halves[qi] += dq
+        grad_kv[0, :, :, ki * c : (ki + 1) * c] += dk
+        grad_kv[1, :, :, ki * c : (ki + 1) * c] += dv
     return grad_kv
 
 
@@ -164,14 +173,11 @@ class _ContextParallelAttention(torch.autograd.Function):
                 _forward_block(q_halves, gathered[source], source, layout, scale, state)
         else:
             current = kv
-            for step in range(layout.cp):
+            for step, source in enumerate(_own_first(layout)):
                 pending = _exchange(current, layout) if step < layout.cp - 1 else None
-                _forward_block(q_halves, current, (layout.rank - step) % layout.cp, layout, scale, state)
+                _forward_block(q_halves, current, source, layout, scale, state)
                 if pending is not None:
-                    received, requests = pending
-                    for request in requests:
-                        request.wait()
-                    current = received
+                    current = _finish(pending)
         out = torch.cat([s[0] for s in state], dim=2)
         lse = torch.cat([s[1] for s in state], dim=2)
         ctx.save_for_backward(q, kv, out, lse)
@@ -196,23 +202,15 @@ class _ContextParallelAttention(torch.autograd.Function):
         else:
             current = kv
             grad_kv = None
-            for step in range(layout.cp):
+            for step, source in enumerate(_own_first(layout)):
                 pending = _exchange(current, layout) if step < layout.cp - 1 else None
-                source = (layout.rank - step) % layout.cp
                 block_grad = _backward_block(q_halves, current, source, layout, scale, outs, lses, grad_outs, dq_halves)
                 if grad_kv is not None:  # the gradient this block gathered on the ranks before
                     block_grad += grad_kv
                 if pending is not None:
-                    received, requests = pending
-                    for request in requests:
-                        request.wait()
-                    current = received
-                if layout.cp > 1:  # pass the block's gradient on; after a full turn it is home
-                    grad_kv, requests = _exchange(block_grad, layout)
-                    for request in requests:
-                        request.wait()
-                else:
-                    grad_kv = block_grad
+                    current = _finish(pending)
+                # Pass the block's gradient on; after a full turn it is home.
+                grad_kv = _finish(_exchange(block_grad, layout)) if layout.cp > 1 else block_grad
         dq = torch.cat(dq_halves, dim=2).to(q.dtype)
         return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None
 
@@ -225,7 +223,8 @@ def _all_gather_kv(kv: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
 
 
 def _own_first(layout: SequenceLayout) -> list[int]:
-    """Source ranks with the local one first, so the diagonal block starts every query's running result."""
+    """Source ranks with the local one first (the ring's arrival order), so the diagonal block starts every
+    query's running result."""
     return [(layout.rank - step) % layout.cp for step in range(layout.cp)]
 
 
