@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import types
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -180,13 +179,3 @@ def pipeline_schedule(stages: list, cfg: ParallelConfig, microbatches: int, loss
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
-@torch.no_grad()
-def sum_over_pipeline(value: torch.Tensor, pp_group) -> torch.Tensor:
-    """Sum a per-rank value (e.g. the loss, known only on the last stage) over the pipeline ranks."""
-    import torch.distributed as dist
-
-    if pp_group is not None:
-        dist.all_reduce(value, group=pp_group)
-    return value

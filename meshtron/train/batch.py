@@ -1,10 +1,11 @@
-"""Turn a packed micro-batch into the model's inputs: positions, document layout and the cp shard."""
+"""Turn a packed micro-batch into the model's inputs (positions, document layout, the cp shard) and its loss."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
@@ -27,13 +28,14 @@ class SequenceSplit:
     pp: int = 1
 
 
-def model_inputs(input_ids: torch.Tensor, labels: torch.Tensor, split: SequenceSplit) -> tuple[dict, torch.Tensor]:
-    """(keyword arguments for the model, labels), both cut to this rank's share of the sequence."""
-    return sequence_inputs(input_ids, split), shard_labels(labels, split)
-
-
 def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """This rank's share of the labels, cut like ``sequence_inputs`` cuts the tokens."""
     return shard_sequence(labels, split.cp, split.cp_rank)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the labelled tokens, in float32 (vocab-sharded logits under loss parallel)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
 from meshtron.distributed.tensor_parallel import local_value
-from meshtron.train.batch import IGNORE_INDEX, sequence_inputs
+from meshtron.train.batch import sequence_inputs, token_loss_sum
 
 
 @dataclass
@@ -28,8 +27,7 @@ class PipelineRunner:
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's."""
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss_sum * self.scale
+        return token_loss_sum(logits, labels) * self.scale
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage)."""

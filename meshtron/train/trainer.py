@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta, resume_point
@@ -41,8 +40,8 @@ from meshtron.metrics.logger import MetricsLogger, max_memory_gb, model_state_by
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
-from meshtron.distributed.pipeline_parallel import check_pipeline, sum_over_pipeline
-from meshtron.train.batch import IGNORE_INDEX, SequenceSplit, model_inputs, shard_labels
+from meshtron.distributed.pipeline_parallel import check_pipeline
+from meshtron.train.batch import IGNORE_INDEX, SequenceSplit, sequence_inputs, shard_labels, token_loss_sum
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.runtime import Runtime
@@ -278,7 +277,7 @@ def _count_params(model: nn.Module, pp_group=None) -> int:
     if pp_group is None:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)
-    return int(sum_over_pipeline(total, pp_group).item())
+    return int(_all_reduce_sum(total, pp_group).item())
 
 
 @dataclass
@@ -297,16 +296,16 @@ class _StepContext:
 
 
 def _forward_backward(model, batches, split: SequenceSplit, scale: float, device) -> torch.Tensor:
-    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss."""
+    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
+
+    ``batches``: (full token ids, this rank's labels) per micro-batch.
+    """
     local_loss_sum = torch.zeros((), device=device)
     for index, (input_ids, labels) in enumerate(batches):
         set_gradient_sync(model, index == len(batches) - 1)
-        inputs, labels = model_inputs(input_ids, labels, split)
-        logits = model(**inputs).logits
+        logits = model(**sequence_inputs(input_ids, split)).logits
         with loss_context(logits):  # vocab-sharded logits under loss parallel: forward and backward inside
-            loss_sum = F.cross_entropy(
-                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+            loss_sum = token_loss_sum(logits, labels)
             (loss_sum * scale).backward()
         local_loss_sum += local_value(loss_sum.detach())
         del logits, loss_sum
@@ -320,23 +319,23 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, ctx: _
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
-    raw = [(input_ids.to(device), labels.to(device)) for input_ids, labels in map(dataset.batch, micro_batches)]
-    labels_per_batch = [shard_labels(labels, ctx.split) for _, labels in raw]
-    targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for labels in labels_per_batch)), device=device)
+    batches = [(input_ids.to(device), shard_labels(labels.to(device), ctx.split))
+               for input_ids, labels in map(dataset.batch, micro_batches)]
+    targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
     global_targets = _all_reduce_sum(targets, ctx.loss_group).clamp(min=1.0)
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets.item()
     if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-        (input_ids, _), = raw
-        local_loss_sum = ctx.runner.run(input_ids, labels_per_batch[0], scale)
+        (input_ids, labels), = batches
+        local_loss_sum = ctx.runner.run(input_ids, labels, scale)
     else:
-        local_loss_sum = _forward_backward(model, raw, ctx.split, scale, device)
+        local_loss_sum = _forward_backward(model, batches, ctx.split, scale, device)
     parameters = [p for p in model.parameters() if p.grad is not None]
     if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
     grad_norm = global_grad_norm(parameters, pipeline_degree=dims.pp)
-    loss = _all_reduce_sum(local_loss_sum, ctx.loss_group)
-    loss = sum_over_pipeline(loss, ctx.pp_group) / global_targets
+    # Summed over the dp x cp ranks, then over the pipeline ranks (only the last stage has a loss).
+    loss = _all_reduce_sum(_all_reduce_sum(local_loss_sum, ctx.loss_group), ctx.pp_group) / global_targets
     loss_value, norm_value = loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         if cfg.train.on_nonfinite == "error":
