@@ -1,5 +1,5 @@
-"""``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``
-and ``meshtron export CHECKPOINT OUT_DIR``.
+"""``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``,
+``meshtron plan ...`` (see meshtron.plan.cli) and ``meshtron export CHECKPOINT OUT_DIR``.
 
 Under ``torchrun`` each process trains its rank. Started by hand, ``--nproc N`` re-launches itself
 through torch's elastic launcher on this machine; without it, one process trains alone.
@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from meshtron.errors import ConfigError, MeshtronError
+from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
 
@@ -40,10 +41,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file")
     train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="build one rank's sharded model on the meta device with a fake process group of --nproc "
+                            "ranks and print its parameter / gradient / optimizer bytes; trains nothing")
+    train.add_argument("--dry-run-rank", type=int, default=0, help="the rank --dry-run builds (default 0)")
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
     export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
     export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
+    from meshtron.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -64,6 +72,12 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.train.runtime import launched_world_size
 
     cfg = load_config(args.config, _overrides(extra))
+    if args.dry_run:
+        if args.nproc is None:
+            raise ConfigError("--dry-run needs --nproc N: the world size to shard the model for")
+        from meshtron.plan.cli import run_dry_run
+
+        return run_dry_run(cfg, args.nproc, args.dry_run_rank)
     if _under_torchrun():
         if args.nproc:
             raise ConfigError("--nproc cannot be used under torchrun; torchrun already started the processes")
@@ -133,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, extra)
+        if args.command == "plan":
+            if extra:
+                raise ConfigError(f"unexpected arguments {extra}; usage: {PLAN_USAGE}")
+            from meshtron.plan.cli import run_plan
+
+            return run_plan(args)
         if args.command == "export":
             if extra:
                 raise ConfigError(f"unexpected arguments {extra}; usage: meshtron export CHECKPOINT OUT_DIR")

@@ -38,6 +38,14 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path
     return subprocess.run(cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def failure_report(proc, tail: int = 4000) -> str:
+    """The first error lines of every rank (a crashed rank's traceback is often far above the tail)
+    and the end of the output, for an assertion message."""
+    text = proc.stdout + proc.stderr
+    errors = [line for line in text.splitlines() if "Error" in line and "Connection closed by peer" not in line]
+    return "first errors:\n" + "\n".join(errors[:20]) + "\n...\n" + text[-tail:]
+
+
 def run_cli(args: list[str], *, timeout: float = 300, cwd: Path | None = None, env=None):
     """Run ``python -m meshtron ARGS`` in a fresh process."""
     cmd = [sys.executable, "-m", "meshtron", *args]

@@ -2,8 +2,8 @@
 
 Usage: torchrun --nproc-per-node N tests/parity_worker.py SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}. For each layout, rank 0 writes
-OUT_DIR/<name>.json (per-step losses and grad norms, and the largest parameter + gradient + optimizer
-bytes of any rank) and OUT_DIR/<name>.pt (full final weights).
+OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter + gradient + optimizer
+bytes of any rank and the largest activation peak) and OUT_DIR/<name>.pt (full final weights).
 """
 
 import json
@@ -28,8 +28,8 @@ def main() -> None:
             cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
             plan = preflight(cfg, runtime.world_size, runtime.device.type)
             result = train(cfg, runtime, plan)
-            state_bytes = torch.tensor([sum(result.state_bytes.values())], dtype=torch.int64)
-            dist.all_reduce(state_bytes, op=dist.ReduceOp.MAX)
+            measured = torch.tensor([sum(result.state_bytes.values()), result.activation_bytes], dtype=torch.int64)
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
             options = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
             state = {}
             for part in result.model_parts:  # pipeline stages: each holds some of the parameters, names unchanged
@@ -41,7 +41,8 @@ def main() -> None:
             if runtime.is_main:
                 torch.save(state, out / f"{name}.pt")
                 (out / f"{name}.json").write_text(json.dumps(
-                    {"losses": result.losses, "grad_norms": result.grad_norms, "state_bytes": int(state_bytes)}
+                    {"losses": result.losses, "grad_norms": result.grad_norms, "state_bytes": int(measured[0]),
+                     "activation_bytes": int(measured[1])}
                 ))
             del result, state
     finally:

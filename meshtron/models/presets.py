@@ -50,6 +50,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
         rope_theta=500000.0, vocab_size=128256,
     ),
+    # Llama-3-70B shape.
+    "llama-70b": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, vocab_size=128256,
+    ),
 }
 ALIASES = {"tiny": "llama-tiny", "small": "llama-small"}
 

@@ -6,6 +6,7 @@ tokens, so it is the same number whatever the layout, micro-batch size or accumu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from meshtron.distributed.tensor_parallel import (
     reduce_partial_gradients,
 )
 from meshtron.errors import ConfigError, MeshtronError
+from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb, model_state_bytes
 from meshtron.models.adapter import adapter_for
@@ -79,6 +81,9 @@ class TrainResult:
     """Optimizer steps already done when this run started (from a checkpoint)."""
     state_bytes: dict[str, int] = field(default_factory=dict)
     """This rank's parameter, gradient and optimizer-state bytes, measured after the first optimizer step."""
+    activation_bytes: int = 0
+    """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
+    also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
 
 
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -174,6 +179,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     dims = plan.dims
     output_dir = _resolve_output_dir(cfg, runtime)
+    runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         if not (plan.resume_from and (output_dir / "config.toml").exists()):  # a resumed run keeps its record
@@ -228,12 +234,15 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         scheduler.load_state_dict(meta["scheduler"])
         logger.message(f"meshtron: resumed from {plan.resume_from} (step {start_step}, saved as {meta['layout']})")
     result.start_step = start_step
+    activation_step = min(start_step + 1, cfg.train.steps - 1)
     try:
         for step in range(start_step, cfg.train.steps):
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm, tokens = _train_step(
-                model, optimizer, dataset, schedule, step, step_context, measure=result.state_bytes if step == start_step else None
+                model, optimizer, dataset, schedule, step, step_context,
+                measure_state=result if step == start_step else None,
+                measure_activations=result if step == activation_step else None,
             )
             scheduler.step()
             if runtime.device.type == "cuda":
@@ -243,6 +252,11 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
             result.losses.append(loss)
             result.grad_norms.append(grad_norm)
             result.tokens_per_s.append(tokens_per_s)
+            if step == activation_step:
+                logger.message(
+                    f"meshtron: step {step + 1}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
+                    f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
+                )
             if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps:
                 logger.log(
                     {
@@ -312,10 +326,13 @@ def _forward_backward(model, batches, split: SequenceSplit, scale: float, device
     return local_loss_sum
 
 
-def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, ctx: _StepContext, measure=None):
+def _train_step(
+    model, optimizer, dataset: PackedDataset, schedule, step, ctx: _StepContext, measure_state=None, measure_activations=None
+):
     """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
 
-    ``measure``: a dict to fill with this rank's parameter/gradient/optimizer bytes after the step.
+    ``measure_state`` / ``measure_activations``: a TrainResult whose ``state_bytes`` / ``activation_bytes``
+    this step measures.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
@@ -325,11 +342,13 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, ctx: _
     global_targets = _all_reduce_sum(targets, ctx.loss_group).clamp(min=1.0)
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets.item()
-    if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-        (input_ids, labels), = batches
-        local_loss_sum = ctx.runner.run(input_ids, labels, scale)
-    else:
-        local_loss_sum = _forward_backward(model, batches, ctx.split, scale, device)
+    tracker = SavedActivationTracker()
+    with tracker.track() if measure_activations is not None else contextlib.nullcontext():
+        if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
+            (input_ids, labels), = batches
+            local_loss_sum = ctx.runner.run(input_ids, labels, scale)
+        else:
+            local_loss_sum = _forward_backward(model, batches, ctx.split, scale, device)
     parameters = [p for p in model.parameters() if p.grad is not None]
     if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
@@ -347,7 +366,9 @@ def _train_step(model, optimizer, dataset: PackedDataset, schedule, step, ctx: _
         return loss_value, norm_value, float(global_targets)
     clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm)
     optimizer.step()
-    if measure is not None:
-        measure.update(model_state_bytes(model, optimizer))
+    if measure_state is not None:
+        measure_state.state_bytes = model_state_bytes(model, optimizer)
+    if measure_activations is not None:
+        measure_activations.activation_bytes = tracker.peak_bytes
     optimizer.zero_grad(set_to_none=True)
     return loss_value, norm_value, float(global_targets)

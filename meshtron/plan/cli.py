@@ -1,0 +1,138 @@
+"""``meshtron plan`` and ``meshtron train --dry-run``: argument handling and printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshtron.config import Config, ModelConfig
+from meshtron.errors import ConfigError
+from meshtron.plan.hardware import GPUS, hardware, parse_gigabytes
+
+PLAN_USAGE = "meshtron plan --model PRESET|DIR|CONFIG.json --gpus N --seq-len L --global-batch B [options]"
+
+
+def add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="rank the layouts that fit a model on a cluster", usage=PLAN_USAGE)
+    plan.add_argument("--model", required=True, help="a meshtron preset, a local Hugging Face model directory or a config.json")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(GPUS)} (default h100)")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB (default: the GPU's)")
+    plan.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
+    plan.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU per direction inside a node")
+    plan.add_argument("--network-gbps", type=float, help="GB/s per GPU per direction between nodes")
+    plan.add_argument("--matmul-efficiency", type=float, help="fraction of peak the model's matmuls reach")
+    plan.add_argument("--reserved-gb", type=float, help="GB per GPU not available to tensors")
+    plan.add_argument("--no-mask-documents", action="store_true", help="plan for data.mask_documents=false")
+    plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
+    plan.add_argument("--emit-config", metavar="OUT.toml", help="write the recommended layout as a meshtron train config")
+
+
+def resolve_model(spec: str):
+    """(Hugging Face config, ModelConfig for a train config) of a preset name, model directory or config.json."""
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.presets import PRESETS, ALIASES, make_preset_config, preset_names
+
+    if spec in PRESETS or spec in ALIASES:
+        return make_preset_config(spec, load_tokenizer("byte").vocab_size), ModelConfig(preset=spec)
+    path = Path(spec).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".json"):
+        from transformers import AutoConfig
+
+        directory = path if path.is_dir() else path.parent
+        try:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--model: '{spec}' is not a Hugging Face config ({err})") from None
+        return config, ModelConfig(name_or_path=str(directory))
+    raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(preset_names())}) nor a model directory or config.json")
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from meshtron.plan.layout import Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.report import candidate_record, emit_config, format_table
+    from meshtron.plan.search import plan_layouts
+
+    for name in ("gpus", "seq_len", "global_batch", "top"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    hw = hardware(args.gpu).with_overrides(
+        memory_gb=parse_gigabytes(args.gpu_memory) if args.gpu_memory else None,
+        gpus_per_node=args.gpus_per_node, peak_tflops=args.peak_tflops, nvlink_gbps=args.nvlink_gbps,
+        network_gbps=args.network_gbps, matmul_efficiency=args.matmul_efficiency, reserved_gb=args.reserved_gb,
+    )
+    if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
+        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node")
+    hf_config, model_cfg = resolve_model(args.model)
+    if args.emit_config and Path(args.emit_config).exists():
+        raise ConfigError(f"--emit-config: '{args.emit_config}' already exists; choose a new file name")
+    shape = ModelShape.from_hf_config(hf_config, model_cfg)
+    workload = Workload(seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents)
+    candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "parameters": shape.total_params, "gpus": args.gpus, "hardware": hw.__dict__,
+            "workload": workload.__dict__, "candidates": [candidate_record(c, args.gpus) for c in candidates],
+        }, indent=1))
+    else:
+        print(
+            f"meshtron plan: {args.model} ({_count(shape.total_params)} parameters, {shape.family}) on {args.gpus} x "
+            f"{hw.name}, {hw.gpus_per_node} per node | seq {args.seq_len} x global batch {args.global_batch} | "
+            f"fp32 weights + AdamW, bf16 compute"
+        )
+        print(format_table(candidates, args.gpus, hw, args.top))
+    fitting = [c for c in candidates if c.fits]
+    if args.emit_config:
+        if not fitting:
+            raise ConfigError("--emit-config: no layout fits, so there is no config to write; see the table")
+        best = fitting[0]
+        header = (
+            f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
+            f"--global-batch {args.global_batch} --gpu {args.gpu}\n"
+            f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} tokens/s, "
+            f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
+        )
+        out = emit_config(best.layout, workload, model_cfg, args.emit_config, header)
+        print(f"meshtron plan: wrote {out}; run it with: meshtron train --config {out} --nproc {args.gpus} "
+              "(or torchrun ... -m meshtron train --config ...)")
+    return 0 if fitting else 1
+
+
+def run_dry_run(cfg: Config, world_size: int, rank: int) -> int:
+    """Shard the model for one rank without hardware; print its bytes next to the planner's estimate."""
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.build import load_hf_config
+    from meshtron.plan.dry_run import dry_run
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import state_numel
+    from meshtron.plan.layout import DTYPE_BYTES
+    from meshtron.plan.model_shape import ModelShape
+
+    report = dry_run(cfg, world_size, rank)
+    hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    layout = Layout.from_config(cfg, world_size, hf_config)
+    shape = ModelShape.from_hf_config(hf_config, cfg.model)
+    pp_rank = rank // (world_size // layout.pp)  # pp is the outermost mesh dim
+    planned = state_numel(shape, layout, Workload.from_config(cfg))[pp_rank] * DTYPE_BYTES[cfg.model.dtype]
+    print(
+        f"meshtron dry run: rank {report.rank} of {report.world_size} ({report.layout}), pipeline stages "
+        f"{list(report.stages)}: parameters {report.params / 1e9:.3f} GB, gradients {report.grads / 1e9:.3f} GB, "
+        f"optimizer state {report.optimizer / 1e9:.3f} GB, total {report.state / 1e9:.3f} GB "
+        f"({report.seconds:.1f} s)\n"
+        f"meshtron plan estimate for this rank: parameters {planned / 1e9:.3f} GB "
+        f"(dry run vs plan: {(report.params - planned) / planned:+.2%})"
+    )
+    return 0

@@ -1,0 +1,82 @@
+"""Devices and links the planner assumes: documented constants, every one overridable from the CLI.
+
+Figures are the vendors' data-sheet numbers (dense bf16, no sparsity; NVLink per GPU and direction;
+one 400 Gb/s NIC per GPU for H100/H200-class clusters, 200 Gb/s for A100) and two efficiencies that
+turn data-sheet peaks into what training kernels and NCCL reach in practice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from meshtron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of accelerator and the links between them."""
+
+    name: str
+    memory_gb: float
+    """Device memory in GB (1e9 bytes), as sold."""
+    peak_tflops: float
+    """Dense bf16 peak."""
+    nvlink_gbps: float
+    """GB/s per GPU per direction inside a node."""
+    network_gbps: float
+    """GB/s per GPU per direction between nodes."""
+    fp32_tflops: float
+    """Plain fp32 peak (no tensor cores; PyTorch leaves TF32 off for matmuls, and so does meshtron)."""
+    gpus_per_node: int = 8
+    matmul_efficiency: float = 0.35
+    """Fraction of peak a training step's model FLOPs run at, before communication: meshtron measured
+    32.1% MFU on one H100 (llama-1b, bf16, BENCHMARKS.md); torchtitan's eager Llama-3-8B FSDP runs
+    report 33-39%. Fused-kernel stacks (NeMo / Transformer Engine) reach 50-60%."""
+    link_efficiency: float = 0.8
+    """Fraction of link bandwidth NCCL collectives reach (bus bandwidth / line rate)."""
+    nvlink_latency_us: float = 5.0
+    network_latency_us: float = 15.0
+    reserved_gb: float = 3.0
+    """Memory not available to tensors: CUDA context, NCCL buffers, allocator fragmentation."""
+
+    def with_overrides(self, **values) -> "Hardware":
+        return replace(self, **{k: v for k, v in values.items() if v is not None})
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+
+GPUS: dict[str, Hardware] = {
+    "h100": Hardware("H100 SXM 80GB", 80, 989, 450, 50, 67),
+    "h200": Hardware("H200 SXM 141GB", 141, 989, 450, 50, 67),
+    "a100": Hardware("A100 SXM 80GB", 80, 312, 300, 25, 19.5),
+    "a100-40gb": Hardware("A100 SXM 40GB", 40, 312, 300, 25, 19.5),
+    "b200": Hardware("B200 180GB", 180, 2250, 900, 100, 80),
+}
+
+
+def hardware(name: str) -> Hardware:
+    key = name.lower()
+    if key not in GPUS:
+        raise ConfigError(f"--gpu: unknown GPU '{name}'; choose one of {', '.join(GPUS)} (and override with --gpu-memory etc.)")
+    return GPUS[key]
+
+
+def parse_gigabytes(text: str) -> float:
+    """``80GB``, ``80``, ``141 GB`` -> 80.0 / 141.0 (GB = 1e9 bytes)."""
+    cleaned = text.strip().upper().replace(" ", "")
+    for suffix in ("GIB", "GB", "G"):
+        if cleaned.endswith(suffix):
+            number = cleaned[: -len(suffix)]
+            factor = 2**30 / 1e9 if suffix == "GIB" else 1.0
+            break
+    else:
+        number, factor = cleaned, 1.0
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise ConfigError(f"--gpu-memory: '{text}' is not a size; write e.g. 80GB") from None
+    if value <= 0:
+        raise ConfigError(f"--gpu-memory: must be positive, got '{text}'")
+    return value

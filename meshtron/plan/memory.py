@@ -1,0 +1,195 @@
+"""Per-rank memory of a layout: model state from the real parameter shapes, activations from the model's
+anatomy, plus FSDP's gathered buffers and the loss's temporaries.
+
+Model state (parameters, gradients, AdamW's two moments) is exact up to FSDP's padding: every
+parameter is split by tensor parallelism as meshtron's TP plan splits it, then on dim 0 over
+``dp_shard x cp`` with the first rank taking the ceiling. Activations count what autograd keeps
+for backward, term by term as Hugging Face's Llama-family code saves it (see docs/planning.md);
+``meshtron.metrics.activations`` measures the same quantity in real runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
+from meshtron.plan.model_shape import ModelShape
+
+FP32 = 4
+INDEX = 8  # int64 token ids and labels
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the busiest rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Peak of what autograd keeps for backward (all microbatches in flight)."""
+    gathered: int
+    """FSDP's all-gathered parameters and unreduced gradients of the blocks being computed."""
+    temporaries: int
+    """Transient buffers outside autograd's saved set: logits, their fp32 copy and gradient; a block's
+    recomputation under activation checkpointing."""
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.gathered + self.temporaries
+
+
+def stage_layout(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[list[tuple[int, bool, bool]]]:
+    """Per pipeline rank: (layers, holds embeddings, holds head) of each stage it holds."""
+    if layout.pp == 1:
+        return [[(shape.layers, True, True)]]
+    from meshtron.distributed.pipeline_parallel import local_stage_ids, split_layers
+
+    cfg = layout.parallel_config(workload)
+    ranges = split_layers(shape.layers, cfg)
+    last = len(ranges) - 1
+    return [[(len(ranges[s]), s == 0, s == last) for s in local_stage_ids(r, cfg)] for r in range(layout.pp)]
+
+
+def _numel(specs, layout: Layout, shape: ModelShape) -> int:
+    return sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads) for p in specs)
+
+
+def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
+    """Parameter elements held by each pipeline rank (the largest FSDP shard of it)."""
+    block = _numel(shape.block, layout, shape)
+    embedding = _numel(shape.embedding, layout, shape)
+    final = _numel(shape.final, layout, shape)
+    return [
+        sum(layers * block + (embedding if first else 0) + (final if last else 0) for layers, first, last in stages)
+        for stages in stage_layout(shape, layout, workload)
+    ]
+
+
+def compute_bytes(layout: Layout, workload: Workload) -> int:
+    dtype = workload.compute_dtype if layout.fsdp_enabled else workload.model_dtype
+    return DTYPE_BYTES[dtype]
+
+
+def _norm(hidden: int, e: int) -> int:
+    """An RMSNorm keeps its input upcast to fp32, 1/rms and its normalized output (before the weight)."""
+    return FP32 * hidden + FP32 + e * hidden
+
+
+def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Bytes one decoder block keeps for backward per token of this rank's sequence chunk, no checkpointing."""
+    e, tp = compute_bytes(layout, workload), layout.tp
+    h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
+    heads = shape.heads // tp
+    kv_local = max(shape.kv_heads // tp, 1)
+    kv_stored = shape.kv_heads // tp if shape.kv_heads >= tp else shape.kv_heads  # replicated KV: v is a view
+    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    norms = 2 * _norm(h, e) / stream_split
+    gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
+    attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
+    if meshtron_attention(layout, workload):
+        attention += e * heads * d  # the output made contiguous for o_proj
+        if layout.cp == 1:
+            attention += e * workload.seq_len  # the document mask, which SDPA turns into a float bias
+    if shape.head_norms:
+        attention += _norm(heads * d, e) + _norm(kv_local * d, e)  # Qwen3's per-head q/k norms
+    mlp = 4 * e * inter // tp  # gate, silu(gate), up, silu(gate) * up
+    return norms + gathered_inputs + attention + mlp
+
+
+def meshtron_attention(layout: Layout, workload: Workload) -> bool:
+    from meshtron.models.attention import uses_meshtron_attention
+
+    return uses_meshtron_attention(layout.cp, workload.mask_documents, layout.pp)
+
+
+def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, first: bool, last: bool) -> float:
+    e, tp = compute_bytes(layout, workload), layout.tp
+    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    total = 0.0
+    if first:
+        total += INDEX  # token ids for the embedding's backward
+    if last:
+        vocab = shape.vocab // tp if tp > 1 and layout.loss_parallel else shape.vocab
+        total += _norm(shape.hidden, e) / stream_split + e * shape.hidden  # final norm, head input
+        total += FP32 * vocab + INDEX  # log-softmax output (fp32), labels
+    return total
+
+
+def checkpointed_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Bytes per token a checkpointed block keeps: its input (full) or its input and matmul/attention outputs (selective)."""
+    e, tp = compute_bytes(layout, workload), layout.tp
+    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    block_input = e * shape.hidden / stream_split
+    if layout.activation_checkpointing == "full":
+        return block_input
+    heads, kv_local = shape.heads // tp, max(shape.kv_heads // tp, 1)
+    matmuls = e * ((heads + 2 * kv_local) * shape.head_dim + 2 * shape.hidden + 3 * shape.intermediate // tp)
+    return block_input + matmuls + e * heads * shape.head_dim + FP32 * heads
+
+
+def chunks_in_flight(layout: Layout, workload: Workload, pp_rank: int) -> int:
+    """Stage-microbatches whose activations a pipeline rank holds at its peak (1 without pipelining)."""
+    if layout.pp == 1:
+        return 1
+    m, pp, v = layout.microbatches(workload), layout.pp, layout.pp_stages_per_rank
+    if layout.pp_schedule == "GPipe":
+        return m
+    if layout.pp_schedule == "1F1B":
+        return min(m, pp - pp_rank)
+    # Interleaved and zero-bubble schedules: the warm-up forwards of torch.distributed.pipelining.
+    return min(m * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Peak saved-for-backward bytes of each pipeline rank."""
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    if layout.activation_checkpointing == "none":
+        per_block = block_activation_per_token(shape, layout, workload)
+    else:
+        per_block = checkpointed_block_per_token(shape, layout, workload)
+    peaks = []
+    for rank, stages in enumerate(stage_layout(shape, layout, workload)):
+        per_chunk = [layers * per_block + outer_activation_per_token(shape, layout, workload, first, last)
+                     for layers, first, last in stages]
+        average = sum(per_chunk) / len(per_chunk)
+        peaks.append(tokens * max(max(per_chunk), average * chunks_in_flight(layout, workload, rank)))
+    return peaks
+
+
+def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryEstimate:
+    """Memory of the busiest rank of ``layout`` (the pipeline rank with the most bytes)."""
+    state_bytes = DTYPE_BYTES[workload.model_dtype]
+    numels = state_numel(shape, layout, workload)
+    activations = activation_bytes(shape, layout, workload)
+    e = compute_bytes(layout, workload)
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    vocab = shape.vocab // layout.tp if layout.tp > 1 and layout.loss_parallel else shape.vocab
+    estimates = []
+    for rank, (numel, acts) in enumerate(zip(numels, activations)):
+        stages = stage_layout(shape, layout, workload)[rank]
+        gathered = 0
+        if layout.fsdp_enabled:
+            block = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.block)
+            outer = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.embedding + shape.final)
+            # two blocks gathered (the one computing, the one prefetched), one block's unreduced fp32 gradient,
+            # and the root's parameters (embeddings, head) that stay gathered for the whole step
+            gathered = 2 * block * e + block * FP32 + outer * e
+        temporaries = 0.0
+        if any(last for _, _, last in stages):
+            temporaries += tokens * vocab * (e + 2 * FP32)  # logits, their fp32 copy, the gradient
+        if layout.activation_checkpointing != "none":
+            temporaries += tokens * block_activation_per_token(shape, layout, workload)  # one block recomputed
+        if layout.cp > 1:
+            # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
+            chunk = workload.seq_len / (2 * layout.cp)
+            temporaries += 3 * FP32 * layout.micro_batch * (shape.heads // layout.tp) * chunk * chunk
+        estimates.append(MemoryEstimate(
+            params=numel * state_bytes, grads=numel * state_bytes, optimizer=2 * numel * state_bytes,
+            activations=int(acts), gathered=int(gathered), temporaries=int(temporaries),
+        ))
+    return max(estimates, key=lambda m: m.total)

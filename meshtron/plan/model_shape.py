@@ -1,0 +1,107 @@
+"""A model's anatomy as the planner needs it: every parameter's shape and how tensor parallelism splits it.
+
+Shapes come from the real Hugging Face model built on the meta device (no weights, no memory); the
+tensor-parallel split of each parameter comes from the adapter's roles, as meshtron's TP code uses them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtron.config import ModelConfig
+from meshtron.models.adapter import canonical_name
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its shape and the dim tensor parallelism splits (None: every tp rank holds it whole)."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+
+    def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
+        if tp == 1 or self.role in ("norm", "head_norm"):
+            return None
+        if self.role == "kv_colwise" and num_kv_heads < tp:
+            return None  # replicated KV projection
+        if self.role == "rowwise":
+            return 1 if len(self.shape) == 2 else None  # a row-parallel bias is replicated
+        return 0  # colwise, kv_colwise, embedding, head (and their biases)
+
+    def local_numel(self, tp: int, fsdp: int, num_kv_heads: int) -> int:
+        """Elements the largest holder keeps: its tp split, then FSDP's dim-0 split (rank 0 gets the ceiling)."""
+        shape = list(self.shape)
+        dim = self.tp_dim(tp, num_kv_heads)
+        if dim is not None:
+            shape[dim] //= tp
+        shape[0] = -(-shape[0] // fsdp)
+        return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parameters of one decoder block (all blocks are alike) and of the parts around them."""
+
+    family: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    block: tuple[ParamSpec, ...]
+    embedding: tuple[ParamSpec, ...]
+    final: tuple[ParamSpec, ...]
+    """The final norm and (untied) head."""
+    head_norms: bool
+    """Per-head q/k norms inside attention (Qwen3)."""
+
+    @property
+    def total_params(self) -> int:
+        block = sum(math.prod(p.shape) for p in self.block)
+        outer = sum(math.prod(p.shape) for p in self.embedding + self.final)
+        return block * self.layers + outer
+
+    @classmethod
+    def from_hf_config(cls, hf_config, model_cfg: ModelConfig | None = None) -> "ModelShape":
+        from meshtron.models.build import build_meta_model
+
+        model, adapter = build_meta_model(hf_config, model_cfg or ModelConfig())
+        blocks = adapter.named_blocks(model)
+        roles = adapter.block_tp_roles(blocks[0][1])
+        block_specs = []
+        for name, param in blocks[0][1].named_parameters():
+            module = name.rsplit(".", 1)[0]
+            block_specs.append(ParamSpec(name, tuple(param.shape), roles.get(module, "norm")))
+        shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
+        if len(shapes) != 1:
+            raise ValueError(f"model family '{adapter.family}': decoder blocks differ in shape; the planner needs alike blocks")
+        top_roles = adapter.top_tp_roles(model)
+        embedding, final = [], []
+        for raw_name, param in model.named_parameters():  # tied parameters are listed once
+            name = canonical_name(raw_name)
+            if ".layers." in name:
+                continue
+            module = name.rsplit(".", 1)[0]
+            spec = ParamSpec(name, tuple(param.shape), top_roles.get(module, "norm"))
+            (embedding if spec.role == "embedding" else final).append(spec)
+        shape = adapter.attention_shape(hf_config)
+        return cls(
+            family=adapter.family,
+            hidden=hf_config.hidden_size,
+            intermediate=hf_config.intermediate_size,
+            layers=hf_config.num_hidden_layers,
+            heads=shape.num_heads,
+            kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            vocab=hf_config.vocab_size,
+            tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            block=tuple(block_specs),
+            embedding=tuple(embedding),
+            final=tuple(final),
+            head_norms=any(r == "head_norm" for r in roles.values()),
+        )

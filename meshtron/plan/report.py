@@ -1,0 +1,98 @@
+"""``meshtron plan``'s outputs: the ranked table, JSON, and a ready ``meshtron train`` config."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from meshtron.config import Config, ModelConfig, to_toml
+from meshtron.errors import ConfigError
+from meshtron.plan.hardware import Hardware
+from meshtron.plan.layout import Layout, Workload
+from meshtron.plan.search import Candidate
+
+GB = 1e9
+
+
+def candidate_record(c: Candidate, gpus: int) -> dict:
+    m, s = c.memory, c.step
+    return {
+        "layout": dataclasses.asdict(c.layout),
+        "fits": c.fits,
+        "memory_gb": {
+            "params": m.params / GB, "grads": m.grads / GB, "optimizer": m.optimizer / GB,
+            "activations": m.activations / GB, "gathered": m.gathered / GB, "temporaries": m.temporaries / GB,
+            "total": m.total / GB,
+        },
+        "step_s": s.seconds, "compute_s": s.compute_s, "exposed_comm_s": s.exposed_comm_s,
+        "tokens_per_s": s.tokens_per_s, "tokens_per_s_per_gpu": s.tokens_per_s / gpus, "mfu": s.mfu,
+    }
+
+
+def _layout_cell(layout: Layout) -> str:
+    return f"{layout.pp:>2} {layout.dp_replicate:>4} {layout.dp_shard:>5} {layout.cp:>2} {layout.tp:>2}"
+
+
+def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int) -> str:
+    """The ``top`` best layouts that fit, the recommended one marked with ``*``."""
+    fitting = [c for c in candidates if c.fits]
+    usable = hw.memory_gb - hw.reserved_gb
+    header = (
+        "   pp  rep shard cp tp | micro  ckpt       schedule        | GB/rank: state  act  other  total | "
+        "step s  tok/s/GPU   MFU"
+    )
+    lines = [header, "-" * len(header)]
+    for index, c in enumerate(fitting[:top]):
+        m, s, layout = c.memory, c.step, c.layout
+        schedule = layout.pp_schedule if layout.pp > 1 else "-"
+        lines.append(
+            f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  {layout.activation_checkpointing:<9}  "
+            f"{schedule:<15} | {m.state / GB:>13.1f} {m.activations / GB:>4.1f} {(m.gathered + m.temporaries) / GB:>6.1f} "
+            f"{m.total / GB:>6.1f} | {s.seconds:>6.2f} {s.tokens_per_s / gpus:>10,.0f} {s.mfu:>5.1%}"
+        )
+    rejected = len(candidates) - len(fitting)
+    lines.append(
+        f"{len(fitting)} of {len(candidates)} layouts fit in {usable:.0f} GB per GPU ({hw.memory_gb:.0f} GB less "
+        f"{hw.reserved_gb:.0f} GB reserved); {rejected} need more memory."
+    )
+    if not fitting:
+        smallest = min(candidates, key=lambda c: c.memory.total)
+        lines.append(
+            f"meshtron plan: nothing fits; the smallest layout needs {smallest.memory.total / GB:.1f} GB per GPU "
+            f"({smallest.layout.describe()}, micro batch {smallest.layout.micro_batch}, "
+            f"{smallest.layout.activation_checkpointing} checkpointing): add GPUs, shorten --seq-len or use bigger GPUs"
+        )
+    return "\n".join(lines)
+
+
+def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> Config:
+    """The ``meshtron train`` config that runs ``layout``: fp32 master weights, bf16 compute under FSDP."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(model_cfg, dtype=workload.model_dtype)
+    cfg.data.seq_len = workload.seq_len
+    cfg.data.mask_documents = workload.mask_documents
+    cfg.train.global_batch_size = workload.global_batch
+    cfg.train.activation_checkpointing = layout.activation_checkpointing
+    if layout.pp == 1:
+        cfg.train.micro_batch_size = layout.micro_batch
+    cfg.parallel = layout.parallel_config(workload)
+    if layout.pp == 1:
+        cfg.parallel.pp_schedule = "1F1B"
+    cfg.fsdp.param_dtype = workload.compute_dtype
+    return cfg
+
+
+def write_new_file(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to a file that must not exist yet (never overwrite what a user has)."""
+    target = Path(path)
+    if target.exists():
+        raise ConfigError(f"--emit-config: '{target}' already exists; choose a new file name")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "x") as handle:
+        handle.write(text)
+    return target
+
+
+def emit_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, path: str | os.PathLike, header: str = "") -> Path:
+    return write_new_file(path, header + to_toml(train_config(layout, workload, model_cfg)))

@@ -1,0 +1,113 @@
+"""Step time of a layout: matmul FLOPs at a fraction of the device's peak, plus the communication that
+compute does not hide, each collective costed by an alpha-beta model over NVLink or the network.
+
+Mesh order is (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a group of the ranks of one
+dim spans ``size x (product of the inner degrees)`` consecutive ranks: inside a node when that is at
+most ``gpus_per_node``, across nodes otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.metrics.flops import flops_per_token
+from meshtron.plan.hardware import Hardware
+from meshtron.plan.layout import Layout, Workload
+from meshtron.plan.memory import FP32, compute_bytes, stage_layout, state_numel
+from meshtron.plan.model_shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    seconds: float
+    compute_s: float
+    """Matmul time including recomputation and the pipeline bubble."""
+    exposed_comm_s: float
+    """Communication on the critical path (TP, un-hidden CP / FSDP / HSDP, pipeline transfers)."""
+    tokens_per_s: float
+    mfu: float
+
+
+def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: float = 1.0) -> float:
+    """Ring all-gather / reduce-scatter of ``nbytes`` (whole buffer) over ``group`` ranks spanning ``span``
+    consecutive ranks; ``factor`` 2 for an all-reduce."""
+    if group <= 1:
+        return 0.0
+    inside = span <= hw.gpus_per_node
+    bandwidth = (hw.nvlink_gbps if inside else hw.network_gbps) * 1e9 * hw.link_efficiency
+    latency = (hw.nvlink_latency_us if inside else hw.network_latency_us) * 1e-6
+    return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
+
+
+def bubble_fraction(layout: Layout, workload: Workload) -> float:
+    """Idle fraction added to a pipeline rank's compute: (pp - 1) / (microbatches x stages per rank),
+    a third of that for the zero-bubble schedules (their weight-gradient work fills most of it)."""
+    if layout.pp == 1:
+        return 0.0
+    bubble = (layout.pp - 1) / (layout.microbatches(workload) * layout.pp_stages_per_rank)
+    if "ZeroBubble" in layout.pp_schedule:
+        bubble /= 3
+    if layout.pp_schedule == "GPipe":
+        bubble = (layout.pp - 1) / layout.microbatches(workload)
+    return bubble
+
+
+def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, hf_config) -> StepEstimate:
+    world = layout.world_size
+    tokens = workload.global_batch * workload.seq_len
+    model_flops = flops_per_token(hf_config, workload.seq_len) * tokens / world
+    recompute = {"none": 1.0, "selective": 1.05, "full": 4 / 3}[layout.activation_checkpointing]
+    e = compute_bytes(layout, workload)
+    peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
+    compute = model_flops * recompute / (peak * hw.matmul_efficiency)
+    # meshtron's context-parallel attention computes its sub-blocks with plain fp32 matmuls on GPUs (no
+    # fused kernel that takes the final log-sum-exp yet): its attention FLOPs run at the fp32 rate.
+    attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world
+    if layout.cp > 1:
+        compute += attention_flops * recompute * (1 / (hw.fp32_tflops * 1e12) - 1 / peak) / hw.matmul_efficiency
+    compute *= 1 + bubble_fraction(layout, workload)
+
+    forwards = layout.microbatches(workload)
+    local_tokens = layout.micro_batch * workload.seq_len / layout.cp
+    layers_per_rank = max(sum(layers for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload))
+    passes = 3 if layout.activation_checkpointing == "full" else 2  # forward, backward (+ recomputed forward)
+    h = shape.hidden
+
+    # Tensor parallel: per block and pass, two all-gathers and two reduce-scatters (or two all-reduces)
+    # of the block's activations; nothing overlaps them.
+    tp_bytes = local_tokens * h * e
+    tp_one = _collective_s(tp_bytes, layout.tp, layout.tp, hw, 1.0 if layout.sequence_parallel else 2.0)
+    tp_s = tp_one * (4 if layout.sequence_parallel else 2) * passes * layers_per_rank * forwards
+
+    # Context parallel: every block's keys and values go round the ring forward (and their gradients
+    # backward); it overlaps the attention computation of the blocks already received.
+    kv_bytes = local_tokens * 2 * max(shape.kv_heads // layout.tp, 1) * shape.head_dim * e
+    cp_span = layout.cp * layout.tp
+    cp_comm = _collective_s(kv_bytes * layout.cp, layout.cp, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
+    cp_s = max(0.0, cp_comm - attention_flops / (hw.fp32_tflops * 1e12 * hw.matmul_efficiency))
+
+    # FSDP: all-gather parameters (compute dtype) for forward and backward of every microbatch,
+    # reduce-scatter fp32 gradients once; HSDP adds an all-reduce of the shards over dp_replicate.
+    # Both run behind compute (prefetch); only what exceeds it is exposed.
+    numel = max(state_numel(shape, layout, workload)) * layout.fsdp_size  # a rank's tp share of its stages
+    fsdp_span = layout.fsdp_size * layout.tp
+    gathers = forwards * (2 if layout.pp == 1 else 1)
+    fsdp_s = gathers * _collective_s(numel * e, layout.fsdp_size, fsdp_span, hw)
+    fsdp_s += _collective_s(numel * FP32, layout.fsdp_size, fsdp_span, hw)
+    replicate_span = layout.dp_replicate * fsdp_span
+    fsdp_s += _collective_s(numel * FP32 / layout.fsdp_size, layout.dp_replicate, replicate_span, hw, 2.0)
+    fsdp_exposed = max(0.0, fsdp_s - 0.9 * compute)
+
+    # Pipeline: each microbatch's activations cross each stage boundary forward and backward.
+    pp_s = 0.0
+    if layout.pp > 1:
+        span = world  # pp is outermost: neighbours are world / pp ranks apart
+        send = _collective_s(local_tokens * h * e * 2, 2, span, hw)
+        pp_s = 2 * send * forwards * layout.pp_stages_per_rank
+
+    exposed = tp_s + cp_s + fsdp_exposed + pp_s
+    seconds = compute + exposed
+    return StepEstimate(
+        seconds=seconds, compute_s=compute, exposed_comm_s=exposed, tokens_per_s=tokens / seconds,
+        mfu=model_flops / (seconds * hw.peak_tflops * 1e12),
+    )
