@@ -79,6 +79,9 @@ def run_plan(args: argparse.Namespace) -> int:
     hf_config, model_cfg = resolve_model(args.model)
     if args.emit_config and Path(args.emit_config).exists():
         raise ConfigError(f"--emit-config: '{args.emit_config}' already exists; choose a new file name")
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if max_positions is not None and args.seq_len > max_positions:
+        raise ConfigError(f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}")
     shape = ModelShape.from_hf_config(hf_config, model_cfg)
     workload = Workload(seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents)
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)

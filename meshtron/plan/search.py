@@ -38,14 +38,14 @@ def _powers_of_two(limit: int) -> list[int]:
 def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> bool:
     from meshtron.distributed.context_parallel import check_context_parallel
     from meshtron.distributed.tensor_parallel import check_tensor_parallel
+    from meshtron.distributed.pipeline_parallel import check_pipeline
     from meshtron.models.adapter import adapter_for
-    from meshtron.plan.memory import stage_layout
 
     try:
         check_tensor_parallel(hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp)
         check_context_parallel(layout.cp, workload.seq_len)
-        if layout.pp > 1:
-            stage_layout(shape, layout, workload)
+        if layout.pp > 1:  # stage split, microbatch counts, no tied embeddings
+            check_pipeline(layout.parallel_config(workload), hf_config, layout.local_batch(workload), False)
     except ConfigError:
         return False
     return True
