@@ -91,9 +91,12 @@ def test_plan_ranks_layouts_and_emits_a_config_that_loads(tmp_path, capsys):
 
 def test_plan_table_and_errors(capsys):
     status, stdout, stderr = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--seq-len", "256",
-                                      "--global-batch", "8", "--gpu", "a100", "--gpu-memory", "40GB")
+                                      "--global-batch", "8", "--gpu", "a100", "--gpu-memory", "40GB", "--reserved-gb", "2.5")
     assert status == 0, stderr[-2000:]
-    assert "\n* " in stdout and "layouts fit in 37 GB" in stdout
+    assert "\n* " in stdout and "layouts fit in 38 GB" in stdout  # 37.5 GB usable
+    status, _, stderr = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--seq-len", "256",
+                                 "--global-batch", "8", "--link-efficiency", "0")
+    assert status == 2 and "--link-efficiency must be positive" in stderr
     status, stdout, _ = plan_cli(capsys, "--model", "llama-70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8")
     assert status == 1 and "nothing fits" in stdout
     status, _, stderr = plan_cli(capsys, "--model", "llama-8b", "--gpus", "8", "--seq-len", "8", "--global-batch", "8",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import ConfigError
-from meshtron.plan.hardware import GPUS, hardware, parse_gigabytes
+from meshtron.plan.hardware import GPUS, Hardware, hardware, parse_gigabytes
 
+HARDWARE_OVERRIDES = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "memory_gb"))
 PLAN_USAGE = "meshtron plan --model PRESET|DIR|CONFIG.json --gpus N --seq-len L --global-batch B [options]"
 
 
@@ -20,13 +22,10 @@ def add_plan_parser(sub) -> None:
     plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(GPUS)} (default h100)")
-    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
     plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB (default: the GPU's)")
-    plan.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
-    plan.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU per direction inside a node")
-    plan.add_argument("--network-gbps", type=float, help="GB/s per GPU per direction between nodes")
-    plan.add_argument("--matmul-efficiency", type=float, help="fraction of peak the model's matmuls reach")
-    plan.add_argument("--reserved-gb", type=float, help="GB per GPU not available to tensors")
+    for name in HARDWARE_OVERRIDES:  # every other constant of meshtron.plan.hardware.Hardware
+        kind = int if name == "gpus_per_node" else float
+        plan.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"override Hardware.{name} (see docs/planning.md)")
     plan.add_argument("--no-mask-documents", action="store_true", help="plan for data.mask_documents=false")
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
@@ -69,10 +68,12 @@ def run_plan(args: argparse.Namespace) -> int:
     for name in ("gpus", "seq_len", "global_batch", "top"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    overrides = {name: getattr(args, name) for name in HARDWARE_OVERRIDES}
+    for name, value in overrides.items():
+        if value is not None and (value < 0 or (value == 0 and name != "reserved_gb")):
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     hw = hardware(args.gpu).with_overrides(
-        memory_gb=parse_gigabytes(args.gpu_memory) if args.gpu_memory else None,
-        gpus_per_node=args.gpus_per_node, peak_tflops=args.peak_tflops, nvlink_gbps=args.nvlink_gbps,
-        network_gbps=args.network_gbps, matmul_efficiency=args.matmul_efficiency, reserved_gb=args.reserved_gb,
+        memory_gb=parse_gigabytes(args.gpu_memory) if args.gpu_memory else None, **overrides
     )
     if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node")
