@@ -255,13 +255,10 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
     do not see, so its activations cannot be measured this way and are not compared.
     """
     from meshtron.config import load_config
-    from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.build import load_hf_config
-    from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
-    from meshtron.plan.memory import activation_bytes, state_numel
-    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.layout import DTYPE_BYTES
+    from meshtron.plan.memory import activation_bytes, config_view, state_numel
 
-    shapes, failures, lines = {}, [], []
+    failures, lines = [], []
     cases = [(f"single:{name}", 1, [], name) for name in sorted(references)]
     cases += [(name, world, overrides, ref) for name, (world, overrides, ref) in LAYOUTS.items()]
     for name, world, overrides, ref in cases:
@@ -271,9 +268,7 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
             got = json.loads((parity_runs / f"{name}.json").read_text())
             state, activations = got["state_bytes"], got["activation_bytes"]
         cfg = load_config(None, base_overrides(cache_dir) + reference_overrides(ref, cache_dir) + overrides, env={})
-        hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
-        shape = shapes.setdefault(ref, ModelShape.from_hf_config(hf_config, cfg.model))
-        layout, workload = Layout.from_config(cfg, world, hf_config), Workload.from_config(cfg)
+        shape, layout, workload = config_view(cfg, world)
         planned_state = max(state_numel(shape, layout, workload)) * DTYPE_BYTES[cfg.model.dtype] * 4
         planned_activations = max(activation_bytes(shape, layout, workload))
         state_ratio, activation_ratio = planned_state / state, planned_activations / activations

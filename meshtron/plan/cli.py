@@ -63,7 +63,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import candidate_record, emit_config, format_table
-    from meshtron.plan.search import plan_layouts
+    from meshtron.plan.search import check_cluster, plan_layouts
 
     for name in ("gpus", "seq_len", "global_batch", "top"):
         if getattr(args, name) < 1:
@@ -75,8 +75,7 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = hardware(args.gpu).with_overrides(
         memory_gb=parse_gigabytes(args.gpu_memory) if args.gpu_memory else None, **overrides
     )
-    if args.gpus > hw.gpus_per_node and args.gpus % hw.gpus_per_node:
-        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node")
+    check_cluster(args.gpus, hw)  # before the model is built: a wrong cluster fails at once
     hf_config, model_cfg = resolve_model(args.model)
     if args.emit_config and Path(args.emit_config).exists():
         raise ConfigError(f"--emit-config: '{args.emit_config}' already exists; choose a new file name")
@@ -117,20 +116,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_dry_run(cfg: Config, world_size: int, rank: int) -> int:
     """Shard the model for one rank without hardware; print its bytes next to the planner's estimate."""
-    from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.build import load_hf_config
     from meshtron.plan.dry_run import dry_run
-    from meshtron.plan.layout import Layout, Workload
-    from meshtron.plan.memory import state_numel
-    from meshtron.plan.layout import DTYPE_BYTES
-    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.memory import config_view, param_bytes_of_rank
 
     report = dry_run(cfg, world_size, rank)
-    hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
-    layout = Layout.from_config(cfg, world_size, hf_config)
-    shape = ModelShape.from_hf_config(hf_config, cfg.model)
-    pp_rank = rank // (world_size // layout.pp)  # pp is the outermost mesh dim
-    planned = state_numel(shape, layout, Workload.from_config(cfg))[pp_rank] * DTYPE_BYTES[cfg.model.dtype]
+    planned = param_bytes_of_rank(*config_view(cfg, world_size), rank)
     print(
         f"meshtron dry run: rank {report.rank} of {report.world_size} ({report.layout}), pipeline stages "
         f"{list(report.stages)}: parameters {report.params / 1e9:.3f} GB, gradients {report.grads / 1e9:.3f} GB, "

@@ -55,12 +55,20 @@ class Layout:
     pp_stage_layers: str | None = None
 
     @property
+    def dims(self):
+        """The degrees as meshtron's ParallelDims, which owns what they imply (dp, whether FSDP is on)."""
+        from meshtron.distributed.mesh import ParallelDims
+
+        world = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, world)
+
+    @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        return self.dims.world_size
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
     @property
     def fsdp_size(self) -> int:
@@ -69,7 +77,7 @@ class Layout:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp * self.cp > 1
+        return self.dims.fsdp_enabled
 
     def local_batch(self, workload: Workload) -> int:
         return workload.global_batch // self.dp
@@ -87,11 +95,6 @@ class Layout:
             pp_first_stage_layers=self.pp_first_stage_layers, pp_last_stage_layers=self.pp_last_stage_layers,
             pp_stage_layers=self.pp_stage_layers,
         )
-
-    def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-                 if getattr(self, name) > 1]
-        return " ".join(parts) or "single"
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":

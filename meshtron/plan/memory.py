@@ -164,32 +164,47 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
 def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Memory of the busiest rank of ``layout`` (the pipeline rank with the most bytes)."""
     state_bytes = DTYPE_BYTES[workload.model_dtype]
-    numels = state_numel(shape, layout, workload)
-    activations = activation_bytes(shape, layout, workload)
     e = compute_bytes(layout, workload)
     tokens = layout.micro_batch * workload.seq_len / layout.cp
+    gathered = 0
+    if layout.fsdp_enabled:
+        block = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.block)
+        outer = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.embedding + shape.final)
+        # two blocks gathered (the one computing, the one prefetched), one block's unreduced fp32 gradient,
+        # and the root's parameters (embeddings, head) that stay gathered for the whole step
+        gathered = 2 * block * e + block * FP32 + outer * e
+    temporaries = 0.0
+    if layout.activation_checkpointing != "none":
+        temporaries += tokens * block_activation_per_token(shape, layout, workload)  # one block recomputed
+    if layout.cp > 1:
+        # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
+        chunk = workload.seq_len / (2 * layout.cp)
+        temporaries += 3 * FP32 * layout.micro_batch * (shape.heads // layout.tp) * chunk * chunk
     vocab = shape.vocab // layout.tp if layout.tp > 1 and layout.loss_parallel else shape.vocab
+    logits = tokens * vocab * (e + 2 * FP32)  # logits, their fp32 copy, the gradient: on the rank with the head
     estimates = []
-    for rank, (numel, acts) in enumerate(zip(numels, activations)):
-        stages = stage_layout(shape, layout, workload)[rank]
-        gathered = 0
-        if layout.fsdp_enabled:
-            block = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.block)
-            outer = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.embedding + shape.final)
-            # two blocks gathered (the one computing, the one prefetched), one block's unreduced fp32 gradient,
-            # and the root's parameters (embeddings, head) that stay gathered for the whole step
-            gathered = 2 * block * e + block * FP32 + outer * e
-        temporaries = 0.0
-        if any(last for _, _, last in stages):
-            temporaries += tokens * vocab * (e + 2 * FP32)  # logits, their fp32 copy, the gradient
-        if layout.activation_checkpointing != "none":
-            temporaries += tokens * block_activation_per_token(shape, layout, workload)  # one block recomputed
-        if layout.cp > 1:
-            # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
-            chunk = workload.seq_len / (2 * layout.cp)
-            temporaries += 3 * FP32 * layout.micro_batch * (shape.heads // layout.tp) * chunk * chunk
+    per_rank = zip(stage_layout(shape, layout, workload), state_numel(shape, layout, workload),
+                   activation_bytes(shape, layout, workload))
+    for stages, numel, acts in per_rank:
+        holds_head = any(last for _, _, last in stages)
         estimates.append(MemoryEstimate(
             params=numel * state_bytes, grads=numel * state_bytes, optimizer=2 * numel * state_bytes,
-            activations=int(acts), gathered=int(gathered), temporaries=int(temporaries),
+            activations=int(acts), gathered=int(gathered), temporaries=int(temporaries + (logits if holds_head else 0)),
         ))
     return max(estimates, key=lambda m: m.total)
+
+
+def config_view(cfg, world_size: int) -> tuple[ModelShape, Layout, Workload]:
+    """The planner's inputs for a meshtron config run on ``world_size`` processes."""
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.build import load_hf_config
+
+    hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    return (ModelShape.from_hf_config(hf_config, cfg.model), Layout.from_config(cfg, world_size, hf_config),
+            Workload.from_config(cfg))
+
+
+def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:
+    """Parameter bytes the planner expects global rank ``rank`` to hold (pp is the outermost mesh dim)."""
+    pp_rank = rank // (layout.world_size // layout.pp)
+    return state_numel(shape, layout, workload)[pp_rank] * DTYPE_BYTES[workload.model_dtype]

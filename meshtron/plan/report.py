@@ -60,7 +60,7 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
         smallest = min(candidates, key=lambda c: c.memory.total)
         lines.append(
             f"meshtron plan: nothing fits; the smallest layout needs {smallest.memory.total / GB:.1f} GB per GPU "
-            f"({smallest.layout.describe()}, micro batch {smallest.layout.micro_batch}, "
+            f"({smallest.layout.dims.describe()}, micro batch {smallest.layout.micro_batch}, "
             f"{smallest.layout.activation_checkpointing} checkpointing): add GPUs, shorten --seq-len or use bigger GPUs"
         )
     return "\n".join(lines)
@@ -77,8 +77,6 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> 
     if layout.pp == 1:
         cfg.train.micro_batch_size = layout.micro_batch
     cfg.parallel = layout.parallel_config(workload)
-    if layout.pp == 1:
-        cfg.parallel.pp_schedule = "1F1B"
     cfg.fsdp.param_dtype = workload.compute_dtype
     return cfg
 

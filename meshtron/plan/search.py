@@ -85,6 +85,14 @@ def candidate_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: in
     return layouts
 
 
+def check_cluster(gpus: int, hw: Hardware) -> None:
+    """Refuse a cluster that is not a whole number of nodes."""
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1, got {gpus}")
+    if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
+        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node")
+
+
 def complexity(layout: Layout) -> int:
     """How many mechanisms a layout adds to plain FSDP: the tie-breaker between equally fast layouts."""
     return (sum(d > 1 for d in (layout.pp, layout.dp_replicate, layout.cp, layout.tp))
@@ -98,10 +106,7 @@ def _speed_band(tokens_per_s: float) -> int:
 
 def plan_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware) -> list[Candidate]:
     """All candidates: those that fit first; fastest first, within 2% the simplest, then the smallest."""
-    if gpus < 1:
-        raise ConfigError(f"--gpus must be at least 1, got {gpus}")
-    if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
-        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node")
+    check_cluster(gpus, hw)
     usable = hw.memory_bytes - hw.reserved_gb * 1e9
     results = []
     for layout in candidate_layouts(shape, hf_config, workload, gpus, hw):

@@ -342,8 +342,8 @@ def _train_step(
     global_targets = _all_reduce_sum(targets, ctx.loss_group).clamp(min=1.0)
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets.item()
-    tracker = SavedActivationTracker()
-    with tracker.track() if measure_activations is not None else contextlib.nullcontext():
+    tracker = SavedActivationTracker() if measure_activations is not None else None
+    with tracker.track() if tracker is not None else contextlib.nullcontext():
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
             (input_ids, labels), = batches
             local_loss_sum = ctx.runner.run(input_ids, labels, scale)
