@@ -8,6 +8,7 @@ through torch's elastic launcher on this machine; without it, one process trains
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from datetime import datetime
@@ -69,8 +70,9 @@ def _print_error(err: MeshtronError) -> None:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.config import load_config
-    from meshtron.train.runtime import launched_world_size
+    from meshtron.train.runtime import check_torch_version, launched_world_size
 
+    check_torch_version()
     cfg = load_config(args.config, _overrides(extra))
     if args.dry_run:
         if args.nproc is None:
@@ -103,13 +105,13 @@ def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
 
 def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
     """Check everything once here, then start ``world_size`` workers with torch's elastic launcher."""
-    import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from meshtron.train.runtime import resolve_device_type
     from meshtron.train.trainer import preflight
 
-    preflight(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+    preflight(cfg, world_size, resolve_device_type(cfg.run.device, world_size))
     if cfg.run.output_dir is None:
         output_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
         extra = [*extra, f"--run.output_dir={output_dir}"]
@@ -127,13 +129,13 @@ def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
 
 
 def _run_worker(cfg) -> int:
-    from meshtron.train.runtime import init_runtime, launched_world_size, shutdown_runtime
+    from meshtron.train.runtime import (
+        init_runtime, launched_world_size, local_world_size, resolve_device_type, shutdown_runtime,
+    )
     from meshtron.train.trainer import preflight, train
 
-    import torch
-
-    plan = preflight(cfg, launched_world_size(), "cuda" if torch.cuda.is_available() else "cpu")
-    runtime = init_runtime()
+    plan = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))
+    runtime = init_runtime(device=cfg.run.device)
     try:
         train(cfg, runtime, plan)
     finally:
@@ -142,6 +144,8 @@ def _run_worker(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers imports torchao when it is installed; on CPU builds it logs its unloadable CUDA kernels.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parser().parse_known_args(argv)
     try:

@@ -29,6 +29,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip")
+MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
+DEVICES = ("auto", "cpu", "cuda")
+COMPILE = ("auto", "true", "false")
 CP_METHODS = ("ring", "allgather")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 BUILTIN_CORPUS = "builtin:python-stdlib"
@@ -81,7 +84,21 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still measured)."""
     seed: int = 0
     activation_checkpointing: str = "none"
-    compile: bool = False
+    compile: str = "auto"
+    """Compile each decoder block with torch.compile: ``true``, ``false``, or ``auto`` (on for CUDA, off on CPU)."""
+    mixed_precision: str = "auto"
+    """Compute dtype: ``bf16``, ``fp16`` (with dynamic loss scaling) or ``none`` (compute in model.dtype);
+    ``auto`` is bf16 on CUDA devices that support it and none on CPU. Master weights, optimizer state
+    and gradient reduction stay in model.dtype / fsdp.reduce_dtype (see docs/precision.md)."""
+    fp16_initial_loss_scale: float = 65536.0
+    """First loss scale of fp16's dynamic loss scaling (halved on every overflowing step, doubled after
+    fp16_growth_interval steps without one)."""
+    fp16_growth_interval: int = 1000
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the head + cross-entropy: the full (fp32) logits are never materialized, each
+    chunk is recomputed in backward. 0 computes all logits at once."""
+    float8: bool = False
+    """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; see docs/precision.md)."""
     on_nonfinite: str = "error"
     """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step."""
 
@@ -122,9 +139,8 @@ class FSDPConfig:
     reshard_after_forward: bool | None = None
     """Free gathered parameters after each block's forward; None: yes, except under pipeline parallelism,
     where every microbatch's forward would gather them again."""
-    param_dtype: str | None = None
-    """Compute dtype of gathered parameters; None keeps model.dtype."""
     reduce_dtype: str | None = "float32"
+    """Dtype gradients are reduced in; None reduces in the compute dtype (train.mixed_precision)."""
     cpu_offload: bool = False
 
 
@@ -146,6 +162,8 @@ class CheckpointConfig:
 class RunConfig:
     output_dir: str | None = None
     """Default ``runs/<timestamp>``."""
+    device: str = "auto"
+    """``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo) or ``auto`` (cuda when a GPU is visible)."""
     log_every: int = 1
     progress: bool = True
 
@@ -207,6 +225,8 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
             raise bad from None
     if value is None and optional:
         return None
+    if base is str and isinstance(value, bool):  # e.g. ``compile = true`` for a true/false/auto setting
+        value = str(value).lower()
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is bool and not isinstance(value, bool):
@@ -219,10 +239,16 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
 
 
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # ``async`` is a Python keyword
+# Settings that were replaced: the old key -> what to use instead.
+RETIRED_KEYS = {
+    "fsdp.param_dtype": "train.mixed_precision (bf16 | fp16 | none), which sets FSDP's compute dtype in every layout",
+}
 
 
 def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
     dotted = KEY_ALIASES.get(dotted, dotted)
+    if dotted in RETIRED_KEYS:
+        raise ConfigError(f"{dotted} is no longer a setting; use {RETIRED_KEYS[dotted]}")
     sections = _sections(cfg)
     section_name, _, key = dotted.partition(".")
     if section_name not in sections or not key:
@@ -269,6 +295,9 @@ def load_config(
     return cfg
 
 
+_BOOL_WORDS = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}
+
+
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}")
@@ -290,14 +319,21 @@ def validate_config(cfg: Config) -> None:
     _choice("model.attn_implementation", m.attn_implementation, ATTN_IMPLEMENTATIONS)
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _choice("train.mixed_precision", t.mixed_precision, MIXED_PRECISION)
+    t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
+    _choice("train.compile", t.compile, COMPILE)
+    _choice("run.device", cfg.run.device, DEVICES)
+    if t.loss_chunk_size < 0:
+        raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {t.loss_chunk_size}")
+    if t.fp16_initial_loss_scale <= 0:
+        raise ConfigError(f"train.fp16_initial_loss_scale: must be > 0, got {t.fp16_initial_loss_scale}")
+    _positive("train.fp16_growth_interval", t.fp16_growth_interval)
     _choice("parallel.cp_method", p.cp_method, CP_METHODS)
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _positive("parallel.pp_microbatches", p.pp_microbatches, allow_none=True)
     _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank, allow_none=True)
-    for key in ("param_dtype", "reduce_dtype"):
-        value = getattr(f, key)
-        if value is not None:
-            _choice(f"fsdp.{key}", value, DTYPES)
+    if f.reduce_dtype is not None:
+        _choice("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
     _positive("data.seq_len", d.seq_len)
     _positive("data.max_documents", d.max_documents, allow_none=True)
     _positive("train.steps", t.steps)

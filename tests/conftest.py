@@ -12,6 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The suite means CPU and gloo everywhere, also on a machine with GPUs: hide them from this process
+# (before torch initializes CUDA) and from every process it starts.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -23,7 +27,8 @@ def worker_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for var in ("DP_SIZE", "TP_SIZE", "CP_SIZE", "PP_SIZE"):
         env.pop(var, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

@@ -65,6 +65,13 @@ def runs(tmp_path_factory, cache_dir):
         "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
         "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
         "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
+        # Mixed precision: fp32 master weights on disk; fp16's loss scale (two overflows first) resumes too.
+        "fsdp4_bf16": ["parallel.dp_shard=4", "train.mixed_precision=bf16"],
+        "fsdp4_bf16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=bf16", from_half(out, "fsdp4_bf16")],
+        "fsdp4_fp16": ["parallel.dp_shard=4", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144",
+                       "train.fp16_growth_interval=3"],
+        "fsdp4_fp16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144",
+                               "train.fp16_growth_interval=3", from_half(out, "fsdp4_fp16")],
     }, out, cache_dir)
     in_process("single", [], out, cache_dir)
     in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
@@ -77,7 +84,7 @@ def losses(out: Path, name: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async"])
+@pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16"])
 def test_resume_is_exact(runs, straight):
     """N steps, stop, resume for N more: the same losses and weights, bit for bit, as 2N straight."""
     full, resumed = losses(runs, straight), losses(runs, f"{straight}_resumed")
@@ -170,3 +177,22 @@ def test_killed_during_save_resumes_from_the_last_complete_checkpoint(tmp_path, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoints / latest} (step {saved_step}" in resumed.stdout
     assert not list(checkpoints.glob("*.partial"))
+
+
+@pytest.mark.slow
+def test_mixed_precision_checkpoints_and_exports_hold_float32(runs, tmp_path):
+    """bf16 compute, fp32 master weights: the checkpoint's tensors and the exported safetensors are float32."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = runs / "fsdp4_bf16" / "checkpoints" / f"step-{STEPS:08d}"
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    dtypes = {meta.properties.dtype for key, meta in metadata.state_dict_metadata.items()
+              if key.startswith("model") and hasattr(meta, "properties")}
+    assert dtypes == {torch.float32}, dtypes
+    exported = tmp_path / "hf-bf16"
+    proc = run_cli(["export", str(checkpoint), str(exported)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for file in exported.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as handle:
+            assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.float32}

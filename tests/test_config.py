@@ -31,7 +31,10 @@ def test_precedence_toml_env_cli(tmp_path):
         ("train.stepz=3", "unknown config key 'train.stepz'"),
         ("trainer.steps=3", "unknown config key 'trainer.steps'"),
         ("train.steps=abc", "train.steps: expected int"),
-        ("train.compile=maybe", "train.compile: expected bool"),
+        ("train.compile=maybe", "train.compile: 'maybe' is not one of auto, true, false"),
+        ("train.mixed_precision=fp8", "train.mixed_precision: 'fp8' is not one of"),
+        ("run.device=tpu", "run.device: 'tpu' is not one of auto, cpu, cuda"),
+        ("fsdp.param_dtype=bfloat16", "fsdp.param_dtype is no longer a setting; use train.mixed_precision"),
         ("train.lr=fast", "train.lr: expected float"),
         ("model.dtype=float64", "model.dtype: 'float64' is not one of"),
         ("train.activation_checkpointing=some", "train.activation_checkpointing"),
@@ -58,10 +61,18 @@ def test_bad_toml_type_and_unknown_section(tmp_path):
 
 
 def test_bool_and_optional_parsing():
-    cfg = load_config(None, ["train.compile=true", "train.micro_batch_size=2", "fsdp.param_dtype=bfloat16"], env={})
-    assert cfg.train.compile is True and cfg.train.micro_batch_size == 2 and cfg.fsdp.param_dtype == "bfloat16"
+    cfg = load_config(None, ["train.compile=true", "train.micro_batch_size=2", "fsdp.reduce_dtype=none"], env={})
+    assert cfg.train.compile == "true" and cfg.train.micro_batch_size == 2 and cfg.fsdp.reduce_dtype is None
     cfg = load_config(None, ["train.micro_batch_size=none", "train.compile=0"], env={})
-    assert cfg.train.micro_batch_size is None and cfg.train.compile is False
+    assert cfg.train.micro_batch_size is None and cfg.train.compile == "false"
+
+
+def test_toml_booleans_for_auto_settings(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\ncompile = true\n")
+    assert load_config(path, env={}).train.compile == "true"
+    path.write_text("[train]\ncompile = false\n")
+    assert load_config(path, env={}).train.compile == "false"
 
 
 def test_env_degrees():

@@ -10,6 +10,7 @@ of one world size run in one torchrun launch.
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 import time
 from pathlib import Path
@@ -157,9 +158,76 @@ LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpoint
 # Replication over dp_replicate with FSDP over dp_shard x cp: the (dp_replicate, dp_shard_cp) mesh of HSDP x CP.
 LAYOUTS["ddp2_cp2"] = (4, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2"], "llama-docs")
 
+# train.compile on CPU (inductor's C++ kernels), under FSDP: same losses, gradients and weights as eager.
+LAYOUTS["fsdp2_compile"] = (2, ["parallel.dp_shard=2", "train.compile=true"], "llama-tiny")
+
 LAYOUTS["cp2_qwen3_accum_ac"] = (
     2, ["parallel.cp=2", "train.micro_batch_size=2", "train.activation_checkpointing=full"], "qwen3-docs"
 )
+
+
+# Mixed precision on CPU (bf16 and fp16 run there too): each layout against the 1-process run of the same
+# precision. The references are llama-deep (untied, 8 layers), so that pipeline layouts can join.
+REFERENCES["deep-bf16"] = ["model.preset=llama-deep", "train.mixed_precision=bf16"]
+# An initial loss scale that overflows fp16's gradients: the first two steps are skipped (measured).
+REFERENCES["deep-fp16"] = ["model.preset=llama-deep", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144"]
+PRECISION_LAYOUTS = {
+    "ddp2_bf16": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "deep-bf16"),
+    "fsdp2_bf16": (2, ["parallel.dp_shard=2"], "deep-bf16"),
+    "tp2_bf16": (2, ["parallel.tp=2"], "deep-bf16"),
+    "pp2_bf16": (2, ["parallel.pp=2"], "deep-bf16"),
+    "pp2_dp2_tp2_bf16": (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "deep-bf16"),
+    "fsdp2_fp16": (2, ["parallel.dp_shard=2"], "deep-fp16"),
+}
+# Bounds, measured (torch 2.13 CPU) and justified:
+# - Step 1 starts from identical weights, so its loss differs only by the forward's rounding. FSDP's casts
+#   and meshtron's casts without FSDP do the same bf16 arithmetic: DP / FSDP / PP measured 8e-8; TP splits
+#   the matmuls, whose bf16 outputs round differently: 8e-6. Bound 3e-5.
+# - Over 12 steps, bf16 rounding of differently split sums feeds back through Adam: losses measured up to
+#   1.1e-4, gradient norms 5.9e-3, final weights 5.2e-3 (relative L2). Bounds 3e-4, 2e-2, 2e-2.
+# - Proof that bf16 ran: the fp32 layouts match the fp32 run within 1e-5 (above); these differ from it by
+#   2.7e-4 to 3.0e-4 (max over steps). Required: at least 1e-4, 10x what fp32 layouts ever differ.
+BF16_FIRST_STEP_RTOL = 3e-5
+BF16_LOSS_RTOL = 3e-4
+BF16_GRAD_NORM_RTOL = 2e-2
+BF16_WEIGHT_REL_L2 = 2e-2
+BF16_MIN_DISTANCE_FROM_FP32 = 1e-4
+
+# The chunked head + cross-entropy against the same layout unchunked (None: the 1-process run), in fp32:
+# 48-token chunks of 256-token micro-batches, the last chunk shorter.
+CHUNK = "train.loss_chunk_size=48"
+CHUNKED_LAYOUTS = {
+    "single_chunked": (1, [], "llama-tiny", None),
+    "fsdp2_chunked": (2, ["parallel.dp_shard=2"], "llama-tiny", "fsdp2"),
+    "tp2_chunked_llama": (2, ["parallel.tp=2"], "llama-tiny", "tp2_llama"),
+    "tp2_no_lp_chunked_llama": (2, ["parallel.tp=2", "parallel.loss_parallel=false"], "llama-tiny", "tp2_no_lp_llama"),
+    "cp2_chunked_ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"], "llama-docs", "cp2_ring"),
+    "pp2_chunked_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B"], "llama-deep", "pp2_1f1b"),
+}
+CHUNKED_RTOL = 1e-6
+
+# Float8 (torchao, emulated on CPU) under FSDP (float8 all-gather) and TP, against 1-process float8. Input
+# scales come from each micro-batch, so the reference uses the layouts' micro-batch of 4. The first steps
+# agree at the fp32 tolerances; after them float8 rounding amplifies last-bit differences of the
+# reductions (measured: losses within 7e-5, weights within 4.4e-3 relative L2 after 12 steps, where a
+# run without float8 differs by 4e-4 from step 1 and 2e-2 in weights).
+REFERENCES["llama-tiny-float8"] = ["model.preset=llama-tiny", "train.float8=true", "train.micro_batch_size=4"]
+FLOAT8_LAYOUTS = {
+    "fsdp2_float8": (2, ["parallel.dp_shard=2"], "llama-tiny-float8"),
+    "tp2_float8": (2, ["parallel.tp=2"], "llama-tiny-float8"),
+    "dp2_tp2_float8": (4, ["parallel.dp_shard=2", "parallel.tp=2"], "llama-tiny-float8"),
+}
+FLOAT8_EXACT_STEPS = 3
+FLOAT8_LOSS_RTOL = 3e-4
+FLOAT8_WEIGHT_REL_L2 = 1e-2
+
+# Everything the torchrun launches run, by world size (1-process entries run in-process).
+ALL_LAYOUTS = {
+    **LAYOUTS,
+    **PRECISION_LAYOUTS,
+    **FLOAT8_LAYOUTS,
+    **{name: (world, overrides + [CHUNK], ref) for name, (world, overrides, ref, _) in CHUNKED_LAYOUTS.items()},
+}
 
 
 def reference_overrides(name: str, cache_dir) -> list[str]:
@@ -172,8 +240,8 @@ def parity_runs(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("parity")
     base = base_overrides(cache_dir)
     write_short_documents(cache_dir)
-    for world in sorted({world for world, _, _ in LAYOUTS.values()}):
-        layouts = {n: reference_overrides(ref, cache_dir) + o for n, (w, o, ref) in LAYOUTS.items() if w == world}
+    for world in sorted({world for world, _, _ in ALL_LAYOUTS.values()} - {1}):
+        layouts = {n: reference_overrides(ref, cache_dir) + o for n, (w, o, ref) in ALL_LAYOUTS.items() if w == world}
         spec = {"base": base, "layouts": layouts}
         spec_file = out / f"spec{world}.json"
         spec_file.write_text(json.dumps(spec))
@@ -194,8 +262,12 @@ def references(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("reference")
     write_short_documents(cache_dir)
     results = {}
-    for name in sorted({ref for _, _, ref in LAYOUTS.values()}):
-        overrides = base_overrides(cache_dir) + reference_overrides(name, cache_dir) + [f"run.output_dir={out / name}"]
+    runs = {ref: reference_overrides(ref, cache_dir) for _, _, ref in ALL_LAYOUTS.values()}
+    runs["fp32:llama-deep"] = reference_overrides("llama-deep", cache_dir)
+    runs.update({name: reference_overrides(ref, cache_dir) + overrides
+                 for name, (world, overrides, ref) in ALL_LAYOUTS.items() if world == 1})
+    for name, run_overrides in sorted(runs.items()):
+        overrides = base_overrides(cache_dir) + run_overrides + [f"run.output_dir={out / name.replace(':', '-')}"]
         cfg = load_config(None, overrides, env={})
         result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
         weights = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
@@ -252,31 +324,107 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
     25%) against what each parity layout, and each single-process reference, measured on its busiest rank.
 
     Selective checkpointing keeps its saved matmul outputs in a cache that autograd's saved-tensor hooks
-    do not see, so its activations cannot be measured this way and are not compared.
+    do not see, and compiled blocks save theirs inside the compiled graph, so the activations of those
+    layouts cannot be measured this way and are not compared.
     """
     from meshtron.config import load_config
     from meshtron.plan.layout import DTYPE_BYTES
     from meshtron.plan.memory import activation_bytes, config_view, state_numel
 
     failures, lines = [], []
-    cases = [(f"single:{name}", 1, [], name) for name in sorted(references)]
-    cases += [(name, world, overrides, ref) for name, (world, overrides, ref) in LAYOUTS.items()]
+    cases = [(f"single:{name}", 1, [], name) for name in sorted(REFERENCES)]
+    cases += [(name, world, overrides, ref) for name, (world, overrides, ref) in ALL_LAYOUTS.items()]
     for name, world, overrides, ref in cases:
-        if name.startswith("single:"):
-            _, _, state, _, activations = references[ref]
+        if name.startswith("single:") or world == 1:
+            _, _, state, _, activations = references[name.removeprefix("single:")]
         else:
             got = json.loads((parity_runs / f"{name}.json").read_text())
             state, activations = got["state_bytes"], got["activation_bytes"]
         cfg = load_config(None, base_overrides(cache_dir) + reference_overrides(ref, cache_dir) + overrides, env={})
-        shape, layout, workload = config_view(cfg, world)
+        shape, layout, workload = config_view(cfg, world, device="cpu")
         planned_state = max(state_numel(shape, layout, workload)) * DTYPE_BYTES[cfg.model.dtype] * 4
         planned_activations = max(activation_bytes(shape, layout, workload))
-        state_ratio, activation_ratio = planned_state / state, planned_activations / activations
+        state_ratio = planned_state / state
+        activation_ratio = planned_activations / activations if activations else float("inf")
         lines.append(f"{name:32s} state {state:>10,} B planned x{state_ratio:.4f} | activations {activations:>10,} B "
                      f"planned x{activation_ratio:.3f}")
         if abs(state_ratio - 1) > STATE_RTOL:
             failures.append(f"{name}: planned state {planned_state:,} B vs measured {state:,} B")
-        if layout.activation_checkpointing != "selective" and abs(activation_ratio - 1) > ACTIVATION_RTOL:
+        unseen = layout.activation_checkpointing == "selective" or cfg.train.compile == "true"
+        if not unseen and abs(activation_ratio - 1) > ACTIVATION_RTOL:
             failures.append(f"{name}: planned activations {planned_activations:,.0f} B vs measured {activations:,} B")
     print("\n".join(lines))
     assert not failures, "; ".join(failures)
+
+
+def _layout_run(name: str, parity_runs, references) -> tuple[list[float], list[float], dict]:
+    """(losses, gradient norms, final weights) of a layout, from the launches or the in-process runs."""
+    if name in references:
+        losses, weights, _, norms, _ = references[name]
+        return losses, norms, weights
+    got = json.loads((parity_runs / f"{name}.json").read_text())
+    return got["losses"], got["grad_norms"], torch.load(parity_runs / f"{name}.pt", weights_only=True)
+
+
+def _relative(values, refs) -> list[float]:
+    return [abs(value - ref) / abs(ref) for value, ref in zip(values, refs)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [n for n, (_, _, ref) in PRECISION_LAYOUTS.items() if ref == "deep-bf16"])
+def test_bf16_layout_matches_single_process_bf16(layout, parity_runs, references):
+    losses, norms, weights = _layout_run(layout, parity_runs, references)
+    ref_losses, ref_norms, ref_weights = _layout_run("deep-bf16", parity_runs, references)
+    fp32_losses, _, _ = _layout_run("fp32:llama-deep", parity_runs, references)
+    assert len(losses) == STEPS
+    loss_diffs, norm_diffs = _relative(losses, ref_losses), _relative(norms, ref_norms)
+    from_fp32 = max(_relative(losses, fp32_losses))
+    worst_weight = max(((weights[k].float() - w.float()).norm() / w.float().norm()).item() for k, w in ref_weights.items())
+    print(f"{layout}: step-1 loss {loss_diffs[0]:.1e}, losses {max(loss_diffs):.1e}, grad norms {max(norm_diffs):.1e}, "
+          f"weights {worst_weight:.1e} from 1-process bf16; {from_fp32:.1e} from fp32")
+    assert loss_diffs[0] <= BF16_FIRST_STEP_RTOL, f"step 1: {losses[0]} vs 1-process bf16 {ref_losses[0]}"
+    assert max(loss_diffs) <= BF16_LOSS_RTOL, f"losses {losses} vs 1-process bf16 {ref_losses}"
+    assert max(norm_diffs) <= BF16_GRAD_NORM_RTOL, f"gradient norms {norms} vs 1-process bf16 {ref_norms}"
+    assert worst_weight <= BF16_WEIGHT_REL_L2
+    assert from_fp32 >= BF16_MIN_DISTANCE_FROM_FP32, "the losses are the fp32 run's: bf16 compute did not run"
+    assert all(w.dtype == torch.float32 for w in weights.values()), "master weights must stay float32"
+
+
+@pytest.mark.slow
+def test_fp16_skips_overflowing_steps_and_matches_single_process(parity_runs, references):
+    """fp16's loss scaling: the first steps overflow at the initial scale and are skipped (their gradient
+    norm is not finite, the weights do not move), then training goes on; FSDP decides the same steps."""
+    losses, norms, weights = _layout_run("fsdp2_fp16", parity_runs, references)
+    ref_losses, ref_norms, _ = _layout_run("deep-fp16", parity_runs, references)
+    skipped = [step for step, norm in enumerate(ref_norms, start=1) if not math.isfinite(norm)]
+    assert skipped == [1, 2], f"expected the first two steps to overflow, got {skipped}"
+    assert [not math.isfinite(n) for n in norms] == [not math.isfinite(n) for n in ref_norms]
+    assert max(_relative(losses, ref_losses)) <= BF16_LOSS_RTOL
+    assert losses[-1] < losses[0] - 0.1, "fp16 training did not go on after the skipped steps"
+    assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(CHUNKED_LAYOUTS))
+def test_chunked_loss_matches_unchunked(layout, parity_runs, references):
+    """Head + cross-entropy in 48-token chunks: the same losses and gradient norms as all logits at once."""
+    _, _, ref, unchunked = CHUNKED_LAYOUTS[layout]
+    losses, norms, _ = _layout_run(layout, parity_runs, references)
+    ref_losses, ref_norms, _ = _layout_run(unchunked or ref, parity_runs, references)
+    loss_diff, norm_diff = max(_relative(losses, ref_losses)), max(_relative(norms, ref_norms))
+    print(f"{layout}: losses {loss_diff:.1e}, gradient norms {norm_diff:.1e} from unchunked")
+    assert loss_diff <= CHUNKED_RTOL and norm_diff <= CHUNKED_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(FLOAT8_LAYOUTS))
+def test_float8_layout_matches_single_process_float8(layout, parity_runs, references):
+    losses, norms, weights = _layout_run(layout, parity_runs, references)
+    ref_losses, ref_norms, ref_weights = _layout_run("llama-tiny-float8", parity_runs, references)
+    exact = FLOAT8_EXACT_STEPS
+    assert max(_relative(losses[:exact], ref_losses[:exact])) <= LOSS_RTOL
+    assert max(_relative(norms[:exact], ref_norms[:exact])) <= GRAD_NORM_RTOL
+    assert max(_relative(losses, ref_losses)) <= FLOAT8_LOSS_RTOL
+    worst = max(((weights[k].float() - w.float()).norm() / w.float().norm()).item() for k, w in ref_weights.items())
+    print(f"{layout}: losses {max(_relative(losses, ref_losses)):.1e}, weights {worst:.1e} from 1-process float8")
+    assert worst <= FLOAT8_WEIGHT_REL_L2

@@ -76,4 +76,26 @@ def test_chained_stages_compute_the_whole_model():
         adapter.use_attention(stage, register_attention())
         set_stage_forward(stage, adapter, stage_id == 0, stage_id == 3, lambda ids: sequence_inputs(ids, split))
         out = stage(*out)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # The last stage ends with the final norm; the loss applies the head (meshtron.train.loss).
+    logits = stages[3].lm_head(out)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_2_11_token_ids_travel_as_float_and_zbv_is_refused_on_cpu():
+    """torch < 2.13 makes every tensor a stage receives require grad: the token ids cross stages as
+    float32 (exact below 2**24); its V-shaped schedule sends between a rank's own stages, which gloo
+    cannot, so ZBV is refused on CPU there (with the schedule that works named)."""
+    from types import SimpleNamespace
+
+    from meshtron.distributed.pipeline_parallel import MAX_EXACT_TOKEN_ID, check_pipeline
+    from meshtron.errors import ConfigError
+
+    assert float(torch.tensor(MAX_EXACT_TOKEN_ID - 1, dtype=torch.float32)) == MAX_EXACT_TOKEN_ID - 1
+    config = SimpleNamespace(num_hidden_layers=8, vocab_size=257, tie_word_embeddings=False)
+    zbv = ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble")
+    with pytest.raises(ConfigError, match="needs torch >= 2.13 on CPU.*use parallel.pp_schedule=InterleavedZeroBubble"):
+        check_pipeline(zbv, config, 4, False, device_type="cpu", torch_version="2.11.0+cu128")
+    assert check_pipeline(zbv, config, 4, False, device_type="cpu", torch_version="2.13.0+cpu") == 2
+    assert check_pipeline(zbv, config, 4, False, device_type="cuda", torch_version="2.11.0") == 2
+    with pytest.raises(ConfigError, match="vocab_size 16777217 is over 16777216"):
+        check_pipeline(ParallelConfig(pp=2), SimpleNamespace(num_hidden_layers=8, vocab_size=2**24 + 1), 4, False)

@@ -1,6 +1,7 @@
 """meshtron plan: the planner's numbers against the real sharding code (dry runs of 8B / 70B shapes at
-8 to 512 ranks), its command line, and its emitted configs. The comparison with measured memory of
-every parity layout is in test_parity.py (it reuses those runs); bench/dry_run.py times the dry runs."""
+8 to 512 ranks), its command line, its emitted configs, its precision / loss-chunking / device rules,
+and the activations of one-process bf16 / fp16 CPU runs. The comparison with measured memory of every
+parity layout is in test_parity.py (it reuses those runs); bench/dry_run.py times the dry runs."""
 
 from __future__ import annotations
 
@@ -143,3 +144,135 @@ def test_every_proposed_layout_passes_meshtron_preflight(preset):
     for layout in layouts:
         plan = preflight(train_config(layout, workload, ModelConfig(preset=preset)), 16, "cuda")
         assert plan.dims.product == 16 and (plan.dims.tp, plan.dims.cp, plan.dims.pp) == (layout.tp, layout.cp, layout.pp)
+
+
+def _llama_1b():
+    from meshtron.models.presets import make_preset_config
+    from meshtron.plan.model_shape import ModelShape
+
+    hf_config = make_preset_config("llama-1b", 259)
+    return hf_config, ModelShape.from_hf_config(hf_config)
+
+
+def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
+    """One GPU, TP-only and PP-only layouts compute in bf16 like FSDP ones (train.mixed_precision): bf16
+    elements and the bf16 peak, not fp32's; a ``none`` workload is the fp32 one."""
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import block_activation_per_token, compute_bytes
+    from meshtron.plan.throughput import estimate_step
+
+    hf_config, shape = _llama_1b()
+    bf16, fp32 = Workload(seq_len=2048, global_batch=8), Workload(seq_len=2048, global_batch=8, compute_dtype="float32")
+    assert (compute_bytes(bf16), compute_bytes(fp32)) == (2, 4)
+    assert (bf16.mixed_precision, fp32.mixed_precision) == ("bf16", "none")
+    hw = hardware("h100")
+    single = Layout(micro_batch=1)
+    mfu_bf16 = estimate_step(shape, single, bf16, hw, hf_config).mfu
+    mfu_fp32 = estimate_step(shape, single, fp32, hw, hf_config).mfu
+    print(f"llama-1b on one H100, seq 2048, batch 8: MFU {mfu_bf16:.1%} in bf16, {mfu_fp32:.1%} in fp32")
+    assert mfu_bf16 > 0.25 and mfu_bf16 > 10 * mfu_fp32
+    for layout in (single, Layout(tp=2), Layout(pp=2, micro_batch=1)):
+        assert not layout.fsdp_enabled
+        ratio = block_activation_per_token(shape, layout, bf16) / block_activation_per_token(shape, layout, fp32)
+        assert 0.5 <= ratio < 0.6, layout  # bf16 elements; only the norms' fp32 upcasts and the log-sum-exp stay
+
+
+def test_one_gpu_plan_predicts_bf16_throughput(capsys):
+    status, stdout, stderr = plan_cli(capsys, "--model", "llama-1b", "--gpus", "1", "--seq-len", "2048",
+                                      "--global-batch", "8", "--json")
+    assert status == 0, stderr[-2000:]
+    best = json.loads(stdout[: stdout.rindex("}") + 1])["candidates"][0]
+    print(f"llama-1b, 1 x H100: micro {best['layout']['micro_batch']} {best['layout']['activation_checkpointing']}, "
+          f"{best['memory_gb']['total']:.1f} GB, {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}")
+    assert best["fits"] and best["mfu"] > 0.25  # fp32 compute predicted 2.4%
+
+
+@pytest.mark.parametrize("precision", ["bf16", "none"])
+def test_emitted_config_sets_train_mixed_precision(tmp_path, capsys, precision):
+    from meshtron.config import load_config
+    from meshtron.plan.layout import Workload
+
+    out = tmp_path / "one.toml"
+    status, _, stderr = plan_cli(capsys, "--model", "llama-1b", "--gpus", "1", "--seq-len", "2048", "--global-batch", "8",
+                                 "--mixed-precision", precision, "--loss-chunk-size", "2048", "--emit-config", str(out))
+    assert status == 0, stderr[-2000:]
+    text = out.read_text()
+    assert "param_dtype" not in text and f'mixed_precision = "{precision}"' in text
+    cfg = load_config(out, env={})  # fsdp.param_dtype would be a ConfigError
+    assert cfg.train.mixed_precision == precision and cfg.train.loss_chunk_size == 2048
+    workload = Workload.from_config(cfg)
+    assert workload.compute_dtype == {"bf16": "bfloat16", "none": "float32"}[precision]
+    assert workload.loss_chunk_size == 2048 and workload.device == "cuda"
+
+
+def test_workload_from_config_resolves_mixed_precision_per_device():
+    from meshtron.config import load_config
+    from meshtron.plan.layout import Workload
+
+    auto = load_config(None, [], env={})
+    assert Workload.from_config(auto).compute_dtype == "bfloat16"  # auto on a GPU
+    assert Workload.from_config(auto, device="cpu").compute_dtype == "float32"  # auto on CPU: none
+    fp16 = load_config(None, ["train.mixed_precision=fp16", "train.loss_chunk_size=0"], env={})
+    cpu = Workload.from_config(fp16, device="cpu")
+    assert (cpu.compute_dtype, cpu.mixed_precision, cpu.loss_chunk_size, cpu.device) == ("float16", "fp16", 0, "cpu")
+    half = load_config(None, ["model.dtype=bfloat16"], env={})
+    assert Workload.from_config(half).mixed_precision == "none"  # auto keeps half-precision weights' own dtype
+
+
+def test_chunked_loss_memory_at_llama_1b():
+    """The chunked loss keeps no fp32 log-softmax for backward and holds one chunk's logits at a time:
+    llama-1b (128,256 vocabulary), seq 2048, micro batch 4 (8,192 tokens, two 4,096-token chunks)."""
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import activation_bytes, estimate_memory
+
+    _, shape = _llama_1b()
+    layout = Layout(micro_batch=4)
+    chunked = Workload(seq_len=2048, global_batch=4)
+    whole = Workload(seq_len=2048, global_batch=4, loss_chunk_size=0)
+    saved = activation_bytes(shape, layout, whole)[0] - activation_bytes(shape, layout, chunked)[0]
+    transient = estimate_memory(shape, layout, whole).temporaries - estimate_memory(shape, layout, chunked).temporaries
+    print(f"llama-1b, seq 2048 x micro batch 4: the chunked loss saves {saved / 1e9:.2f} GB of activations "
+          f"({saved:,.0f} B) and {transient / 1e9:.2f} GB of transient logits ({transient:,} B)")
+    tokens, vocab = 4 * 2048, 128256
+    assert saved == tokens * vocab * 4  # the fp32 log-softmax
+    assert transient == (tokens - 4096) * vocab * (2 + 4 + 4)  # bf16 logits, fp32 copy, gradient: one chunk
+    short = Layout(micro_batch=1)  # 2,048 tokens: one chunk, nothing recomputed, same estimate
+    assert estimate_memory(shape, short, chunked) == estimate_memory(shape, short, whole)
+
+
+def test_document_mask_term_only_off_cuda():
+    """SDPA's dense document mask (CPU) costs ``seq_len`` elements per token per block; FlexAttention's
+    block mask (CUDA) nothing."""
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import block_activation_per_token
+
+    _, shape = _llama_1b()
+    per_device = {device: block_activation_per_token(shape, Layout(), Workload(2048, 8, device=device))
+                  for device in ("cuda", "cpu")}
+    assert per_device["cpu"] - per_device["cuda"] == 2 * 2048
+    unmasked = Workload(2048, 8, mask_documents=False, device="cpu")
+    assert block_activation_per_token(shape, Layout(pp=2), unmasked) < per_device["cpu"]
+
+
+@pytest.mark.parametrize("overrides", [["train.mixed_precision=bf16"],
+                                       ["train.mixed_precision=bf16", "train.loss_chunk_size=48"],
+                                       ["train.mixed_precision=fp16", "train.fp16_initial_loss_scale=1024"]],
+                         ids=["bf16", "bf16_chunked", "fp16"])
+def test_planned_half_precision_activations_match_a_cpu_run(tmp_path, cache_dir, overrides):
+    """One process computing in bf16 / fp16 on CPU (llama-deep, 8 x 32 tokens): the planner's activations,
+    bf16 weight copies included, against what autograd kept (the parity tests check every layout)."""
+    import torch
+
+    from meshtron.config import load_config
+    from meshtron.plan.memory import activation_bytes, config_view
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    cfg = load_config(None, ["model.preset=llama-deep", "data.max_documents=40", "data.seq_len=32",
+                             f"data.cache_dir={cache_dir}", "train.steps=2", "train.global_batch_size=8",
+                             "run.progress=false", f"run.output_dir={tmp_path}"] + overrides, env={})
+    measured = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))).activation_bytes
+    planned = max(activation_bytes(*config_view(cfg, 1, device="cpu")))
+    print(f"{' '.join(overrides)}: measured {measured:,} B, planned {planned:,.0f} B (x{planned / measured:.3f})")
+    assert abs(planned / measured - 1) <= 0.10

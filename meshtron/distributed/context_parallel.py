@@ -20,7 +20,7 @@ only q, k, v, the output and the log-sum-exp of the local chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,8 @@ class SequenceLayout:
     document_ids: torch.Tensor | None = None
     kernel: str = "auto"
     """``auto`` (fastest exact kernel) or ``math`` (plain PyTorch), for tests."""
+    attention_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """Masks that attention builds once for this micro-batch and every layer reuses (without cp)."""
 
     @property
     def chunk(self) -> int:

@@ -3,7 +3,9 @@
 Every rank sums the squares of its local gradient pieces, each weighted by 1 / (number of ranks that
 hold an identical copy of that piece), and one all-reduce over all ranks adds them up. So a
 parameter sharded over (dp_shard, tp) and replicated over dp_replicate is counted exactly once, with
-a single collective whatever the mesh.
+a single collective whatever the mesh, and none when every rank holds every gradient whole
+(DDP-style replication). ``local_grad_square_sum`` gives a rank's share alone, for callers that
+reduce it together with other numbers (meshtron.train.step_stats).
 """
 
 from __future__ import annotations
@@ -25,32 +27,59 @@ def _copies(grad: torch.Tensor, ranks: int) -> int:
     return ranks // shards
 
 
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _weighted_square_sum(grads: list[torch.Tensor], ranks: int) -> torch.Tensor | None:
+    """Sum of squares of the local pieces, each divided by the number of ranks holding a copy of it."""
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_copies.setdefault(_copies(grad, ranks), []).append(local.float())
+    total = None
+    for copies, tensors in sorted(by_copies.items()):
+        sum_sq = torch.stack(torch._foreach_norm(tensors, 2.0)).pow(2).sum()
+        sum_sq = sum_sq / copies if copies > 1 else sum_sq
+        total = sum_sq if total is None else total + sum_sq
+    return total
+
+
+def _grads(parameters) -> list[torch.Tensor]:
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def replicated_everywhere(grads: list[torch.Tensor], ranks: int, pipeline_degree: int = 1) -> bool:
+    """Whether each of the ``ranks`` ranks holds every gradient whole: its local norm is then the global one."""
+    return pipeline_degree == 1 and all(_copies(grad, ranks) == ranks for grad in grads)
+
+
 @torch.no_grad()
-def global_grad_norm(parameters, group=None, pipeline_degree: int = 1) -> torch.Tensor:
-    """The L2 norm of all gradients as one vector, identical on every rank (fp32 scalar tensor).
+def local_grad_square_sum(parameters, group=None, pipeline_degree: int = 1) -> torch.Tensor | None:
+    """This rank's share of the squared global gradient norm (fp32 scalar; None without gradients):
+    summed over the ranks of ``group`` it gives the square of the global norm.
 
     ``group`` is the set of ranks that together hold every parameter (default: all ranks);
     ``pipeline_degree`` how many pipeline ranks split the parameters among them.
     """
-    distributed = dist.is_available() and dist.is_initialized()
-    world_size = dist.get_world_size(group) if distributed else 1
-    ranks_per_stage = world_size // pipeline_degree
-    by_copies: dict[int, list[torch.Tensor]] = {}
-    device = None
-    for param in parameters:
-        if param.grad is None:
-            continue
-        grad = param.grad
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        by_copies.setdefault(_copies(grad, ranks_per_stage), []).append(local.float())
-        device = local.device
-    if device is None:
+    return _weighted_square_sum(_grads(parameters), _group_size(group) // pipeline_degree)
+
+
+@torch.no_grad()
+def global_grad_norm(parameters, group=None, pipeline_degree: int = 1) -> torch.Tensor:
+    """The L2 norm of all gradients as one vector, identical on every rank (fp32 scalar tensor).
+
+    ``group`` and ``pipeline_degree`` as in ``local_grad_square_sum``.
+    """
+    grads = _grads(parameters)
+    ranks = _group_size(group)
+    if ranks > 1 and replicated_everywhere(grads, ranks, pipeline_degree):
+        total = _weighted_square_sum(grads, 1)  # every rank has it all: no collective
+        return torch.zeros(()) if total is None else total.sqrt()
+    total = _weighted_square_sum(grads, ranks // pipeline_degree)
+    if total is None:
         return torch.zeros(())
-    total = torch.zeros((), device=device)
-    for copies, tensors in sorted(by_copies.items()):
-        sum_sq = torch.stack(torch._foreach_norm(tensors, 2.0)).pow(2).sum()
-        total += sum_sq / copies
-    if distributed and world_size > 1:
+    if ranks > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
 

@@ -1,7 +1,8 @@
 """The one place that applies every parallelism to a model, in order.
 
-Order: pipeline split (first), then for each stage: tensor parallel, context parallel, activation
-checkpointing, compile, FSDP/HSDP. Each step only talks to the model through its adapter.
+Order: pipeline split (first), then for each stage: float8 conversion (``train.float8``), tensor
+parallel, context parallel, activation checkpointing, compile, FSDP/HSDP. Each step only talks to the
+model through its adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import register_attention, uses_meshtron_attention
+from meshtron.train.float8 import apply_float8
+from meshtron.train.precision import apply_compute_casts, precision_policy
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
 _SAVED_OPS = {
@@ -48,30 +51,55 @@ def apply_activation_checkpointing(model: nn.Module, adapter: DecoderAdapter, mo
             adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context))
 
 
+def compile_enabled(setting: str, device_type: str) -> bool:
+    """``train.compile``: true, false, or auto (on for CUDA, where it pays; off on CPU, where compiling
+    costs more than it saves in short runs)."""
+    return setting == "true" or (setting == "auto" and device_type == "cuda")
+
+
 def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
     """Compile each decoder block in place (parameter names unchanged)."""
     for _, block in adapter.named_blocks(model):
         block.compile()
 
 
-def parallelize(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> list[tuple[int, nn.Module]]:
-    """Apply every parallelism to a meta-device model: PP split -> (per stage) TP -> CP -> activation
-    checkpointing -> compile -> FSDP. Returns (pipeline stage id, module) for each stage this rank holds
-    (one, stage 0, without pipeline parallelism)."""
+def parallelize(
+    model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config, device_type: str | None = None
+) -> list[tuple[int, nn.Module]]:
+    """Apply every parallelism to a meta-device model: PP split -> (per stage) float8 -> TP -> CP -> activation
+    checkpointing -> compile -> FSDP (or, without FSDP, mixed-precision casts). Returns (pipeline stage id, module) for each stage this rank holds
+    (one, stage 0, without pipeline parallelism). ``device_type``: where it will train (see parallelize_model)."""
     if dims.pp > 1:
         stages = split_pipeline(model, adapter, cfg.parallel, meshes["world"]["pp"].get_local_rank())
     else:
         stages = [(0, model)]
-    return [(stage_id, parallelize_model(stage, adapter, dims, meshes, cfg)) for stage_id, stage in stages]
+    return [(stage_id, parallelize_model(stage, adapter, dims, meshes, cfg, device_type)) for stage_id, stage in stages]
 
 
-def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config) -> nn.Module:
-    """Apply TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
+def _device_type(meshes, cfg: Config) -> str:
+    """The mesh's device type, or in a single process the one ``run.device`` resolves to."""
+    if meshes is not None:
+        return meshes["world"].device_type
+    from meshtron.train.runtime import resolve_device_type
+
+    return resolve_device_type(cfg.run.device, 1)
+
+
+def parallelize_model(
+    model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config, device_type: str | None = None
+) -> nn.Module:
+    """Apply float8 -> TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
+
+    Float8 goes first: the TP styles and FSDP's float8 all-gather need the float8 linears in place; float8
+    matmuls are emulated unless ``device_type`` (default: the mesh's) is ``cuda``.
 
     Context parallelism changes no parameter: its step routes attention to meshtron's function (which
     also does document masking without CP); the trainer shards each batch over the ``cp`` ranks, and
     FSDP shards over ``dp_shard x cp`` so that gradients are reduced over the context-parallel ranks too.
     """
+    device_type = device_type or _device_type(meshes, cfg)
+    if cfg.train.float8:
+        apply_float8(model, adapter, device_type=device_type, fsdp_enabled=dims.fsdp_enabled, tp=dims.tp)
     if dims.tp > 1:
         apply_tensor_parallel(
             model,
@@ -79,12 +107,16 @@ def parallelize_model(model: nn.Module, adapter: DecoderAdapter, dims: ParallelD
             meshes["world"]["tp"],
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
+            float8=cfg.train.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
         )
     if uses_meshtron_attention(dims.cp, cfg.data.mask_documents, dims.pp):
         adapter.use_attention(model, register_attention())
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
-    if cfg.train.compile:
+    if compile_enabled(cfg.train.compile, device_type):
         apply_compile(model, adapter)
+    precision = precision_policy(cfg, device_type)
     if dims.fsdp_enabled:
-        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, cfg.model.dtype, pipelined=dims.pp > 1)
+        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, precision.fsdp_policy(), pipelined=dims.pp > 1)
+    else:  # the same mixed-precision casts FSDP would do, at the same places
+        apply_compute_casts(model, adapter, precision)
     return model

@@ -8,7 +8,9 @@ initialization and checkpoints are the same as without pipelining. Schedules, mi
 stage-to-stage transfers are ``torch.distributed.pipelining``'s.
 
 Between stages travel the hidden states and the micro-batch's full token ids, from which every stage
-derives the position ids, document layout and context-parallel shard it needs.
+derives the position ids, document layout and context-parallel shard it needs. The token ids travel
+as float32 (exact below 2**24): torch < 2.13 makes every received tensor require grad and expects a
+gradient back for it, which an integer tensor cannot have.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import types
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -24,6 +27,8 @@ from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 
+MAX_EXACT_TOKEN_ID = 2**24
+"""Token ids travel between stages as float32, which holds integers exactly up to here."""
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble",)
 
@@ -102,10 +107,18 @@ def local_stage_ids(pp_rank: int, cfg: ParallelConfig) -> list[int]:
     return [pp_rank + i * cfg.pp for i in range(count)]
 
 
-def check_pipeline(cfg: ParallelConfig, hf_config, local_batch: int, micro_batch_size_set: bool) -> int:
+def check_pipeline(
+    cfg: ParallelConfig, hf_config, local_batch: int, micro_batch_size_set: bool, device_type: str = "cuda",
+    torch_version: str = torch.__version__,
+) -> int:
     """Refuse pipeline settings that cannot work; returns the number of microbatches."""
     if cfg.pp == 1:
         return 1
+    if cfg.pp_schedule in V_SHAPED_SCHEDULES and device_type != "cuda" and _older_than(torch_version, (2, 13)):
+        raise ConfigError(
+            f"parallel.pp_schedule={cfg.pp_schedule} needs torch >= 2.13 on CPU (torch {torch_version} sends between "
+            "a rank's own two stages, which gloo cannot do); use parallel.pp_schedule=InterleavedZeroBubble"
+        )
     split_layers(hf_config.num_hidden_layers, cfg)
     microbatches = cfg.pp_microbatches or cfg.pp
     if micro_batch_size_set:
@@ -130,12 +143,22 @@ def check_pipeline(cfg: ParallelConfig, hf_config, local_batch: int, micro_batch
                 f"parallel.pp_schedule=Interleaved1F1B needs parallel.pp_microbatches ({microbatches}) divisible by "
                 f"max(1, microbatches // pp) = {rounds}; use a multiple of parallel.pp={cfg.pp}"
             )
+    if hf_config.vocab_size > MAX_EXACT_TOKEN_ID:
+        raise ConfigError(
+            f"the model's vocab_size {hf_config.vocab_size} is over {MAX_EXACT_TOKEN_ID}, the largest token id pipeline "
+            "stages pass exactly; use parallel.pp=1"
+        )
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ConfigError(
             "the model ties its embeddings to its head, which pipeline stages cannot share; "
             "use an untied model or parallel.pp=1"
         )
     return microbatches
+
+
+def _older_than(version: str, minimum: tuple[int, int]) -> bool:
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
+    return (major, minor) < minimum
 
 
 def split_pipeline(model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
@@ -154,19 +177,26 @@ def set_stage_forward(model: nn.Module, adapter: DecoderAdapter, first: bool, la
     """Give the stage model the forward its pipeline stage calls.
 
     ``inputs_for(input_ids)`` turns the micro-batch's full token ids into this rank's model inputs.
-    A first stage takes ``(input_ids,)``, the others ``(hidden, input_ids)``; every stage but the last
-    returns ``(hidden, input_ids)``, the last the logits. Under sequence parallel the hidden states
-    are a sequence-sharded DTensor; they travel as their local shard and are rewrapped on arrival.
+    A first stage takes ``(input_ids,)``, the others ``(hidden, token_ids)`` with the token ids as
+    float32; every stage but the last returns ``(hidden, token_ids)``, the last its output. Under
+    sequence parallel the hidden states are a sequence-sharded DTensor; they travel as their local
+    shard and are rewrapped on arrival.
     """
 
     def forward(self, *args):
-        hidden, input_ids = (None, args[0]) if first else args
+        if first:
+            hidden, input_ids = None, args[0]
+        else:
+            hidden, token_ids = args
+            input_ids = token_ids.detach().long()
+            # A zero that depends on the received ids gives them the (zero) gradient torch < 2.13 sends back.
+            hidden = hidden + (token_ids.sum() * 0).to(hidden.dtype)
         if tp_mesh is not None and hidden is not None and not isinstance(hidden, DTensor):
             hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
         out = adapter.run_stage(self, hidden, inputs_for(input_ids), first, last)
         if last:
             return out
-        return (out.to_local() if isinstance(out, DTensor) else out), input_ids
+        return (out.to_local() if isinstance(out, DTensor) else out), input_ids.to(torch.float32)
 
     model.forward = types.MethodType(forward, model)
 

@@ -15,6 +15,10 @@ GQA with fewer KV heads than ``tp``: the k/v projections are replicated on every
 keeps the KV head its query heads use. Their gradient (and that of per-head norms and of
 sequence-parallel norms) is a partial sum per rank; FSDP reduces it, and ``reduce_partial_gradients``
 does when there is no FSDP.
+
+Float8 (``train.float8``, on CUDA): the blocks' float8 linears use torchao's float8 styles, which cast
+to float8 before the sequence all-gather (once per attention / MLP input) and cast output gradients in
+backward.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
+from meshtron.train.float8 import float8_linear_paths
 
 
 def check_tensor_parallel(
@@ -125,29 +130,52 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
 
 
-def _block_styles(roles: dict[str, str], shape, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _float8_styles(roles: dict[str, str], float8_paths: frozenset[str]):
+    """(prepare input, colwise, rowwise) style classes per path: torchao's float8 ones for float8 linears
+    and for an attention / MLP region whose every input projection is one."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    classes = {}
+    for path, role in roles.items():
+        if role in ("attention", "mlp"):
+            inputs = [p for p, r in roles.items() if p.startswith(path + ".") and r in ("colwise", "kv_colwise")]
+            if inputs and all(p in float8_paths for p in inputs):
+                classes[path] = PrepareFloat8ModuleInput
+        elif path in float8_paths:
+            classes[path] = Float8RowwiseParallel if role == "rowwise" else Float8ColwiseParallel
+    return classes
+
+
+def _block_styles(
+    roles: dict[str, str], shape, tp: int, sequence_parallel: bool, float8_paths: frozenset[str] = frozenset()
+) -> dict[str, ParallelStyle]:
     stream = Shard(1) if sequence_parallel else Replicate()
+    float8 = _float8_styles(roles, float8_paths) if float8_paths else {}
     styles: dict[str, ParallelStyle] = {}
     for path, role in roles.items():
         if role == "attention":
-            styles[path] = PrepareModuleInput(
+            styles[path] = float8.get(path, PrepareModuleInput)(
                 input_kwarg_layouts={"hidden_states": stream},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=False,
             )
         elif role == "mlp":
-            styles[path] = PrepareModuleInput(
+            styles[path] = float8.get(path, PrepareModuleInput)(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
             )
         elif role == "colwise":
-            styles[path] = ColwiseParallel()
+            styles[path] = float8.get(path, ColwiseParallel)()
         elif role == "kv_colwise":
             if shape.num_kv_heads >= tp:
-                styles[path] = ColwiseParallel()
+                styles[path] = float8.get(path, ColwiseParallel)()
             else:
                 styles[path] = ReplicatedKVProjection(shape.num_kv_heads, shape.head_dim)
         elif role == "rowwise":
-            styles[path] = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
+            styles[path] = float8.get(path, RowwiseParallel)(output_layouts=stream, use_local_output=not sequence_parallel)
         elif role == "norm":
             styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
         elif role == "head_norm":
@@ -180,13 +208,20 @@ def _top_styles(roles: dict[str, str], sequence_parallel: bool, loss_parallel_on
 
 
 def apply_tensor_parallel(
-    model: nn.Module, adapter: DecoderAdapter, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool
+    model: nn.Module, adapter: DecoderAdapter, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool,
+    float8: bool = False,
 ) -> None:
-    """Split ``model`` (on the meta device) over the 1-D ``tp_mesh``, block by block, then the outer parts."""
+    """Split ``model`` (on the meta device) over the 1-D ``tp_mesh``, block by block, then the outer parts.
+
+    ``float8``: the blocks were converted by ``meshtron.train.float8.apply_float8``; their float8 linears
+    get torchao's float8 styles, which all-gather in float8 (NCCL only: gloo cannot send float8; without
+    them float8 linears still multiply in float8 and all-gather in high precision).
+    """
     tp = tp_mesh.size()
     shape = adapter.attention_shape(model.config)
     for _, block in adapter.named_blocks(model):
-        styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel)
+        float8_paths = float8_linear_paths(block) if float8 else frozenset()
+        styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel, float8_paths)
         parallelize_module(block, tp_mesh, styles, src_data_rank=None)
     parallelize_module(model, tp_mesh, _top_styles(adapter.top_tp_roles(model), sequence_parallel, loss_parallel),
                        src_data_rank=None)

@@ -6,6 +6,7 @@ reaches into a model's internals itself. Llama, Qwen2, Qwen3 and Mistral share o
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,8 @@ class DecoderAdapter:
             model.lm_head = None
 
     def run_stage(self, model: nn.Module, hidden: torch.Tensor, inputs: dict, first: bool, last: bool) -> torch.Tensor:
-        """A pipeline stage's computation: [embeddings] -> its blocks -> [final norm -> head].
+        """A pipeline stage's computation: [embeddings] -> its blocks -> [final norm]. The head is
+        applied by the loss (``meshtron.train.loss``), as without pipelining.
 
         ``inputs`` holds this rank's ``input_ids`` and ``position_ids`` and, when meshtron's attention is
         in use, the ``sequence_layout``; ``hidden`` is the previous stage's output (ignored when first).
@@ -112,8 +114,23 @@ class DecoderAdapter:
                 position_embeddings=position_embeddings, **extra,
             )
         if last:
-            hidden = model.lm_head(body.norm(hidden))
+            hidden = body.norm(hidden)
         return hidden
+
+    def return_hidden_states(self, model: nn.Module) -> None:
+        """Make ``model(...)`` return the final (normed) hidden states instead of logits: meshtron's loss
+        applies the head itself, chunk by chunk. The module's own ``__call__`` (and so FSDP's hooks on
+        it) stays; only its ``forward`` changes."""
+
+        def forward(module, input_ids, position_ids=None, **kwargs):
+            return self.body(module)(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+
+        model.forward = types.MethodType(forward, model)
+
+    def head_parameters(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias or None) of the output head, as the module holds them right now."""
+        head = self.lm_head(model)
+        return head.weight, getattr(head, "bias", None)
 
     def embeddings(self, model: nn.Module) -> nn.Module:
         return self.body(model).embed_tokens

@@ -10,10 +10,10 @@ model's attention modules reach ``hf_attention`` through transformers' attention
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from meshtron.distributed.context_parallel import SequenceLayout, context_parallel_attention
 from meshtron.errors import ConfigError, MeshtronError
+from meshtron.models.attention_kernels import document_attention
 
 ATTENTION_NAME = "meshtron"
 """The name under which ``hf_attention`` is registered with transformers."""
@@ -68,13 +68,8 @@ def check_attention(
 
 
 def _single_device_attention(query, key, value, layout: SequenceLayout, scale: float) -> torch.Tensor:
-    """Whole-sequence attention with the document mask, by PyTorch's SDPA (its fastest kernel for masks)."""
-    seq_len = query.shape[2]
-    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=query.device).tril()
-    if layout.document_ids is not None:
-        docs = layout.document_ids
-        visible = (visible & (docs[:, :, None] == docs[:, None, :]))[:, None]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=True)
+    """Whole-sequence attention with the document mask, by the device's kernel (see ``attention_kernels``)."""
+    return document_attention(query, key, value, layout.document_ids, scale, cache=layout.attention_cache)
 
 
 def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_layout=None, **kwargs):

@@ -7,9 +7,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from meshtron.config import Config, ModelConfig
+from meshtron.config import Config, ModelConfig, TrainConfig
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import GPUS, Hardware, hardware, parse_gigabytes
+from meshtron.plan.layout import MIXED_PRECISION_DTYPES
 
 HARDWARE_OVERRIDES = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "memory_gb"))
 PLAN_USAGE = "meshtron plan --model PRESET|DIR|CONFIG.json --gpus N --seq-len L --global-batch B [options]"
@@ -27,6 +28,10 @@ def add_plan_parser(sub) -> None:
         kind = int if name == "gpus_per_node" else float
         plan.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"override Hardware.{name} (see docs/planning.md)")
     plan.add_argument("--no-mask-documents", action="store_true", help="plan for data.mask_documents=false")
+    plan.add_argument("--mixed-precision", choices=tuple(MIXED_PRECISION_DTYPES) + ("none",), default="bf16",
+                      help="train.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)")
+    plan.add_argument("--loss-chunk-size", type=int, default=TrainConfig.loss_chunk_size,
+                      help=f"train.loss_chunk_size: tokens per loss chunk, 0 for none (default {TrainConfig.loss_chunk_size})")
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
     plan.add_argument("--emit-config", metavar="OUT.toml", help="write the recommended layout as a meshtron train config")
@@ -59,6 +64,13 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _describe_precision(workload) -> str:
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    chunks = f"loss chunks of {workload.loss_chunk_size} tokens" if workload.loss_chunk_size else "unchunked loss"
+    return (f"{short[workload.model_dtype]} weights + AdamW, {short[workload.compute_dtype]} compute in every layout, "
+            f"{chunks}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
@@ -68,6 +80,8 @@ def run_plan(args: argparse.Namespace) -> int:
     for name in ("gpus", "seq_len", "global_batch", "top"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.loss_chunk_size < 0:
+        raise ConfigError(f"--loss-chunk-size must be >= 0 (0 disables chunking), got {args.loss_chunk_size}")
     overrides = {name: getattr(args, name) for name in HARDWARE_OVERRIDES}
     for name, value in overrides.items():
         if value is not None and (value < 0 or (value == 0 and name != "reserved_gb")):
@@ -83,7 +97,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if max_positions is not None and args.seq_len > max_positions:
         raise ConfigError(f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}")
     shape = ModelShape.from_hf_config(hf_config, model_cfg)
-    workload = Workload(seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents)
+    workload = Workload(
+        seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents,
+        compute_dtype=MIXED_PRECISION_DTYPES.get(args.mixed_precision, "float32"), loss_chunk_size=args.loss_chunk_size,
+    )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
         print(json.dumps({
@@ -94,7 +111,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(
             f"meshtron plan: {args.model} ({_count(shape.total_params)} parameters, {shape.family}) on {args.gpus} x "
             f"{hw.name}, {hw.gpus_per_node} per node | seq {args.seq_len} x global batch {args.global_batch} | "
-            f"fp32 weights + AdamW, bf16 compute"
+            f"{_describe_precision(workload)}"
         )
         print(format_table(candidates, args.gpus, hw, args.top))
     fitting = [c for c in candidates if c.fits]
@@ -104,7 +121,8 @@ def run_plan(args: argparse.Namespace) -> int:
         best = fitting[0]
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
-            f"--global-batch {args.global_batch} --gpu {args.gpu}\n"
+            f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
+            f"--loss-chunk-size {args.loss_chunk_size}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
         )

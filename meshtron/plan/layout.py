@@ -5,31 +5,68 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.config import Config, ParallelConfig
+from meshtron.errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+"""``train.mixed_precision`` values and the compute dtype each one means."""
+
+
+def config_compute_dtype(cfg: Config, device: str = "cuda") -> str:
+    """The dtype a run of ``cfg`` on ``device`` computes in (``train.mixed_precision`` resolved as
+    ``meshtron.train.precision`` resolves it; ``auto`` on CUDA assumes a GPU with bf16, as every
+    planner GPU has)."""
+    from meshtron.train.precision import resolve_mixed_precision
+
+    setting = cfg.train.mixed_precision
+    name = resolve_mixed_precision(setting, device, bf16_supported=True)
+    if name == "none" or (cfg.model.dtype != "float32" and setting == "auto"):
+        return cfg.model.dtype
+    return MIXED_PRECISION_DTYPES[name]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """The model-independent part of a run: sequence length, global batch and precision."""
+    """The model-independent part of a run: sequence length, global batch, precision, loss chunking, device."""
 
     seq_len: int
     global_batch: int
     model_dtype: str = "float32"
     """Dtype of the stored parameters, gradients and AdamW state."""
     compute_dtype: str = "bfloat16"
-    """Dtype FSDP gathers parameters in (``fsdp.param_dtype``); activations have it too. Without FSDP
-    (dp x cp = 1) meshtron computes in ``model_dtype``."""
+    """Dtype the forward and backward compute in, in every layout (``train.mixed_precision``); activations
+    have it. Equal to ``model_dtype`` means no mixed precision."""
     mask_documents: bool = True
+    loss_chunk_size: int = 4096
+    """``train.loss_chunk_size``: tokens per chunk of the head + cross-entropy (0: one chunk)."""
+    device: str = "cuda"
+    """``cuda`` (what the planner plans) or ``cpu`` (the test suite's runs, whose document-masked attention
+    is SDPA with a dense mask instead of FlexAttention)."""
+
+    def __post_init__(self):
+        if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
+            raise ConfigError(f"compute dtype {self.compute_dtype} with model dtype {self.model_dtype}: "
+                              f"mixed precision computes in {' or '.join(MIXED_PRECISION_DTYPES.values())}")
+
+    @property
+    def mixed_precision(self) -> str:
+        """The ``train.mixed_precision`` value that runs this workload."""
+        if self.compute_dtype == self.model_dtype:
+            return "none"
+        return next(name for name, dtype in MIXED_PRECISION_DTYPES.items() if dtype == self.compute_dtype)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "Workload":
+    def from_config(cls, cfg: Config, device: str = "cuda") -> "Workload":
+        """The workload of ``cfg`` run on ``device`` (``cpu`` to compare with the test suite's CPU runs)."""
         return cls(
             seq_len=cfg.data.seq_len,
             global_batch=cfg.train.global_batch_size,
             model_dtype=cfg.model.dtype,
-            compute_dtype=cfg.fsdp.param_dtype or cfg.model.dtype,
+            compute_dtype=config_compute_dtype(cfg, device),
             mask_documents=cfg.data.mask_documents,
+            loss_chunk_size=cfg.train.loss_chunk_size,
+            device=device,
         )
 
 

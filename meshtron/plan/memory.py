@@ -5,7 +5,9 @@ Model state (parameters, gradients, AdamW's two moments) is exact up to FSDP's p
 parameter is split by tensor parallelism as meshtron's TP plan splits it, then on dim 0 over
 ``dp_shard x cp`` with the first rank taking the ceiling. Activations count what autograd keeps
 for backward, term by term as Hugging Face's Llama-family code saves it (see docs/planning.md);
-``meshtron.metrics.activations`` measures the same quantity in real runs.
+``meshtron.metrics.activations`` measures the same quantity in real runs. Every layout computes in
+the workload's compute dtype; without FSDP that means per-block compute-dtype copies of the weights,
+which autograd keeps too.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ class MemoryEstimate:
     gathered: int
     """FSDP's all-gathered parameters and unreduced gradients of the blocks being computed."""
     temporaries: int
-    """Transient buffers outside autograd's saved set: logits, their fp32 copy and gradient; a block's
-    recomputation under activation checkpointing."""
+    """Transient buffers outside autograd's saved set: one loss chunk's logits, their fp32 copy and
+    gradient; a block's recomputation under activation checkpointing; CP attention's fp32 sub-block."""
 
     @property
     def state(self) -> int:
@@ -70,9 +72,35 @@ def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = N
     ]
 
 
-def compute_bytes(layout: Layout, workload: Workload) -> int:
-    dtype = workload.compute_dtype if layout.fsdp_enabled else workload.model_dtype
-    return DTYPE_BYTES[dtype]
+def compute_bytes(workload: Workload) -> int:
+    """Bytes of an activation element: the compute dtype, in every layout (``train.mixed_precision``)."""
+    return DTYPE_BYTES[workload.compute_dtype]
+
+
+def casts_weights(layout: Layout, workload: Workload) -> bool:
+    """Whether the forward computes with compute-dtype copies of the weights that autograd keeps: mixed
+    precision without FSDP (FSDP's gathered parameters are counted in ``gathered`` instead)."""
+    return not layout.fsdp_enabled and workload.compute_dtype != workload.model_dtype
+
+
+def head_tokens(layout: Layout, workload: Workload) -> int:
+    """Tokens of one micro-batch on a rank (the loss sees this rank's sequence chunk)."""
+    return layout.micro_batch * workload.seq_len // layout.cp
+
+
+def loss_chunked(layout: Layout, workload: Workload) -> bool:
+    """Whether the loss cuts the head's tokens into recomputed chunks (``train.loss_chunk_size``)."""
+    return 0 < workload.loss_chunk_size < head_tokens(layout, workload)
+
+
+def _local_numel(specs, layout: Layout, shape: ModelShape) -> int:
+    """Elements of ``specs`` on one rank before FSDP sharding (what a compute-dtype copy or a gather holds)."""
+    return sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in specs)
+
+
+def head_numel(shape: ModelShape, layout: Layout) -> int:
+    """The final norm and head (the embedding when tied) on one tensor-parallel rank."""
+    return _local_numel(shape.final + (shape.embedding if shape.tied_embeddings else ()), layout, shape)
 
 
 def _norm(hidden: int, e: int) -> int:
@@ -82,7 +110,7 @@ def _norm(hidden: int, e: int) -> int:
 
 def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """Bytes one decoder block keeps for backward per token of this rank's sequence chunk, no checkpointing."""
-    e, tp = compute_bytes(layout, workload), layout.tp
+    e, tp = compute_bytes(workload), layout.tp
     h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
     heads = shape.heads // tp
     kv_local = max(shape.kv_heads // tp, 1)
@@ -93,8 +121,8 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
     if meshtron_attention(layout, workload):
         attention += e * heads * d  # the output made contiguous for o_proj
-        if layout.cp == 1:
-            attention += e * workload.seq_len  # the document mask, which SDPA turns into a float bias
+        if dense_document_mask(layout, workload):
+            attention += e * workload.seq_len  # the mask, which SDPA turns into a float bias in every block
     if shape.head_norms:
         attention += _norm(heads * d, e) + _norm(kv_local * d, e)  # Qwen3's per-head q/k norms
     mlp = 4 * e * inter // tp  # gate, silu(gate), up, silu(gate) * up
@@ -107,22 +135,46 @@ def meshtron_attention(layout: Layout, workload: Workload) -> bool:
     return uses_meshtron_attention(layout.cp, workload.mask_documents, layout.pp)
 
 
+def dense_document_mask(layout: Layout, workload: Workload) -> bool:
+    """Whether whole-sequence attention takes a (B, 1, S, S) document mask: SDPA off CUDA (on CUDA,
+    FlexAttention's block mask is negligible; context parallelism builds per sub-block masks)."""
+    return layout.cp == 1 and workload.mask_documents and workload.device != "cuda"
+
+
 def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, first: bool, last: bool) -> float:
-    e, tp = compute_bytes(layout, workload), layout.tp
+    """Bytes per token kept outside the blocks: token ids; the final norm, the head's input and labels;
+    without loss chunking the fp32 log-softmax too (a chunked loss recomputes it in backward)."""
+    e, tp = compute_bytes(workload), layout.tp
     stream_split = tp if tp > 1 and layout.sequence_parallel else 1
     total = 0.0
     if first:
         total += INDEX  # token ids for the embedding's backward
     if last:
-        vocab = shape.vocab // tp if tp > 1 and layout.loss_parallel else shape.vocab
-        total += _norm(shape.hidden, e) / stream_split + e * shape.hidden  # final norm, head input
-        total += FP32 * vocab + INDEX  # log-softmax output (fp32), labels
+        total += _norm(shape.hidden, e) / stream_split + e * shape.hidden + INDEX  # final norm, head input, labels
+        if not loss_chunked(layout, workload):
+            total += FP32 * loss_vocab(shape, layout)  # log-softmax output (fp32)
     return total
+
+
+def loss_vocab(shape: ModelShape, layout: Layout) -> int:
+    """Vocabulary entries of the logits on one rank (split over tp under loss parallel)."""
+    return shape.vocab // layout.tp if layout.tp > 1 and layout.loss_parallel else shape.vocab
+
+
+def weight_copy_bytes(shape: ModelShape, layout: Layout, workload: Workload, layers: int, last: bool) -> int:
+    """Compute-dtype weight copies one micro-batch keeps for backward (mixed precision without FSDP): each
+    block's (unless checkpointed: recomputed), and the final norm's and head's on the last stage."""
+    if not casts_weights(layout, workload):
+        return 0
+    numel = head_numel(shape, layout) if last else 0
+    if layout.activation_checkpointing == "none":
+        numel += layers * _local_numel(shape.block, layout, shape)
+    return numel * compute_bytes(workload)
 
 
 def checkpointed_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """Bytes per token a checkpointed block keeps: its input (full) or its input and matmul/attention outputs (selective)."""
-    e, tp = compute_bytes(layout, workload), layout.tp
+    e, tp = compute_bytes(workload), layout.tp
     stream_split = tp if tp > 1 and layout.sequence_parallel else 1
     block_input = e * shape.hidden / stream_split
     if layout.activation_checkpointing == "full":
@@ -146,42 +198,66 @@ def chunks_in_flight(layout: Layout, workload: Workload, pp_rank: int) -> int:
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
-    """Peak saved-for-backward bytes of each pipeline rank."""
-    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    """Peak saved-for-backward bytes of each pipeline rank (weight copies of mixed precision included)."""
+    tokens = head_tokens(layout, workload)
     if layout.activation_checkpointing == "none":
         per_block = block_activation_per_token(shape, layout, workload)
     else:
         per_block = checkpointed_block_per_token(shape, layout, workload)
     peaks = []
     for rank, stages in enumerate(stage_layout(shape, layout, workload)):
-        per_chunk = [layers * per_block + outer_activation_per_token(shape, layout, workload, first, last)
+        per_chunk = [tokens * (layers * per_block + outer_activation_per_token(shape, layout, workload, first, last))
+                     + weight_copy_bytes(shape, layout, workload, layers, last)
                      for layers, first, last in stages]
         average = sum(per_chunk) / len(per_chunk)
-        peaks.append(tokens * max(max(per_chunk), average * chunks_in_flight(layout, workload, rank)))
+        peaks.append(max(max(per_chunk), average * chunks_in_flight(layout, workload, rank)))
     return peaks
+
+
+def ddp_replication(layout: Layout, workload: Workload) -> bool:
+    """Data parallelism meshtron runs with DDP instead of ``fully_shard`` (``data_parallel.replicates_only``):
+    replicas only (no dp_shard, cp, tp or pp) computing in the weights' own dtype."""
+    return (layout.fsdp_size == 1 and layout.tp == 1 and layout.pp == 1
+            and workload.compute_dtype == workload.model_dtype == "float32")
+
+
+def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages) -> float:
+    """FSDP's unsharded compute-dtype parameters and one block's unreduced fp32 gradient on a rank. Blocks
+    are resharded after forward (two gathered at a time: the one computing, the one prefetched), except
+    under pipelining, where a stage keeps all of its blocks gathered for the step; the root's parameters
+    (embeddings, final norm, head) stay gathered. Nothing under plain replication (run by DDP)."""
+    if not layout.fsdp_enabled or ddp_replication(layout, workload):
+        return 0.0
+    e = compute_bytes(workload)
+    block = _local_numel(shape.block, layout, shape)
+    layers = sum(n for n, _, _ in stages) if layout.pp > 1 else 2
+    outer = sum(_local_numel(shape.embedding, layout, shape) * first + _local_numel(shape.final, layout, shape) * last
+                for _, first, last in stages)
+    return layers * block * e + block * FP32 + outer * e
+
+
+def logits_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """One loss chunk's logits, their fp32 copy (log-softmax) and gradient, on the rank with the head."""
+    tokens = head_tokens(layout, workload)
+    if loss_chunked(layout, workload):
+        tokens = workload.loss_chunk_size
+    return tokens * loss_vocab(shape, layout) * (compute_bytes(workload) + 2 * FP32)
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Memory of the busiest rank of ``layout`` (the pipeline rank with the most bytes)."""
     state_bytes = DTYPE_BYTES[workload.model_dtype]
-    e = compute_bytes(layout, workload)
-    tokens = layout.micro_batch * workload.seq_len / layout.cp
-    gathered = 0
-    if layout.fsdp_enabled:
-        block = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.block)
-        outer = sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in shape.embedding + shape.final)
-        # two blocks gathered (the one computing, the one prefetched), one block's unreduced fp32 gradient,
-        # and the root's parameters (embeddings, head) that stay gathered for the whole step
-        gathered = 2 * block * e + block * FP32 + outer * e
+    tokens = head_tokens(layout, workload)
     temporaries = 0.0
-    if layout.activation_checkpointing != "none":
-        temporaries += tokens * block_activation_per_token(shape, layout, workload)  # one block recomputed
+    if layout.activation_checkpointing != "none":  # one block recomputed (with its weight copies)
+        temporaries += tokens * block_activation_per_token(shape, layout, workload)
+        if casts_weights(layout, workload):
+            temporaries += _local_numel(shape.block, layout, shape) * compute_bytes(workload)
     if layout.cp > 1:
         # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
         chunk = workload.seq_len / (2 * layout.cp)
         temporaries += 3 * FP32 * layout.micro_batch * (shape.heads // layout.tp) * chunk * chunk
-    vocab = shape.vocab // layout.tp if layout.tp > 1 and layout.loss_parallel else shape.vocab
-    logits = tokens * vocab * (e + 2 * FP32)  # logits, their fp32 copy, the gradient: on the rank with the head
+    logits = logits_bytes(shape, layout, workload)
     estimates = []
     per_rank = zip(stage_layout(shape, layout, workload), state_numel(shape, layout, workload),
                    activation_bytes(shape, layout, workload))
@@ -189,19 +265,20 @@ def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> Me
         holds_head = any(last for _, _, last in stages)
         estimates.append(MemoryEstimate(
             params=numel * state_bytes, grads=numel * state_bytes, optimizer=2 * numel * state_bytes,
-            activations=int(acts), gathered=int(gathered), temporaries=int(temporaries + (logits if holds_head else 0)),
+            activations=int(acts), gathered=int(gathered_bytes(shape, layout, workload, stages)),
+            temporaries=int(temporaries + (logits if holds_head else 0)),
         ))
     return max(estimates, key=lambda m: m.total)
 
 
-def config_view(cfg, world_size: int) -> tuple[ModelShape, Layout, Workload]:
-    """The planner's inputs for a meshtron config run on ``world_size`` processes."""
+def config_view(cfg, world_size: int, device: str = "cuda") -> tuple[ModelShape, Layout, Workload]:
+    """The planner's inputs for a meshtron config run on ``world_size`` processes on ``device``."""
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import load_hf_config
 
     hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
     return (ModelShape.from_hf_config(hf_config, cfg.model), Layout.from_config(cfg, world_size, hf_config),
-            Workload.from_config(cfg))
+            Workload.from_config(cfg, device))
 
 
 def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:

@@ -67,7 +67,8 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
 
 
 def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> Config:
-    """The ``meshtron train`` config that runs ``layout``: fp32 master weights, bf16 compute under FSDP."""
+    """The ``meshtron train`` config that runs ``layout``: master weights in the workload's model dtype,
+    compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size."""
     cfg = Config()
     cfg.model = dataclasses.replace(model_cfg, dtype=workload.model_dtype)
     cfg.data.seq_len = workload.seq_len
@@ -76,8 +77,9 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> 
     cfg.train.activation_checkpointing = layout.activation_checkpointing
     if layout.pp == 1:
         cfg.train.micro_batch_size = layout.micro_batch
+    cfg.train.mixed_precision = workload.mixed_precision
+    cfg.train.loss_chunk_size = workload.loss_chunk_size
     cfg.parallel = layout.parallel_config(workload)
-    cfg.fsdp.param_dtype = workload.compute_dtype
     return cfg
 
 

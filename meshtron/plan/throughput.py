@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from meshtron.metrics.flops import flops_per_token
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import Layout, Workload
-from meshtron.plan.memory import FP32, compute_bytes, stage_layout, state_numel
+from meshtron.plan.memory import FP32, compute_bytes, loss_chunked, stage_layout, state_numel
 from meshtron.plan.model_shape import ModelShape
 
 
@@ -21,7 +21,7 @@ from meshtron.plan.model_shape import ModelShape
 class StepEstimate:
     seconds: float
     compute_s: float
-    """Matmul time including recomputation and the pipeline bubble."""
+    """Matmul time including recomputation (checkpointed blocks, loss chunks' head) and the pipeline bubble."""
     exposed_comm_s: float
     """Communication on the critical path (TP, un-hidden CP / FSDP / HSDP, pipeline transfers)."""
     tokens_per_s: float
@@ -57,9 +57,11 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     tokens = workload.global_batch * workload.seq_len
     model_flops = flops_per_token(hf_config, workload.seq_len) * tokens / world
     recompute = {"none": 1.0, "selective": 1.05, "full": 4 / 3}[layout.activation_checkpointing]
-    e = compute_bytes(layout, workload)
+    e = compute_bytes(workload)  # every layout computes in the compute dtype (train.mixed_precision)
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
     compute = model_flops * recompute / (peak * hw.matmul_efficiency)
+    if loss_chunked(layout, workload):  # each loss chunk's head matmul runs again in backward
+        compute += 2 * shape.vocab * shape.hidden * tokens / world / (peak * hw.matmul_efficiency)
     # meshtron's context-parallel attention computes its sub-blocks with plain fp32 matmuls on GPUs (no
     # fused kernel that takes the final log-sum-exp yet): its attention FLOPs run at the fp32 rate.
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world

@@ -5,14 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
-
-
-IGNORE_INDEX = -100
-"""Label value that carries no loss."""
+from meshtron.models.attention_kernels import prepare_masks
 
 
 @dataclass(frozen=True)
@@ -33,11 +29,6 @@ def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
     return shard_sequence(labels, split.cp, split.cp_rank)
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the labelled tokens, in float32 (vocab-sharded logits under loss parallel)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
     """Token ids, position ids and (when meshtron's attention is in use) the sequence layout, for this rank."""
     docs = document_ids(input_ids, split.eos_token_id) if split.mask_documents else None
@@ -51,7 +42,8 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
         "use_cache": False,
     }
     if uses_meshtron_attention(split.cp, split.mask_documents, split.pp):
-        kwargs["sequence_layout"] = SequenceLayout(
-            input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs
-        )
+        layout = SequenceLayout(input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs)
+        if split.cp == 1:  # every layer's attention finds its mask built (outside any compiled block)
+            prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1])
+        kwargs["sequence_layout"] = layout
     return kwargs

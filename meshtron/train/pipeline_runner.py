@@ -12,7 +12,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
 from meshtron.distributed.tensor_parallel import local_value
-from meshtron.train.batch import sequence_inputs, token_loss_sum
+from meshtron.train.batch import sequence_inputs
+from meshtron.train.loss import head_loss_sum
 
 
 @dataclass
@@ -23,11 +24,20 @@ class PipelineRunner:
     holds_first: bool
     holds_last: bool
     loss_parallel: bool
+    head: object = None
+    """A callable giving the last stage's (head weight, bias) as they are at loss time."""
+    compute_dtype: torch.dtype | None = None
+    loss_chunk_size: int = 0
     scale: float = 1.0
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's."""
-        return token_loss_sum(logits, labels) * self.scale
+        weight, bias = self.head()
+        loss = head_loss_sum(
+            hidden, labels, weight, bias, compute_dtype=self.compute_dtype, chunk_size=self.loss_chunk_size,
+            loss_parallel=self.loss_parallel,
+        )
+        return loss * self.scale
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage)."""
@@ -43,7 +53,9 @@ class PipelineRunner:
         return torch.stack([local_value(loss.detach()) for loss in losses]).sum() / scale
 
 
-def build_pipeline_runner(stages, adapter, cfg, plan, dims, meshes, device, split) -> tuple[nn.ModuleList, PipelineRunner]:
+def build_pipeline_runner(
+    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None
+) -> tuple[nn.ModuleList, PipelineRunner]:
     """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
 
     Returns the stages as one module (for the optimizer and metrics) and the runner.
@@ -59,11 +71,15 @@ def build_pipeline_runner(stages, adapter, cfg, plan, dims, meshes, device, spli
         set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh)
         pipeline_stages.append(PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group()))
     stage_ids = [stage_id for stage_id, _ in stages]
+    last_module = dict(stages).get(num_stages - 1)
     runner = PipelineRunner(
         schedule=None,
         holds_first=0 in stage_ids,
-        holds_last=num_stages - 1 in stage_ids,
+        holds_last=last_module is not None,
         loss_parallel=dims.tp > 1 and cfg.parallel.loss_parallel,
+        head=partial(adapter.head_parameters, last_module) if last_module is not None else None,
+        compute_dtype=compute_dtype,
+        loss_chunk_size=cfg.train.loss_chunk_size,
     )
     runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, plan.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner

@@ -9,6 +9,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtron.errors import ConfigError
+
+MIN_TORCH = (2, 11)
+"""The oldest PyTorch meshtron is tested with (pyproject.toml declares the same)."""
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -30,27 +35,65 @@ class Runtime:
             dist.barrier()
 
 
+def check_torch_version(version: str | None = None) -> None:
+    """Refuse a PyTorch older than MIN_TORCH with one line naming the minimum."""
+    version = version or torch.__version__
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_TORCH:
+        minimum = ".".join(map(str, MIN_TORCH))
+        raise ConfigError(f"meshtron needs torch >= {minimum}, found {version}; install torch>={minimum}")
+
+
 def launched_world_size() -> int:
     """World size given by torchrun's environment, 1 when started as a plain process."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_runtime(timeout_s: float = 1800) -> Runtime:
-    """Join the process group that torchrun describes (if any) and pick this rank's device."""
+def local_world_size(default: int = 1) -> int:
+    """Processes on this machine (torchrun's LOCAL_WORLD_SIZE), ``default`` outside torchrun."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def resolve_device_type(setting: str, local_processes: int) -> str:
+    """``cuda`` or ``cpu`` for ``run.device`` (auto | cpu | cuda); a ConfigError when the GPUs do not suffice.
+
+    Called before any process-group work, so every rank refuses the same way.
+    """
+    if setting == "cpu":
+        return "cpu"
+    available = torch.cuda.is_available()
+    if not available:
+        if setting == "cuda":
+            raise ConfigError("run.device=cuda but no CUDA GPU is visible; use --run.device=cpu")
+        return "cpu"
+    gpus = torch.cuda.device_count()
+    if local_processes > gpus:
+        raise ConfigError(
+            f"{local_processes} processes on this machine but only {gpus} GPU(s) visible (one GPU per process); "
+            f"use --nproc {gpus} (or torchrun --nproc-per-node {gpus}) or --run.device=cpu"
+        )
+    return "cuda"
+
+
+def init_runtime(timeout_s: float = 1800, device: str = "auto") -> Runtime:
+    """Join the process group that torchrun describes (if any) and pick this rank's device (``run.device``)."""
     world_size = launched_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    if resolve_device_type(device, local_world_size()) == "cuda":
+        chosen = torch.device("cuda", local_rank)
+        torch.cuda.set_device(chosen)
         backend = "nccl"
     else:
-        device = torch.device("cpu")
+        chosen = torch.device("cpu")
         backend = "gloo"
     if "RANK" in os.environ and not dist.is_initialized():
-        kwargs = {"device_id": device} if backend == "nccl" else {}
+        kwargs = {"device_id": chosen} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=chosen)
 
 
 def shutdown_runtime() -> None:

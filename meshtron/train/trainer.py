@@ -1,12 +1,8 @@
-"""The training loop: build, parallelize and materialize the model, then step through the global batches.
-
-Loss is the sum of token losses over the whole global batch divided by the global number of target
-tokens, so it is the same number whatever the layout, micro-batch size or accumulation.
-"""
+"""The training loop: build, parallelize and materialize the model, then step through the global batches
+(each step is meshtron.train.step.train_step)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,33 +16,28 @@ from torch import nn
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta, resume_point
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, save_config, to_toml
-from meshtron.data.dataset import PackedDataset, build_packed_dataset
+from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import check_data_path
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.context_parallel import check_context_parallel
-from meshtron.distributed.data_parallel import set_gradient_sync
-from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
-from meshtron.distributed.tensor_parallel import (
-    check_tensor_parallel,
-    local_value,
-    loss_context,
-    reduce_partial_gradients,
-)
-from meshtron.errors import ConfigError, MeshtronError
-from meshtron.metrics.activations import SavedActivationTracker
+from meshtron.distributed.tensor_parallel import check_tensor_parallel
+from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
-from meshtron.metrics.logger import MetricsLogger, max_memory_gb, model_state_bytes
+from meshtron.metrics.logger import MetricsLogger, max_memory_gb
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
 from meshtron.distributed.pipeline_parallel import check_pipeline
-from meshtron.train.batch import IGNORE_INDEX, SequenceSplit, sequence_inputs, shard_labels, token_loss_sum
+from meshtron.train.batch import SequenceSplit
+from meshtron.train.float8 import check_float8, refresh_float8_scales
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
+from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
 from meshtron.train.runtime import Runtime
+from meshtron.train.step import StepContext, all_reduce_sum, train_step
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
@@ -64,6 +55,7 @@ class Plan:
     """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
     resume_from: Path | None = None
     """The checkpoint this run continues from."""
+    precision: PrecisionPolicy | None = None
 
 
 @dataclass
@@ -115,6 +107,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     micro, accumulation = micro_batch_plan(cfg, dims)
     if cfg.fsdp.cpu_offload and device_type != "cuda":
         raise ConfigError("fsdp.cpu_offload needs CUDA devices; set fsdp.cpu_offload=false on CPU")
+    precision = precision_policy(cfg, device_type)
+    check_float8(cfg, device_type)
     check_model_path(cfg.model)
     check_data_path(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
@@ -129,13 +123,15 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_attention(
         hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
     )
-    pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size is not None)
+    pp_microbatches = check_pipeline(
+        cfg.parallel, hf_config, micro, cfg.train.micro_batch_size is not None, device_type
+    )
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
     resume_from = resume_point(cfg, hf_config)
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None)
-    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from)
+    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision)
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
@@ -168,12 +164,6 @@ def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_to
     )
 
 
-def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
-
-
 def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
@@ -194,14 +184,19 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id)
     model, adapter = build_meta_model(plan.hf_config, cfg.model)
-    stages = parallelize(model, adapter, dims, meshes, cfg)
+    if dims.pp == 1:
+        adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
+    policy = plan.precision or precision_policy(cfg, runtime.device.type)
+    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
     for _, stage in stages:
         materialize(stage, adapter, runtime.device, seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
         stage.train()
     parts = [stage for _, stage in stages]
     runner = None
     if dims.pp > 1:
-        model, runner = build_pipeline_runner(stages, adapter, cfg, plan, dims, meshes, runtime.device, split)
+        model, runner = build_pipeline_runner(
+            stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype
+        )
     else:
         model = parts[0]
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
@@ -209,10 +204,14 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     dp_rank, loss_group = _dp_coordinates(meshes, dims)
-    step_context = _StepContext(dp_rank, dims, plan, loss_group, split, runtime.device, cfg, runner, pp_group)
+    step_context = StepContext(
+        dp_rank, dims, plan, loss_group, split, runtime.device, cfg, runner, pp_group, adapter, policy,
+        loss_scaler(policy, cfg),
+    )
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
-        f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
+        f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
+        f"{policy.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
         + (f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches "
            f"({cfg.parallel.pp_schedule})" if dims.pp > 1 else
            f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation")
@@ -232,16 +231,20 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         meta = checkpoints.load(plan.resume_from, state)
         start_step = meta["step"]
         scheduler.load_state_dict(meta["scheduler"])
+        if step_context.scaler is not None and "loss_scaler" in meta:
+            step_context.scaler.load_state_dict(meta["loss_scaler"])
         logger.message(f"meshtron: resumed from {plan.resume_from} (step {start_step}, saved as {meta['layout']})")
     result.start_step = start_step
+    if cfg.train.float8:
+        refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights
     activation_step = min(start_step + 1, cfg.train.steps - 1)
     try:
         for step in range(start_step, cfg.train.steps):
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            loss, grad_norm, tokens = _train_step(
+            loss, grad_norm, tokens = train_step(
                 model, optimizer, dataset, schedule, step, step_context,
-                measure_state=result if step == start_step else None,
+                measure_state=result if not result.state_bytes else None,  # the first step that updates
                 measure_activations=result if step == activation_step else None,
             )
             scheduler.step()
@@ -271,6 +274,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                 )
             if checkpoints is not None and checkpoints.due(step + 1, cfg.train.steps):
                 meta = checkpoint_meta(step + 1, scheduler, plan.hf_config, cfg, runtime, dims.describe())
+                if step_context.scaler is not None:
+                    meta["loss_scaler"] = step_context.scaler.state_dict()
                 checkpoints.save(step + 1, state, meta, to_toml(cfg))
         if checkpoints is not None:
             checkpoints.wait()
@@ -291,84 +296,4 @@ def _count_params(model: nn.Module, pp_group=None) -> int:
     if pp_group is None:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)
-    return int(_all_reduce_sum(total, pp_group).item())
-
-
-@dataclass
-class _StepContext:
-    """What every step needs besides the model, optimizer and data."""
-
-    dp_rank: int
-    dims: ParallelDims
-    plan: Plan
-    loss_group: object
-    split: SequenceSplit
-    device: torch.device
-    cfg: Config
-    runner: object = None
-    pp_group: object = None
-
-
-def _forward_backward(model, batches, split: SequenceSplit, scale: float, device) -> torch.Tensor:
-    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
-
-    ``batches``: (full token ids, this rank's labels) per micro-batch.
-    """
-    local_loss_sum = torch.zeros((), device=device)
-    for index, (input_ids, labels) in enumerate(batches):
-        set_gradient_sync(model, index == len(batches) - 1)
-        logits = model(**sequence_inputs(input_ids, split)).logits
-        with loss_context(logits):  # vocab-sharded logits under loss parallel: forward and backward inside
-            loss_sum = token_loss_sum(logits, labels)
-            (loss_sum * scale).backward()
-        local_loss_sum += local_value(loss_sum.detach())
-        del logits, loss_sum
-    return local_loss_sum
-
-
-def _train_step(
-    model, optimizer, dataset: PackedDataset, schedule, step, ctx: _StepContext, measure_state=None, measure_activations=None
-):
-    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
-
-    ``measure_state`` / ``measure_activations``: a TrainResult whose ``state_bytes`` / ``activation_bytes``
-    this step measures.
-    """
-    dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
-    micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
-    batches = [(input_ids.to(device), shard_labels(labels.to(device), ctx.split))
-               for input_ids, labels in map(dataset.batch, micro_batches)]
-    targets = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)), device=device)
-    global_targets = _all_reduce_sum(targets, ctx.loss_group).clamp(min=1.0)
-    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
-    scale = dims.dp * dims.cp / global_targets.item()
-    tracker = SavedActivationTracker() if measure_activations is not None else None
-    with tracker.track() if tracker is not None else contextlib.nullcontext():
-        if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-            (input_ids, labels), = batches
-            local_loss_sum = ctx.runner.run(input_ids, labels, scale)
-        else:
-            local_loss_sum = _forward_backward(model, batches, ctx.split, scale, device)
-    parameters = [p for p in model.parameters() if p.grad is not None]
-    if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
-        reduce_partial_gradients(parameters)
-    grad_norm = global_grad_norm(parameters, pipeline_degree=dims.pp)
-    # Summed over the dp x cp ranks, then over the pipeline ranks (only the last stage has a loss).
-    loss = _all_reduce_sum(_all_reduce_sum(local_loss_sum, ctx.loss_group), ctx.pp_group) / global_targets
-    loss_value, norm_value = loss.item(), grad_norm.item()
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        if cfg.train.on_nonfinite == "error":
-            raise MeshtronError(
-                f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
-                "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value, float(global_targets)
-    clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm)
-    optimizer.step()
-    if measure_state is not None:
-        measure_state.state_bytes = model_state_bytes(model, optimizer)
-    if measure_activations is not None:
-        measure_activations.activation_bytes = tracker.peak_bytes
-    optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value, float(global_targets)
+    return int(all_reduce_sum(total, pp_group).item())

@@ -1,0 +1,200 @@
+"""Document-masked attention kernels: FlexAttention + block mask vs SDPA + dense mask, exactness and time.
+
+On CUDA (default shape: batch 4, 32 query / 8 key-value heads, 2048 tokens, head dim 64, 7 documents
+per row at random cuts, bfloat16) it
+
+1. checks meshtron's flex path (``document_attention(kernel="flex")``: compiled FlexAttention with the
+   document ``BlockMask``) against SDPA with the dense (B, 1, S, S) mask: output and q/k/v gradients,
+   each as relative error against a float32 SDPA reference, next to the error of bf16 SDPA itself;
+2. times forward + backward (CUDA events, median) of SDPA causal without document mask, SDPA with the
+   dense document mask, flex with the document block mask, and flex causal; masks are built once
+   beforehand (as in training, where every layer reuses them), their build time is printed apart.
+
+On CPU it runs a tiny shape in seconds: FlexAttention runs eagerly (its unfused reference) and forward
+only, since it has no CPU backward, and the timings say nothing about a GPU.
+
+Exit status 1 when a check fails. Example:
+
+    python bench/attention_kernels.py
+    python bench/attention_kernels.py --seq-len 4096 --documents 14 --dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from meshtron.models import attention_kernels as kernels
+from meshtron.models.attention import document_ids
+
+EOS = 0
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+"""Largest relative error (norm of the difference / norm of the reference) that passes."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=4 if cuda else 2)
+    p.add_argument("--heads", type=int, default=32 if cuda else 4)
+    p.add_argument("--kv-heads", type=int, default=8 if cuda else 2)
+    p.add_argument("--seq-len", type=int, default=2048 if cuda else 300)
+    p.add_argument("--head-dim", type=int, default=64 if cuda else 16)
+    p.add_argument("--documents", type=int, default=7 if cuda else 3, help="documents per row")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16" if cuda else "float32")
+    p.add_argument("--iters", type=int, default=50 if cuda else 3)
+    p.add_argument("--warmup", type=int, default=10 if cuda else 1)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def packed_document_ids(batch: int, seq_len: int, documents: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, S) document ids of rows cut into ``documents`` documents at random EOS positions."""
+    tokens = torch.ones(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        cuts = torch.randperm(seq_len - 1, generator=gen)[: documents - 1]
+        tokens[row, cuts] = EOS
+    tokens[:, -1] = EOS
+    return document_ids(tokens, EOS)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def forward_backward(fn, inputs, grad_out):
+    """Output and q/k/v gradients of ``fn`` at fresh leaf copies of ``inputs``."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def check(q, k, v, docs, scale, dtype) -> bool:
+    """Flex vs the dense-mask SDPA path, each against float32 SDPA; gradients where flex has a backward."""
+    device = q.device
+    grad_out = torch.randn(q.shape, device=device, generator=torch.Generator(device).manual_seed(1)).to(dtype)
+    reference = forward_backward(
+        lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa"),
+        [t.float() for t in (q, k, v)], grad_out.float(),
+    )
+    sdpa = forward_backward(lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa"), (q, k, v), grad_out)
+    if device.type == "cuda":
+        flex = forward_backward(
+            lambda *t: kernels.document_attention(*t, docs, scale, kernel="flex"), (q, k, v), grad_out
+        )
+    else:  # no CPU backward for FlexAttention: output only
+        flex = [kernels.document_attention(q, k, v, docs, scale, kernel="flex")]
+    ok = True
+    print(f"relative error vs float32 SDPA + dense mask (pass: flex <= {TOLERANCE[dtype]:g})")
+    for name, want, got_sdpa, got_flex in zip(("out", "dq", "dk", "dv"), reference, sdpa, flex + [None] * 3):
+        flex_err = "n/a (no CPU backward)" if got_flex is None else f"{relative_error(got_flex, want):.2e}"
+        print(f"  {name}: sdpa {str(dtype)[6:]} {relative_error(got_sdpa, want):.2e}   flex {flex_err}")
+        ok &= got_flex is None or relative_error(got_flex, want) <= TOLERANCE[dtype]
+    return ok
+
+
+def time_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_mask_build(build, iters: int, device: torch.device) -> float:
+    def once():
+        build()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return time_ms(once, iters, 2, device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    docs = packed_document_ids(args.batch, args.seq_len, args.documents, torch.Generator().manual_seed(args.seed))
+    docs = docs.to(device)
+    q, k, v = (
+        torch.randn(args.batch, heads, args.seq_len, args.head_dim, device=device, generator=gen).to(dtype)
+        for heads in (args.heads, args.kv_heads, args.kv_heads)
+    )
+    scale = args.head_dim**-0.5
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
+        f"torch {torch.__version__}, "
+        f"{args.dtype}, batch {args.batch}, heads {args.heads}/{args.kv_heads}, seq {args.seq_len}, "
+        f"head dim {args.head_dim}, {args.documents} documents per row"
+    )
+    if device.type != "cuda":
+        print("CPU run: FlexAttention runs eagerly and forward only; timings are CPU-only, not comparable to a GPU")
+
+    t0 = time.perf_counter()
+    kernels.document_attention(q, k, v, docs, scale, kernel="flex")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"first flex call{' (compiles)' if device.type == 'cuda' else ''}: {time.perf_counter() - t0:.1f} s")
+
+    ok = check(q, k, v, docs, scale, dtype)
+
+    grad_out = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    caches = {"doc": {}, "causal": {}}
+
+    def step(kernel, doc_ids, cache, backward=True):
+        inputs = leaves if backward else [t.detach() for t in leaves]  # flex refuses CPU inputs that need grad
+
+        def run():
+            out = kernels.document_attention(*inputs, doc_ids, scale, kernel=kernel, cache=cache)
+            if backward:
+                out.backward(grad_out)
+                for t in leaves:
+                    t.grad = None
+        return run
+
+    flex_backward = device.type == "cuda"
+    cases = [
+        ("SDPA causal, no document mask", step("sdpa", None, None)),
+        ("SDPA + dense document mask", step("sdpa", docs, caches["doc"])),
+        ("flex + document block mask", step("flex", docs, caches["doc"], flex_backward)),
+        ("flex causal block mask", step("flex", None, caches["causal"], flex_backward)),
+    ]
+    print(f"median of {args.iters} (after {args.warmup} warm-up), masks prebuilt:")
+    for name, fn in cases:
+        what = "fwd+bwd" if flex_backward or not name.startswith("flex") else "fwd only"
+        print(f"  {name:32s} {what:8s} {time_ms(fn, args.iters, args.warmup, device):8.3f} ms")
+    builds = [
+        ("dense (B,1,S,S) mask build", lambda: kernels.dense_document_mask(docs, device)),
+        ("flex block mask build", lambda: kernels.document_block_mask(docs, device, args.seq_len)),
+    ]
+    print("once per micro-batch:")
+    for name, build in builds:
+        print(f"  {name:32s} {'':8s} {time_mask_build(build, max(args.iters // 5, 3), device):8.3f} ms")
+    print("check:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        sys.exit(main())

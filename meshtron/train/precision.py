@@ -1,0 +1,172 @@
+"""Mixed precision in every layout, from one setting (``train.mixed_precision``).
+
+Master weights and AdamW state stay in ``model.dtype`` (float32 by default); the forward and backward
+compute in the chosen dtype; gradients are reduced in ``fsdp.reduce_dtype`` (float32 by default).
+
+* With FSDP / HSDP (also meshtron's DDP-style replication, which is ``fully_shard`` on a 1-wide shard
+  mesh) it is FSDP's own ``MixedPrecisionPolicy``: parameters are cast when they are gathered.
+* Without FSDP (one process, TP-only, PP-only, PP x TP) ``apply_compute_casts`` does what FSDP does,
+  at the same places: before each decoder block's forward and the root's, parameters are cast to the
+  compute dtype (a differentiable cast, so their gradients arrive in the master dtype) and floating
+  inputs are cast too. Every layout therefore runs the same arithmetic, which is what lets the
+  parity tests compare them with each other and with one process.
+* fp16 adds dynamic loss scaling (``LossScaler``): the loss is multiplied by the scale before
+  backward; a step whose global gradient norm is not finite is skipped and the scale halved. The
+  norm is the global one (one all-reduce over every shard), so this is sharded loss scaling.
+
+CPU runs use ``none`` under ``auto``; bf16 (and fp16) also run on CPU, which is how the tests check this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.utils import _apply_to_tensors
+
+from meshtron.config import Config
+from meshtron.errors import ConfigError
+from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.build import torch_dtype
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """``compute_dtype`` None means: compute in the parameters' own dtype (no mixed precision)."""
+
+    compute_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    name: str = "none"
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    def fsdp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+
+    def describe(self) -> str:
+        return "no mixed precision" if self.compute_dtype is None else f"{self.name} compute"
+
+
+def resolve_mixed_precision(setting: str, device_type: str, bf16_supported: bool | None = None) -> str:
+    """``bf16``, ``fp16`` or ``none`` for ``train.mixed_precision`` on ``device_type`` (auto resolved)."""
+    if setting != "auto":
+        return setting
+    if device_type != "cuda":
+        return "none"
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    return "bf16" if bf16_supported else "fp16"
+
+
+def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
+    """The run's policy; a ConfigError for a combination that cannot work."""
+    name = resolve_mixed_precision(cfg.train.mixed_precision, device_type)
+    reduce_dtype = torch_dtype(cfg.fsdp.reduce_dtype) if cfg.fsdp.reduce_dtype else None
+    if name == "none":
+        return PrecisionPolicy(None, reduce_dtype, name)
+    compute = _COMPUTE_DTYPES[name]
+    master = torch_dtype(cfg.model.dtype)
+    if master == compute or (master != torch.float32 and cfg.train.mixed_precision == "auto"):
+        return PrecisionPolicy(None, reduce_dtype, "none")  # compute in the weights' own (half) dtype
+    if master != torch.float32:
+        raise ConfigError(
+            f"train.mixed_precision={name} with model.dtype={cfg.model.dtype}: master weights must be float32 "
+            f"(or already {name}); set model.dtype=float32"
+        )
+    return PrecisionPolicy(compute, reduce_dtype, name)
+
+
+class _CastHooks:
+    """Forward hooks that let ``module`` compute with ``dtype`` copies of its own parameters (those not
+    inside ``skip``, which get hooks of their own), as FSDP's param_dtype does. Parameters are looked up
+    at every call: materializing the model after this replaces them."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, skip: list[nn.Module]):
+        self.dtype = dtype
+        skipped = {id(inner) for outer in skip for inner in outer.modules()}
+        self.owners = [owner for owner in module.modules() if id(owner) not in skipped]
+        self.originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def before(self, module, args, kwargs):
+        copies: dict[int, torch.Tensor] = {}
+        self.originals = []
+        for owner in self.owners:
+            for name, param in list(owner._parameters.items()):
+                if param is None or not param.is_floating_point() or param.dtype == self.dtype:
+                    continue
+                if id(param) not in copies:  # tied weights: one copy, both uses
+                    copies[id(param)] = param.to(self.dtype)
+                self.originals.append((owner, name, param))
+                owner._parameters[name] = copies[id(param)]
+        cast = lambda t: t.to(self.dtype) if t.is_floating_point() else t  # noqa: E731
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    def after(self, module, args, kwargs, output):
+        for owner, name, param in self.originals:
+            owner._parameters[name] = param
+        self.originals = []
+        return output
+
+
+def _innermost(block: nn.Module) -> nn.Module:
+    """The block inside activation-checkpointing / compile wrappers (so a recompute casts again)."""
+    while True:
+        inner = getattr(block, "_checkpoint_wrapped_module", None) or getattr(block, "_orig_mod", None)
+        if inner is None:
+            return block
+        block = inner
+
+
+def apply_compute_casts(model: nn.Module, adapter: DecoderAdapter, policy: PrecisionPolicy) -> None:
+    """FSDP's mixed-precision casts without FSDP: per decoder block, then the root for the rest."""
+    if policy.compute_dtype is None:
+        return
+    blocks = [_innermost(block) for _, block in adapter.named_blocks(model)]
+    for module, skip in [(block, []) for block in blocks] + [(model, blocks)]:
+        hooks = _CastHooks(module, policy.compute_dtype, skip)
+        module.register_forward_pre_hook(hooks.before, with_kwargs=True)
+        module.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+
+
+class LossScaler:
+    """fp16's dynamic loss scale: halve on overflow, double after ``growth_interval`` clean steps."""
+
+    def __init__(self, initial: float, growth_interval: int):
+        self.scale, self.growth_interval, self.clean_steps = float(initial), growth_interval, 0
+
+    def update(self, overflowed: bool) -> None:
+        if overflowed:
+            self.scale, self.clean_steps = self.scale / 2, 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale, self.clean_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+
+
+def loss_scaler(policy: PrecisionPolicy, cfg: Config) -> LossScaler | None:
+    if not policy.loss_scaling:
+        return None
+    return LossScaler(cfg.train.fp16_initial_loss_scale, cfg.train.fp16_growth_interval)
+
+
+@torch.no_grad()
+def unscale_gradients(parameters, loss_scale: float) -> None:
+    """Divide every gradient by the loss scale it was computed with (fp16 loss scaling)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / loss_scale)

@@ -1,0 +1,144 @@
+"""One optimizer step: this rank's micro-batches forward and backward, the global loss and gradient
+norm, mixed-precision loss scaling, clipping and the optimizer step.
+
+Loss is the sum of token losses over the whole global batch divided by the global number of target
+tokens, so it is the same number whatever the layout, micro-batch size or accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtron.config import Config
+from meshtron.data.dataset import PackedDataset
+from meshtron.distributed.data_parallel import set_gradient_sync
+from meshtron.distributed.grad_norm import clip_gradients
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients
+from meshtron.errors import MeshtronError
+from meshtron.metrics.activations import SavedActivationTracker
+from meshtron.metrics.logger import model_state_bytes
+from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
+from meshtron.train.float8 import refresh_float8_scales
+from meshtron.train.loss import head_loss_sum
+from meshtron.train.precision import LossScaler, PrecisionPolicy, unscale_gradients
+from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+@dataclass
+class StepContext:
+    """What every step needs besides the model, optimizer and data."""
+
+    dp_rank: int
+    dims: ParallelDims
+    plan: object
+    """The run's trainer.Plan (micro-batch size and the like)."""
+    loss_group: object
+    split: SequenceSplit
+    device: torch.device
+    cfg: Config
+    runner: object = None
+    pp_group: object = None
+    adapter: object = None
+    precision: PrecisionPolicy | None = None
+    scaler: LossScaler | None = None
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.dims.tp > 1 and self.cfg.parallel.loss_parallel
+
+
+def _forward_backward(model, batches, ctx: StepContext, scale: float) -> torch.Tensor:
+    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
+
+    ``batches``: (full token ids, this rank's labels) per micro-batch.
+    """
+    local_loss_sum = torch.zeros((), device=ctx.device)
+    compute_dtype = ctx.precision.compute_dtype if ctx.precision else None
+    for index, (input_ids, labels) in enumerate(batches):
+        set_gradient_sync(model, index == len(batches) - 1)
+        hidden = model(**sequence_inputs(input_ids, ctx.split))
+        weight, bias = ctx.adapter.head_parameters(model)
+        # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
+        with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
+            loss_sum = head_loss_sum(
+                hidden, labels, weight, bias, compute_dtype=compute_dtype, chunk_size=ctx.cfg.train.loss_chunk_size,
+                loss_parallel=ctx.loss_parallel,
+            )
+            (loss_sum * scale).backward()
+        local_loss_sum += local_value(loss_sum.detach())
+        del hidden, loss_sum
+    return local_loss_sum
+
+
+def train_step(
+    model, optimizer, dataset: PackedDataset, schedule, step, ctx: StepContext, measure_state=None, measure_activations=None
+):
+    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
+
+    ``measure_state`` / ``measure_activations``: a TrainResult whose ``state_bytes`` / ``activation_bytes``
+    this step measures.
+    """
+    dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
+    micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
+    batches = [(input_ids.to(device), shard_labels(labels.to(device), ctx.split))
+               for input_ids, labels in map(dataset.batch, micro_batches)]
+    # Every rank counts the global batch's labelled tokens itself: no collective, no device sync.
+    global_targets = global_target_count(dataset, schedule.global_batch(step))
+    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
+    scale = dims.dp * dims.cp / global_targets
+    loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
+    tracker = SavedActivationTracker() if measure_activations is not None else None
+    with tracker.track() if tracker is not None else contextlib.nullcontext():
+        if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
+            (input_ids, labels), = batches
+            local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale)
+        else:
+            local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale)
+    if measure_activations is not None:
+        measure_activations.activation_bytes = tracker.peak_bytes
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
+        reduce_partial_gradients(parameters)
+    # One all-reduce for both: loss shares (only last pipeline stages hold one; tp ranks hold copies)
+    # and squared gradient norms; one device-to-host transfer.
+    loss, grad_norm = global_loss_and_grad_norm(
+        local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp
+    )
+    loss_value, norm_value = host_values(loss, grad_norm / loss_scale)
+    if ctx.scaler is not None and math.isfinite(loss_value):
+        overflowed = not math.isfinite(norm_value)
+        ctx.scaler.update(overflowed)
+        if overflowed:  # fp16 gradients overflowed at this loss scale: skip the step, the scale was halved
+            optimizer.zero_grad(set_to_none=True)
+            return loss_value, norm_value, float(global_targets)
+        if loss_scale != 1.0:
+            unscale_gradients(parameters, loss_scale)
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        if cfg.train.on_nonfinite == "error":
+            raise MeshtronError(
+                f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
+                "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value, float(global_targets)
+    clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm / loss_scale)
+    optimizer.step()
+    if cfg.train.float8:
+        refresh_float8_scales(model)
+    if measure_state is not None:
+        measure_state.state_bytes = model_state_bytes(model, optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, float(global_targets)

@@ -1,0 +1,56 @@
+"""The numbers one optimizer step shares across ranks, with at most one collective per step.
+
+* The global target count (labelled tokens of the global batch), which scales every rank's loss before
+  backward, is counted by every rank from the data itself: the global batch is known to all ranks
+  (``GlobalBatchSchedule``), so no all-reduce is needed, and it is a Python int (no device sync).
+* The global loss and the global gradient norm are summed in one all-reduce of two numbers over all
+  ranks, after backward, instead of one each (and, under pipeline parallelism, a second one for the loss).
+* Both reach the host in one transfer (one device sync on GPUs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshtron.distributed.grad_norm import local_grad_square_sum
+from meshtron.train.loss import IGNORE_INDEX
+
+
+def global_target_count(dataset, indices: np.ndarray) -> int:
+    """Labelled tokens (labels != IGNORE_INDEX) of the blocks ``indices`` of ``dataset``, at least 1.
+
+    Counted the way ``PackedDataset.batch`` cuts labels (each block's tokens after the first). Reads
+    the label tokens of the blocks (4 bytes a token), no collective: every rank gets the same count.
+    """
+    rows = np.asarray(dataset.blocks[np.sort(np.asarray(indices, dtype=np.int64))])
+    return max(1, int(np.count_nonzero(rows[:, 1:] != IGNORE_INDEX)))
+
+
+@torch.no_grad()
+def global_loss_and_grad_norm(
+    local_loss_sum: torch.Tensor, parameters, targets: int, *, loss_copies: int = 1, pipeline_degree: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient norm) of the whole global batch, identical on every rank, from one all-reduce.
+
+    ``local_loss_sum``: this rank's summed token loss (0 on pipeline stages without the head);
+    ``targets``: the global target count; ``loss_copies``: how many ranks hold the same loss sum (the
+    tensor-parallel degree); ``pipeline_degree`` as in ``global_grad_norm``.
+    """
+    parameters = list(parameters)
+    square_sum = local_grad_square_sum(parameters, pipeline_degree=pipeline_degree)
+    loss_share = local_loss_sum.detach().float()
+    if loss_copies > 1:
+        loss_share = loss_share / loss_copies
+    if square_sum is None:
+        square_sum = torch.zeros((), device=loss_share.device)
+    both = torch.stack([loss_share, square_sum.to(loss_share.device)])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(both)
+    return both[0] / targets, both[1].sqrt()
+
+
+def host_values(*tensors: torch.Tensor) -> list[float]:
+    """The values of scalar tensors as Python floats, in one device-to-host transfer."""
+    return torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()

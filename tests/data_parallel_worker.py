@@ -1,0 +1,83 @@
+"""Two-rank checks of the data-parallel step helpers, in one torchrun launch of 2 processes (gloo).
+
+Usage: torchrun --nproc-per-node 2 tests/data_parallel_worker.py OUT.json
+Rank 0 writes {check: [got, want]} for: the gradient norm of whole (replicated) gradients, which needs
+no collective; the fused loss + gradient-norm all-reduce over sharded DTensor gradients, with one loss
+per rank and with a loss both ranks hold (loss_copies=2); and which meshes and models
+``replicates_only`` sends to DDP.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from meshtron.distributed.data_parallel import replicates_only
+from meshtron.distributed.grad_norm import global_grad_norm
+from meshtron.train.step_stats import global_loss_and_grad_norm
+
+
+def full_gradients() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 4, generator=generator), torch.randn(6, generator=generator)]
+
+
+def with_grads(grads: list[torch.Tensor]) -> list[nn.Parameter]:
+    params = []
+    for grad in grads:
+        param = nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad
+        params.append(param)
+    return params
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    grads = full_gradients()
+    want_norm = float(torch.cat([g.flatten() for g in grads]).norm())
+    checks = {}
+
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    checks["replicated norm"] = [float(global_grad_norm(with_grads(grads))), want_norm]
+    dist.all_reduce = original
+    checks["replicated norm collectives"] = [len(calls), 0]
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = with_grads([distribute_tensor(g, mesh, [Shard(0)]) for g in grads])
+    rank_losses = [3.0, 5.0]
+    loss, norm = global_loss_and_grad_norm(torch.tensor(rank_losses[rank]), sharded, 16)
+    checks["sharded norm"] = [float(norm), want_norm]
+    checks["loss per rank"] = [float(loss), sum(rank_losses) / 16]
+    loss, _ = global_loss_and_grad_norm(torch.tensor(7.0), sharded, 4, loss_copies=2)
+    checks["loss held by both ranks"] = [float(loss), 7.0 / 4]
+
+    model = nn.Linear(4, 4)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    replicate_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    shard_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    checks["ddp for pure replication"] = [replicates_only(model, replicate_mesh, fp32, False, False), True]
+    checks["fsdp when sharding"] = [replicates_only(model, shard_mesh, fp32, False, False), False]
+    checks["fsdp for mixed precision"] = [replicates_only(model, replicate_mesh, bf16, False, False), False]
+    checks["fsdp for cpu offload"] = [replicates_only(model, replicate_mesh, fp32, True, False), False]
+    checks["fsdp for pipeline stages"] = [replicates_only(model, replicate_mesh, fp32, False, True), False]
+    tp_model = nn.Linear(4, 4)
+    tp_model.weight = nn.Parameter(distribute_tensor(tp_model.weight.detach(), mesh, [Shard(0)]))
+    checks["fsdp for dtensor parameters"] = [replicates_only(tp_model, replicate_mesh, fp32, False, False), False]
+
+    if rank == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump(checks, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
