@@ -111,6 +111,8 @@ def run_loop(args, use_accelerate: bool) -> list[float]:
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=True)
+        if accelerator.num_processes != int(os.environ["WORLD_SIZE"]):
+            raise RuntimeError(f"accelerate runs {accelerator.num_processes} process(es) of {os.environ['WORLD_SIZE']}")
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -167,6 +169,7 @@ def worker(args) -> None:
     if os.environ.get("RANK", "0") == "0":
         result = {"first_forward": clock.first_forward, "step_ends": clock.step_ends, "losses": losses,
                   "threads": torch.get_num_threads()}
+        args.run_dir.mkdir(parents=True, exist_ok=True)
         (args.run_dir / "result.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()

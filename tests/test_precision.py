@@ -131,3 +131,33 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
     restored = LossScaler(1.0, 2)
     restored.load_state_dict(scaler.state_dict())
     assert restored.scale == 1024.0 and restored.clean_steps == 0
+
+
+def test_a_decoder_block_compiles_as_one_graph_with_document_masks_and_bf16_casts():
+    """What train.compile compiles: a decoder block with meshtron's document-masked attention and the
+    mixed-precision cast hooks. fullgraph=True fails on any graph break; the result equals eager."""
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.attention import register_attention
+    from meshtron.models.build import build_meta_model, load_hf_config, materialize
+    from meshtron.train.batch import SequenceSplit, sequence_inputs
+
+    cfg = load_config(None, ["model.preset=llama-tiny", "train.mixed_precision=bf16"], env={})
+    tokenizer = load_tokenizer("byte")
+    model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
+    materialize(model, adapter, torch.device("cpu"), seed=0)
+    adapter.use_attention(model, register_attention())
+    apply_compute_casts(model, adapter, precision_policy(cfg, "cpu"))
+    input_ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    input_ids[:, [5, 20]] = tokenizer.eos_token_id  # three documents per row
+    inputs = sequence_inputs(input_ids, SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id))
+    hidden = model.model.embed_tokens(inputs["input_ids"]).bfloat16()
+    kwargs = dict(
+        attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
+        position_embeddings=model.model.rotary_emb(hidden, inputs["position_ids"]),
+        sequence_layout=inputs["sequence_layout"],
+    )
+    block = model.model.layers[0]
+    eager = block(hidden, **kwargs)
+    compiled = torch.compile(block, fullgraph=True)(hidden, **kwargs)
+    assert compiled.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)

@@ -32,6 +32,8 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.higher_order.flex_attention,  # meshtron's CUDA document-masked attention
 }
 
 

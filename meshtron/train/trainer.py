@@ -270,6 +270,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                         "tokens_per_s": tokens_per_s,
                         "mfu": flops_tok * tokens_per_s / (peak * runtime.world_size) if peak else None,
                         "max_memory_gb": max_memory_gb(runtime.device),
+                        **({"loss_scale": step_context.scaler.scale} if step_context.scaler is not None else {}),
                     }
                 )
             if checkpoints is not None and checkpoints.due(step + 1, cfg.train.steps):
