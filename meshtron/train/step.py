@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.config import Config
@@ -31,12 +30,6 @@ from meshtron.train.precision import LossScaler, PrecisionPolicy, unscale_gradie
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
 
-def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
-
-
 @dataclass
 class StepContext:
     """What every step needs besides the model, optimizer and data."""
@@ -45,12 +38,10 @@ class StepContext:
     dims: ParallelDims
     plan: object
     """The run's trainer.Plan (micro-batch size and the like)."""
-    loss_group: object
     split: SequenceSplit
     device: torch.device
     cfg: Config
     runner: object = None
-    pp_group: object = None
     adapter: object = None
     precision: PrecisionPolicy | None = None
     scaler: LossScaler | None = None

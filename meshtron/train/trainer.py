@@ -37,7 +37,7 @@ from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
 from meshtron.train.runtime import Runtime
-from meshtron.train.step import StepContext, all_reduce_sum, train_step
+from meshtron.train.step import StepContext, train_step
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
@@ -145,13 +145,9 @@ def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
     return Path(chosen[0])
 
 
-def _dp_coordinates(meshes: dict | None, dims: ParallelDims) -> tuple[int, object | None]:
-    """This rank's index among the data-parallel ranks and the group that sums losses over them
-    (the data-parallel and context-parallel ranks: together they hold every token of the global batch)."""
-    if meshes is None or dims.dp * dims.cp == 1:
-        return 0, None
-    dp_rank = meshes["dp"].get_local_rank() if dims.dp > 1 else 0
-    return dp_rank, meshes["dp_cp"].get_group()
+def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
+    """This rank's index among the data-parallel ranks (which slice of the global batch it trains on)."""
+    return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
 def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
@@ -203,9 +199,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
 
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
-    dp_rank, loss_group = _dp_coordinates(meshes, dims)
     step_context = StepContext(
-        dp_rank, dims, plan, loss_group, split, runtime.device, cfg, runner, pp_group, adapter, policy,
+        _dp_rank(meshes, dims), dims, plan, split, runtime.device, cfg, runner, adapter, policy,
         loss_scaler(policy, cfg),
     )
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
@@ -297,4 +292,5 @@ def _count_params(model: nn.Module, pp_group=None) -> int:
     if pp_group is None:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)
-    return int(all_reduce_sum(total, pp_group).item())
+    dist.all_reduce(total, group=pp_group)
+    return int(total.item())
