@@ -26,6 +26,7 @@ from meshtron.config import PP_SCHEDULES as SCHEDULES
 from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
+from meshtron.train.runtime import torch_release
 
 MAX_EXACT_TOKEN_ID = 2**24
 """Token ids travel between stages as float32, which holds integers exactly up to here."""
@@ -114,7 +115,7 @@ def check_pipeline(
     """Refuse pipeline settings that cannot work; returns the number of microbatches."""
     if cfg.pp == 1:
         return 1
-    if cfg.pp_schedule in V_SHAPED_SCHEDULES and device_type != "cuda" and _older_than(torch_version, (2, 13)):
+    if cfg.pp_schedule in V_SHAPED_SCHEDULES and device_type != "cuda" and torch_release(torch_version) < (2, 13):
         raise ConfigError(
             f"parallel.pp_schedule={cfg.pp_schedule} needs torch >= 2.13 on CPU (torch {torch_version} sends between "
             "a rank's own two stages, which gloo cannot do); use parallel.pp_schedule=InterleavedZeroBubble"
@@ -154,11 +155,6 @@ def check_pipeline(
             "use an untied model or parallel.pp=1"
         )
     return microbatches
-
-
-def _older_than(version: str, minimum: tuple[int, int]) -> bool:
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
-    return (major, minor) < minimum
 
 
 def split_pipeline(model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:

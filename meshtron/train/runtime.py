@@ -35,14 +35,16 @@ class Runtime:
             dist.barrier()
 
 
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as ``2.11.0+cu128``."""
+    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
+    return major, minor
+
+
 def check_torch_version(version: str | None = None) -> None:
     """Refuse a PyTorch older than MIN_TORCH with one line naming the minimum."""
     version = version or torch.__version__
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    if tuple(parts) < MIN_TORCH:
+    if torch_release(version) < MIN_TORCH:
         minimum = ".".join(map(str, MIN_TORCH))
         raise ConfigError(f"meshtron needs torch >= {minimum}, found {version}; install torch>={minimum}")
 
