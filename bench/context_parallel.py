@@ -14,25 +14,42 @@ optimizer step of batch 1 at each requested sequence length. Per rank it measure
 ``--budget-mb`` turns the measurements into "the longest sequence that fits": the largest measured
 length whose activation memory per rank stays within the budget, per cp degree.
 
+On CUDA (or with ``--blocks``) it measures one context-parallel sub-block instead: forward + backward
+time (median, CUDA events) and peak memory above the inputs of meshtron's sub-block kernels
+(``block_forward`` + ``block_backward``), of the plain fp32 kernel they replace (``math``) and of SDPA
+flash, for a causal (diagonal), a full (off-diagonal) and a document-masked diagonal block (default:
+4096 x 4096, 32 query / 8 key-value heads, head dim 128, bf16), with each kernel's relative error
+against the fp32 plain kernel (exit status 1 above the tolerance). ``--train`` runs the training
+launches after them (on a GPU machine each launch needs ``cp`` GPUs).
+
 Example:
 
     python bench/context_parallel.py                                   # cp 1 2 4 at 4096 tokens
     python bench/context_parallel.py --cp 1 4 --seq-len 2048 4096 8192 16384 --budget-mb 64
+    python bench/context_parallel.py --blocks                          # sub-block kernels (default on CUDA)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from attention_kernels import packed_document_ids, relative_error, time_ms  # bench/attention_kernels.py
 from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
+
+BLOCK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+"""Largest relative error of meshtron's sub-block kernels against the fp32 plain kernel that passes."""
 
 
 class SavedActivations:
@@ -123,7 +140,100 @@ def longest_within(results: list[dict], budget_mb: float) -> dict[int, int | Non
     return fits
 
 
-def main() -> None:
+def block_cases(args, device: torch.device):
+    """(name, meshtron's mask, the plain kernel's mask, SDPA's is_causal) of each sub-block measured."""
+    from meshtron.distributed import sub_blocks
+
+    docs = packed_document_ids(args.block_batch, args.block_len, args.block_documents, torch.Generator().manual_seed(0))
+    docs = docs.to(device)
+    dense = sub_blocks.dense_chunk_mask(docs, docs, True)
+    fused = sub_blocks.chunk_block_mask(docs, docs, True) if sub_blocks.mask_kind(device, "auto") == "flex" else dense
+    return [("causal (diagonal)", "causal", "causal", True), ("full (off-diagonal)", None, None, False),
+            (f"{args.block_documents} documents (diagonal)", fused, dense, True)]
+
+
+def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
+    """Forward + backward of one sub-block by each kernel: time, peak memory, error vs the fp32 plain kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from meshtron.distributed.attention_blocks import block_backward, block_forward
+
+    dtype = getattr(torch, args.block_dtype)
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(args.block_batch, heads, args.block_len, args.head_dim, device=device, generator=gen).to(dtype)
+               for heads in (args.heads, args.kv_heads, args.kv_heads))
+    grad_out = torch.randn(q.shape, device=device, generator=gen).to(dtype)
+    scale = args.head_dim ** -0.5
+    flash = device.type == "cuda" and dtype != torch.float32
+
+    def meshtron(mask, kernel):
+        def run():
+            out, lse = block_forward(q, k, v, mask, scale, kernel)
+            return (out, *block_backward(q, k, v, mask, scale, out, lse, grad_out, kernel))
+        return run
+
+    def sdpa(causal):
+        def run():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
+            out.backward(grad_out)
+            return (out, *(t.grad for t in leaves))
+        return run
+
+    rows, ok = [], True
+    for case, fused_mask, plain_mask, causal in block_cases(args, device):
+        reference = [t.float() for t in meshtron(plain_mask, "math")()]  # the fp32 plain kernel (inputs as given)
+        documents = "documents" in case
+        sdpa_name = f"SDPA {'flash' if flash else 'default'}" + (" (causal, no documents)" if documents else "")
+        kernels = [("meshtron (auto)", meshtron(fused_mask, "auto"), True),
+                   ("meshtron math (fp32, the reference)", meshtron(plain_mask, "math"), False),
+                   (sdpa_name, sdpa(causal), not documents)]
+        for name, run, comparable in kernels:
+            error = max(relative_error(got, want) for got, want in zip(run(), reference)) if comparable else None
+            if name == "meshtron (auto)":
+                ok &= error <= BLOCK_TOLERANCE[dtype]
+            seconds = time_ms(run, args.iters, args.warmup, device)
+            rows.append({"block": case, "kernel": name, "fwd_bwd_ms": seconds, "peak_bytes": _peak_bytes(run, device),
+                         "rel_error": error})
+    return rows, ok
+
+
+def _peak_bytes(run, device: torch.device) -> int | None:
+    """Peak CUDA memory of ``run()`` above what was allocated before it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def blocks_table(rows: list[dict]) -> str:
+    lines = ["| sub-block | kernel | fwd+bwd ms | peak MiB | rel. error vs fp32 |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        error = "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
+        lines.append(f"| {r['block']} | {r['kernel']} | {r['fwd_bwd_ms']:.2f} | {peak} | {error} |")
+    return "\n".join(lines)
+
+
+def run_blocks(args) -> tuple[dict, bool]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings say nothing about a GPU)"
+    print(f"sub-block {args.block_len} x {args.block_len}, batch {args.block_batch}, heads {args.heads}/{args.kv_heads}, "
+          f"head dim {args.head_dim}, {args.block_dtype}, on {name}, torch {torch.__version__}", flush=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        rows, ok = block_figures(args, device)
+    print(blocks_table(rows))
+    print("check:", "PASS" if ok else "FAIL")
+    return {"device": name, "dtype": args.block_dtype, "length": args.block_len, "rows": rows}, ok
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-tiny")
     parser.add_argument("--seq-len", type=int, nargs="+", default=[4096])
@@ -134,12 +244,40 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, help="report the longest sequence whose activations fit this")
     parser.add_argument("--cache-dir", help="tokenized-data cache (default ~/.cache/meshtron)")
     parser.add_argument("--out", type=Path, help="write the JSON results here (default: a temp dir)")
+    cuda = torch.cuda.is_available()
+    blocks = parser.add_argument_group("sub-block kernels (default on CUDA)")
+    blocks.add_argument("--blocks", action="store_true", help="measure the sub-block kernels (also off CUDA)")
+    blocks.add_argument("--train", action="store_true", help="run the training launches after the sub-blocks too")
+    blocks.add_argument("--block-len", type=int, default=4096 if cuda else 256)
+    blocks.add_argument("--block-batch", type=int, default=1)
+    blocks.add_argument("--heads", type=int, default=32 if cuda else 4)
+    blocks.add_argument("--kv-heads", type=int, default=8 if cuda else 2)
+    blocks.add_argument("--head-dim", type=int, default=128 if cuda else 16)
+    blocks.add_argument("--block-documents", type=int, default=8, help="documents per row of the masked block")
+    blocks.add_argument("--block-dtype", choices=["bfloat16", "float16", "float32"],
+                        default="bfloat16" if cuda else "float32")
+    blocks.add_argument("--iters", type=int, default=20 if cuda else 3)
+    blocks.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
     if args.worker:
         return worker(args)
     workdir = Path(tempfile.mkdtemp(prefix="meshtron-cp-bench-"))
+    ok, block_summary = True, None
+    if args.blocks or cuda:
+        block_summary, ok = run_blocks(args)
+        if not args.train:
+            out = args.out or workdir / "context_parallel_blocks.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"blocks": block_summary}, indent=2))
+            print(f"results: {out}")
+            return 0 if ok else 1
     results = []
     for cp in args.cp:
         print(f"cp={cp}: launching {cp} process(es) for seq_len {args.seq_len}", flush=True)
@@ -147,6 +285,8 @@ def main() -> None:
     print(markdown_table(results))
     summary = {"preset": args.preset, "method": args.method, "mask_documents": args.mask_documents,
                "cpu_cores": os.cpu_count(), "results": results}
+    if block_summary is not None:
+        summary["blocks"] = block_summary
     if args.budget_mb:
         summary["longest_within_budget"] = longest_within(results, args.budget_mb)
         for cp, length in summary["longest_within_budget"].items():
@@ -155,7 +295,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
     print(f"results: {out}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

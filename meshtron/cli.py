@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
     export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
     export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
+    export.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model's and tokenizer's own Python code (never taken from the checkpoint)")
     from meshtron.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -135,7 +137,9 @@ def _run_worker(cfg) -> int:
     from meshtron.train.trainer import preflight, train
 
     plan = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))
-    runtime = init_runtime(device=cfg.run.device)
+    runtime = init_runtime(
+        timeout_s=cfg.run.collective_timeout_s, device=cfg.run.device, host_collectives=cfg.fsdp.cpu_offload
+    )
     try:
         train(cfg, runtime, plan)
     finally:
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"unexpected arguments {extra}; usage: meshtron export CHECKPOINT OUT_DIR")
             from meshtron.checkpoint.export import export_checkpoint
 
-            out = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size)
+            out = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size, args.trust_remote_code)
             print(f"meshtron: exported {args.checkpoint} to {out}/ (loads with AutoModelForCausalLM.from_pretrained)")
     except MeshtronError as err:
         _print_error(err)

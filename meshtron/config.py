@@ -142,6 +142,12 @@ class FSDPConfig:
     reduce_dtype: str | None = "float32"
     """Dtype gradients are reduced in; None reduces in the compute dtype (train.mixed_precision)."""
     cpu_offload: bool = False
+    """Keep parameter shards, gradients and AdamW state in host memory, copying shards to the GPU for
+    compute (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU). Needs sharded data parallelism."""
+    accumulate_unsharded: bool = False
+    """With gradient accumulation: keep each block's full gradient between micro-batches and reduce-scatter
+    once per step (less communication, full-size fp32 gradients held). False: reduce-scatter every
+    micro-batch so only gradient shards are held (HSDP's all-reduce over replicas still runs once)."""
 
 
 @dataclass
@@ -166,6 +172,8 @@ class RunConfig:
     """``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo) or ``auto`` (cuda when a GPU is visible)."""
     log_every: int = 1
     progress: bool = True
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective (barrier, all-reduce, ...) waits for the other ranks before the run is stopped."""
 
 
 @dataclass
@@ -340,6 +348,8 @@ def validate_config(cfg: Config) -> None:
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.micro_batch_size", t.micro_batch_size, allow_none=True)
     _positive("run.log_every", cfg.run.log_every)
+    if not cfg.run.collective_timeout_s > 0:
+        raise ConfigError(f"run.collective_timeout_s: must be > 0 seconds, got {cfg.run.collective_timeout_s}")
     for key in ("dp_replicate", "tp", "cp", "pp"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.dp_shard != -1:

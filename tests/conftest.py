@@ -61,3 +61,16 @@ def run_cli(args: list[str], *, timeout: float = 300, cwd: Path | None = None, e
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache shared by every test of the session."""
     return tmp_path_factory.mktemp("meshtron-cache")
+
+
+def full_blocks(block_mask):
+    """(B, Q blocks, KV blocks) bool of the blocks the kernel runs without calling the mask_mod."""
+    import itertools
+
+    import torch
+
+    full = torch.zeros(block_mask.kv_indices.shape, dtype=torch.bool)
+    for b, h, q in itertools.product(*map(range, block_mask.full_kv_num_blocks.shape)):
+        count = int(block_mask.full_kv_num_blocks[b, h, q])
+        full[b, h, q, block_mask.full_kv_indices[b, h, q, :count].long()] = True
+    return full[:, 0]

@@ -3,7 +3,8 @@
 Usage: torchrun --nproc-per-node N tests/parity_worker.py SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}. For each layout, rank 0 writes
 OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter + gradient + optimizer
-bytes of any rank and the largest activation peak) and OUT_DIR/<name>.pt (full final weights).
+bytes of any rank, the largest activation peak and the largest gradient bytes held between accumulated
+micro-batches) and OUT_DIR/<name>.pt (full final weights).
 """
 
 import json
@@ -28,7 +29,10 @@ def main() -> None:
             cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
             plan = preflight(cfg, runtime.world_size, runtime.device.type)
             result = train(cfg, runtime, plan)
-            measured = torch.tensor([sum(result.state_bytes.values()), result.activation_bytes], dtype=torch.int64)
+            measured = torch.tensor(
+                [sum(result.state_bytes.values()), result.activation_bytes, result.accumulation_grad_bytes],
+                dtype=torch.int64,
+            )
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
             options = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
             state = {}
@@ -42,7 +46,8 @@ def main() -> None:
                 torch.save(state, out / f"{name}.pt")
                 (out / f"{name}.json").write_text(json.dumps(
                     {"losses": result.losses, "grad_norms": result.grad_norms, "state_bytes": int(measured[0]),
-                     "activation_bytes": int(measured[1])}
+                     "activation_bytes": int(measured[1]),
+                     "accumulation_grad_bytes": int(measured[2])}
                 ))
             del result, state
     finally:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import warnings
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
+from conftest import full_blocks
 from meshtron.config import ModelConfig
 from meshtron.distributed.context_parallel import SequenceLayout
 from meshtron.models import attention_kernels as kernels
@@ -88,7 +88,7 @@ def test_block_mask_lists_exactly_the_visible_blocks(with_documents):
 
     dense = reference_mask(tokens) if with_documents else torch.ones(1, SEQ, SEQ, dtype=torch.bool).tril()
     blocks = -(-SEQ // BLOCK)
-    listed, full = ours.to_dense()[:, 0].bool(), _full_blocks(ours)
+    listed, full = ours.to_dense()[:, 0].bool(), full_blocks(ours)
     for q in range(blocks):
         for kv in range(blocks):
             tile = dense[:, q * BLOCK : (q + 1) * BLOCK, kv * BLOCK : (kv + 1) * BLOCK]
@@ -99,15 +99,6 @@ def test_block_mask_lists_exactly_the_visible_blocks(with_documents):
         assert not listed[0, 2, 0]  # row 0: the documents of block 0 end before block 2 starts
         # The one-document row: an earlier block needs no mask_mod, except in the last (cut) query block.
         assert full[2, 1, 0] and not full[2, 2, 0] and listed[2, 2, 0]
-
-
-def _full_blocks(block_mask) -> torch.Tensor:
-    """(B, Q blocks, KV blocks) bool of the blocks the kernel runs without calling the mask_mod."""
-    full = torch.zeros(block_mask.kv_indices.shape, dtype=torch.bool)
-    for b, h, q in itertools.product(*map(range, block_mask.full_kv_num_blocks.shape)):
-        count = int(block_mask.full_kv_num_blocks[b, h, q])
-        full[b, h, q, block_mask.full_kv_indices[b, h, q, :count].long()] = True
-    return full[:, 0]
 
 
 @pytest.mark.parametrize("kernel", ["flex", "sdpa"])

@@ -196,3 +196,79 @@ def test_mixed_precision_checkpoints_and_exports_hold_float32(runs, tmp_path):
     for file in exported.glob("*.safetensors"):
         with safe_open(str(file), "pt") as handle:
             assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.float32}
+
+
+NODE_WORKER = """import os, sys
+os.chdir(os.path.join(sys.argv[1], "node" + os.environ["RANK"]))  # each rank on a disk of its own
+from meshtron.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_checkpoint_dir_not_shared_by_all_ranks_is_refused_at_start(tmp_path, cache_dir):
+    """Node-local disks, simulated by a relative checkpoint.dir and one working directory per rank: every rank
+    stops at start-up with the same one line, instead of failing at the first save while the others wait."""
+    worker = tmp_path / "node_worker.py"
+    worker.write_text(NODE_WORKER)
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    args = ["train", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
+            f"--data.cache_dir={cache_dir}",
+            "--train.steps=2", "--train.global_batch_size=4", "--run.progress=false", "--parallel.dp_shard=2",
+            f"--run.output_dir={tmp_path / 'run'}", "--checkpoint.interval=1", "--checkpoint.dir=checkpoints"]
+    proc = run_torchrun(2, [str(worker), str(tmp_path), *args], timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("meshtron: error")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "checkpoint directory 'checkpoints' is not shared by all ranks: rank 0" in errors[0]
+    assert "the test files of rank 1 (on " in errors[0] and "set checkpoint.dir (or run.output_dir)" in errors[0]
+    assert str(REPO / "meshtron") not in proc.stderr, proc.stderr[-3000:]  # no traceback from a worker
+    assert [p.name for p in (tmp_path / "node0" / "checkpoints").iterdir()] == []  # the probe is cleaned up
+    assert not (tmp_path / "node1" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "config.toml").exists()  # the same run.output_dir can be used again
+
+
+def test_a_failed_write_during_a_save_is_one_clear_error(tmp_path, monkeypatch):
+    """A rank that cannot write its part of a save reports it (on every rank) instead of crashing alone."""
+    from meshtron.checkpoint import manager
+    from meshtron.errors import MeshtronError
+    from meshtron.train.runtime import Runtime
+
+    saver = manager.CheckpointManager(tmp_path / "ckpt", 1, 2, False, Runtime(0, 0, 1, torch.device("cpu")))
+
+    def unwritable(obj, path, *args, **kwargs):
+        raise RuntimeError(f"Parent directory {Path(path).parent} does not exist.")
+
+    monkeypatch.setattr(manager.torch, "save", unwritable)
+    with pytest.raises(MeshtronError, match=r"checkpoint step-00000001.partial failed \(rank 0: Parent directory"):
+        saver.save(1, None, {}, "")
+    assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint's config.toml cannot make export run a model's own code; only the caller
+    (``meshtron export --trust-remote-code``) can."""
+    import meshtron.data.tokenizer as tokenizer_module
+    from meshtron.checkpoint.export import export_checkpoint
+    from meshtron.checkpoint.manager import META
+
+    checkpoint = tmp_path / "step-00000001"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_bytes(b"")
+    (checkpoint / META).write_text("{}")
+    (checkpoint / "config.toml").write_text("[model]\ntrust_remote_code = true\n")
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def spy(spec, trust_remote_code=False):
+        seen.append(trust_remote_code)
+        raise Stop
+
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", spy)
+    for asked in (False, True):
+        with pytest.raises(Stop):
+            export_checkpoint(str(checkpoint), str(tmp_path / f"out-{asked}"), trust_remote_code=asked)
+    assert seen == [False, True]

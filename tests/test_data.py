@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -292,3 +294,60 @@ def test_zero_blocks_error_on_every_rank(tmp_path):
     with pytest.raises(MeshtronError, match=r"21 tokens"):
         build_packed_dataset(cfg, ByteTokenizer(), is_builder=False)
     assert os.path.getsize(cache_path(cfg, ByteTokenizer())) > 0
+
+
+def _slow_build(monkeypatch, seconds: float) -> threading.Event:
+    """Make the cache build take ``seconds`` longer; the event is set when a build starts."""
+    started, real_build = threading.Event(), dataset_mod._build
+
+    def slow(*args):
+        started.set()
+        time.sleep(seconds)
+        real_build(*args)
+
+    monkeypatch.setattr(dataset_mod, "_build", slow)
+    return started
+
+
+def test_non_builders_wait_for_the_file_outside_any_collective(tmp_path, monkeypatch):
+    """The other processes poll for the file the builder renames into place (no barrier, no collective
+    timeout); two builders of one file (machines sharing data.cache_dir) both succeed."""
+    cfg = DataConfig(path=str(_corpus(tmp_path, 999)), seq_len=64, cache_dir=str(tmp_path / "cache"))
+    started = _slow_build(monkeypatch, 0.5)
+    built = []
+    builders = [threading.Thread(target=lambda: built.append(len(build_packed_dataset(
+        cfg, ByteTokenizer(), is_builder=True, run_id="run-1"))), daemon=True) for _ in range(2)]
+    for builder in builders:
+        builder.start()
+    assert started.wait(10)
+    waiting = build_packed_dataset(cfg, ByteTokenizer(), is_builder=False, run_id="run-1")
+    for builder in builders:
+        builder.join(30)
+    assert len(waiting) == 15 and built == [15, 15]
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_non_builders_stop_with_the_builders_error(tmp_path, monkeypatch):
+    """A failed build is reported to the waiting processes of the same run; an earlier run's is ignored."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"content": "x" * 200}) + "\n")
+    cfg = DataConfig(path=str(data), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    marker = cache_path(cfg, ByteTokenizer()).with_suffix(".failed")
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"run": "an-earlier-run", "kind": "ConfigError", "error": "stale"}))
+    waited = []
+
+    def waiter():
+        try:
+            build_packed_dataset(cfg, ByteTokenizer(), is_builder=False, run_id="run-2")
+        except ConfigError as err:
+            waited.append(str(err))
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # the waiter sees the earlier run's report and goes on waiting
+    assert thread.is_alive() and not waited
+    with pytest.raises(ConfigError, match=r"data.text_field.*content") as err:
+        build_packed_dataset(cfg, ByteTokenizer(), is_builder=True, run_id="run-2")
+    thread.join(30)
+    assert waited == [str(err.value)]

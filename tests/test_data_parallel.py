@@ -74,3 +74,26 @@ def test_adamw_is_fused_on_cpu_and_foreach_on_meta():
     with torch.device("meta"):
         meta = build_optimizer(nn.Linear(4, 4), cfg)
     assert all(group["foreach"] and not group["fused"] for group in meta.param_groups)
+
+
+def test_cpu_offload_is_checked_against_the_layout_before_any_collective():
+    """fsdp.cpu_offload needs FSDP to offload through; with it, it now runs on CPU too (parity layout
+    fsdp2_cpu_offload in test_parity.py trains it against one process)."""
+    from meshtron.config import load_config
+    from meshtron.errors import ConfigError
+    from meshtron.train.trainer import preflight
+
+    cfg = load_config(None, ["fsdp.cpu_offload=true", "run.progress=false"], env={})
+    with pytest.raises(ConfigError, match="fsdp.cpu_offload needs FSDP"):
+        preflight(cfg, 1, "cpu")
+    assert preflight(cfg, 2, "cpu").dims.fsdp_enabled
+
+
+def test_cpu_offload_on_gpus_adds_gloo_for_host_tensors():
+    """Offloaded shards, gradients and AdamW state are CPU tensors: on GPUs the process group needs a
+    CPU backend beside NCCL for any collective on them (this machine has no GPU to run it)."""
+    from meshtron.train.runtime import process_group_backend
+
+    assert process_group_backend("cuda", host_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda") == "nccl"
+    assert process_group_backend("cpu", host_collectives=True) == "gloo"

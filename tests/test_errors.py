@@ -70,6 +70,7 @@ def causal_lm_dir(tmp_path):
          "parallel.tp=3 and the model's 2 KV heads: one must divide the other"),
         (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"],
          "data.seq_len 18 is not divisible by parallel.tp=4"),
+        (["--run.collective_timeout_s=0"], "run.collective_timeout_s: must be > 0 seconds, got 0.0"),
     ],
 )
 def test_error_is_one_clear_line(capsys, args, expected):
@@ -97,6 +98,26 @@ def test_output_dir_with_a_run_is_not_overwritten(capsys, tmp_path):
     code, err = run_main(capsys, [*FAST, f"--run.output_dir={tmp_path}"])
     assert code != 0 and "already holds a run" in error_lines(err)[0]
     assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_checkpoints_under_torchrun_need_a_fixed_directory(capsys, monkeypatch, tmp_path, cache_dir):
+    """Under torchrun a restart runs the same command: without run.output_dir or checkpoint.dir it would write to
+    a new runs/<timestamp> each time and never resume, so saving checkpoints there is refused before any work."""
+    from meshtron.config import load_config
+    from meshtron.train.trainer import preflight
+
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(capsys, [*FAST, f"--data.cache_dir={cache_dir}", "--checkpoint.interval=10"])
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1, err
+    assert "checkpoint.interval > 0 under torchrun" in lines[0] and "set run.output_dir (or checkpoint.dir)" in lines[0]
+    assert not (tmp_path / "runs").exists()
+    for fixed in (f"run.output_dir={tmp_path / 'a'}", f"checkpoint.dir={tmp_path / 'b'}", "checkpoint.interval=0"):
+        cfg = load_config(None, [o[2:] for o in FAST] + ["checkpoint.interval=10", fixed], env={})
+        preflight(cfg, 1, "cpu")  # accepted
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import torch
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.models.build import build_meta_model, init_tensor, load_hf_config, materialize
+from meshtron.models.build import build_meta_model, canonical_name, init_tensor, load_hf_config, materialize
 from meshtron.models.presets import PRESETS, make_preset_config
 
 CPU = torch.device("cpu")
@@ -118,3 +118,42 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="data.tokenizer has 1000 tokens"):
         load_hf_config(ModelConfig(name_or_path=str(tmp_path)), 1000)
+
+
+def _tiny_with_dropout(checkpointing: str):
+    from meshtron.distributed.parallelize import apply_activation_checkpointing
+
+    model_cfg = ModelConfig(preset="llama-tiny")
+    hf_config = load_hf_config(model_cfg, 257)
+    hf_config.attention_dropout = 0.5  # functional dropout inside SDPA: no nn.Dropout module shows it
+    model, adapter = build_meta_model(hf_config, model_cfg)
+    apply_activation_checkpointing(model, adapter, checkpointing)
+    materialize(model, adapter, CPU, seed=0)
+    return model.train()
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_activation_checkpointing_recomputes_the_same_dropout_masks(checkpointing):
+    """Gradients with checkpointing equal those without: the recomputed forward draws the forward's
+    dropout masks again (the RNG state is saved and restored around it)."""
+    input_ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mode in ("none", checkpointing):
+        model = _tiny_with_dropout(mode)
+        torch.manual_seed(123)
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+        grads.append({canonical_name(name): p.grad.clone() for name, p in model.named_parameters()})
+    reference, checkpointed = grads
+    assert reference.keys() == checkpointed.keys()
+    for name in reference:
+        torch.testing.assert_close(checkpointed[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_materialize_puts_buffers_on_the_compute_device_and_parameters_where_asked():
+    """fsdp.cpu_offload: parameters start on the CPU, rotary buffers on the compute device (here meta
+    stands in for a GPU, which this machine lacks)."""
+    model_cfg = ModelConfig(preset="llama-tiny")
+    model, adapter = build_meta_model(load_hf_config(model_cfg, 257), model_cfg)
+    materialize(model, adapter, CPU, seed=0, buffer_device=torch.device("meta"))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model.model.rotary_emb.inv_freq.device.type == "meta"

@@ -89,7 +89,12 @@ LAYOUTS = {
     "ddp2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "llama-tiny"),
     "fsdp2": (2, ["parallel.dp_shard=2"], "llama-tiny"),
     "fsdp2_accum": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "llama-tiny"),
+    "fsdp2_accum_unsharded": (
+        2, ["parallel.dp_shard=2", "train.micro_batch_size=1", "fsdp.accumulate_unsharded=true"], "llama-tiny"
+    ),
     "fsdp2_qwen2": (2, ["parallel.dp_shard=2"], "qwen2-tiny"),
+    # FSDP2's CPUOffloadPolicy on CPU: the code path of fsdp.cpu_offload (GPU runs copy shards to the GPU).
+    "fsdp2_cpu_offload": (2, ["parallel.dp_shard=2", "fsdp.cpu_offload=true"], "llama-tiny"),
     "fsdp2_qwen3_tied": (2, ["parallel.dp_shard=2"], "qwen3-tiny"),
     "fsdp4": (4, ["parallel.dp_shard=4"], "llama-tiny"),
     "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], "llama-tiny"),
@@ -97,6 +102,11 @@ LAYOUTS = {
         4,
         ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1",
          "train.activation_checkpointing=full"],
+        "llama-tiny",
+    ),
+    "hsdp2x2_accum_unsharded": (
+        4,
+        ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1", "fsdp.accumulate_unsharded=true"],
         "llama-tiny",
     ),
     "fsdp4_selective_ac": (4, ["parallel.dp_shard=4", "train.activation_checkpointing=selective"], "qwen2-tiny"),
@@ -108,6 +118,8 @@ LAYOUTS = {
         "qwen2-tiny",
     ),
     "tp4_mini": (4, ["parallel.tp=4"], "llama-mini"),
+    # Accumulation without FSDP: the vocab-sharded embedding's gradient, which arrives whole, is held as a shard.
+    "tp2_accum": (2, ["parallel.tp=2", "train.micro_batch_size=4"], "llama-tiny"),
 }
 
 # Tensor parallelism, each on Llama and Qwen3. Both tiny models have 4 query heads and 2 KV heads,
@@ -321,7 +333,9 @@ ACTIVATION_RTOL = 0.25
 @pytest.mark.slow
 def test_planner_memory_matches_every_measured_layout(parity_runs, references, cache_dir):
     """meshtron plan's per-rank parameter + gradient + AdamW bytes (within 5%) and activation bytes (within
-    25%) against what each parity layout, and each single-process reference, measured on its busiest rank.
+    25%) against what each parity layout, and each single-process reference, measured on its busiest rank;
+    and, for the multi-process layouts that accumulate gradients, the gradient bytes held between
+    micro-batches (within 5%: shards, or full gradients under fsdp.accumulate_unsharded).
 
     Selective checkpointing keeps its saved matmul outputs in a cache that autograd's saved-tensor hooks
     do not see, and compiled blocks save theirs inside the compiled graph, so the activations of those
@@ -329,7 +343,7 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
     """
     from meshtron.config import load_config
     from meshtron.plan.layout import DTYPE_BYTES
-    from meshtron.plan.memory import activation_bytes, config_view, state_numel
+    from meshtron.plan.memory import activation_bytes, config_view, held_gradient_bytes, state_numel
 
     failures, lines = [], []
     cases = [(f"single:{name}", 1, [], name) for name in sorted(REFERENCES)]
@@ -350,6 +364,12 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
                      f"planned x{activation_ratio:.3f}")
         if abs(state_ratio - 1) > STATE_RTOL:
             failures.append(f"{name}: planned state {planned_state:,} B vs measured {state:,} B")
+        if world > 1 and layout.pp == 1 and layout.microbatches(workload) > 1:
+            held, planned_held = got["accumulation_grad_bytes"], max(held_gradient_bytes(shape, layout, workload))
+            lines.append(f"{'':32s} gradients held between micro-batches {held:>10,} B planned x{planned_held / held:.4f}")
+            if abs(planned_held / held - 1) > STATE_RTOL:
+                failures.append(f"{name}: planned {planned_held:,.0f} B of gradients held between micro-batches "
+                                f"vs measured {held:,} B")
         unseen = layout.activation_checkpointing == "selective" or cfg.train.compile == "true"
         if not unseen and abs(activation_ratio - 1) > ACTIVATION_RTOL:
             failures.append(f"{name}: planned activations {planned_activations:,.0f} B vs measured {activations:,} B")

@@ -241,6 +241,38 @@ def test_chunked_loss_memory_at_llama_1b():
     assert estimate_memory(shape, short, chunked) == estimate_memory(shape, short, whole)
 
 
+def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
+    """Llama-3-70B on 64 GPUs, tp 8 x dp_shard 8, micro batch 1 of a 256-sequence global batch (32
+    accumulated micro-batches): the default holds gradient shards and reduce-scatters 32 times;
+    fsdp.accumulate_unsharded holds each rank's full tp-share of the gradients in fp32 (~35 GB) and
+    reduce-scatters once. (tests/test_parity.py measures both against real runs.)"""
+    from meshtron.models.presets import make_preset_config
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import estimate_memory
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.throughput import estimate_step
+    from meshtron.config import ModelConfig
+
+    hf_config = make_preset_config("llama-70b", 257)
+    shape = ModelShape.from_hf_config(hf_config, ModelConfig(preset="llama-70b"))
+    layout = Layout(dp_shard=8, tp=8, micro_batch=1)
+    sharded, whole = (Workload(8192, 256, accumulate_unsharded=flag) for flag in (False, True))
+    memory = {w: estimate_memory(shape, layout, w) for w in (sharded, whole)}
+    assert memory[sharded].grads == memory[sharded].params  # fp32 shards, like the parameters
+    full_tp_share = memory[sharded].params * 8  # undo dp_shard 8 (the 257-token vocabulary pads nothing)
+    assert abs(memory[whole].grads - full_tp_share) <= 0.01 * full_tp_share
+    print(f"70b tp8 x shard8, 32 micro-batches: gradients held {memory[sharded].grads / 1e9:.1f} GB (default) vs "
+          f"{memory[whole].grads / 1e9:.1f} GB (accumulate_unsharded)")
+    hw = hardware("h100")
+    default_step, deferred_step = (estimate_step(shape, layout, w, hw, hf_config) for w in (sharded, whole))
+    assert deferred_step.exposed_comm_s <= default_step.exposed_comm_s
+    # A layout with one micro-batch per step is unaffected.
+    single = Layout(dp_shard=8, tp=8, micro_batch=4)
+    assert estimate_memory(shape, single, Workload(8192, 32)) == estimate_memory(
+        shape, single, Workload(8192, 32, accumulate_unsharded=True))
+
+
 def test_document_mask_term_only_off_cuda():
     """SDPA's dense document mask (CPU) costs ``seq_len`` elements per token per block; FlexAttention's
     block mask (CUDA) nothing."""

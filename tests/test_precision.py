@@ -60,7 +60,8 @@ def test_mixed_precision_resolution_and_errors():
     assert same.compute_dtype is None
     with pytest.raises(ConfigError, match="master weights must be float32"):
         precision_policy(load_config(None, ["train.mixed_precision=fp16", "model.dtype=bfloat16"], env={}), "cpu")
-    assert precision_policy(load_config(None, ["model.dtype=float16"], env={}), "cuda").compute_dtype is None
+    with pytest.raises(ConfigError, match="model.dtype=float16 stores the weights and AdamW state in fp16"):
+        precision_policy(load_config(None, ["model.dtype=float16"], env={}), "cuda")
 
 
 class _Block(nn.Module):

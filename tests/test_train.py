@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import timedelta
 
 import pytest
 import torch
 
 from conftest import run_cli
+from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
 from meshtron.errors import MeshtronError
@@ -93,14 +95,36 @@ def test_nonfinite_skip_leaves_weights_untouched(tmp_path, cache_dir):
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
 
 
+def test_collective_timeout_setting_reaches_the_process_group(capsys, monkeypatch, tmp_path, cache_dir):
+    import torch.distributed as dist
+
+    seen = []
+
+    def init_process_group(*args, timeout=None, **kwargs):
+        seen.append(timeout)
+        raise MeshtronError("stopped at the process group")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)
+    code = main(["train", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
+                 f"--data.cache_dir={cache_dir}", f"--run.output_dir={tmp_path / 'run'}",
+                 "--run.collective_timeout_s=7200"])
+    assert "stopped at the process group" in capsys.readouterr().err
+    assert code == 1 and seen == [timedelta(seconds=7200)]
+
+
 @pytest.mark.slow
 def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
-    out = tmp_path / "run"
+    """Without run.output_dir the launcher fixes one (runs/<timestamp>) for its workers: they checkpoint there."""
     proc = run_cli(["train", "--nproc", "2", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
                     f"--data.cache_dir={cache_dir}", "--train.steps=6", "--train.global_batch_size=4",
-                    "--train.lr=3e-3", "--run.log_every=2", f"--run.output_dir={out}"], timeout=240)
+                    "--train.lr=3e-3", "--run.log_every=2", "--checkpoint.interval=3"], timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    [out] = (tmp_path / "runs").iterdir()
     assert "layout: dp_shard=2" in proc.stdout
-    assert "step 6/6" in proc.stdout and f"outputs in {out}" in proc.stdout
+    assert "step 6/6" in proc.stdout and f"outputs in {out.relative_to(tmp_path)}" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6]
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000006"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000003", "step-00000006"]

@@ -4,6 +4,10 @@ The checkpoint's model tensors (saved under any layout) are loaded whole into on
 with ``save_pretrained`` as safetensors (sharded with an index above ``max_shard_size``), with the
 tokenizer when the run used a Hugging Face tokenizer directory. ``AutoModelForCausalLM.from_pretrained``
 loads the result; so does meshtron's ``model.name_or_path``.
+
+A checkpoint is trusted input: torch.distributed.checkpoint unpickles its ``.metadata``. Remote code
+(``trust_remote_code``) still runs only when the command line asks for it, never because the
+checkpoint's own ``config.toml`` says so.
 """
 
 from __future__ import annotations
@@ -18,8 +22,14 @@ from meshtron.checkpoint.manager import quiet_single_process, read_meta
 from meshtron.errors import ConfigError
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, max_shard_size: str = "2GB") -> Path:
-    """Write ``checkpoint``'s model to ``out_dir`` (which must not exist or be empty); returns the directory."""
+def export_checkpoint(
+    checkpoint: str, out_dir: str, max_shard_size: str = "2GB", trust_remote_code: bool = False
+) -> Path:
+    """Write ``checkpoint``'s model to ``out_dir`` (which must not exist or be empty); returns the directory.
+
+    ``trust_remote_code``: the caller's choice (``meshtron export --trust-remote-code``); the value in the
+    checkpoint's config is ignored.
+    """
     from meshtron.config import load_config
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import build_meta_model, load_hf_config
@@ -29,6 +39,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, max_shard_size: str = "2GB"
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"export directory '{target}' is not empty; choose a new directory (nothing was written)")
     cfg = load_config(source / "config.toml", env={})
+    cfg.model.trust_remote_code = trust_remote_code
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     model, adapter = build_meta_model(hf_config, cfg.model)

@@ -11,6 +11,10 @@ On disk (``checkpoint.dir``, default ``<run.output_dir>/checkpoints``)::
 A save goes to ``step-N.partial``; once every rank has written, rank 0 adds ``meshtron.json``,
 renames the folder to ``step-N`` and then replaces ``latest`` (write + rename), so a run killed at
 any moment leaves the previous checkpoint complete and named by ``latest``.
+
+Every rank writes into the folder rank 0 creates, so the directory must be one that all nodes share:
+the manager checks that at start-up (every rank writes a file, rank 0 must see them all). A step that
+fails on one rank is reported to every rank, rather than leaving them in the next collective.
 """
 
 from __future__ import annotations
@@ -19,19 +23,23 @@ import contextlib
 import json
 import os
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
+from meshtron.checkpoint.shared_directory import check_shared_directory, on_every_rank, on_main
 from meshtron.checkpoint.state import TrainingState
 from meshtron.errors import ConfigError, MeshtronError
 
 LATEST = "latest"
 META = "meshtron.json"
 PARTIAL = ".partial"
+PROBE = ".meshtron-probe-"
 # Model settings that must match between a checkpoint and the run that loads it.
 MODEL_KEYS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -100,8 +108,19 @@ def quiet_single_process():
         yield
 
 
+def _check_exception(err: BaseException) -> str:
+    """A one-line reason for an OSError or DCP's CheckpointException (which holds each failed rank's error)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (exc, _) = next(iter(sorted(err.failures.items())))
+        return f"rank {rank}: {exc}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 class CheckpointManager:
-    """Saves every ``checkpoint.interval`` steps (sync or async), keeps the last ``keep_last``, loads one."""
+    """Saves every ``checkpoint.interval`` steps (sync or async), keeps the last ``keep_last``, loads one.
+
+    Created by every rank at start-up: checks that ``directory`` is one folder all ranks share.
+    """
 
     def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime):
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
@@ -109,25 +128,44 @@ class CheckpointManager:
         self.pending = None  # (future, step, partial dir, meta) of an async save not yet committed
         # Async saves run collectives from a background thread: give them a group of their own.
         self.group = dist.new_group(backend="gloo") if async_save and runtime.distributed else None
-        if runtime.is_main:
+
+        def prepare() -> Path:
             directory.mkdir(parents=True, exist_ok=True)
-            for stale in directory.glob(f"*{PARTIAL}"):  # left by a run that was killed mid-save
+            for stale in [*directory.glob(f"*{PARTIAL}"), *directory.glob(f"{PROBE}*")]:  # left by a killed run
                 shutil.rmtree(stale, ignore_errors=True)
-        runtime.barrier()
+            probe = directory / f"{PROBE}{uuid.uuid4().hex[:12]}"
+            probe.mkdir()
+            return probe
+
+        probe = on_main(runtime, prepare, lambda reason: ConfigError(
+            f"checkpoint directory '{directory}' cannot be used ({reason}); set checkpoint.dir (or run.output_dir) "
+            "to a writable directory"
+        ))
+        check_shared_directory(directory, probe, runtime)
 
     def due(self, step: int, last_step: int) -> bool:
         return self.interval > 0 and (step % self.interval == 0 or step == last_step)
+
+    def _failed(self, partial: Path, reason: str, uniform: bool = True) -> MeshtronError:
+        return MeshtronError(
+            f"saving checkpoint {partial.name} failed ({reason}); free disk space or change checkpoint.dir "
+            "(earlier checkpoints are untouched)", uniform=uniform,
+        )
 
     def save(self, step: int, state: TrainingState, meta: dict, config_text: str) -> None:
         """Write a checkpoint of the state after ``step`` optimizer steps."""
         self.wait()
         partial = self.directory / (step_dir_name(step) + PARTIAL)
-        if self.runtime.is_main:
+
+        def start() -> None:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
             (partial / "config.toml").write_text(config_text)
-        self.runtime.barrier()
-        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.runtime.rank}.pt")
+
+        on_main(self.runtime, start, lambda reason: self._failed(partial, reason))
+        rng_file = partial / f"rng-rank{self.runtime.rank}.pt"
+        on_every_rank(self.runtime, lambda: torch.save(torch.get_rng_state(), rng_file),
+                       lambda reason: self._failed(partial, reason))
         try:
             with quiet_single_process():
                 if self.async_save:
@@ -136,11 +174,8 @@ class CheckpointManager:
                     self.pending = (future, step, partial, meta)
                     return
                 dcp.save(state.state_dict(), checkpoint_id=str(partial), no_dist=not self.runtime.distributed)
-        except OSError as err:
-            raise MeshtronError(
-                f"saving checkpoint {partial.name} failed ({err}); free disk space or change checkpoint.dir "
-                "(earlier checkpoints are untouched)"
-            ) from None
+        except (OSError, CheckpointException) as err:  # DCP gathers every rank's failure and raises on all
+            raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
         self._commit(step, partial, meta)
 
     def wait(self) -> None:
@@ -151,13 +186,14 @@ class CheckpointManager:
         self.pending = None
         try:
             future.result()
-        except OSError as err:
-            raise MeshtronError(f"saving checkpoint {partial.name} failed ({err}); free disk space or change checkpoint.dir") from None
+        except (OSError, CheckpointException) as err:
+            raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
         self._commit(step, partial, meta)
 
     def _commit(self, step: int, partial: Path, meta: dict) -> None:
         self.runtime.barrier()  # every rank has written its shards
-        if self.runtime.is_main:
+
+        def commit() -> None:
             (partial / META).write_text(json.dumps(meta, indent=1))
             final = self.directory / step_dir_name(step)
             shutil.rmtree(final, ignore_errors=True)
@@ -166,7 +202,8 @@ class CheckpointManager:
             marker.write_text(final.name)
             os.replace(marker, self.directory / LATEST)
             self._prune(final)
-        self.runtime.barrier()
+
+        on_main(self.runtime, commit, lambda reason: self._failed(partial, reason))
 
     def _prune(self, newest: Path) -> None:
         if self.keep_last <= 0:
@@ -197,6 +234,16 @@ def checkpoint_directory(cfg) -> Path | None:
     if cfg.checkpoint.dir:
         return Path(cfg.checkpoint.dir)
     return Path(cfg.run.output_dir) / "checkpoints" if cfg.run.output_dir else None
+
+
+def check_fixed_directory(cfg, launched: bool) -> None:
+    """Under torchrun (``launched``), saving needs a directory a restart finds again, not ``runs/<timestamp>``."""
+    if launched and cfg.checkpoint.interval > 0 and checkpoint_directory(cfg) is None:
+        raise ConfigError(
+            "checkpoint.interval > 0 under torchrun needs a fixed directory: without run.output_dir or checkpoint.dir "
+            "every start writes to a new runs/<timestamp> and a restart never resumes; set run.output_dir "
+            "(or checkpoint.dir)"
+        )
 
 
 def resume_point(cfg, hf_config) -> Path | None:

@@ -1,11 +1,17 @@
-"""The packed, cached training dataset."""
+"""The packed, cached training dataset.
+
+One process per machine (local rank 0) builds the cache file; the others wait for it by watching the
+file system, not in a collective, so a long first build never meets the collective timeout.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -15,10 +21,12 @@ import torch
 from meshtron.config import DataConfig
 from meshtron.data.packing import pack_documents
 from meshtron.data.sources import iter_documents, source_fingerprint
-from meshtron.errors import MeshtronError
+from meshtron.errors import ConfigError, MeshtronError
 
 FORMAT_VERSION = 1
 ENCODE_CHUNK = 256
+POLL_S = 1.0
+"""Longest pause between two looks of a waiting process for the cache file (or the builder's failure)."""
 
 
 class PackedDataset:
@@ -122,23 +130,58 @@ def _empty_error(data_cfg: DataConfig, path: Path) -> MeshtronError:
     )
 
 
+def _failure_marker(path: Path) -> Path:
+    """Where a failed build leaves its error (with the run it belongs to) for the processes waiting on it."""
+    return path.with_suffix(".failed")
+
+
+def _build_or_report(data_cfg: DataConfig, tokenizer, path: Path, run_id: str) -> None:
+    marker = _failure_marker(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        marker.unlink(missing_ok=True)  # an earlier run's
+        _build(data_cfg, tokenizer, path)
+    except Exception as err:
+        report = {"run": run_id, "kind": type(err).__name__, "error": str(err)}
+        with contextlib.suppress(OSError):  # the error itself matters more
+            _atomic_write(marker, lambda fh: fh.write(json.dumps(report).encode()))
+        raise
+
+
+def _wait_for_build(path: Path, run_id: str) -> None:
+    """Poll until the builder has renamed ``path`` into place; raise its error if it reports a failure."""
+    marker, pause = _failure_marker(path), 0.01
+    while not path.is_file():
+        try:
+            report = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            report = None
+        if report is not None and report.get("run") == run_id:
+            kind = {"ConfigError": ConfigError, "MeshtronError": MeshtronError}.get(report.get("kind"))
+            if kind is not None:
+                raise kind(report["error"])
+            raise MeshtronError(f"building the data cache '{path}' failed on local rank 0: {report.get('kind')}: "
+                                f"{report.get('error')}; see that process's error")
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S)
+
+
 def build_packed_dataset(
-    data_cfg: DataConfig, tokenizer, *, is_builder: bool, barrier: Callable[[], None] = lambda: None
+    data_cfg: DataConfig, tokenizer, *, is_builder: bool, run_id: str = "", barrier: Callable[[], None] = lambda: None
 ) -> PackedDataset:
     """Build the cached blocks on the builder (one process per machine), then load them everywhere.
 
-    Every process must call this (it calls ``barrier()`` once). The cache file is reused when present.
+    The cache file is reused when present. The other processes wait for the builder without a collective
+    (and without a time limit): they poll for the file, which the builder renames into place when complete,
+    or for the failure it reports under ``run_id`` (the same string on every process of a run). Several
+    builders of the same file (machines sharing ``data.cache_dir``) are safe: each renames a whole file.
+    ``barrier``, when given, is called once the file is there (a sync point for callers that want one).
     """
     path = cache_path(data_cfg, tokenizer)
     if is_builder and not path.is_file():
-        _build(data_cfg, tokenizer, path)
+        _build_or_report(data_cfg, tokenizer, path, run_id)
+    _wait_for_build(path, run_id)
     barrier()
-    if not path.is_file():
-        raise MeshtronError(
-            f"data cache '{path}' is missing after the build; each machine needs one builder process, "
-            "or set data.cache_dir to a folder every process can see",
-            uniform=False,
-        )
     blocks = np.load(path, mmap_mode="r")
     if len(blocks) == 0:
         raise _empty_error(data_cfg, path)

@@ -2,24 +2,46 @@
 
 Context-parallel attention computes a rank's queries against key/value blocks one at a time and
 merges the partial results by their log-sum-exp; the backward of a block needs the *final* output
-and log-sum-exp of its queries. These kernels do both, in float32, for grouped-query attention
-(``q``: ``(B, H, Lq, D)``, ``k``/``v``: ``(B, Hkv, Lk, D)``, ``H`` a multiple of ``Hkv``).
+and log-sum-exp of its queries. These functions do both for grouped-query attention (``q``:
+``(B, H, Lq, D)``, ``k``/``v``: ``(B, Hkv, Lk, D)``, ``H`` a multiple of ``Hkv``), returning float32.
 
-``mask`` is ``None`` (every key visible), the string ``"causal"`` (block on the diagonal) or a
-boolean tensor broadcastable to ``(B, Lq, Lk)``, True where a query may attend a key. On CPU, blocks
-without a tensor mask use PyTorch's flash kernel, which returns the log-sum-exp and has a backward
-that takes the final output and log-sum-exp; everything else uses the plain-PyTorch kernel.
+``mask`` is ``None`` (every key visible), the string ``"causal"`` (block on the diagonal), a boolean
+tensor broadcastable to ``(B, Lq, Lk)`` (True where a query may attend a key) or a FlexAttention
+``BlockMask``. ``choose_block_kernel`` picks the kernel from the device, dtype and mask:
+
+* CPU: PyTorch's CPU flash op for blocks without a tensor mask; the plain-PyTorch float32 kernel
+  (``math``) for boolean masks.
+* CUDA: the flash op (fp16 / bf16 on sm80+) or the memory-efficient op (otherwise) for blocks without
+  a mask; FlexAttention for ``BlockMask`` blocks (``fused_blocks``). Never run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
-Mask = torch.Tensor | str | None
+from meshtron.distributed import fused_blocks as fused
+from meshtron.distributed.fused_blocks import expand_kv, fold_kv
+
+Mask = torch.Tensor | BlockMask | str | None
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _use_cpu_flash(q: torch.Tensor, mask: Mask, kernel: str) -> bool:
-    return kernel == "auto" and q.device.type == "cpu" and not isinstance(mask, torch.Tensor)
+def choose_block_kernel(device, dtype: torch.dtype, head_dim: int, mask: Mask, kernel: str = "auto",
+                        capability: tuple[int, int] | None = None) -> str:
+    """``cpu_flash``, ``cuda_flash``, ``cuda_efficient``, ``flex`` or ``math`` for one block.
+    ``capability``: the CUDA device's (major, minor), looked up when None."""
+    if isinstance(mask, BlockMask):
+        return "flex"
+    if kernel == "math" or isinstance(mask, torch.Tensor):
+        return "math"
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 256:
+        capability = capability or torch.cuda.get_device_capability(device)
+        return "cuda_flash" if dtype in FLASH_DTYPES and capability >= (8, 0) else "cuda_efficient"
+    return "math"
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -41,26 +63,27 @@ def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float) -
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _fold_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum the gradient of repeated key/value heads back onto each key/value head."""
-    if groups == 1:
-        return t
-    batch, heads, length, dim = t.shape
-    return t.reshape(batch, heads // groups, groups, length, dim).sum(2)
-
-
 def block_forward(q, k, v, mask: Mask, scale: float, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq)), both float32; rows with no visible key get out 0 and lse -inf."""
     groups = q.shape[1] // k.shape[1]
-    if _use_cpu_flash(q, mask, kernel):
+    name = choose_block_kernel(q.device, q.dtype, q.shape[-1], mask, kernel)
+    causal = isinstance(mask, str) and mask == "causal"
+    if name == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, mask == "causal", scale=scale
+            q, expand_kv(k, groups), expand_kv(v, groups), 0.0, causal, scale=scale
         )[:2]
         return out.float(), lse.float()
+    if name in ("cuda_flash", "cuda_efficient", "flex"):
+        if name == "flex":  # detached: eager FlexAttention refuses inputs that require grad off CUDA
+            out, lse = fused.flex_forward(q.detach(), k.detach(), v.detach(), mask, scale)
+        else:
+            out, lse = (fused.flash_forward if name == "cuda_flash" else fused.efficient_forward)(q, k, v, causal, scale)
+        return out.float(), lse.float()
+    return math_forward(q, k, v, mask, scale)
+
+
+def math_forward(q, k, v, mask: Mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain-PyTorch float32 forward of ``block_forward`` (differentiable)."""
     scores = _masked_scores(q, k, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
@@ -71,13 +94,21 @@ def block_forward(q, k, v, mask: Mask, scale: float, kernel: str = "auto") -> tu
 def block_backward(q, k, v, mask: Mask, scale: float, out, lse, grad_out, kernel: str = "auto"):
     """(dq, dk, dv) float32 of this block's share, given the queries' final ``out`` and ``lse``."""
     groups = q.shape[1] // k.shape[1]
-    if _use_cpu_flash(q, mask, kernel):
+    name = choose_block_kernel(q.device, q.dtype, q.shape[-1], mask, kernel)
+    causal = isinstance(mask, str) and mask == "causal"
+    if name == "cpu_flash":
         dtype = q.dtype
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(dtype), q, _expand_kv(k, groups), _expand_kv(v, groups), out.to(dtype), lse,
-            0.0, mask == "causal", scale=scale,
+            grad_out.to(dtype), q, expand_kv(k, groups), expand_kv(v, groups), out.to(dtype), lse,
+            0.0, causal, scale=scale,
         )
-        return dq.float(), _fold_kv(dk.float(), groups), _fold_kv(dv.float(), groups)
+        return dq.float(), fold_kv(dk.float(), groups), fold_kv(dv.float(), groups)
+    if name == "flex":
+        return fused.flex_backward(q, k, v, mask, scale, out, lse, grad_out)
+    if name in ("cuda_flash", "cuda_efficient"):
+        backward = fused.flash_backward if name == "cuda_flash" else fused.efficient_backward
+        dq, dk, dv = backward(q, k, v, causal, scale, out, lse, grad_out)[:3]
+        return dq.float(), dk.float(), dv.float()
     kv_heads = k.shape[1]
     scores = _masked_scores(q, k, mask, scale)
     probs = torch.exp(scores - _grouped(lse[..., None], kv_heads))  # masked scores are -inf -> 0

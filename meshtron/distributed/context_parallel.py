@@ -6,7 +6,9 @@ are sharded with the same index (``shard_sequence``); RoPE gets the global posit
 
 Attention (``context_parallel_attention``) computes the rank's queries against every rank's key /
 value chunks, sub-block by sub-block, skipping sub-blocks that the causal or document mask hides
-entirely, and merges the partial results by log-sum-exp. Two ways to get the other ranks' K/V:
+entirely, and merges the partial results by log-sum-exp. Which sub-blocks to compute and their masks
+are planned once per micro-batch (``sub_blocks``); each sub-block runs a fused kernel where the device
+has one (``attention_blocks``). Two ways to get the other ranks' K/V:
 
 * ``ring``: K/V travel around the ring with point-to-point ops; the next block's transfer runs while
   the current block is computed. In backward the K/V gradients travel with their blocks and arrive
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.distributed.attention_blocks import block_backward, block_forward, merge_partial
+from meshtron.distributed.sub_blocks import chunk_ids, sub_blocks
 from meshtron.errors import ConfigError
 
 
@@ -36,11 +39,6 @@ def check_context_parallel(cp: int, seq_len: int) -> None:
             f"data.seq_len {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp rank holds two "
             f"equal chunks); use a data.seq_len that is a multiple of {2 * cp}"
         )
-
-def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
-    """The two sequence chunks (of ``2*cp``) that ``rank`` holds."""
-    return rank, 2 * cp - 1 - rank
-
 
 def local_token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global positions of the tokens ``rank`` holds, in its local order."""
@@ -70,33 +68,15 @@ class SequenceLayout:
     method: str = "ring"
     document_ids: torch.Tensor | None = None
     kernel: str = "auto"
-    """``auto`` (fastest exact kernel) or ``math`` (plain PyTorch), for tests."""
+    """``auto`` (the device's fused kernels), ``math`` (plain PyTorch) or ``flex`` (FlexAttention for the
+    document-masked sub-blocks on any device), for tests: see ``sub_blocks.KERNELS``."""
     attention_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Masks that attention builds once for this micro-batch and every layer reuses (without cp)."""
+    """Masks that attention builds once for this micro-batch and every layer reuses (the sub-block plan
+    with cp)."""
 
     @property
     def chunk(self) -> int:
         return self.seq_len // (2 * self.cp)
-
-    def block_mask(self, q_chunk: int, kv_chunk: int):
-        """Mask of a (query chunk, key chunk) sub-block: None, "causal", a bool tensor, or "skip"."""
-        if kv_chunk > q_chunk:
-            return "skip"
-        mask = "causal" if kv_chunk == q_chunk else None
-        if self.document_ids is None:
-            return mask
-        c = self.chunk
-        q_docs = self.document_ids[:, q_chunk * c : (q_chunk + 1) * c]
-        kv_docs = self.document_ids[:, kv_chunk * c : (kv_chunk + 1) * c]
-        if kv_chunk < q_chunk:
-            if bool((kv_docs[:, -1] < q_docs[:, 0]).all()):  # document ids never decrease along a row
-                return "skip"
-            if bool((kv_docs[:, 0] == q_docs[:, -1]).all()):  # one document spans both chunks
-                return None
-        visible = q_docs[:, :, None] == kv_docs[:, None, :]
-        if kv_chunk == q_chunk:
-            visible = visible & torch.ones(c, c, dtype=torch.bool, device=visible.device).tril()
-        return visible
 
 
 def _halves(t: torch.Tensor, chunk: int) -> list[torch.Tensor]:
@@ -125,20 +105,10 @@ def _finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
     return received
 
 
-def _visible_blocks(layout: SequenceLayout, source: int):
-    """(query half, key half, mask) of every sub-block of the local queries x rank ``source``'s keys
-    that the causal and document masks do not hide entirely."""
-    for qi, q_chunk in enumerate(chunk_ids(layout.cp, layout.rank)):
-        for ki, kv_chunk in enumerate(chunk_ids(layout.cp, source)):
-            mask = layout.block_mask(q_chunk, kv_chunk)
-            if not (isinstance(mask, str) and mask == "skip"):
-                yield qi, ki, mask
-
-
 def _forward_block(q_halves, kv, source: int, layout, scale, state) -> None:
     """Attend the local queries to the K/V chunks of rank ``source``, merging into ``state``."""
     k_halves, v_halves = _halves(kv[0], layout.chunk), _halves(kv[1], layout.chunk)
-    for qi, ki, mask in _visible_blocks(layout, source):
+    for qi, ki, mask in sub_blocks(layout, q_halves[0].device)[source]:
         out, lse = block_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
         state[qi] = merge_partial(*state[qi], out, lse)
 
@@ -148,7 +118,7 @@ def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_o
     c = layout.chunk
     k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
     grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for qi, ki, mask in _visible_blocks(layout, source):
+    for qi, ki, mask in sub_blocks(layout, kv.device)[source]:
         dq, dk, dv = block_backward(
             q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, outs[qi], lses[qi], grad_outs[qi], layout.kernel
         )
@@ -182,9 +152,10 @@ class _ContextParallelAttention(torch.autograd.Function):
                     current = _finish(pending)
         out = torch.cat([s[0] for s in state], dim=2)
         lse = torch.cat([s[1] for s in state], dim=2)
+        out = out.to(q.dtype)  # saved as returned: the backward kernels read it in the compute dtype
         ctx.save_for_backward(q, kv, out, lse)
         ctx.layout, ctx.scale = layout, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -230,6 +201,8 @@ def _own_first(layout: SequenceLayout) -> list[int]:
     return [(layout.rank - step) % layout.cp for step in range(layout.cp)]
 
 
+@torch.compiler.disable
 def context_parallel_attention(q, k, v, layout: SequenceLayout, scale: float) -> torch.Tensor:
-    """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D)."""
+    """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D).
+    Runs eagerly inside compiled blocks (its ring exchange and recomputing backward are not traceable)."""
     return _ContextParallelAttention.apply(q, k, v, layout, scale)

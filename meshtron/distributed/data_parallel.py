@@ -8,6 +8,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import FSDPConfig
+from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 
 
@@ -25,7 +26,8 @@ def apply_fsdp(
     if replicates_only(model, dp_mesh, policy, fsdp_cfg.cpu_offload, pipelined):
         replicate_whole_model(model, dp_mesh)
         return
-    offload = CPUOffloadPolicy() if fsdp_cfg.cpu_offload else OffloadPolicy()
+    # Pinned host memory makes the host-device copies asynchronous; without a GPU there is nothing to pin.
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if fsdp_cfg.cpu_offload else OffloadPolicy()
     reshard_setting = fsdp_cfg.reshard_after_forward
     reshard_blocks = not pipelined if reshard_setting is None else reshard_setting
     blocks = [block for _, block in adapter.named_blocks(model)]
@@ -34,6 +36,21 @@ def apply_fsdp(
         reshard = reshard_blocks and index < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
+
+
+def check_data_parallel(fsdp_cfg: FSDPConfig, dims) -> None:
+    """Refuse FSDP settings the layout cannot honour (``dims``: the run's ParallelDims)."""
+    if fsdp_cfg.cpu_offload and not dims.fsdp_enabled:
+        raise ConfigError(
+            "fsdp.cpu_offload needs FSDP (parallel.dp_shard, dp_replicate or cp > 1), and this layout has no data "
+            "parallelism; set fsdp.cpu_offload=false or use more than one data-parallel rank"
+        )
+
+
+def parameter_device(fsdp_cfg: FSDPConfig, device: torch.device) -> torch.device:
+    """Where parameters are materialized: the CPU under ``fsdp.cpu_offload`` (FSDP2 requires offloaded
+    shards to start there and copies them to ``device`` for compute), else ``device``."""
+    return torch.device("cpu") if fsdp_cfg.cpu_offload else device
 
 
 def replicates_only(model: nn.Module, dp_mesh, policy: MixedPrecisionPolicy, cpu_offload: bool, pipelined: bool) -> bool:
@@ -72,9 +89,19 @@ def replicate_whole_model(model: nn.Module, dp_mesh) -> None:
     )
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn gradient reduction on (last micro-batch) or off (earlier micro-batches of an accumulation)."""
+def set_gradient_sync(model: nn.Module, last_micro_batch: bool, accumulate_unsharded: bool = False) -> None:
+    """Gradient reduction for one micro-batch of a gradient accumulation.
+
+    DDP all-reduces on the last micro-batch only (its gradients are full-size anyway). FSDP / HSDP
+    reduce-scatter every micro-batch, so a rank holds only gradient shards between micro-batches, and
+    HSDP all-reduces the accumulated shards over the replicas on the last one. ``accumulate_unsharded``
+    (``fsdp.accumulate_unsharded``) defers the reduce-scatter to the last micro-batch too: full-size
+    gradients are held in between, for one reduce-scatter per step.
+    """
     from torch.distributed._composable.replicate import DDP
 
-    if isinstance(model, (FSDPModule, DDP)):
-        model.set_requires_gradient_sync(enabled)
+    if isinstance(model, DDP) or (isinstance(model, FSDPModule) and accumulate_unsharded):
+        model.set_requires_gradient_sync(last_micro_batch)
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(True)  # sets both flags: reduce-scatter and all-reduce
+        model.set_requires_all_reduce(last_micro_batch)

@@ -41,16 +41,39 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+DROPOUT_CONFIG_KEYS = (
+    "attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "mlp_dropout",
+)
+"""Hugging Face config fields that set a dropout probability (attention dropout is a functional call
+inside the attention kernel, so no ``nn.Dropout`` module shows it)."""
+
+
+def uses_dropout(model: nn.Module) -> bool:
+    """Whether training draws random numbers in the model: an ``nn.Dropout`` with p > 0 or a dropout
+    probability in its config."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    return any(float(getattr(config, key, 0.0) or 0.0) > 0 for key in DROPOUT_CONFIG_KEYS)
+
+
 def apply_activation_checkpointing(model: nn.Module, adapter: DecoderAdapter, mode: str) -> None:
-    """Wrap each decoder block: ``full`` recomputes the whole block in backward, ``selective`` all but matmuls/attention."""
+    """Wrap each decoder block: ``full`` recomputes the whole block in backward, ``selective`` all but matmuls/attention.
+
+    With dropout the recomputation must draw the forward's dropout masks again, so the RNG state is
+    saved and restored around it; without, that bookkeeping is skipped.
+    """
     if mode == "none":
         return
+    preserve_rng_state = uses_dropout(model)
     for name, block in adapter.named_blocks(model):
         if mode == "full":
-            adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=False))
+            adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state))
         else:
             context = partial(create_selective_checkpoint_contexts, _selective_policy)
-            adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context))
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, context_fn=context)
+            adapter.replace_block(model, name, wrapped)
 
 
 def compile_enabled(setting: str, device_type: str) -> bool:

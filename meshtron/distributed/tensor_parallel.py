@@ -242,6 +242,22 @@ def local_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def shard_replicated_gradients(parameters) -> None:
+    """Give a sharded parameter whose gradient arrived whole (``Replicate``: DTensor's embedding backward
+    does that for the vocab-sharded embedding) a gradient with the parameter's own sharding: a local
+    slice, copied so the whole gradient's memory is freed, no communication. Without FSDP, called after
+    each accumulated micro-batch so that only the shard is held between them."""
+    for param in parameters:
+        grad = param.grad
+        if (not isinstance(grad, DTensor) or grad.placements == param.placements
+                or not all(isinstance(p, Replicate) for p in grad.placements)):
+            continue
+        local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
+        param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+
+
+@torch.no_grad()
 def reduce_partial_gradients(parameters) -> None:
     """Sum gradients that are partial over some mesh dims (replicated weights used by sharded work).
 

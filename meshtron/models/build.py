@@ -204,12 +204,17 @@ def materialize(
     *,
     seed: int,
     pretrained_dir: str | None = None,
+    buffer_device: torch.device | None = None,
 ) -> None:
-    """Allocate the (possibly sharded) parameters on ``device`` and fill them, one full tensor at a time."""
+    """Allocate the (possibly sharded) parameters on ``device`` and fill them, one full tensor at a time.
+
+    ``buffer_device``: where the computed buffers (rotary frequencies) go, if not ``device``: the compute
+    device when FSDP offloads the parameters to the CPU (see data_parallel.parameter_device).
+    """
     model.to_empty(device=device)
     # to_empty gives each module a new Parameter for plain tensors, which unties a tied head.
     adapter.tie_weights(model)
-    adapter.init_buffers(model, device)
+    adapter.init_buffers(model, buffer_device or device)
     reader = CheckpointReader(pretrained_dir) if pretrained_dir else None
     std = getattr(model.config, "initializer_range", 0.02)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

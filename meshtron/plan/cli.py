@@ -32,6 +32,9 @@ def add_plan_parser(sub) -> None:
                       help="train.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)")
     plan.add_argument("--loss-chunk-size", type=int, default=TrainConfig.loss_chunk_size,
                       help=f"train.loss_chunk_size: tokens per loss chunk, 0 for none (default {TrainConfig.loss_chunk_size})")
+    plan.add_argument("--accumulate-unsharded", action="store_true",
+                      help="fsdp.accumulate_unsharded: hold full gradients between accumulated micro-batches, "
+                      "one reduce-scatter per step (default: a reduce-scatter per micro-batch)")
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
     plan.add_argument("--emit-config", metavar="OUT.toml", help="write the recommended layout as a meshtron train config")
@@ -100,6 +103,7 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = Workload(
         seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents,
         compute_dtype=MIXED_PRECISION_DTYPES.get(args.mixed_precision, "float32"), loss_chunk_size=args.loss_chunk_size,
+        accumulate_unsharded=args.accumulate_unsharded,
     )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
@@ -122,7 +126,7 @@ def run_plan(args: argparse.Namespace) -> int:
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
             f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
-            f"--loss-chunk-size {args.loss_chunk_size}\n"
+            f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
         )

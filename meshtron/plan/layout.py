@@ -43,6 +43,9 @@ class Workload:
     device: str = "cuda"
     """``cuda`` (what the planner plans) or ``cpu`` (the test suite's runs, whose document-masked attention
     is SDPA with a dense mask instead of FlexAttention)."""
+    accumulate_unsharded: bool = False
+    """``fsdp.accumulate_unsharded``: FSDP holds full gradients between accumulated micro-batches and
+    reduce-scatters once per step (False: a reduce-scatter per micro-batch, only shards held)."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -67,6 +70,7 @@ class Workload:
             mask_documents=cfg.data.mask_documents,
             loss_chunk_size=cfg.train.loss_chunk_size,
             device=device,
+            accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
         )
 
 

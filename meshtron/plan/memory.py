@@ -27,6 +27,8 @@ class MemoryEstimate:
 
     params: int
     grads: int
+    """The larger of the gradient shards after the step and what is held between microbatches
+    (full-size gradients where FSDP defers their reduction; see held_gradient_bytes)."""
     optimizer: int
     activations: int
     """Peak of what autograd keeps for backward (all microbatches in flight)."""
@@ -34,7 +36,7 @@ class MemoryEstimate:
     """FSDP's all-gathered parameters and unreduced gradients of the blocks being computed."""
     temporaries: int
     """Transient buffers outside autograd's saved set: one loss chunk's logits, their fp32 copy and
-    gradient; a block's recomputation under activation checkpointing; CP attention's fp32 sub-block."""
+    gradient; a block's recomputation under activation checkpointing; CP attention's sub-block buffers."""
 
     @property
     def state(self) -> int:
@@ -221,6 +223,27 @@ def ddp_replication(layout: Layout, workload: Workload) -> bool:
             and workload.compute_dtype == workload.model_dtype == "float32")
 
 
+def defers_gradient_reduction(layout: Layout, workload: Workload) -> bool:
+    """Whether FSDP holds full-size gradients across a step's microbatches and reduce-scatters them once:
+    under ``fsdp.accumulate_unsharded`` with accumulation, and always under pipeline parallelism
+    (torch.distributed.pipelining reduce-scatters a stage's gradients after its last microbatch)."""
+    if not layout.fsdp_enabled or ddp_replication(layout, workload) or layout.microbatches(workload) <= 1:
+        return False
+    return layout.pp > 1 or workload.accumulate_unsharded
+
+
+def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Per pipeline rank: gradient bytes held between the microbatches of a step. The gradient shards
+    (model dtype), or, when FSDP defers the reduction, the full tensor-parallel-local gradients in the
+    reduce dtype (``fsdp.reduce_dtype``, fp32 by default)."""
+    if not defers_gradient_reduction(layout, workload):
+        return [numel * DTYPE_BYTES[workload.model_dtype] for numel in state_numel(shape, layout, workload)]
+    block = _local_numel(shape.block, layout, shape)
+    embedding, final = _local_numel(shape.embedding, layout, shape), _local_numel(shape.final, layout, shape)
+    return [sum(layers * block + embedding * first + final * last for layers, first, last in stages) * FP32
+            for stages in stage_layout(shape, layout, workload)]
+
+
 def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages) -> float:
     """FSDP's unsharded compute-dtype parameters and one block's unreduced fp32 gradient on a rank. Blocks
     are resharded after forward (two gathered at a time: the one computing, the one prefetched), except
@@ -233,7 +256,8 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
     layers = sum(n for n, _, _ in stages) if layout.pp > 1 else 2
     outer = sum(_local_numel(shape.embedding, layout, shape) * first + _local_numel(shape.final, layout, shape) * last
                 for _, first, last in stages)
-    return layers * block * e + block * FP32 + outer * e
+    unreduced = 0 if defers_gradient_reduction(layout, workload) else block * FP32  # else in held gradients
+    return layers * block * e + unreduced + outer * e
 
 
 def logits_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
@@ -254,17 +278,23 @@ def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> Me
         if casts_weights(layout, workload):
             temporaries += _local_numel(shape.block, layout, shape) * compute_bytes(workload)
     if layout.cp > 1:
-        # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
         chunk = workload.seq_len / (2 * layout.cp)
-        temporaries += 3 * FP32 * layout.micro_batch * (shape.heads // layout.tp) * chunk * chunk
+        query_rows = layout.micro_batch * (shape.heads // layout.tp) * chunk
+        if workload.device == "cuda":
+            # fused sub-block kernels (flash, FlexAttention): a few fp32 (query chunk x head dim) buffers of a
+            # sub-block's output, merge and gradients, never its (chunk x chunk) scores
+            temporaries += 4 * FP32 * query_rows * shape.head_dim
+        else:
+            # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
+            temporaries += 3 * FP32 * query_rows * chunk
     logits = logits_bytes(shape, layout, workload)
     estimates = []
     per_rank = zip(stage_layout(shape, layout, workload), state_numel(shape, layout, workload),
-                   activation_bytes(shape, layout, workload))
-    for stages, numel, acts in per_rank:
+                   activation_bytes(shape, layout, workload), held_gradient_bytes(shape, layout, workload))
+    for stages, numel, acts, held_grads in per_rank:
         holds_head = any(last for _, _, last in stages)
         estimates.append(MemoryEstimate(
-            params=numel * state_bytes, grads=numel * state_bytes, optimizer=2 * numel * state_bytes,
+            params=numel * state_bytes, grads=int(max(numel * state_bytes, held_grads)), optimizer=2 * numel * state_bytes,
             activations=int(acts), gathered=int(gathered_bytes(shape, layout, workload, stages)),
             temporaries=int(temporaries + (logits if holds_head else 0)),
         ))

@@ -62,11 +62,13 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     compute = model_flops * recompute / (peak * hw.matmul_efficiency)
     if loss_chunked(layout, workload):  # each loss chunk's head matmul runs again in backward
         compute += 2 * shape.vocab * shape.hidden * tokens / world / (peak * hw.matmul_efficiency)
-    # meshtron's context-parallel attention computes its sub-blocks with plain fp32 matmuls on GPUs (no
-    # fused kernel that takes the final log-sum-exp yet): its attention FLOPs run at the fp32 rate.
+    # meshtron's context-parallel attention runs fused sub-block kernels on CUDA (flash, FlexAttention): the
+    # compute-dtype rate, as without cp (the one extra forward of document-masked sub-blocks in backward is
+    # left out, as is document sparsity). Elsewhere its masked sub-blocks are plain fp32 matmuls: the fp32 rate.
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world
+    attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
     if layout.cp > 1:
-        compute += attention_flops * recompute * (1 / (hw.fp32_tflops * 1e12) - 1 / peak) / hw.matmul_efficiency
+        compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / hw.matmul_efficiency
     compute *= 1 + bubble_fraction(layout, workload)
 
     forwards = layout.microbatches(workload)
@@ -86,16 +88,18 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     kv_bytes = local_tokens * 2 * max(shape.kv_heads // layout.tp, 1) * shape.head_dim * e
     cp_span = layout.cp * layout.tp
     cp_comm = _collective_s(kv_bytes * layout.cp, layout.cp, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
-    cp_s = max(0.0, cp_comm - attention_flops / (hw.fp32_tflops * 1e12 * hw.matmul_efficiency))
+    cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * hw.matmul_efficiency))
 
     # FSDP: all-gather parameters (compute dtype) for forward and backward of every microbatch,
-    # reduce-scatter fp32 gradients once; HSDP adds an all-reduce of the shards over dp_replicate.
+    # reduce-scatter fp32 gradients after every microbatch (once per step where the reduction is deferred:
+    # fsdp.accumulate_unsharded, pipeline stages); HSDP adds one all-reduce of the shards over dp_replicate.
     # Both run behind compute (prefetch); only what exceeds it is exposed.
     numel = max(state_numel(shape, layout, workload)) * layout.fsdp_size  # a rank's tp share of its stages
     fsdp_span = layout.fsdp_size * layout.tp
     gathers = forwards * (2 if layout.pp == 1 else 1)
     fsdp_s = gathers * _collective_s(numel * e, layout.fsdp_size, fsdp_span, hw)
-    fsdp_s += _collective_s(numel * FP32, layout.fsdp_size, fsdp_span, hw)
+    reduce_scatters = 1 if layout.pp > 1 or workload.accumulate_unsharded else forwards
+    fsdp_s += reduce_scatters * _collective_s(numel * FP32, layout.fsdp_size, fsdp_span, hw)
     replicate_span = layout.dp_replicate * fsdp_span
     fsdp_s += _collective_s(numel * FP32 / layout.fsdp_size, layout.dp_replicate, replicate_span, hw, 2.0)
     fsdp_exposed = max(0.0, fsdp_s - 0.9 * compute)

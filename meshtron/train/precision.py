@@ -67,6 +67,13 @@ def resolve_mixed_precision(setting: str, device_type: str, bf16_supported: bool
 
 def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
     """The run's policy; a ConfigError for a combination that cannot work."""
+    if cfg.model.dtype == "float16":
+        # AdamW's eps (1e-8) is 0 in fp16: rows without gradient get 0/0 and the run diverges at step 2.
+        raise ConfigError(
+            "model.dtype=float16 stores the weights and AdamW state in fp16, where AdamW's eps underflows and "
+            "training diverges; use model.dtype=float32 with train.mixed_precision=fp16 (fp16 compute, fp32 "
+            "master weights, loss scaling) or model.dtype=bfloat16"
+        )
     name = resolve_mixed_precision(cfg.train.mixed_precision, device_type)
     reduce_dtype = torch_dtype(cfg.fsdp.reduce_dtype) if cfg.fsdp.reduce_dtype else None
     if name == "none":

@@ -54,6 +54,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_by_torchrun() -> bool:
+    """Whether a launcher (torchrun, or ``meshtron train --nproc`` through it) started this process as one rank."""
+    return "RANK" in os.environ
+
+
 def local_world_size(default: int = 1) -> int:
     """Processes on this machine (torchrun's LOCAL_WORLD_SIZE), ``default`` outside torchrun."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
@@ -80,20 +85,31 @@ def resolve_device_type(setting: str, local_processes: int) -> str:
     return "cuda"
 
 
-def init_runtime(timeout_s: float = 1800, device: str = "auto") -> Runtime:
-    """Join the process group that torchrun describes (if any) and pick this rank's device (``run.device``)."""
+def process_group_backend(device_type: str, host_collectives: bool = False) -> str:
+    """NCCL on GPUs, gloo on CPU; ``host_collectives`` (``fsdp.cpu_offload``, whose shards, gradients and
+    optimizer state live in host memory) adds gloo for CPU tensors next to NCCL."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+
+
+def init_runtime(timeout_s: float = 1800, device: str = "auto", host_collectives: bool = False) -> Runtime:
+    """Join the process group that torchrun describes (if any) and pick this rank's device (``run.device``).
+
+    ``timeout_s`` (``run.collective_timeout_s``) is how long a collective may wait for the other ranks;
+    ``host_collectives`` as in ``process_group_backend``.
+    """
     world_size = launched_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if resolve_device_type(device, local_world_size()) == "cuda":
         chosen = torch.device("cuda", local_rank)
         torch.cuda.set_device(chosen)
-        backend = "nccl"
     else:
         chosen = torch.device("cpu")
-        backend = "gloo"
-    if "RANK" in os.environ and not dist.is_initialized():
-        kwargs = {"device_id": chosen} if backend == "nccl" else {}
+    backend = process_group_backend(chosen.type, host_collectives)
+    if launched_by_torchrun() and not dist.is_initialized():
+        kwargs = {"device_id": chosen} if chosen.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=chosen)
 

@@ -19,9 +19,10 @@ from meshtron.data.dataset import PackedDataset
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients
+from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
+from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.logger import model_state_bytes
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
 from meshtron.train.float8 import refresh_float8_scales
@@ -51,15 +52,17 @@ class StepContext:
         return self.dims.tp > 1 and self.cfg.parallel.loss_parallel
 
 
-def _forward_backward(model, batches, ctx: StepContext, scale: float) -> torch.Tensor:
+def _forward_backward(model, batches, ctx: StepContext, scale: float, held_grads: list[int] | None = None) -> torch.Tensor:
     """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
 
-    ``batches``: (full token ids, this rank's labels) per micro-batch.
+    ``batches``: (full token ids, this rank's labels) per micro-batch. ``held_grads``: gets the gradient
+    bytes this rank holds after each micro-batch but the last (see meshtron.metrics.gradient_memory).
     """
     local_loss_sum = torch.zeros((), device=ctx.device)
     compute_dtype = ctx.precision.compute_dtype if ctx.precision else None
     for index, (input_ids, labels) in enumerate(batches):
-        set_gradient_sync(model, index == len(batches) - 1)
+        last = index == len(batches) - 1
+        set_gradient_sync(model, last, ctx.cfg.fsdp.accumulate_unsharded)
         hidden = model(**sequence_inputs(input_ids, ctx.split))
         weight, bias = ctx.adapter.head_parameters(model)
         # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
@@ -71,6 +74,10 @@ def _forward_backward(model, batches, ctx: StepContext, scale: float) -> torch.T
             (loss_sum * scale).backward()
         local_loss_sum += local_value(loss_sum.detach())
         del hidden, loss_sum
+        if ctx.dims.tp > 1 and not ctx.dims.fsdp_enabled and not last:
+            shard_replicated_gradients(model.parameters())
+        if held_grads is not None and not last:
+            held_grads.append(held_gradient_bytes(model))
     return local_loss_sum
 
 
@@ -79,8 +86,8 @@ def train_step(
 ):
     """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
 
-    ``measure_state`` / ``measure_activations``: a TrainResult whose ``state_bytes`` / ``activation_bytes``
-    this step measures.
+    ``measure_state`` / ``measure_activations``: a TrainResult whose ``state_bytes`` and
+    ``accumulation_grad_bytes`` / ``activation_bytes`` this step measures.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
@@ -97,7 +104,10 @@ def train_step(
             (input_ids, labels), = batches
             local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale)
         else:
-            local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale)
+            held_grads = [] if measure_state is not None else None
+            local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads)
+            if held_grads:
+                measure_state.accumulation_grad_bytes = max(held_grads)
     if measure_activations is not None:
         measure_activations.activation_bytes = tracker.peak_bytes
     parameters = [p for p in model.parameters() if p.grad is not None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -13,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta, resume_point
+from meshtron.checkpoint.manager import (
+    CheckpointManager, check_fixed_directory, checkpoint_directory, checkpoint_meta, resume_point,
+)
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, save_config, to_toml
 from meshtron.data.dataset import build_packed_dataset
@@ -21,6 +24,7 @@ from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import check_data_path
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.context_parallel import check_context_parallel
+from meshtron.distributed.data_parallel import check_data_parallel, parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.tensor_parallel import check_tensor_parallel
@@ -36,7 +40,7 @@ from meshtron.train.float8 import check_float8, refresh_float8_scales
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
-from meshtron.train.runtime import Runtime
+from meshtron.train.runtime import Runtime, launched_by_torchrun
 from meshtron.train.step import StepContext, train_step
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
@@ -73,6 +77,9 @@ class TrainResult:
     """Optimizer steps already done when this run started (from a checkpoint)."""
     state_bytes: dict[str, int] = field(default_factory=dict)
     """This rank's parameter, gradient and optimizer-state bytes, measured after the first optimizer step."""
+    accumulation_grad_bytes: int = 0
+    """This rank's peak gradient bytes between the micro-batches of a gradient accumulation (first step;
+    0 without accumulation or under pipeline parallelism); see meshtron.metrics.gradient_memory."""
     activation_bytes: int = 0
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
     also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
@@ -105,8 +112,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     micro, accumulation = micro_batch_plan(cfg, dims)
-    if cfg.fsdp.cpu_offload and device_type != "cuda":
-        raise ConfigError("fsdp.cpu_offload needs CUDA devices; set fsdp.cpu_offload=false on CPU")
+    check_data_parallel(cfg.fsdp, dims)
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type)
     check_model_path(cfg.model)
@@ -129,20 +135,21 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
+    check_fixed_directory(cfg, launched=launched_by_torchrun())
     resume_from = resume_point(cfg, hf_config)
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None)
     return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision)
 
 
-def _resolve_output_dir(cfg: Config, runtime: Runtime) -> Path:
-    """The run's output directory, chosen by rank 0 and shared with the others."""
-    chosen = [cfg.run.output_dir]
+def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
+    """The run's output directory and an id of this start of the run, both chosen by rank 0 and shared."""
+    chosen = [cfg.run.output_dir, uuid.uuid4().hex]
     if runtime.is_main and chosen[0] is None:
         chosen[0] = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     if runtime.distributed:
         dist.broadcast_object_list(chosen, src=0)
     cfg.run.output_dir = chosen[0]
-    return Path(chosen[0])
+    return Path(chosen[0]), chosen[1]
 
 
 def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
@@ -164,16 +171,22 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     dims = plan.dims
-    output_dir = _resolve_output_dir(cfg, runtime)
+    output_dir, run_id = _resolve_output_dir(cfg, runtime)
     runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
+    checkpoints = None
+    if cfg.checkpoint.interval > 0 or plan.resume_from:  # first: checks that every rank shares the directory
+        checkpoints = CheckpointManager(
+            checkpoint_directory(cfg), cfg.checkpoint.interval, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+            runtime,
+        )
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         if not (plan.resume_from and (output_dir / "config.toml").exists()):  # a resumed run keeps its record
             save_config(cfg, output_dir / "config.toml")
 
     torch.manual_seed(cfg.train.seed)
-    dataset = build_packed_dataset(
-        cfg.data, plan.tokenizer, is_builder=runtime.local_rank == 0, barrier=runtime.barrier
+    dataset = build_packed_dataset(  # the others wait for local rank 0's build outside any collective
+        cfg.data, plan.tokenizer, is_builder=runtime.local_rank == 0, run_id=run_id
     )
     schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
 
@@ -185,7 +198,10 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     policy = plan.precision or precision_policy(cfg, runtime.device.type)
     stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
     for _, stage in stages:
-        materialize(stage, adapter, runtime.device, seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
+        materialize(
+            stage, adapter, parameter_device(cfg.fsdp, runtime.device), seed=cfg.train.seed,
+            pretrained_dir=cfg.model.name_or_path, buffer_device=runtime.device,
+        )
         stage.train()
     parts = [stage for _, stage in stages]
     runner = None
@@ -215,12 +231,6 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
     result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
     state = TrainingState(parts, model, optimizer)
-    checkpoints = None
-    if cfg.checkpoint.interval > 0 or plan.resume_from:
-        checkpoints = CheckpointManager(
-            checkpoint_directory(cfg), cfg.checkpoint.interval, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-            runtime,
-        )
     start_step = 0
     if plan.resume_from:
         meta = checkpoints.load(plan.resume_from, state)
