@@ -272,3 +272,64 @@ def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monk
         with pytest.raises(Stop):
             export_checkpoint(str(checkpoint), str(tmp_path / f"out-{asked}"), trust_remote_code=asked)
     assert seen == [False, True]
+
+
+# ---------------------------------------------------------------- a vocabulary tp does not divide
+
+
+@pytest.fixture(scope="module")
+def vocab_250_runs(tmp_path_factory, cache_dir):
+    """A Llama with a vocabulary of 250 trained under tp=4 (rows split 63/63/63/61), saving at step 4 and 8,
+    then resumed from step 4 under dp=2 x tp=2 (125/125), in one launch; and the same run in one process."""
+    from test_parity import VOCAB_250, write_vocab_250_model
+
+    out = tmp_path_factory.mktemp("checkpoint-vocab-250")
+    model_dir = write_vocab_250_model(cache_dir)
+    assert model_dir == cache_dir / VOCAB_250
+    vocab_base = [o for o in base(cache_dir) if not o.startswith("model.preset=")]
+    vocab_base += [f"model.name_or_path={model_dir}", f"data.tokenizer={model_dir}"]
+    spec = out / "spec4.json"
+    spec.write_text(json.dumps({"base": vocab_base, "layouts": {
+        "tp4": ["parallel.tp=4"],
+        "dp2_tp2_from_tp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "tp4")],
+    }}))
+    proc = run_torchrun(4, ["tests/parity_worker.py", str(spec), str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+@pytest.mark.slow
+def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(vocab_250_runs, tmp_path):
+    """A checkpoint of a model whose vocabulary (250) tp=4 does not divide holds the true vocabulary: it
+    resumes under tp=2 with the uninterrupted run's losses, and exports to a directory whose config and
+    weights have 250 rows, which plain transformers loads with the run's final weights."""
+    from safetensors import safe_open
+
+    runs = vocab_250_runs
+    full, continued = losses(runs, "tp4"), losses(runs, "dp2_tp2_from_tp4")
+    assert len(full) == STEPS and len(continued) == STEPS - HALF
+    for step, (got, want) in enumerate(zip(continued, full[HALF:]), start=HALF + 1):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs uninterrupted {want}"
+
+    checkpoint = runs / "tp4" / "checkpoints" / f"step-{STEPS:08d}"
+    exported = tmp_path / "hf"
+    proc = run_cli(["export", str(checkpoint), str(exported)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((exported / "config.json").read_text())["vocab_size"] == 250
+    with safe_open(str(exported / "model.safetensors"), "pt") as handle:
+        for key in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert tuple(handle.get_slice(key).get_shape()) == (250, 64)
+    assert (exported / "tokenizer.json").is_file()
+    final = torch.load(runs / "tp4.pt", weights_only=True)  # the run's final weights, gathered
+    torch.save(final, tmp_path / "final.pt")
+    script = (
+        "import torch; from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(exported)!r})\n"
+        "assert model.get_input_embeddings().weight.shape[0] == 250 and model.lm_head.weight.shape[0] == 250\n"
+        f"final = torch.load({str(tmp_path / 'final.pt')!r}, weights_only=True)\n"
+        "state = model.state_dict()\n"
+        "assert set(final) <= set(state), sorted(set(final) - set(state))\n"
+        "assert all(torch.equal(state[k], v) for k, v in final.items())\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,10 +24,10 @@ def build(model_cfg: ModelConfig, seed: int = 0, vocab: int = 257):
 
 @pytest.mark.parametrize("preset", [name for name in PRESETS if name.endswith("tiny")])
 def test_tiny_presets_build_and_run(preset):
-    model = build(ModelConfig(preset=preset))
+    model = build(ModelConfig(preset=preset, attn_implementation="eager" if preset == "gemma2-tiny" else "sdpa"))
     assert model.config.model_type == PRESETS[preset]["model_type"]
     assert all(p.device.type == "cpu" for p in model.parameters())
-    assert torch.isfinite(model.model.rotary_emb.inv_freq).all()
+    assert all(torch.isfinite(b).all() for b in model.buffers())  # rotary frequencies, Gemma's embed_scale
     logits = model(input_ids=torch.randint(0, 257, (2, 8))).logits
     assert logits.shape == (2, 8, model.config.vocab_size) and torch.isfinite(logits).all()
 
@@ -76,23 +78,10 @@ def test_pretrained_directory_loads_exactly(tmp_path, tied, safe):
 
 
 @pytest.mark.slow
-def test_pretrained_load_under_fsdp_and_tp_reads_only_each_ranks_slice(tmp_path):
+def test_pretrained_load_under_fsdp_and_tp_reads_only_each_ranks_slice(sharded_loads):
     """DP2 x TP2 (FSDP over tensor-parallel shards): the same weights and logits as one process,
     and no rank reads more than its share of the checkpoint (plus the replicated norms)."""
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    from conftest import run_torchrun
-
-    config = make_preset_config("qwen2-tiny", 257)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    out = tmp_path / "result.json"
-    proc = run_torchrun(4, ["tests/sharded_load_worker.py", str(tmp_path / "model"), str(out),
-                            "parallel.dp_shard=2", "parallel.tp=2"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = sharded_loads["qwen2-tiny"]
     assert result["same_keys"]
     assert max(result["weight_diffs"].values()) == 0.0
     assert result["logits_diff"] < 1e-5
@@ -157,3 +146,254 @@ def test_materialize_puts_buffers_on_the_compute_device_and_parameters_where_ask
     materialize(model, adapter, CPU, seed=0, buffer_device=torch.device("meta"))
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert model.model.rotary_emb.inv_freq.device.type == "meta"
+
+
+def _vocab_50257_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=50257, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("tp, rows", [(2, [25129, 25128]), (4, [12565, 12565, 12565, 12562])])
+def test_gpt2_vocabulary_splits_unevenly_over_tensor_parallel_ranks(tp, rows):
+    """GPT-2's 50,257 tokens under tp=2 and 4 (on a fake process group, one rank at a time): no refusal, rows
+    split as torch.chunk does, each rank's fresh embedding and head rows the 1-process values of those rows,
+    the parameters' global shape the true vocabulary (what checkpoints and export see), and the planner
+    counts the largest shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtron.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+    from meshtron.models.adapter import adapter_for
+    from meshtron.plan.model_shape import ModelShape
+
+    hf_config, model_cfg = _vocab_50257_config(), ModelConfig()
+    for sequence_parallel in (True, False):
+        check_tensor_parallel(hf_config, adapter_for(hf_config), tp, 64, sequence_parallel)
+    held, pieces = [], {"model.embed_tokens.weight": [], "lm_head.weight": []}
+    for rank in range(tp):
+        dist.init_process_group("fake", rank=rank, world_size=tp, store=FakeStore())
+        try:
+            model, adapter = build_meta_model(hf_config, model_cfg)
+            # A dim name of its own per rank: DTensor caches meshes by equality, which ignores the rank.
+            mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=(f"tp{tp}-as-rank-{rank}",))
+            apply_tensor_parallel(model, adapter, mesh, sequence_parallel=True, loss_parallel=rank % 2 == 0)
+            materialize(model, adapter, CPU, seed=3)
+            params = dict(model.named_parameters())
+            for name in pieces:
+                assert isinstance(params[name], DTensor) and params[name].shape == (50257, 8)
+                pieces[name].append(params[name].to_local().clone())
+            held.append(pieces["lm_head.weight"][-1].shape[0])
+        finally:
+            dist.destroy_process_group()
+    assert held == rows
+    for name, shards in pieces.items():
+        assert torch.equal(torch.cat(shards), init_tensor(name, torch.Size([50257, 8]), 0.02, 3)), name
+    shape = ModelShape.from_hf_config(hf_config)
+    embedding = next(p for p in shape.embedding if p.name == "model.embed_tokens.weight")
+    assert embedding.local_numel(tp, 1, shape.kv_heads) == rows[0] * 8
+    assert embedding.local_numel(tp, 2, shape.kv_heads) == -(-rows[0] // 2) * 8  # FSDP's dim-0 split of them
+
+
+def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, capsys):
+    """``meshtron plan`` on a model with 50,257 tokens ranks tp=2..8 layouts too, each with the memory of its
+    largest vocabulary shard."""
+    import json
+
+    from meshtron.cli import main
+    from meshtron.plan.layout import Layout
+    from meshtron.plan.memory import loss_vocab
+    from meshtron.plan.model_shape import ModelShape
+
+    config = make_preset_config("llama-1b", 257)
+    config.vocab_size = 50257
+    config.save_pretrained(tmp_path)
+    capsys.readouterr()
+    status = main(["plan", "--model", str(tmp_path / "config.json"), "--gpus", "8", "--seq-len", "2048",
+                   "--global-batch", "16", "--json"])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-2000:]
+    candidates = json.loads(out[: out.rindex("}") + 1])["candidates"]
+    assert {c["layout"]["tp"] for c in candidates} >= {2, 4, 8}
+    shape = ModelShape.from_hf_config(config)
+    assert loss_vocab(shape, Layout(tp=8, loss_parallel=True)) == 6283  # ceil(50,257 / 8)
+    assert loss_vocab(shape, Layout(tp=8, loss_parallel=False)) == 50257
+
+
+# More decoder families (meshtron.models.families): the tiny presets built from each family's config class.
+NEW_FAMILIES = ["granite-tiny", "olmo2-tiny", "phi3-tiny", "cohere-tiny", "starcoder2-tiny", "gemma2-tiny", "gemma3-tiny"]
+
+
+def _family_cfg(preset: str) -> ModelConfig:
+    return ModelConfig(preset=preset, attn_implementation="eager" if preset == "gemma2-tiny" else "sdpa")
+
+
+@pytest.mark.parametrize("preset", NEW_FAMILIES)
+def test_meshtron_loss_and_pipeline_stage_compute_what_the_model_does(preset):
+    """meshtron applies the head itself (after the model returns hidden states) and runs pipeline stages
+    block by block: both must include what the model does outside its blocks (Granite's embedding and
+    logit scaling, Cohere's logit_scale, Gemma 2's final logit soft-capping, Gemma's embedding normalizer)."""
+    from meshtron.models.adapter import adapter_for
+    from meshtron.train.loss import head_loss_sum
+
+    model = build(_family_cfg(preset))
+    adapter = adapter_for(model.config)
+    ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    expected = model(input_ids=ids, labels=ids).loss
+    hidden = model.model(input_ids=ids).last_hidden_state
+    weight, bias = adapter.head_parameters(model)
+    loss = head_loss_sum(hidden, labels, weight, bias, softcap=adapter.logit_softcap(model), chunk_size=16)
+    torch.testing.assert_close(loss / (labels != -100).sum(), expected, rtol=1e-6, atol=0)
+    if preset.startswith("gemma"):
+        return  # pipeline parallelism is refused for Gemma (see test_family_refusals_name_the_setting)
+    positions = torch.arange(24).expand(2, 24)
+    staged = adapter.run_stage(model, None, {"input_ids": ids, "position_ids": positions}, first=True, last=True)
+    torch.testing.assert_close(staged, hidden, rtol=1e-6, atol=1e-6)
+
+
+def test_gemma_norm_weights_start_at_zero():
+    """Gemma's RMSNorms scale by 1 + weight: fresh weights are 0 (HF's init), other families' 1."""
+    gemma, llama = build(_family_cfg("gemma3-tiny")), build(ModelConfig(preset="llama-tiny"))
+    assert torch.equal(gemma.model.norm.weight, torch.zeros(64))
+    assert torch.equal(gemma.model.layers[0].self_attn.q_norm.weight, torch.zeros(16))
+    assert torch.equal(llama.model.norm.weight, torch.ones(64))
+
+
+def _preflight(overrides, world_size=1):
+    from meshtron.config import load_config
+    from meshtron.train.trainer import preflight
+
+    return preflight(load_config(None, ["data.seq_len=32", *overrides], env={}), world_size, "cpu")
+
+
+def test_unknown_family_is_refused_before_any_process_group_with_the_supported_list(tmp_path):
+    """A decoder family meshtron does not map gets one line naming the ones it does, in preflight."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+        "vocab_size": 320,
+    }))
+    with pytest.raises(ConfigError) as err:
+        _preflight([f"model.name_or_path={tmp_path}"])
+    message = str(err.value)
+    assert "model family 'gpt2' is not supported" in message and "\n" not in message
+    for family in ("llama", "qwen3", "granite", "olmo2", "phi3", "cohere", "starcoder2", "gemma2", "gemma3_text"):
+        assert family in message
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        (["model.preset=phi3-tiny", "parallel.tp=2"], 2,
+         "model family phi3 under parallel.tp > 1 is not supported yet: its fused qkv_proj and gate_up_proj"),
+        (["model.preset=olmo2-tiny", "parallel.tp=4"], 4,
+         "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes"),
+        (["model.preset=gemma3-tiny", "parallel.pp=2", "data.mask_documents=false"], 2,
+         "model family gemma3_text under parallel.pp > 1 is not supported yet"),
+        (["model.preset=gemma2-tiny", "data.mask_documents=false"], 1,
+         "model family gemma2 cannot use model.attn_implementation=sdpa"),
+        (["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.seq_len=16"], 1,
+         "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for data.mask_documents); "
+         "set data.mask_documents=false"),
+        (["model.preset=gemma3-tiny"], 1,
+         "sliding_window 16 is shorter than data.seq_len 32, and meshtron's attention (used for data.mask_documents) "
+         "has no sliding window; use data.seq_len <= 16 or set data.mask_documents=false"),
+        (["model.preset=gemma3-tiny", "parallel.cp=2", "data.mask_documents=false"], 2,
+         "has no sliding window; use data.seq_len <= 16 or set parallel.cp=1"),
+    ],
+)
+def test_family_refusals_name_the_setting(overrides, world, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        _preflight(overrides, world)
+
+
+def test_supported_family_settings_pass_preflight():
+    _preflight(["model.preset=gemma3-tiny", "data.mask_documents=false", "parallel.tp=2"], 2)
+    _preflight(["model.preset=gemma3-tiny", "parallel.cp=2", "data.seq_len=16"], 2)  # window covers the sequence
+    _preflight(["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false",
+                "parallel.tp=2"], 2)
+    _preflight(["model.preset=phi3-tiny", "parallel.pp=2", "parallel.cp=2"], 4)
+    _preflight(["model.preset=olmo2-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
+    _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
+
+
+@pytest.mark.parametrize("preset", NEW_FAMILIES)
+def test_planner_maps_each_family_and_offers_only_the_parallelisms_it_supports(preset):
+    from meshtron.plan.layout import Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.search import candidate_layouts
+    from meshtron.plan.hardware import GPUS, hardware
+
+    config = make_preset_config(preset, 257)
+    shape = ModelShape.from_hf_config(config)
+    model = build(_family_cfg(preset))
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    layouts = candidate_layouts(shape, config, Workload(seq_len=256, global_batch=16, mask_documents=not preset.startswith("gemma")), 4, hardware(next(iter(GPUS))))
+    tps = {layout.tp for layout in layouts}
+    assert tps == {"phi3-tiny": {1}, "olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
+
+
+@pytest.fixture(scope="module")
+def sharded_loads(tmp_path_factory):
+    """One 4-process launch that loads a saved tiny model of qwen2 and of every new family under DP2 x TP2
+    (FSDP over 4 ranks where the family refuses TP) and compares it with one process; results by preset."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import failure_report, run_torchrun
+
+    root = tmp_path_factory.mktemp("sharded-load")
+    jobs = []
+    for preset in ["qwen2-tiny", *NEW_FAMILIES]:
+        config = make_preset_config(preset, 257)
+        torch.manual_seed(0)
+        model_cfg = _family_cfg(preset)
+        AutoModelForCausalLM.from_config(config, attn_implementation=model_cfg.attn_implementation).save_pretrained(
+            root / preset
+        )
+        layout = ["parallel.dp_shard=4"] if preset == "phi3-tiny" else ["parallel.dp_shard=2", "parallel.tp=2"]
+        layout += ["data.mask_documents=false"] if preset.startswith("gemma") else []
+        layout += [f"model.attn_implementation={model_cfg.attn_implementation}"]
+        jobs.append({"model_dir": str(root / preset), "out": str(root / f"{preset}.json"), "overrides": layout})
+    spec = root / "spec.json"
+    spec.write_text(json.dumps(jobs))
+    proc = run_torchrun(4, ["tests/sharded_load_worker.py", str(spec)], timeout=600)
+    assert proc.returncode == 0, failure_report(proc)
+    return {job["out"].rsplit("/", 1)[1].removesuffix(".json"): json.loads(Path(job["out"]).read_text()) for job in jobs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", NEW_FAMILIES)
+def test_pretrained_load_of_each_family_reads_only_each_ranks_slice(sharded_loads, preset):
+    """As for Qwen2 above: DP2 x TP2 (FSDP over 4 ranks where the family refuses TP), the same weights and
+    logits as one process, and no rank reads much more than a quarter of the checkpoint."""
+    result = sharded_loads[preset]
+    assert result["same_keys"]
+    assert max(result["weight_diffs"].values()) == 0.0
+    assert result["logits_diff"] < 1e-5
+    assert result["max_read_fraction"] < 0.3, result["max_read_fraction"]
+
+
+def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
+    """``meshtron plan`` on Gemma 2: with document masks one line names the setting; without, only
+    layouts without CP and PP (soft-capping, sliding windows and the tied head keep them out), TP included."""
+    import json
+
+    from meshtron.cli import main
+
+    make_preset_config("gemma2-tiny", 257).save_pretrained(tmp_path)
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--gpus", "4", "--seq-len", "256", "--global-batch", "16"]
+    capsys.readouterr()
+    assert main(args) != 0
+    assert "has no sliding window; use data.seq_len <= 16 or set data.mask_documents=false" in capsys.readouterr().err
+    assert main([*args, "--no-mask-documents", "--json"]) == 0
+    out = capsys.readouterr().out
+    layouts = [c["layout"] for c in json.loads(out[: out.rindex("}") + 1])["candidates"]]
+    assert {(layout["cp"], layout["pp"]) for layout in layouts} == {(1, 1)}
+    assert {layout["tp"] for layout in layouts} == {1, 2, 4}

@@ -47,7 +47,36 @@ def write_short_documents(directory: Path) -> Path:
     lines = [line.strip() for line in Path(textwrap.__file__).read_text().splitlines() if line.strip()]
     path = directory / SHORT_DOCUMENTS
     path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    write_vocab_250_model(directory)
     return path
+
+
+VOCAB_250 = "llama-vocab-250"
+
+
+def write_vocab_250_model(directory: Path) -> Path:
+    """A tiny Llama whose vocabulary (250) is no multiple of 4, and its character-level tokenizer of 250
+    tokens, in ``directory / VOCAB_250``. Printable ASCII is spread over ids 1..236 and EOS is the last id,
+    so labels fall in every tensor-parallel shard of the vocabulary; the other ids never occur but still
+    take part in every softmax."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    target = directory / VOCAB_250
+    tokens = [f"<extra_{i}>" for i in range(250)]
+    tokens[0], tokens[-1] = "<unk>", "</s>"
+    for k, char in enumerate(chr(c) for c in range(32, 127)):
+        tokens[1 + k * 5 // 2] = char
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>").save_pretrained(target)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, vocab_size=250, tie_word_embeddings=False, initializer_range=0.02,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    return target
 
 
 def base_overrides(cache_dir) -> list[str]:
@@ -82,6 +111,19 @@ REFERENCES = {
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
     "llama-deep": ["model.preset=llama-deep"],
     "qwen3-docs": ["model.preset=qwen3-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"],
+    # More families (meshtron.models.families). Gemma's sliding windows and soft-capping need its own attention
+    # (no document masks, cp=1, pp=1); Gemma 2 needs eager attention for its soft-capping.
+    "granite-tiny": ["model.preset=granite-tiny", "train.lr=3e-3"],  # its scalings slow learning down
+    "olmo2-tiny": ["model.preset=olmo2-tiny"],
+    "phi3-tiny": ["model.preset=phi3-tiny"],
+    "cohere-tiny": ["model.preset=cohere-tiny"],
+    "starcoder2-tiny": ["model.preset=starcoder2-tiny"],
+    "gemma2-tiny": ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false"],
+    "gemma3-tiny": ["model.preset=gemma3-tiny", "data.mask_documents=false", "train.lr=5e-4"],
+    # Sequences within Gemma 3's window: document masks and CP by meshtron's attention are exact.
+    "gemma3-window": ["model.preset=gemma3-tiny", "data.seq_len=16", "train.lr=2.5e-4"],
+    # A vocabulary of 250 (no multiple of 4): tensor parallelism splits the embedding and head rows unevenly.
+    "llama-vocab-250": [f"model.name_or_path={{cache_dir}}/{VOCAB_250}", f"data.tokenizer={{cache_dir}}/{VOCAB_250}"],
 }
 
 # name -> (world size, parallel overrides, reference)
@@ -120,6 +162,13 @@ LAYOUTS = {
     "tp4_mini": (4, ["parallel.tp=4"], "llama-mini"),
     # Accumulation without FSDP: the vocab-sharded embedding's gradient, which arrives whole, is held as a shard.
     "tp2_accum": (2, ["parallel.tp=2", "train.micro_batch_size=4"], "llama-tiny"),
+    # Vocabulary 250: 125 rows per rank at tp=2, 63/63/63/61 at tp=4; with and without loss parallel.
+    "tp2_vocab250": (2, ["parallel.tp=2"], "llama-vocab-250"),
+    "tp2_no_lp_vocab250": (2, ["parallel.tp=2", "parallel.loss_parallel=false"], "llama-vocab-250"),
+    "tp4_vocab250": (4, ["parallel.tp=4"], "llama-vocab-250"),
+    "tp4_no_lp_vocab250": (4, ["parallel.tp=4", "parallel.loss_parallel=false"], "llama-vocab-250"),
+    # FSDP over the uneven tp=4 shards (FSDP splits each rank's 63 or 61 rows again).
+    "fsdp2_tp4_vocab250": (8, ["parallel.dp_shard=2", "parallel.tp=4"], "llama-vocab-250"),
 }
 
 # Tensor parallelism, each on Llama and Qwen3. Both tiny models have 4 query heads and 2 KV heads,
@@ -135,6 +184,15 @@ TP_LAYOUTS = {
 for _family in ("llama", "qwen3"):
     for _name, (_world, _overrides) in TP_LAYOUTS.items():
         LAYOUTS[f"{_name}_{_family}"] = (_world, _overrides, f"{_family}-tiny")
+
+# More families: FSDP, TP (where the family supports it), PP (untied families) and CP (document masks).
+FAMILY_LAYOUTS = {"fsdp2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
+for _family, _layouts in {"granite": ("fsdp2", "tp2", "pp2", "cp2"), "olmo2": ("fsdp2", "tp2", "pp2", "cp2"),
+                          "phi3": ("fsdp2", "pp2", "cp2"), "cohere": ("fsdp2", "tp2", "cp2"),
+                          "starcoder2": ("fsdp2", "tp2", "pp2", "cp2"), "gemma2": ("fsdp2", "tp2"), "gemma3": ("fsdp2", "tp2")}.items():
+    for _name in _layouts:
+        LAYOUTS[f"{_name}_{_family}"] = (2, FAMILY_LAYOUTS[_name], f"{_family}-tiny")
+LAYOUTS["cp2_gemma3_window"] = (2, ["parallel.cp=2"], "gemma3-window")
 
 # Context parallelism, with both ways of exchanging keys/values, on short documents (document masks).
 CP_LAYOUTS = {
@@ -157,6 +215,8 @@ LAYOUTS["pp2_uneven_8_microbatches_ac"] = (
     2, ["parallel.pp=2", "parallel.pp_first_stage_layers=3", "parallel.pp_microbatches=8",
         "train.activation_checkpointing=full"], "llama-deep"
 )
+# train.micro_batch_size under pp: the pipeline microbatch (8 sequences in 4 microbatches of 2).
+LAYOUTS["pp2_micro_batch_2"] = (2, ["parallel.pp=2", "train.micro_batch_size=2"], "llama-deep")
 LAYOUTS["pp2_dp2"] = (4, ["parallel.pp=2", "parallel.dp_shard=2"], "llama-deep")
 LAYOUTS["pp2_tp2"] = (4, ["parallel.pp=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_cp2"] = (4, ["parallel.pp=2", "parallel.cp=2"], "llama-deep")
@@ -213,6 +273,7 @@ CHUNKED_LAYOUTS = {
     "fsdp2_chunked": (2, ["parallel.dp_shard=2"], "llama-tiny", "fsdp2"),
     "tp2_chunked_llama": (2, ["parallel.tp=2"], "llama-tiny", "tp2_llama"),
     "tp2_no_lp_chunked_llama": (2, ["parallel.tp=2", "parallel.loss_parallel=false"], "llama-tiny", "tp2_no_lp_llama"),
+    "tp4_chunked_vocab250": (4, ["parallel.tp=4"], "llama-vocab-250", "tp4_vocab250"),
     "cp2_chunked_ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"], "llama-docs", "cp2_ring"),
     "pp2_chunked_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B"], "llama-deep", "pp2_1f1b"),
 }

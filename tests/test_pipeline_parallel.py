@@ -99,3 +99,68 @@ def test_torch_2_11_token_ids_travel_as_float_and_zbv_is_refused_on_cpu():
     assert check_pipeline(zbv, config, 4, False, device_type="cuda", torch_version="2.11.0") == 2
     with pytest.raises(ConfigError, match="vocab_size 16777217 is over 16777216"):
         check_pipeline(ParallelConfig(pp=2), SimpleNamespace(num_hidden_layers=8, vocab_size=2**24 + 1), 4, False)
+
+
+def test_micro_batch_size_is_the_pipeline_microbatch():
+    """Under pp, train.micro_batch_size is sequences per pipeline microbatch: the count follows as
+    local batch / micro; parallel.pp_microbatches may say the same, and saying otherwise is an error."""
+    from types import SimpleNamespace
+
+    from meshtron.distributed.pipeline_parallel import check_pipeline
+
+    config = SimpleNamespace(num_hidden_layers=8, vocab_size=257, tie_word_embeddings=False)
+    assert check_pipeline(ParallelConfig(pp=2), config, 8, 2) == 4
+    assert check_pipeline(ParallelConfig(pp=2, pp_microbatches=4), config, 8, 2) == 4  # both, agreeing
+    assert check_pipeline(ParallelConfig(pp=2, pp_microbatches=8), config, 8) == 8
+    disagree = r"^train.micro_batch_size=2 and parallel.pp_microbatches=2 disagree: .* make 4"
+    with pytest.raises(ConfigError, match=disagree):
+        check_pipeline(ParallelConfig(pp=2, pp_microbatches=2), config, 8, 2)
+    with pytest.raises(ConfigError, match="train.micro_batch_size=3 does not divide the 8 sequences"):
+        check_pipeline(ParallelConfig(pp=2), config, 8, 3)
+    # The schedules' own constraints, naming the setting the count came from.
+    too_few = r"1F1B needs at least parallel.pp=4 microbatches, got 2 \(train.micro_batch_size=4"
+    with pytest.raises(ConfigError, match=too_few):
+        check_pipeline(ParallelConfig(pp=4), config, 8, 4)
+    assert check_pipeline(ParallelConfig(pp=4, pp_schedule="GPipe"), config, 8, 4) == 2
+    with pytest.raises(ConfigError, match=r"multiple of parallel.pp=2, got 1 \(train.micro_batch_size=8"):
+        check_pipeline(ParallelConfig(pp=2, pp_schedule="InterleavedZeroBubble"), config, 8, 8)
+
+
+def test_micro_batch_size_under_pp_splits_the_global_batch_before_any_process_group():
+    """preflight: each rank steps its global / dp sequences at once (no accumulation) in global / (micro x dp)
+    microbatches; micro x dp must divide the global batch; the settings' disagreement is one line naming both."""
+    from meshtron.train.trainer import preflight
+
+    def plan(*overrides, world=2):
+        cfg = load_config(None, ["model.preset=llama-deep", "train.global_batch_size=8", *overrides], env={})
+        return preflight(cfg, world, "cpu")
+
+    got = plan("parallel.pp=2", "train.micro_batch_size=2")
+    assert (got.micro_batch_size, got.accumulation_steps, got.pp_microbatches) == (8, 1, 4)
+    got = plan("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=2", world=4)
+    assert (got.micro_batch_size, got.accumulation_steps, got.pp_microbatches) == (4, 1, 2)
+    assert plan("parallel.pp=2", "train.micro_batch_size=4", "parallel.pp_microbatches=2").pp_microbatches == 2
+    with pytest.raises(ConfigError, match="train.global_batch_size 8 is not divisible by data-parallel degree 2 x "
+                                          "train.micro_batch_size 3 = 6; make the global batch a multiple of 6"):
+        plan("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=3", world=4)
+    with pytest.raises(ConfigError) as error:
+        plan("parallel.pp=2", "train.micro_batch_size=2", "parallel.pp_microbatches=8")
+    assert "\n" not in str(error.value) and "train.micro_batch_size=2" in str(error.value)
+    assert "parallel.pp_microbatches=8" in str(error.value)
+
+
+def test_planner_pipeline_layouts_round_trip_through_train_micro_batch_size():
+    """A planned pipeline layout is emitted with train.micro_batch_size (its microbatch), not
+    parallel.pp_microbatches, and reads back as the same layout."""
+    from meshtron.config import ModelConfig
+    from meshtron.models.presets import make_preset_config
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.report import train_config
+
+    hf_config = make_preset_config("llama-deep", 259)
+    workload = Workload(seq_len=256, global_batch=32)
+    for layout in (Layout(dp_shard=2, pp=2, micro_batch=2),
+                   Layout(pp=4, micro_batch=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)):
+        cfg = train_config(layout, workload, ModelConfig(preset="llama-deep"))
+        assert cfg.train.micro_batch_size == layout.micro_batch and cfg.parallel.pp_microbatches is None
+        assert Layout.from_config(cfg, layout.world_size, hf_config) == layout

@@ -108,11 +108,35 @@ def local_stage_ids(pp_rank: int, cfg: ParallelConfig) -> list[int]:
     return [pp_rank + i * cfg.pp for i in range(count)]
 
 
+def pipeline_microbatches(cfg: ParallelConfig, local_batch: int, micro_batch_size: int | None = None) -> int:
+    """Microbatches each data-parallel rank's ``local_batch`` sequences are split into per step: ``local_batch /
+    train.micro_batch_size``, else ``parallel.pp_microbatches``, else ``parallel.pp``. Both settings must agree."""
+    if not micro_batch_size:
+        return cfg.pp_microbatches or cfg.pp
+    if local_batch % micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size={micro_batch_size} does not divide the {local_batch} sequences each data-parallel "
+            f"rank gets per step; use a divisor of {local_batch} or change train.global_batch_size"
+        )
+    microbatches = local_batch // micro_batch_size
+    if cfg.pp_microbatches is not None and cfg.pp_microbatches != microbatches:
+        raise ConfigError(
+            f"train.micro_batch_size={micro_batch_size} and parallel.pp_microbatches={cfg.pp_microbatches} disagree: "
+            f"{local_batch} sequences per data-parallel rank in microbatches of {micro_batch_size} make {microbatches} "
+            "microbatches; set only one of the two"
+        )
+    return microbatches
+
+
 def check_pipeline(
-    cfg: ParallelConfig, hf_config, local_batch: int, micro_batch_size_set: bool, device_type: str = "cuda",
+    cfg: ParallelConfig, hf_config, local_batch: int, micro_batch_size: int | None = None, device_type: str = "cuda",
     torch_version: str = torch.__version__,
 ) -> int:
-    """Refuse pipeline settings that cannot work; returns the number of microbatches."""
+    """Refuse pipeline settings that cannot work; returns the number of microbatches.
+
+    ``local_batch``: sequences per data-parallel rank per step; ``micro_batch_size``: ``train.micro_batch_size``
+    (sequences per pipeline microbatch), or None.
+    """
     if cfg.pp == 1:
         return 1
     if cfg.pp_schedule in V_SHAPED_SCHEDULES and device_type != "cuda" and torch_release(torch_version) < (2, 13):
@@ -121,28 +145,32 @@ def check_pipeline(
             "a rank's own two stages, which gloo cannot do); use parallel.pp_schedule=InterleavedZeroBubble"
         )
     split_layers(hf_config.num_hidden_layers, cfg)
-    microbatches = cfg.pp_microbatches or cfg.pp
-    if micro_batch_size_set:
-        raise ConfigError(
-            "train.micro_batch_size is not used with parallel.pp > 1: the pipeline splits each rank's batch into "
-            "parallel.pp_microbatches; leave train.micro_batch_size unset"
-        )
+    microbatches = pipeline_microbatches(cfg, local_batch, micro_batch_size)
     if local_batch % microbatches:
         raise ConfigError(
             f"parallel.pp_microbatches={microbatches} does not divide the {local_batch} sequences each data-parallel "
             f"rank gets per step; use a divisor of {local_batch} or change train.global_batch_size"
         )
+    # Name the setting the count came from in the errors below.
+    setting = f"{microbatches} (parallel.pp_microbatches)"
+    if micro_batch_size:
+        setting = f"{microbatches} (train.micro_batch_size={micro_batch_size} of {local_batch} sequences per data-parallel rank)"
+    if cfg.pp_schedule == "1F1B" and microbatches < cfg.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=1F1B needs at least parallel.pp={cfg.pp} microbatches, got {setting}; "
+            "use more, smaller microbatches or parallel.pp_schedule=GPipe"
+        )
     if cfg.pp_schedule in MULTI_STAGE_SCHEDULES and cfg.pp_schedule != "Interleaved1F1B" and microbatches % cfg.pp:
         raise ConfigError(
-            f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.pp_microbatches ({microbatches}) to be a multiple "
-            f"of parallel.pp={cfg.pp}"
+            f"parallel.pp_schedule={cfg.pp_schedule} needs the number of microbatches to be a multiple of "
+            f"parallel.pp={cfg.pp}, got {setting}"
         )
     if cfg.pp_schedule == "Interleaved1F1B":
         rounds = max(1, microbatches // cfg.pp)
         if microbatches % rounds:
             raise ConfigError(
-                f"parallel.pp_schedule=Interleaved1F1B needs parallel.pp_microbatches ({microbatches}) divisible by "
-                f"max(1, microbatches // pp) = {rounds}; use a multiple of parallel.pp={cfg.pp}"
+                f"parallel.pp_schedule=Interleaved1F1B needs the number of microbatches divisible by "
+                f"max(1, microbatches // pp) = {rounds}, got {setting}; use a multiple of parallel.pp={cfg.pp}"
             )
     if hf_config.vocab_size > MAX_EXACT_TOKEN_ID:
         raise ConfigError(

@@ -11,6 +11,13 @@ residual stream is replicated on every tp rank and the row-parallel outputs are 
 
 Loss parallel: the head's logits stay split over the vocabulary and cross-entropy runs on the shards.
 
+Any vocabulary size: a vocabulary ``tp`` does not divide is split unevenly, as ``torch.chunk`` splits
+(``Shard(0)``: the first ranks hold ``ceil(vocab / tp)`` rows, the last the rest; 50,257 at tp=4 is
+12,565 x 3 + 12,562). No padding row exists, so none can win a softmax or take a gradient, and the
+parameters keep the model's true shape: checkpoints (DCP stores each shard with its offset), resuming
+under another tp and ``meshtron export`` see the true vocabulary. The embedding's masked lookup and loss
+parallel's cross-entropy take each rank's row offset from the same uneven split.
+
 GQA with fewer KV heads than ``tp``: the k/v projections are replicated on every tp rank and each rank
 keeps the KV head its query heads use. Their gradient (and that of per-head norms and of
 sequence-parallel norms) is a partial sum per rank; FSDP reduces it, and ``reduce_partial_gradients``
@@ -42,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.families import check_family
 from meshtron.train.float8 import float8_linear_paths
 
 
@@ -54,6 +62,7 @@ def check_tensor_parallel(
     """
     if tp == 1:
         return
+    check_family(hf_config, tp=tp)  # families whose blocks tensor parallelism cannot split
     shape = adapter.attention_shape(hf_config)
     if shape.num_heads % tp:
         raise ConfigError(
@@ -65,10 +74,12 @@ def check_tensor_parallel(
             f"parallel.tp={tp} and the model's {shape.num_kv_heads} KV heads: one must divide the other; "
             f"use a tp that divides {shape.num_kv_heads} or a multiple of it"
         )
-    for key in ("intermediate_size", "vocab_size"):
-        size = getattr(hf_config, key)
-        if size % tp:
-            raise ConfigError(f"parallel.tp={tp} does not divide the model's {key} {size}; use a tp that divides {size}")
+    # The vocabulary need not divide: DTensor splits the embedding and head rows unevenly (module docstring).
+    size = hf_config.intermediate_size
+    if size % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide the model's intermediate_size {size}; use a tp that divides {size}"
+        )
     if sequence_parallel and (seq_len // cp) % tp:
         length = f"data.seq_len {seq_len}" if cp == 1 else f"data.seq_len {seq_len} / parallel.cp={cp} = {seq_len // cp}"
         raise ConfigError(
@@ -103,6 +114,27 @@ class ReplicatedKVProjection(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         # No partition function: distribute_module replicates the parameters over the tp mesh.
+        return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+
+
+class GatheredNormParallel(ParallelStyle):
+    """A norm over all heads' features of a column-parallel projection (OLMo 2's q_norm / k_norm).
+
+    The local heads' features are all-gathered, the norm runs on the whole (replicated) features with its
+    replicated weight, and each rank keeps its own heads' slice; autograd's collectives (reduce-scatter
+    the input gradient) make the result and every gradient exact.
+    """
+
+    @staticmethod
+    def _input_fn(module, inputs, mesh):
+        (hidden,) = inputs
+        return DTensor.from_local(hidden, mesh, [Shard(-1)], run_check=False).redistribute(mesh, [Replicate()])
+
+    @staticmethod
+    def _output_fn(module, output, mesh):
+        return output.redistribute(mesh, [Shard(-1)]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
 
 
@@ -178,6 +210,8 @@ def _block_styles(
             styles[path] = float8.get(path, RowwiseParallel)(output_layouts=stream, use_local_output=not sequence_parallel)
         elif role == "norm":
             styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+        elif role == "gathered_norm":
+            styles[path] = GatheredNormParallel()
         elif role == "head_norm":
             # Works on [batch, seq, local heads, head_dim]: the heads dim is the split one.
             styles[path] = SequenceParallel(sequence_dim=2, use_local_output=True)

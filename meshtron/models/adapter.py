@@ -1,7 +1,9 @@
 """Model-family adapters: the only place that knows where a model keeps its parts.
 
 Parallelism code asks an adapter for the embeddings, decoder blocks, final norm and head; it never
-reaches into a model's internals itself. Llama, Qwen2, Qwen3 and Mistral share one anatomy.
+reaches into a model's internals itself. Every supported family (``meshtron.models.families``) shares
+one anatomy; the adapter also reproduces what a model does outside its blocks (Granite's embedding and
+logit scaling, Gemma 2's final logit soft-capping), since meshtron runs the stages and the head itself.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from meshtron.errors import MeshtronError
+from meshtron.models.families import FAMILIES, family_of, supported_families
 
 # Wrappers that parallelism adds around modules; they are not part of a parameter's real name.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -32,6 +35,7 @@ def canonical_name(name: str) -> str:
 #   kv_colwise        k/v projections: split by KV head, or replicated when tp > KV heads
 #   norm              a norm on the residual stream (sequence-sharded under sequence parallel)
 #   head_norm         a per-head norm inside attention (Qwen3's q_norm / k_norm): works on local heads
+#   gathered_norm     a norm over all heads' features (OLMo 2's q_norm / k_norm): runs on gathered heads
 _BLOCK_TP_ROLES = {
     "input_layernorm": "norm",
     "self_attn": "attention",
@@ -46,7 +50,7 @@ _BLOCK_TP_ROLES = {
     "mlp.gate_proj": "colwise",
     "mlp.up_proj": "colwise",
     "mlp.down_proj": "rowwise",
-}
+}  # plus each family's extra roles (meshtron.models.families)
 # Roles of the parts outside the blocks (paths relative to the whole model).
 _TOP_TP_ROLES = {"model.embed_tokens": "embedding", "model.norm": "norm", "lm_head": "head"}
 
@@ -105,7 +109,7 @@ class DecoderAdapter:
         """
         body = self.body(model)
         if first:
-            hidden = body.embed_tokens(inputs["input_ids"])
+            hidden = self.embed(model, inputs["input_ids"])
         position_embeddings = body.rotary_emb(hidden, inputs["position_ids"])
         extra = {"sequence_layout": inputs["sequence_layout"]} if "sequence_layout" in inputs else {}
         for _, block in self.named_blocks(model):
@@ -116,6 +120,18 @@ class DecoderAdapter:
         if last:
             hidden = body.norm(hidden)
         return hidden
+
+    @property
+    def norm_init(self) -> float:
+        """Fresh value of norm weights: 0 where norms scale by ``1 + weight`` (Gemma), else 1."""
+        return 0.0 if FAMILIES[self.family].zero_centered_norms else 1.0
+
+    def embed(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings as the model's body computes them before its blocks (Granite scales them;
+        Gemma's scaling lives in its embedding module)."""
+        hidden = self.body(model).embed_tokens(input_ids)
+        multiplier = getattr(model.config, "embedding_multiplier", None)
+        return hidden if multiplier in (None, 1, 1.0) else hidden * multiplier
 
     def return_hidden_states(self, model: nn.Module) -> None:
         """Make ``model(...)`` return the final (normed) hidden states instead of logits: meshtron's loss
@@ -130,7 +146,18 @@ class DecoderAdapter:
     def head_parameters(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias or None) of the output head, as the module holds them right now."""
         head = self.lm_head(model)
-        return head.weight, getattr(head, "bias", None)
+        weight, bias = head.weight, getattr(head, "bias", None)
+        scaling = getattr(model.config, "logits_scaling", None)  # Granite divides its logits by it
+        if scaling not in (None, 1, 1.0):
+            weight, bias = weight / scaling, (bias / scaling if bias is not None else None)
+        scale = getattr(model.config, "logit_scale", None)  # Cohere multiplies them by it
+        if scale not in (None, 1, 1.0):
+            weight, bias = weight * scale, (bias * scale if bias is not None else None)
+        return weight, bias
+
+    def logit_softcap(self, model: nn.Module) -> float | None:
+        """The cap of the model's final logit soft-capping (``cap * tanh(logits / cap)``, Gemma 2), or None."""
+        return getattr(model.config, "final_logit_softcapping", None) or None
 
     def embeddings(self, model: nn.Module) -> nn.Module:
         return self.body(model).embed_tokens
@@ -167,7 +194,8 @@ class DecoderAdapter:
     def block_tp_roles(self, block: nn.Module) -> dict[str, str]:
         """Tensor-parallel role of each submodule of a decoder block that has one (see ``_BLOCK_TP_ROLES``)."""
         present = {name for name, _ in block.named_modules()}
-        return {path: role for path, role in _BLOCK_TP_ROLES.items() if path in present}
+        roles = {**_BLOCK_TP_ROLES, **FAMILIES[self.family].extra_roles}
+        return {path: role for path, role in roles.items() if path in present}
 
     def top_tp_roles(self, model: nn.Module) -> dict[str, str]:
         """Roles of the parts outside the blocks that ``model`` holds (a pipeline stage may lack some)."""
@@ -185,16 +213,20 @@ class DecoderAdapter:
         except AttributeError as err:
             raise MeshtronError(
                 f"model family '{self.family}' does not have the decoder layout meshtron supports ({err}); "
-                "use a Llama, Qwen2, Qwen3 or Mistral model"
+                f"use one of {supported_families()}"
             ) from None
         if not isinstance(parts[0], nn.ModuleList):
             raise MeshtronError(f"model family '{self.family}': decoder blocks are not an nn.ModuleList")
 
     @torch.no_grad()
     def init_buffers(self, model: nn.Module, device: torch.device) -> None:
-        """Recompute non-persistent buffers (rotary ``inv_freq``) after the model left the meta device."""
+        """Recompute non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) after the model
+        left the meta device."""
         for module in model.modules():
-            if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            if hasattr(module, "scalar_embed_scale"):  # Gemma's scaled embedding
+                module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
+            inv_freqs = [name for name, _ in module.named_buffers(recurse=False) if name.endswith("inv_freq")]
+            if inv_freqs and hasattr(module, "config"):
                 fresh = type(module)(config=module.config)
                 for name, buffer in fresh.named_buffers(recurse=False):
                     setattr(module, name, buffer.to(device))
@@ -202,11 +234,7 @@ class DecoderAdapter:
                     module.attention_scaling = fresh.attention_scaling
 
 
-ADAPTERS: dict[str, DecoderAdapter] = {
-    family: DecoderAdapter(family) for family in ("llama", "qwen2", "qwen3", "mistral")
-}
-
-
 def adapter_for(config) -> DecoderAdapter:
-    """The adapter of a Hugging Face config's family; other families get the shared one if their anatomy fits."""
-    return ADAPTERS.get(config.model_type, DecoderAdapter(config.model_type))
+    """The adapter of a Hugging Face config's family; a ConfigError listing the supported families for others."""
+    family_of(config)
+    return DecoderAdapter(config.model_type)

@@ -47,12 +47,25 @@ def check_attention(
         return
     needs = "parallel.cp > 1" if cp > 1 else "parallel.pp > 1" if pp > 1 else "data.mask_documents"
     alternative = "" if cp > 1 or pp > 1 else " or set data.mask_documents=false"
+    # The settings that would keep the model's own attention (which has what meshtron's lacks).
+    own = " and ".join(s for s, on in (("parallel.cp=1", cp > 1), ("parallel.pp=1", pp > 1),
+                                        ("data.mask_documents=false", mask_documents)) if on)
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < seq_len:
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if layer_types:  # per-layer attention types (Gemma, Qwen2): sliding if any layer is
+        sliding = "sliding_attention" in layer_types
+    else:  # Mistral has no switch; Qwen2-style configs turn the window off with use_sliding_window=false
+        sliding = getattr(hf_config, "use_sliding_window", None) is not False
+    if window and sliding and window < seq_len:
         raise ConfigError(
             f"the model's sliding_window {window} is shorter than data.seq_len {seq_len}, and meshtron's attention "
-            f"(used for {needs}) has no sliding window; use data.seq_len <= {window}"
-            + alternative
+            f"(used for {needs}) has no sliding window; use data.seq_len <= {window} or set {own}"
+        )
+    softcap = getattr(hf_config, "attn_logit_softcapping", None)
+    if softcap:
+        raise ConfigError(
+            f"the model's attn_logit_softcapping {softcap} is not supported by meshtron's attention (used for {needs}); "
+            f"set {own}"
         )
     if attn_implementation != "sdpa":
         raise ConfigError(

@@ -99,12 +99,13 @@ def _name_seed(seed: int, name: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
 
 
-def init_tensor(name: str, shape: torch.Size, std: float, seed: int) -> torch.Tensor:
-    """Fresh full-size fp32 value of parameter ``name``: normal(0, std) matrices, 1 for norms, 0 for biases."""
+def init_tensor(name: str, shape: torch.Size, std: float, seed: int, norm_value: float = 1.0) -> torch.Tensor:
+    """Fresh full-size fp32 value of parameter ``name``: normal(0, std) matrices, ``norm_value`` for norms
+    (0 for norms that scale by ``1 + weight``), 0 for biases."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:
-        return torch.ones(shape)
+        return torch.full(tuple(shape), float(norm_value))
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     return torch.normal(0.0, std, tuple(shape), generator=generator)
 
@@ -225,7 +226,7 @@ def materialize(
             local = _weight_for(name, param, reader, tied, region)
         else:
             # The full tensor is drawn so that the values never depend on the layout; only the shard is kept.
-            full = init_tensor(name, param.shape, std, seed)
+            full = init_tensor(name, param.shape, std, seed, adapter.norm_init)
             local = full if region is None else full[region]
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local.to(device=device, dtype=param.dtype))

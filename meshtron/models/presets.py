@@ -25,6 +25,49 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None,
     ),
+    # Llama anatomy with Granite's four scalings (sizes of granite-3.x, logits_scaling smaller so it matters);
+    # untied so that pipeline tests cover the embedding multiplier in a first stage.
+    "granite-tiny": dict(
+        model_type="granite", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25, logits_scaling=4.0,
+    ),
+    "olmo2-tiny": dict(  # norms after attention and MLP, q/k norms over all heads
+        model_type="olmo2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=None, eos_token_id=None,
+    ),
+    "cohere-tiny": dict(  # parallel attention and MLP, logit_scale (larger than Command-R's 0.0625: tiny logits), tied
+        model_type="cohere", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, logit_scale=0.5,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None, layer_norm_eps=1e-5,
+    ),
+    "starcoder2-tiny": dict(  # biases in every linear and LayerNorm, a c_fc / c_proj MLP
+        model_type="starcoder2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None,
+        bos_token_id=None, eos_token_id=None,
+    ),
+    "phi3-tiny": dict(  # fused qkv_proj and gate_up_proj
+        model_type="phi3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    ),
+    # Gemma 2 / 3: scaled embeddings, tied head, a sliding-window layer (window 16 < the tests' 32 tokens)
+    # then a global one. Soft-capping caps are far below the real 50 / 30 so that they change the tiny
+    # model's (small) attention scores and logits.
+    "gemma2-tiny": dict(
+        model_type="gemma2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=2048, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=1.0, final_logit_softcapping=3.0, tie_word_embeddings=True, pad_token_id=0,
+    ),
+    "gemma3-tiny": dict(
+        model_type="gemma3_text", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=2048, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True, pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
     "llama-small": dict(
         model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
@@ -79,6 +122,5 @@ def make_preset_config(name: str, tokenizer_vocab_size: int):
     settings.setdefault("tie_word_embeddings", False)
     settings.setdefault("initializer_range", 0.02)
     settings.setdefault("rms_norm_eps", 1e-5)
-    return AutoConfig.for_model(
-        model_type, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **settings
-    )
+    settings.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
+    return AutoConfig.for_model(model_type, **settings)

@@ -148,7 +148,7 @@ class Layout:
         micro, _ = micro_batch_plan(cfg, dims)
         p = cfg.parallel
         if dims.pp > 1:
-            microbatches = check_pipeline(p, hf_config, micro, cfg.train.micro_batch_size is not None)
+            microbatches = check_pipeline(p, hf_config, micro, cfg.train.micro_batch_size)
             micro = micro // microbatches
         return cls(
             dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, pp=dims.pp,

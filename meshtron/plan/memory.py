@@ -118,7 +118,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     kv_local = max(shape.kv_heads // tp, 1)
     kv_stored = shape.kv_heads // tp if shape.kv_heads >= tp else shape.kv_heads  # replicated KV: v is a view
     stream_split = tp if tp > 1 and layout.sequence_parallel else 1
-    norms = 2 * _norm(h, e) / stream_split
+    norms = shape.residual_norms * _norm(h, e) / stream_split
     gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
     attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
     if meshtron_attention(layout, workload):
@@ -127,7 +127,10 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
             attention += e * workload.seq_len  # the mask, which SDPA turns into a float bias in every block
     if shape.head_norms:
         attention += _norm(heads * d, e) + _norm(kv_local * d, e)  # Qwen3's per-head q/k norms
-    mlp = 4 * e * inter // tp  # gate, silu(gate), up, silu(gate) * up
+    if shape.eager_attention:  # eager: k/v repeated to every query head, scores (and capped scores) kept, no lse
+        attention += e * (2 * heads - kv_local - kv_stored) * d - FP32 * heads
+        attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
+    mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
     return norms + gathered_inputs + attention + mlp
 
 
@@ -154,13 +157,14 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     if last:
         total += _norm(shape.hidden, e) / stream_split + e * shape.hidden + INDEX  # final norm, head input, labels
         if not loss_chunked(layout, workload):
-            total += FP32 * loss_vocab(shape, layout)  # log-softmax output (fp32)
+            total += FP32 * loss_vocab(shape, layout) * (1 + shape.logit_softcap)  # log-softmax output, capped logits
     return total
 
 
 def loss_vocab(shape: ModelShape, layout: Layout) -> int:
-    """Vocabulary entries of the logits on one rank (split over tp under loss parallel)."""
-    return shape.vocab // layout.tp if layout.tp > 1 and layout.loss_parallel else shape.vocab
+    """Vocabulary entries of the logits on the busiest rank (split over tp under loss parallel; a vocabulary
+    tp does not divide is split unevenly, the first ranks holding the ceiling)."""
+    return -(-shape.vocab // layout.tp) if layout.tp > 1 and layout.loss_parallel else shape.vocab
 
 
 def weight_copy_bytes(shape: ModelShape, layout: Layout, workload: Workload, layers: int, last: bool) -> int:

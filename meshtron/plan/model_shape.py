@@ -6,6 +6,7 @@ tensor-parallel split of each parameter comes from the adapter's roles, as mesht
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ class ParamSpec:
     role: str
 
     def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
-        if tp == 1 or self.role in ("norm", "head_norm"):
+        if tp == 1 or self.role in ("norm", "head_norm", "gathered_norm"):
             return None
         if self.role == "kv_colwise" and num_kv_heads < tp:
             return None  # replicated KV projection
@@ -31,11 +32,12 @@ class ParamSpec:
         return 0  # colwise, kv_colwise, embedding, head (and their biases)
 
     def local_numel(self, tp: int, fsdp: int, num_kv_heads: int) -> int:
-        """Elements the largest holder keeps: its tp split, then FSDP's dim-0 split (rank 0 gets the ceiling)."""
+        """Elements the largest holder keeps: its tp split, then FSDP's dim-0 split (rank 0 gets the ceiling
+        of both: a vocabulary tp does not divide is split unevenly, as ``torch.chunk`` does)."""
         shape = list(self.shape)
         dim = self.tp_dim(tp, num_kv_heads)
         if dim is not None:
-            shape[dim] //= tp
+            shape[dim] = -(-shape[dim] // tp)
         shape[0] = -(-shape[0] // fsdp)
         return math.prod(shape)
 
@@ -59,6 +61,16 @@ class ModelShape:
     """The final norm and (untied) head."""
     head_norms: bool
     """Per-head q/k norms inside attention (Qwen3)."""
+    residual_norms: int = 2
+    """Norms on the residual stream per block (4 in Gemma: before and after attention and MLP)."""
+    eager_attention: bool = False
+    """Attention by transformers' eager path (``model.attn_implementation=eager``): it keeps the scores."""
+    attention_softcap: bool = False
+    """Soft-capped attention scores (Gemma 2): one more kept copy of the scores under eager attention."""
+    logit_softcap: bool = False
+    """Soft-capped final logits (Gemma 2): the loss keeps the capped fp32 logits too."""
+    gated_mlp: bool = True
+    """A gated MLP (gate and up projections); False: two matrices around the activation (StarCoder2)."""
 
     @property
     def total_params(self) -> int:
@@ -70,7 +82,12 @@ class ModelShape:
     def from_hf_config(cls, hf_config, model_cfg: ModelConfig | None = None) -> "ModelShape":
         from meshtron.models.build import build_meta_model
 
-        model, adapter = build_meta_model(hf_config, model_cfg or ModelConfig())
+        from meshtron.models.families import family_of
+
+        model_cfg = model_cfg or ModelConfig()
+        if family_of(hf_config).eager_only:  # the family runs only with eager attention (Gemma 2)
+            model_cfg = dataclasses.replace(model_cfg, attn_implementation="eager")
+        model, adapter = build_meta_model(hf_config, model_cfg)
         blocks = adapter.named_blocks(model)
         roles = adapter.block_tp_roles(blocks[0][1])
         block_specs = []
@@ -103,5 +120,10 @@ class ModelShape:
             block=tuple(block_specs),
             embedding=tuple(embedding),
             final=tuple(final),
-            head_norms=any(r == "head_norm" for r in roles.values()),
+            head_norms=any(r in ("head_norm", "gathered_norm") for r in roles.values()),
+            residual_norms=sum(r == "norm" for r in roles.values()),
+            eager_attention=model_cfg.attn_implementation == "eager",
+            attention_softcap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
+            logit_softcap=bool(adapter.logit_softcap(model)),
+            gated_mlp=any(name.endswith(("mlp.gate_proj", "mlp.gate_up_proj")) for name, _ in blocks[0][1].named_modules()),
         )

@@ -68,19 +68,19 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
 
 def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> Config:
     """The ``meshtron train`` config that runs ``layout``: master weights in the workload's model dtype,
-    compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size."""
+    compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size. The
+    per-forward batch is ``train.micro_batch_size`` in every layout (under pp, the pipeline microbatch)."""
     cfg = Config()
     cfg.model = dataclasses.replace(model_cfg, dtype=workload.model_dtype)
     cfg.data.seq_len = workload.seq_len
     cfg.data.mask_documents = workload.mask_documents
     cfg.train.global_batch_size = workload.global_batch
     cfg.train.activation_checkpointing = layout.activation_checkpointing
-    if layout.pp == 1:
-        cfg.train.micro_batch_size = layout.micro_batch
+    cfg.train.micro_batch_size = layout.micro_batch
     cfg.train.mixed_precision = workload.mixed_precision
     cfg.train.loss_chunk_size = workload.loss_chunk_size
     cfg.fsdp.accumulate_unsharded = workload.accumulate_unsharded
-    cfg.parallel = layout.parallel_config(workload)
+    cfg.parallel = layout.parallel_config()  # no parallel.pp_microbatches: train.micro_batch_size says it
     return cfg
 
 

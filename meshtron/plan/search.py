@@ -41,7 +41,12 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
     from meshtron.distributed.pipeline_parallel import check_pipeline
     from meshtron.models.adapter import adapter_for
 
+    from meshtron.models.attention import check_attention
+    from meshtron.models.families import check_family
+
     try:
+        check_family(hf_config, tp=layout.tp, pp=layout.pp)  # parallelisms the model family cannot be split by
+        check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len, layout.pp)
         check_tensor_parallel(hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp)
         check_context_parallel(layout.cp, workload.seq_len)
         if layout.pp > 1:  # stage split, microbatch counts, no tied embeddings
@@ -107,6 +112,10 @@ def _speed_band(tokens_per_s: float) -> int:
 def plan_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware) -> list[Candidate]:
     """All candidates: those that fit first; fastest first, within 2% the simplest, then the smallest."""
     check_cluster(gpus, hw)
+    # What the model family refuses whatever the split (e.g. Gemma 2's soft-capping with document masks).
+    from meshtron.models.attention import check_attention
+
+    check_attention(hf_config, "sdpa", 1, workload.mask_documents, workload.seq_len)
     usable = hw.memory_bytes - hw.reserved_gb * 1e9
     results = []
     for layout in candidate_layouts(shape, hf_config, workload, gpus, hw):

@@ -24,11 +24,14 @@ IGNORE_INDEX = -100
 """Label value that carries no loss."""
 
 
-def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias, loss_parallel: bool):
+def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias, loss_parallel: bool, softcap=None):
     logits = F.linear(hidden, weight, bias)
     if isinstance(logits, DTensor) and not loss_parallel:
         logits = logits.full_tensor()
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    logits = logits.float()
+    if softcap:  # the model's final logit soft-capping (adapter.logit_softcap)
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _replicated(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,11 +53,13 @@ def head_loss_sum(
     compute_dtype: torch.dtype | None = None,
     chunk_size: int = 0,
     loss_parallel: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy (float32) of ``hidden @ weight.T (+ bias)`` against ``labels`` (B, S).
 
     ``compute_dtype``: the head computes in this dtype (mixed precision), gradients reach ``weight``
     in its own dtype. ``chunk_size``: tokens per chunk (0: one chunk, nothing recomputed).
+    ``softcap``: logits become ``softcap * tanh(logits / softcap)`` first (``adapter.logit_softcap``).
     """
     if compute_dtype is not None:
         weight = weight.to(compute_dtype)
@@ -63,12 +68,12 @@ def head_loss_sum(
     labels = labels.flatten()
     tokens = labels.shape[0]
     if chunk_size <= 0 or tokens <= chunk_size:
-        return _chunk_loss(hidden, labels, weight, bias, loss_parallel)
+        return _chunk_loss(hidden, labels, weight, bias, loss_parallel, softcap)
     total = None
     for start in range(0, tokens, chunk_size):
         part = checkpoint(
             _chunk_loss, hidden[start:start + chunk_size], labels[start:start + chunk_size], weight, bias,
-            loss_parallel, use_reentrant=False,
+            loss_parallel, softcap, use_reentrant=False,
         )
         total = part if total is None else total + part
     return total

@@ -69,7 +69,7 @@ def _forward_backward(model, batches, ctx: StepContext, scale: float, held_grads
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
             loss_sum = head_loss_sum(
                 hidden, labels, weight, bias, compute_dtype=compute_dtype, chunk_size=ctx.cfg.train.loss_chunk_size,
-                loss_parallel=ctx.loss_parallel,
+                loss_parallel=ctx.loss_parallel, softcap=ctx.adapter.logit_softcap(model),
             )
             (loss_sum * scale).backward()
         local_loss_sum += local_value(loss_sum.detach())

@@ -33,6 +33,7 @@ from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
+from meshtron.models.families import check_family
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
 from meshtron.distributed.pipeline_parallel import check_pipeline
 from meshtron.train.batch import SequenceSplit
@@ -86,16 +87,20 @@ class TrainResult:
 
 
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
-    """(micro_batch_size, accumulation_steps) per rank, or a ConfigError if the batch does not split."""
+    """(sequences per forward, accumulation_steps) per rank, or a ConfigError if the batch does not split.
+
+    Under pipeline parallelism the forward is the schedule's step over the rank's whole batch, which it
+    splits into microbatches of ``train.micro_batch_size`` (see check_pipeline), without accumulation.
+    """
     batch, dp = cfg.train.global_batch_size, dims.dp
-    if dims.pp > 1 and batch % dp == 0:  # the pipeline schedule splits the rank's batch itself
-        return batch // dp, 1
     micro = cfg.train.micro_batch_size or max(1, batch // dp)
     if batch % (dp * micro):
         raise ConfigError(
             f"train.global_batch_size {batch} is not divisible by data-parallel degree {dp} x "
             f"train.micro_batch_size {micro} = {dp * micro}; make the global batch a multiple of {dp * micro}"
         )
+    if dims.pp > 1:
+        return batch // dp, 1
     return micro, batch // (dp * micro)
 
 
@@ -119,6 +124,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_data_path(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+    check_family(hf_config, tp=dims.tp, pp=dims.pp, attn_implementation=cfg.model.attn_implementation)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and cfg.data.seq_len > max_positions:
         raise ConfigError(
@@ -129,9 +135,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_attention(
         hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
     )
-    pp_microbatches = check_pipeline(
-        cfg.parallel, hf_config, micro, cfg.train.micro_batch_size is not None, device_type
-    )
+    pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
@@ -223,8 +227,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
         f"{policy.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
-        + (f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches "
-           f"({cfg.parallel.pp_schedule})" if dims.pp > 1 else
+        + (f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches of "
+           f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})" if dims.pp > 1 else
            f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation")
     )
     peak = device_peak_flops(runtime.device)

@@ -1,0 +1,102 @@
+"""The model families meshtron maps, and what each cannot do yet.
+
+Every family here has the shared decoder anatomy (``XForCausalLM`` with its body at ``.model`` holding
+``embed_tokens``, ``layers`` and ``norm``, its head at ``.lm_head``); what differs is listed per family:
+tensor-parallel roles of differently named submodules, transforms the model applies outside its blocks
+(embedding and logit scaling, logit soft-capping, which ``DecoderAdapter`` reproduces), and the
+parallelisms a family cannot be split by, refused here with one line before any process group starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    """What meshtron knows of one Hugging Face ``model_type`` beyond the shared anatomy."""
+
+    tp_refusal: str = ""
+    """Why tensor parallelism cannot split this family (empty: it can)."""
+    tp_over_kv_heads_refusal: str = ""
+    """Why tp cannot exceed the number of KV heads (empty: it can, KV projections are then replicated)."""
+    pp_refusal: str = ""
+    """Why pipeline stages cannot run this family (empty: they can)."""
+    eager_only: str = ""
+    """Why the family's attention needs ``model.attn_implementation=eager`` (empty: sdpa works)."""
+    zero_centered_norms: bool = False
+    """Its RMSNorms scale by ``1 + weight`` (Gemma): fresh norm weights start at 0, not 1."""
+    extra_roles: dict[str, str] = field(default_factory=dict)
+    """Tensor-parallel roles of block submodules beyond the Llama ones (see ``adapter._BLOCK_TP_ROLES``)."""
+
+
+_GEMMA_NORMS = {"pre_feedforward_layernorm": "norm", "post_feedforward_layernorm": "norm"}
+_GEMMA_PP = ("its layers use per-layer-type rotary embeddings and sliding windows that meshtron's pipeline "
+             "stages do not reproduce")
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(),
+    "mistral": Family(),
+    # Llama anatomy; embedding_multiplier / logits_scaling are applied by the adapter, the rest by the blocks.
+    "granite": Family(),
+    # Norms after attention and MLP; q_norm / k_norm normalize over all heads' features at once.
+    "olmo2": Family(  # under TP its q/k norms run on the all-gathered heads (GatheredNormParallel)
+        extra_roles={"post_feedforward_layernorm": "norm", "self_attn.q_norm": "gathered_norm",
+                     "self_attn.k_norm": "gathered_norm"},
+        tp_over_kv_heads_refusal="its k_norm normalizes over all KV heads together, which tp > KV heads replicates",
+    ),
+    # Parallel attention and MLP from one LayerNorm; logits multiplied by logit_scale (applied by the adapter).
+    "cohere": Family(),
+    # Biases everywhere, LayerNorms with biases, a two-matrix MLP.
+    "starcoder2": Family(extra_roles={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+    "phi3": Family(
+        tp_refusal="its fused qkv_proj and gate_up_proj projections are not split by meshtron's tensor parallelism"
+    ),
+    "gemma2": Family(pp_refusal=_GEMMA_PP, extra_roles=_GEMMA_NORMS, zero_centered_norms=True,
+                     eager_only="its attention logit soft-capping is not in torch's sdpa"),
+    "gemma3_text": Family(pp_refusal=_GEMMA_PP, extra_roles=_GEMMA_NORMS, zero_centered_norms=True),
+}
+
+
+def supported_families() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def family_of(hf_config) -> Family:
+    """The family of a Hugging Face config, or a one-line ConfigError listing the supported ones."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"model family '{model_type}' is not supported; "
+            f"meshtron maps these decoder families: {supported_families()}"
+        )
+    return FAMILIES[model_type]
+
+
+def check_family(hf_config, *, tp: int = 1, pp: int = 1, attn_implementation: str | None = None) -> None:
+    """Refuse an unknown family, or a parallelism the family cannot be split by, with one line."""
+    family = family_of(hf_config)
+    name = hf_config.model_type
+    if tp > 1 and family.tp_refusal:
+        raise ConfigError(
+            f"model family {name} under parallel.tp > 1 is not supported yet: {family.tp_refusal}; use parallel.tp=1"
+        )
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_attention_heads", tp)
+    if tp > kv_heads and family.tp_over_kv_heads_refusal:
+        raise ConfigError(
+            f"model family {name} with parallel.tp={tp} > its {kv_heads} KV heads is not supported yet: "
+            f"{family.tp_over_kv_heads_refusal}; use a tp that divides {kv_heads}"
+        )
+    if pp > 1 and family.pp_refusal:
+        raise ConfigError(
+            f"model family {name} under parallel.pp > 1 is not supported yet: {family.pp_refusal}; use parallel.pp=1"
+        )
+    if attn_implementation == "sdpa" and family.eager_only:
+        raise ConfigError(
+            f"model family {name} cannot use model.attn_implementation=sdpa: {family.eager_only}; "
+            "use model.attn_implementation=eager"
+        )
