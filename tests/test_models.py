@@ -224,7 +224,8 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
 
 
 # More decoder families (meshtron.models.families): the tiny presets built from each family's config class.
-NEW_FAMILIES = ["granite-tiny", "olmo2-tiny", "phi3-tiny", "cohere-tiny", "starcoder2-tiny", "gemma2-tiny", "gemma3-tiny"]
+NEW_FAMILIES = ["granite-tiny", "olmo2-tiny", "phi3-tiny", "cohere-tiny", "starcoder2-tiny", "gptneox-tiny", "gemma2-tiny",
+                "gemma3-tiny"]
 
 
 def _family_cfg(preset: str) -> ModelConfig:
@@ -244,7 +245,7 @@ def test_meshtron_loss_and_pipeline_stage_compute_what_the_model_does(preset):
     ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
     expected = model(input_ids=ids, labels=ids).loss
-    hidden = model.model(input_ids=ids).last_hidden_state
+    hidden = adapter.body(model)(input_ids=ids).last_hidden_state
     weight, bias = adapter.head_parameters(model)
     loss = head_loss_sum(hidden, labels, weight, bias, softcap=adapter.logit_softcap(model), chunk_size=16)
     torch.testing.assert_close(loss / (labels != -100).sum(), expected, rtol=1e-6, atol=0)
@@ -282,7 +283,7 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
         _preflight([f"model.name_or_path={tmp_path}"])
     message = str(err.value)
     assert "model family 'gpt2' is not supported" in message and "\n" not in message
-    for family in ("llama", "qwen3", "granite", "olmo2", "phi3", "cohere", "starcoder2", "gemma2", "gemma3_text"):
+    for family in ("llama", "qwen3", "granite", "olmo2", "phi3", "cohere", "starcoder2", "gpt_neox", "gemma2", "gemma3_text"):
         assert family in message
 
 
@@ -291,6 +292,8 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
     [
         (["model.preset=phi3-tiny", "parallel.tp=2"], 2,
          "model family phi3 under parallel.tp > 1 is not supported yet: its fused qkv_proj and gate_up_proj"),
+        (["model.preset=gptneox-tiny", "parallel.tp=2"], 2,
+         "model family gpt_neox under parallel.tp > 1 is not supported yet: its fused query_key_value projection"),
         (["model.preset=olmo2-tiny", "parallel.tp=4"], 4,
          "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes"),
         (["model.preset=gemma3-tiny", "parallel.pp=2", "data.mask_documents=false"], 2,
@@ -318,6 +321,7 @@ def test_supported_family_settings_pass_preflight():
     _preflight(["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false",
                 "parallel.tp=2"], 2)
     _preflight(["model.preset=phi3-tiny", "parallel.pp=2", "parallel.cp=2"], 4)
+    _preflight(["model.preset=gptneox-tiny", "parallel.pp=2", "parallel.cp=2"], 4)
     _preflight(["model.preset=olmo2-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
 
@@ -335,7 +339,7 @@ def test_planner_maps_each_family_and_offers_only_the_parallelisms_it_supports(p
     assert shape.total_params == sum(p.numel() for p in model.parameters())
     layouts = candidate_layouts(shape, config, Workload(seq_len=256, global_batch=16, mask_documents=not preset.startswith("gemma")), 4, hardware(next(iter(GPUS))))
     tps = {layout.tp for layout in layouts}
-    assert tps == {"phi3-tiny": {1}, "olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
+    assert tps == {"phi3-tiny": {1}, "gptneox-tiny": {1}, "olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +361,7 @@ def sharded_loads(tmp_path_factory):
         AutoModelForCausalLM.from_config(config, attn_implementation=model_cfg.attn_implementation).save_pretrained(
             root / preset
         )
-        layout = ["parallel.dp_shard=4"] if preset == "phi3-tiny" else ["parallel.dp_shard=2", "parallel.tp=2"]
+        layout = ["parallel.dp_shard=4"] if preset in ("phi3-tiny", "gptneox-tiny") else ["parallel.dp_shard=2", "parallel.tp=2"]
         layout += ["data.mask_documents=false"] if preset.startswith("gemma") else []
         layout += [f"model.attn_implementation={model_cfg.attn_implementation}"]
         jobs.append({"model_dir": str(root / preset), "out": str(root / f"{preset}.json"), "overrides": layout})

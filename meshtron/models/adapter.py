@@ -1,9 +1,10 @@
 """Model-family adapters: the only place that knows where a model keeps its parts.
 
 Parallelism code asks an adapter for the embeddings, decoder blocks, final norm and head; it never
-reaches into a model's internals itself. Every supported family (``meshtron.models.families``) shares
-one anatomy; the adapter also reproduces what a model does outside its blocks (Granite's embedding and
-logit scaling, Gemma 2's final logit soft-capping), since meshtron runs the stages and the head itself.
+reaches into a model's internals itself. The supported families (``meshtron.models.families``) share
+one anatomy, except GPT-NeoX, whose paths ``meshtron.models.gpt_neox.GPTNeoXAdapter`` gives; the
+adapter also reproduces what a model does outside its blocks (Granite's embedding and logit scaling,
+Gemma 2's final logit soft-capping), since meshtron runs the stages and the head itself.
 """
 
 from __future__ import annotations
@@ -237,4 +238,8 @@ class DecoderAdapter:
 def adapter_for(config) -> DecoderAdapter:
     """The adapter of a Hugging Face config's family; a ConfigError listing the supported families for others."""
     family_of(config)
+    if config.model_type == "gpt_neox":  # its own anatomy (body at .gpt_neox)
+        from meshtron.models.gpt_neox import GPTNeoXAdapter
+
+        return GPTNeoXAdapter(config.model_type)
     return DecoderAdapter(config.model_type)

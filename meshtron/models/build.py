@@ -183,8 +183,11 @@ def _local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
 
 def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, tied: bool, region) -> torch.Tensor:
     candidates = [name]
+    if name == "lm_head.weight" and "embed_out.weight" in reader:
+        candidates.append("embed_out.weight")  # GPT-NeoX checkpoints name their head embed_out
     if tied and name.endswith("lm_head.weight"):
         candidates.append(name.replace("lm_head.weight", "model.embed_tokens.weight"))
+        candidates.append("gpt_neox.embed_in.weight")
     for candidate in candidates:
         if candidate in reader:
             shape = reader.shape(candidate)

@@ -1,7 +1,8 @@
 """The model families meshtron maps, and what each cannot do yet.
 
-Every family here has the shared decoder anatomy (``XForCausalLM`` with its body at ``.model`` holding
-``embed_tokens``, ``layers`` and ``norm``, its head at ``.lm_head``); what differs is listed per family:
+Every family here but GPT-NeoX has the shared decoder anatomy (``XForCausalLM`` with its body at ``.model``
+holding ``embed_tokens``, ``layers`` and ``norm``, its head at ``.lm_head``; GPT-NeoX's own paths are in
+``meshtron.models.gpt_neox``); what differs is listed per family:
 tensor-parallel roles of differently named submodules, transforms the model applies outside its blocks
 (embedding and logit scaling, logit soft-capping, which ``DecoderAdapter`` reproduces), and the
 parallelisms a family cannot be split by, refused here with one line before any process group starts.
@@ -55,6 +56,11 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family(extra_roles={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
     "phi3": Family(
         tp_refusal="its fused qkv_proj and gate_up_proj projections are not split by meshtron's tensor parallelism"
+    ),
+    # Body at .gpt_neox (meshtron.models.gpt_neox), biases, LayerNorms, parallel attention and MLP.
+    "gpt_neox": Family(
+        tp_refusal="its fused query_key_value projection interleaves q, k and v per head, which meshtron's "
+        "tensor parallelism does not split"
     ),
     "gemma2": Family(pp_refusal=_GEMMA_PP, extra_roles=_GEMMA_NORMS, zero_centered_norms=True,
                      eager_only="its attention logit soft-capping is not in torch's sdpa"),

@@ -51,6 +51,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None,
         pad_token_id=None, bos_token_id=None, eos_token_id=None,
     ),
+    "gptneox-tiny": dict(  # body at .gpt_neox, fused per-head qkv, biases, LayerNorms, parallel attention and MLP
+        model_type="gpt_neox", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=2048, use_parallel_residual=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        bos_token_id=None, eos_token_id=None,
+    ),
     # Gemma 2 / 3: scaled embeddings, tied head, a sliding-window layer (window 16 < the tests' 32 tokens)
     # then a global one. Soft-capping caps are far below the real 50 / 30 so that they change the tiny
     # model's (small) attention scores and logits.
