@@ -9,18 +9,10 @@ in torch 2.11 to 2.13) to measure what the planner charges as held gradients.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-
-def _local_bytes(tensor: torch.Tensor | None) -> int:
-    if tensor is None:
-        return 0
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
+from meshtron.metrics.logger import local_bytes
 
 
 def _fsdp_param_groups(module: FSDPModule) -> list:
@@ -36,18 +28,18 @@ def _fsdp_held_bytes(module: FSDPModule) -> int:
     """Deferred (unsharded) gradients and HSDP partial reductions of one FSDP module's own parameters."""
     held = 0
     for group in _fsdp_param_groups(module):
-        held += _local_bytes(getattr(group, "_partial_reduce_output", None))
+        held += local_bytes(getattr(group, "_partial_reduce_output", None))
         for fsdp_param in group.fsdp_params:
             accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
             if accumulated is not None:
-                held += _local_bytes(accumulated)
+                held += local_bytes(accumulated)
             elif hasattr(fsdp_param, "_unsharded_param"):
-                held += _local_bytes(fsdp_param._unsharded_param.grad)
+                held += local_bytes(fsdp_param._unsharded_param.grad)
     return held
 
 
 def held_gradient_bytes(model: nn.Module) -> int:
     """Bytes of gradients this rank holds now: ``param.grad`` (local shards) plus FSDP2's deferred and
     partially reduced gradients."""
-    held = sum(_local_bytes(p.grad) for p in model.parameters())
+    held = sum(local_bytes(p.grad) for p in model.parameters())
     return held + sum(_fsdp_held_bytes(m) for m in model.modules() if isinstance(m, FSDPModule))

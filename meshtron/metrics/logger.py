@@ -12,9 +12,12 @@ from typing import IO
 import torch
 
 
-def _local_bytes(tensor) -> int:
+def local_bytes(tensor) -> int:
+    """Bytes of this rank's piece of ``tensor`` (a DTensor's local shard); 0 for None."""
     from torch.distributed.tensor import DTensor
 
+    if tensor is None:
+        return 0
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
 
@@ -23,12 +26,12 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
     params = list(model.parameters())
     optim = sum(
-        _local_bytes(value) for state in optimizer.state.values() for value in state.values()
+        local_bytes(value) for state in optimizer.state.values() for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     )
     return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": optim,
     }
 
