@@ -63,6 +63,16 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("meshtron-cache")
 
 
+def reference_attention(q, k, v, visible, scale):
+    """Float64 softmax attention over the visible keys, key/value heads repeated for GQA."""
+    import torch
+
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def full_blocks(block_mask):
     """(B, Q blocks, KV blocks) bool of the blocks the kernel runs without calling the mask_mod."""
     import itertools

@@ -6,6 +6,9 @@ relative error (max abs error / max abs reference) of the output and of dq, dk, 
 Kernels: ``auto`` (CPU flash op for unmasked sub-blocks, plain PyTorch for masked ones), ``math`` (plain
 PyTorch everywhere) and, with documents, ``flex`` (masked sub-blocks by eager FlexAttention with the
 planned ``BlockMask``; forward only, as FlexAttention has no CPU backward).
+Sliding-window cases (``sliding_window_cases``: windows shorter than, equal to and longer than a chunk of
+16 tokens at cp=2 and of 8 at cp=4, documents crossing chunk borders inside the window) go to a second
+file, OUT's name with ``.sliding_window.json`` appended.
 """
 
 import itertools
@@ -30,18 +33,20 @@ def random_tokens(generator) -> torch.Tensor:
     return tokens
 
 
-def reference(q, k, v, docs, scale):
-    """Plain float64 attention over the whole sequence with the causal (and document) mask."""
+def reference(q, k, v, docs, scale, window=None):
+    """Plain float64 attention over the whole sequence with the causal (and document, and window) mask."""
     groups = HEADS // KV_HEADS
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     visible = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if window is not None:  # transformers' sliding_window_overlay: kv_idx > q_idx - window
+        visible = visible & ~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(-window)
     if docs is not None:
         visible = visible & (docs[:, :, None] == docs[:, None, :])[:, None]
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, -1) @ v
 
 
-def run_case(cp, method, masked, kernel, group, rank) -> dict:
+def run_case(cp, method, masked, kernel, group, rank, window=None) -> dict:
     generator = torch.Generator().manual_seed(1234)
     q = torch.randn(BATCH, HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
     k = torch.randn(BATCH, KV_HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
@@ -50,13 +55,13 @@ def run_case(cp, method, masked, kernel, group, rank) -> dict:
     docs = document_ids(random_tokens(generator), EOS) if masked else None
     scale = DIM ** -0.5
     ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out = reference(*ref_inputs, docs, scale)
+    ref_out = reference(*ref_inputs, docs, scale, window)
     (ref_out * weight).sum().backward()
 
     index = local_token_index(SEQ, cp, rank)
     local = [t[:, :, index].float().contiguous().requires_grad_() for t in (q, k, v)]
     layout = SequenceLayout(SEQ, cp, rank, group, method, docs, kernel)
-    out = context_parallel_attention(*local, layout, scale)
+    out = context_parallel_attention(*local, layout, scale, window)
     backward = kernel != "flex"
     if backward:
         (out * weight[:, :, index].float()).sum().backward()
@@ -68,6 +73,18 @@ def run_case(cp, method, masked, kernel, group, rank) -> dict:
     worst = torch.tensor(errors, dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return dict(zip(("out", "dq", "dk", "dv"), worst.tolist()))
+
+
+def sliding_window_cases():
+    """(cp, method, masked, kernel, window): every window with documents, both methods, the fastest kernels;
+    without documents and with the plain kernel and FlexAttention sub-blocks (output only) a few."""
+    for cp, method, window in itertools.product((2, 4), ("ring", "allgather"), (5, 8, 16, 27)):
+        yield cp, method, True, "auto", window
+    for cp, window in itertools.product((2, 4), (5, 16)):
+        yield cp, "ring", False, "auto", window
+        yield cp, "allgather", True, "math", window
+    for cp, window in itertools.product((2, 4), (8, 27)):
+        yield cp, "ring", True, "flex", window
 
 
 def main() -> None:
@@ -83,9 +100,16 @@ def main() -> None:
         group = dist.group.WORLD if cp == 4 else pairs[rank // 2]
         name = f"cp{cp}-{method}-{'documents' if masked else 'causal'}-{kernel}"
         results[name] = run_case(cp, method, masked, kernel, group, rank % cp)
+    windowed = {}
+    for cp, method, masked, kernel, window in sliding_window_cases():
+        group = dist.group.WORLD if cp == 4 else pairs[rank // 2]
+        name = f"cp{cp}-{method}-{'documents' if masked else 'causal'}-{kernel}-window{window}"
+        windowed[name] = run_case(cp, method, masked, kernel, group, rank % cp, window)
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
+        with open(sys.argv[1] + ".sliding_window.json", "w") as f:
+            json.dump(windowed, f, indent=1)
     dist.destroy_process_group()
 
 

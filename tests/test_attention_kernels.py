@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from conftest import full_blocks
+from conftest import full_blocks, reference_attention
 from meshtron.config import ModelConfig
 from meshtron.distributed.context_parallel import SequenceLayout
 from meshtron.models import attention_kernels as kernels
@@ -49,14 +49,6 @@ def reference_mask(tokens: torch.Tensor) -> torch.Tensor:
             visible[row, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
             start = end
     return visible
-
-
-def reference_attention(q, k, v, visible, scale):
-    """Float64 softmax attention over the visible keys, key/value heads repeated for GQA."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
 
 
 def qkv(dtype=torch.float32, batch=3, seq=SEQ):

@@ -28,6 +28,9 @@ def base(cache_dir) -> list[str]:
     ]
 
 
+TIED = "model.preset=qwen3-tiny"  # tied embeddings
+
+
 def from_half(out: Path, name: str) -> str:
     return f"checkpoint.resume={out / name / 'checkpoints' / f'step-{HALF:08d}'}"
 
@@ -72,10 +75,18 @@ def runs(tmp_path_factory, cache_dir):
                        "train.fp16_growth_interval=3"],
         "fsdp4_fp16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144",
                                "train.fp16_growth_interval=3", from_half(out, "fsdp4_fp16")],
+        # Tied embeddings: under pp the last stage's head is a copy of the embeddings, saved under both model
+        # names and with the embeddings' optimizer state; pp1 -> pp2, pp2 -> pp2 and pp2 -> FSDP (-> 1 below).
+        "fsdp4_tied": [TIED, "parallel.dp_shard=4"],
+        "pp2_dp2_tied": [TIED, "parallel.pp=2", "parallel.dp_shard=2"],
+        "pp2_dp2_tied_resumed": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "pp2_dp2_tied")],
+        "pp2_dp2_tied_from_fsdp4_tied": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "fsdp4_tied")],
+        "fsdp4_tied_from_pp2_dp2_tied": [TIED, "parallel.dp_shard=4", from_half(out, "pp2_dp2_tied")],
     }, out, cache_dir)
     in_process("single", [], out, cache_dir)
     in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
     in_process("single_from_fsdp4", [from_half(out, "fsdp4")], out, cache_dir)
+    in_process("single_tied_from_pp2_dp2_tied", [TIED, from_half(out, "pp2_dp2_tied")], out, cache_dir)
     return out
 
 
@@ -84,7 +95,8 @@ def losses(out: Path, name: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16"])
+@pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16",
+                                      "pp2_dp2_tied"])
 def test_resume_is_exact(runs, straight):
     """N steps, stop, resume for N more: the same losses and weights, bit for bit, as 2N straight."""
     full, resumed = losses(runs, straight), losses(runs, f"{straight}_resumed")
@@ -100,6 +112,9 @@ def test_resume_is_exact(runs, straight):
     ("dp2_tp2_from_fsdp4", "fsdp4"),     # FSDP4 -> DP2 x TP2, same world size
     ("single_from_fsdp4", "fsdp4"),      # 4 processes -> 1
     ("dp2_cp2_from_pp2_tp2", "pp2_tp2"), # PP2 x TP2 -> DP2 x CP2
+    ("pp2_dp2_tied_from_fsdp4_tied", "fsdp4_tied"),  # tied: FSDP4 -> PP2 x DP2 (the head copy gets the embeddings' moments)
+    ("fsdp4_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> FSDP4
+    ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process
 ])
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
     full, continued = losses(runs, straight), losses(runs, resumed)
@@ -151,6 +166,32 @@ def test_export_loads_in_plain_transformers(runs, tmp_path):
         ours = model.eval()(**sequence_inputs(input_ids, split)).logits
     theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_tied_pipeline_checkpoint_keeps_one_weight_and_exports_a_tied_model(runs, tmp_path):
+    """A tied model trained (and resumed) under pp: the last stage's head stays equal to the embeddings, the
+    checkpoint's optimizer state names only the embeddings (as a run without pp does), and the export is the
+    usual tied Hugging Face model with the run's final weights."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    for name in ("pp2_dp2_tied", "pp2_dp2_tied_resumed", "pp2_dp2_tied_from_fsdp4_tied"):
+        final = torch.load(runs / f"{name}.pt", weights_only=True)
+        assert torch.equal(final["model.embed_tokens.weight"], final["lm_head.weight"]), name
+    checkpoint = runs / "pp2_dp2_tied" / "checkpoints" / f"step-{STEPS:08d}"
+    keys = set(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    assert {"model.model.embed_tokens.weight", "model.lm_head.weight"} <= keys
+    assert "optim.state.model.embed_tokens.weight.exp_avg" in keys
+    assert not any(key.startswith("optim.") and "lm_head" in key for key in keys)
+    final = torch.load(runs / "pp2_dp2_tied.pt", weights_only=True)
+    exported = tmp_path / "hf-tied"
+    proc = run_cli(["export", str(checkpoint), str(exported)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in final.items() if k in state) and set(final) <= set(state)
 
 
 @pytest.mark.slow

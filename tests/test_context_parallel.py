@@ -282,3 +282,10 @@ def test_context_parallel_attention_matches_single_device(tmp_path):
     failures = {case: errs for case, errs in results.items() if max(errs.values()) > OP_TOLERANCE}
     print("worst relative error:", max(max(e.values()) for e in results.values()))
     assert not failures, failures
+    # Sliding windows (5, 8, 16, 27 against chunks of 16 at cp=2 and 8 at cp=4), written beside: see the worker.
+    windowed = json.loads((tmp_path / "errors.json.sliding_window.json").read_text())
+    assert len(windowed) == 28 and sum(name.endswith("-window27") for name in windowed) == 6
+    assert all(len(errs) == (1 if "-flex-" in name else 4) for name, errs in windowed.items())
+    failures = {case: errs for case, errs in windowed.items() if max(errs.values()) > OP_TOLERANCE}
+    print("worst relative error with a sliding window:", max(max(e.values()) for e in windowed.values()))
+    assert not failures, failures

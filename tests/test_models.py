@@ -249,11 +249,46 @@ def test_meshtron_loss_and_pipeline_stage_compute_what_the_model_does(preset):
     weight, bias = adapter.head_parameters(model)
     loss = head_loss_sum(hidden, labels, weight, bias, softcap=adapter.logit_softcap(model), chunk_size=16)
     torch.testing.assert_close(loss / (labels != -100).sum(), expected, rtol=1e-6, atol=0)
-    if preset.startswith("gemma"):
-        return  # pipeline parallelism is refused for Gemma (see test_family_refusals_name_the_setting)
     positions = torch.arange(24).expand(2, 24)
     staged = adapter.run_stage(model, None, {"input_ids": ids, "position_ids": positions}, first=True, last=True)
     torch.testing.assert_close(staged, hidden, rtol=1e-6, atol=1e-6)
+
+
+def test_phi3_trains_its_fused_projections_split_and_exports_them_fused(tmp_path, cache_dir):
+    """A pretrained Phi-3 loads into q/k/v and gate/up projections (the fused tensors' row ranges) with the
+    logits of transformers' own model; a trained checkpoint exports as a plain Phi-3 whose fused tensors
+    hold the trained split ones."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.checkpoint.export import export_checkpoint
+    from meshtron.config import load_config
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    config = make_preset_config("phi3-tiny", 257)
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config).eval()
+    original.save_pretrained(tmp_path / "phi3")
+    loaded = build(ModelConfig(name_or_path=str(tmp_path / "phi3"))).eval()
+    attention, fused = loaded.model.layers[1].self_attn, original.model.layers[1].self_attn.qkv_proj.weight
+    assert not hasattr(attention, "qkv_proj") and not hasattr(loaded.model.layers[1].mlp, "gate_up_proj")
+    assert torch.equal(attention.k_proj.weight, fused[64:96])  # 4 query heads of 16, then 2 KV heads
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+
+    cfg = load_config(None, [f"model.name_or_path={tmp_path / 'phi3'}", "data.seq_len=16", "data.max_documents=20",
+                             f"data.cache_dir={cache_dir}", "train.steps=2", "train.global_batch_size=2",
+                             "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}", "run.progress=false"], env={})
+    trained = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU)).model.state_dict()
+    export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(exported) == set(original.state_dict())
+    block = "model.layers.0."
+    assert torch.equal(exported[block + "self_attn.qkv_proj.weight"], torch.cat(
+        [trained[block + f"self_attn.{name}.weight"] for name in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(exported[block + "mlp.gate_up_proj.weight"], torch.cat(
+        [trained[block + f"mlp.{name}.weight"] for name in ("gate_proj", "up_proj")]))
+    assert not torch.equal(exported[block + "mlp.gate_up_proj.weight"], original.state_dict()[block + "mlp.gate_up_proj.weight"])
 
 
 def test_gemma_norm_weights_start_at_zero():
@@ -290,24 +325,13 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
 @pytest.mark.parametrize(
     "overrides, world, expected",
     [
-        (["model.preset=phi3-tiny", "parallel.tp=2"], 2,
-         "model family phi3 under parallel.tp > 1 is not supported yet: its fused qkv_proj and gate_up_proj"),
-        (["model.preset=gptneox-tiny", "parallel.tp=2"], 2,
-         "model family gpt_neox under parallel.tp > 1 is not supported yet: its fused query_key_value projection"),
         (["model.preset=olmo2-tiny", "parallel.tp=4"], 4,
          "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes"),
-        (["model.preset=gemma3-tiny", "parallel.pp=2", "data.mask_documents=false"], 2,
-         "model family gemma3_text under parallel.pp > 1 is not supported yet"),
         (["model.preset=gemma2-tiny", "data.mask_documents=false"], 1,
          "model family gemma2 cannot use model.attn_implementation=sdpa"),
         (["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.seq_len=16"], 1,
          "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for data.mask_documents); "
          "set data.mask_documents=false"),
-        (["model.preset=gemma3-tiny"], 1,
-         "sliding_window 16 is shorter than data.seq_len 32, and meshtron's attention (used for data.mask_documents) "
-         "has no sliding window; use data.seq_len <= 16 or set data.mask_documents=false"),
-        (["model.preset=gemma3-tiny", "parallel.cp=2", "data.mask_documents=false"], 2,
-         "has no sliding window; use data.seq_len <= 16 or set parallel.cp=1"),
     ],
 )
 def test_family_refusals_name_the_setting(overrides, world, expected):
@@ -317,11 +341,15 @@ def test_family_refusals_name_the_setting(overrides, world, expected):
 
 def test_supported_family_settings_pass_preflight():
     _preflight(["model.preset=gemma3-tiny", "data.mask_documents=false", "parallel.tp=2"], 2)
-    _preflight(["model.preset=gemma3-tiny", "parallel.cp=2", "data.seq_len=16"], 2)  # window covers the sequence
+    _preflight(["model.preset=gemma3-tiny"], 1)  # document masks with its sliding window (16 < 32 tokens)
+    _preflight(["model.preset=gemma3-tiny", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2"], 8)
+    _preflight(["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false",
+                "parallel.pp=2"], 2)
     _preflight(["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false",
                 "parallel.tp=2"], 2)
-    _preflight(["model.preset=phi3-tiny", "parallel.pp=2", "parallel.cp=2"], 4)
-    _preflight(["model.preset=gptneox-tiny", "parallel.pp=2", "parallel.cp=2"], 4)
+    _preflight(["model.preset=phi3-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
+    _preflight(["model.preset=phi3-tiny", "parallel.tp=4"], 4)  # 2 KV heads: k_proj / v_proj replicated
+    _preflight(["model.preset=gptneox-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=olmo2-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
 
@@ -339,13 +367,13 @@ def test_planner_maps_each_family_and_offers_only_the_parallelisms_it_supports(p
     assert shape.total_params == sum(p.numel() for p in model.parameters())
     layouts = candidate_layouts(shape, config, Workload(seq_len=256, global_batch=16, mask_documents=not preset.startswith("gemma")), 4, hardware(next(iter(GPUS))))
     tps = {layout.tp for layout in layouts}
-    assert tps == {"phi3-tiny": {1}, "gptneox-tiny": {1}, "olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
+    assert tps == {"olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
 
 
 @pytest.fixture(scope="module")
 def sharded_loads(tmp_path_factory):
     """One 4-process launch that loads a saved tiny model of qwen2 and of every new family under DP2 x TP2
-    (FSDP over 4 ranks where the family refuses TP) and compares it with one process; results by preset."""
+    and compares it with one process; results by preset."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -361,7 +389,7 @@ def sharded_loads(tmp_path_factory):
         AutoModelForCausalLM.from_config(config, attn_implementation=model_cfg.attn_implementation).save_pretrained(
             root / preset
         )
-        layout = ["parallel.dp_shard=4"] if preset in ("phi3-tiny", "gptneox-tiny") else ["parallel.dp_shard=2", "parallel.tp=2"]
+        layout = ["parallel.dp_shard=2", "parallel.tp=2"]
         layout += ["data.mask_documents=false"] if preset.startswith("gemma") else []
         layout += [f"model.attn_implementation={model_cfg.attn_implementation}"]
         jobs.append({"model_dir": str(root / preset), "out": str(root / f"{preset}.json"), "overrides": layout})
@@ -375,8 +403,8 @@ def sharded_loads(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", NEW_FAMILIES)
 def test_pretrained_load_of_each_family_reads_only_each_ranks_slice(sharded_loads, preset):
-    """As for Qwen2 above: DP2 x TP2 (FSDP over 4 ranks where the family refuses TP), the same weights and
-    logits as one process, and no rank reads much more than a quarter of the checkpoint."""
+    """As for Qwen2 above: DP2 x TP2, the same weights and logits as one process, and no rank reads much
+    more than a quarter of the checkpoint (Phi-3: row ranges of its fused projections)."""
     result = sharded_loads[preset]
     assert result["same_keys"]
     assert max(result["weight_diffs"].values()) == 0.0
@@ -385,8 +413,9 @@ def test_pretrained_load_of_each_family_reads_only_each_ranks_slice(sharded_load
 
 
 def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
-    """``meshtron plan`` on Gemma 2: with document masks one line names the setting; without, only
-    layouts without CP and PP (soft-capping, sliding windows and the tied head keep them out), TP included."""
+    """``meshtron plan`` on Gemma 2: with document masks one line names the setting; without, only layouts
+    without CP (meshtron's attention has no soft-capping), TP included (its 2 layers are too few for the
+    planner's pipelines, which hold at least 2 layers per stage)."""
     import json
 
     from meshtron.cli import main
@@ -395,9 +424,10 @@ def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
     args = ["plan", "--model", str(tmp_path / "config.json"), "--gpus", "4", "--seq-len", "256", "--global-batch", "16"]
     capsys.readouterr()
     assert main(args) != 0
-    assert "has no sliding window; use data.seq_len <= 16 or set data.mask_documents=false" in capsys.readouterr().err
+    assert ("the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for "
+            "data.mask_documents); set data.mask_documents=false") in capsys.readouterr().err
     assert main([*args, "--no-mask-documents", "--json"]) == 0
     out = capsys.readouterr().out
     layouts = [c["layout"] for c in json.loads(out[: out.rindex("}") + 1])["candidates"]]
-    assert {(layout["cp"], layout["pp"]) for layout in layouts} == {(1, 1)}
+    assert {layout["cp"] for layout in layouts} == {1}
     assert {layout["tp"] for layout in layouts} == {1, 2, 4}

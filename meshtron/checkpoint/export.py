@@ -56,6 +56,7 @@ def export_checkpoint(
     if set(missing) - {"lm_head.weight"}:
         raise ConfigError(f"checkpoint '{source}' lacks model weights {sorted(missing)[:3]}; it is incomplete")
     adapter.tie_weights(model)
+    adapter.fuse_projections(model)  # the family's own layout (Phi-3's fused qkv_proj and gate_up_proj)
     target.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(target, safe_serialization=True, max_shard_size=max_shard_size)

@@ -23,12 +23,17 @@ from meshtron.models.adapter import canonical_name
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _optimizer_key_names(key: str, pipelined: bool) -> str:
-    """A flattened optimizer key with the pipeline container's stage index removed from the parameter name."""
+def _optimizer_key_names(key: str, pipelined: bool, tied: dict[str, str] | None = None) -> str:
+    """A flattened optimizer key with the pipeline container's stage index removed from the parameter name,
+    and a tied head's copy (``tied``: {head: embeddings}) named as the embeddings it equals."""
     if not pipelined:
         return key
     kind, rest = key.split(".", 1)  # "state" or "param_groups", then "<index>.<name>.<leaf>"
-    return f"{kind}.{rest.split('.', 1)[1]}"
+    rest = rest.split(".", 1)[1]
+    for head, embeddings in (tied or {}).items():
+        if rest.startswith(head + "."):
+            rest = embeddings + rest[len(head):]
+    return f"{kind}.{rest}"
 
 
 class TrainingState:
@@ -36,11 +41,17 @@ class TrainingState:
 
     ``container`` is the module the optimizer was built over: the model itself, or under pipeline
     parallelism an ``nn.ModuleList`` of the stages (whose names carry a stage index to strip).
+
+    A tied model's pipeline stages hold the head as a copy of the embeddings, kept equal to them with
+    the same optimizer state: its optimizer entries are saved and loaded under the embeddings' name, the
+    only one a tied model without pipelining has (its model entries keep both names, as there).
     """
 
     def __init__(self, parts: list[nn.Module], container: nn.Module, optimizer: torch.optim.Optimizer):
         self.parts, self.container, self.optimizer = parts, container, optimizer
         self.pipelined = container is not parts[0]
+        self.tied = {head: embeddings for part in parts
+                     for head, embeddings in getattr(part, "pipeline_tied_weights", {}).items()}
 
     def state_dict(self) -> dict:
         model = {}
@@ -49,7 +60,7 @@ class TrainingState:
         optim = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIM)
         return {
             "model": model,
-            "optim": {_optimizer_key_names(k, self.pipelined): v for k, v in optim.items()},
+            "optim": {_optimizer_key_names(k, self.pipelined, self.tied): v for k, v in optim.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -58,5 +69,5 @@ class TrainingState:
             own = {canonical_name(k) for k in get_model_state_dict(part)}
             set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own})
         template = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIM)
-        optim = {key: state["optim"][_optimizer_key_names(key, self.pipelined)] for key in template}
+        optim = {key: state["optim"][_optimizer_key_names(key, self.pipelined, self.tied)] for key in template}
         set_optimizer_state_dict(self.container, self.optimizer, optim, options=_OPTIM)

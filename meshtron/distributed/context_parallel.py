@@ -5,10 +5,12 @@ under the causal mask every rank does the same attention work. Token ids, labels
 are sharded with the same index (``shard_sequence``); RoPE gets the global positions.
 
 Attention (``context_parallel_attention``) computes the rank's queries against every rank's key /
-value chunks, sub-block by sub-block, skipping sub-blocks that the causal or document mask hides
-entirely, and merges the partial results by log-sum-exp. Which sub-blocks to compute and their masks
-are planned once per micro-batch (``sub_blocks``); each sub-block runs a fused kernel where the device
-has one (``attention_blocks``). Two ways to get the other ranks' K/V:
+value chunks, sub-block by sub-block, skipping sub-blocks that the causal mask, the document mask or
+the layer's sliding window hides entirely, and merges the partial results by log-sum-exp. Which
+sub-blocks to compute and their masks are planned once per micro-batch and window (``sub_blocks``); each
+sub-block runs a fused kernel where the device has one (``attention_blocks``). The window is decided on
+global token indices: a rank's two query chunks and every key chunk have known global offsets. Two ways
+to get the other ranks' K/V:
 
 * ``ring``: K/V travel around the ring with point-to-point ops; the next block's transfer runs while
   the current block is computed. In backward the K/V gradients travel with their blocks and arrive
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from meshtron.distributed.attention_blocks import block_backward, block_forward, merge_partial
 from meshtron.distributed.sub_blocks import chunk_ids, sub_blocks
 from meshtron.errors import ConfigError
+from meshtron.models.attention_kernels import effective_window
 
 
 def check_context_parallel(cp: int, seq_len: int) -> None:
@@ -72,7 +75,10 @@ class SequenceLayout:
     document-masked sub-blocks on any device), for tests: see ``sub_blocks.KERNELS``."""
     attention_cache: dict = field(default_factory=dict, compare=False, repr=False)
     """Masks that attention builds once for this micro-batch and every layer reuses (the sub-block plan
-    with cp)."""
+    with cp, one per sliding window)."""
+    document_ranges: dict = field(default_factory=dict, compare=False, repr=False)
+    """Each cp chunk's first and last document id, read on the host once per micro-batch by the first plan
+    and reused by the plans of other sliding windows (``sub_blocks``)."""
 
     @property
     def chunk(self) -> int:
@@ -105,20 +111,21 @@ def _finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
     return received
 
 
-def _forward_block(q_halves, kv, source: int, layout, scale, state) -> None:
+def _forward_block(q_halves, kv, source: int, layout, scale, state, window=None) -> None:
     """Attend the local queries to the K/V chunks of rank ``source``, merging into ``state``."""
     k_halves, v_halves = _halves(kv[0], layout.chunk), _halves(kv[1], layout.chunk)
-    for qi, ki, mask in sub_blocks(layout, q_halves[0].device)[source]:
+    for qi, ki, mask in sub_blocks(layout, q_halves[0].device, window)[source]:
         out, lse = block_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
         state[qi] = merge_partial(*state[qi], out, lse)
 
 
-def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves) -> torch.Tensor:
+def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves,
+                    window=None) -> torch.Tensor:
     """Add the local queries' gradient from rank ``source``'s K/V and return that K/V's gradient (2, ...)."""
     c = layout.chunk
     k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
     grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for qi, ki, mask in sub_blocks(layout, kv.device)[source]:
+    for qi, ki, mask in sub_blocks(layout, kv.device, window)[source]:
         dq, dk, dv = block_backward(
             q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, outs[qi], lses[qi], grad_outs[qi], layout.kernel
         )
@@ -130,7 +137,7 @@ def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_o
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, layout: SequenceLayout, scale: float, window: int | None = None):
         c = layout.chunk
         q_halves = _halves(q, c)
         kv = torch.stack([k, v]).contiguous()
@@ -142,32 +149,32 @@ class _ContextParallelAttention(torch.autograd.Function):
         if layout.method == "allgather" and layout.cp > 1:
             gathered = _all_gather_kv(kv, layout)
             for source in _own_first(layout):
-                _forward_block(q_halves, gathered[source], source, layout, scale, state)
+                _forward_block(q_halves, gathered[source], source, layout, scale, state, window)
         else:
             current = kv
             for step, source in enumerate(_own_first(layout)):
                 pending = _exchange(current, layout) if step < layout.cp - 1 else None
-                _forward_block(q_halves, current, source, layout, scale, state)
+                _forward_block(q_halves, current, source, layout, scale, state, window)
                 if pending is not None:
                     current = _finish(pending)
         out = torch.cat([s[0] for s in state], dim=2)
         lse = torch.cat([s[1] for s in state], dim=2)
         out = out.to(q.dtype)  # saved as returned: the backward kernels read it in the compute dtype
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.layout, ctx.scale, ctx.window = layout, scale, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
+        layout, scale, window = ctx.layout, ctx.scale, ctx.window
         c = layout.chunk
         q_halves, outs, lses, grad_outs = _halves(q, c), _halves(out, c), _halves(lse, c), _halves(grad_out, c)
         dq_halves = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in q_halves]
         if layout.method == "allgather" and layout.cp > 1:
             gathered = _all_gather_kv(kv, layout)
             grads = torch.cat([
-                _backward_block(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves)
+                _backward_block(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves, window)
                 for s in range(layout.cp)
             ])
             grad_kv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
@@ -177,7 +184,9 @@ class _ContextParallelAttention(torch.autograd.Function):
             grad_kv = None
             for step, source in enumerate(_own_first(layout)):
                 pending = _exchange(current, layout) if step < layout.cp - 1 else None
-                block_grad = _backward_block(q_halves, current, source, layout, scale, outs, lses, grad_outs, dq_halves)
+                block_grad = _backward_block(
+                    q_halves, current, source, layout, scale, outs, lses, grad_outs, dq_halves, window
+                )
                 if grad_kv is not None:  # the gradient this block gathered on the ranks before
                     block_grad += grad_kv
                 if pending is not None:
@@ -185,7 +194,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 # Pass the block's gradient on; after a full turn it is home.
                 grad_kv = _finish(_exchange(block_grad, layout)) if layout.cp > 1 else block_grad
         dq = torch.cat(dq_halves, dim=2).to(q.dtype)
-        return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None
+        return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None, None
 
 
 def _all_gather_kv(kv: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
@@ -202,7 +211,8 @@ def _own_first(layout: SequenceLayout) -> list[int]:
 
 
 @torch.compiler.disable
-def context_parallel_attention(q, k, v, layout: SequenceLayout, scale: float) -> torch.Tensor:
-    """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D).
+def context_parallel_attention(q, k, v, layout: SequenceLayout, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D);
+    ``window``: the layer's sliding window (query index - key index < window, global indices) or None.
     Runs eagerly inside compiled blocks (its ring exchange and recomputing backward are not traceable)."""
-    return _ContextParallelAttention.apply(q, k, v, layout, scale)
+    return _ContextParallelAttention.apply(q, k, v, layout, scale, effective_window(window, layout.seq_len))

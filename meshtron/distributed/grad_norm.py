@@ -4,8 +4,9 @@ Every rank sums the squares of its local gradient pieces, each weighted by 1 / (
 hold an identical copy of that piece), and one all-reduce over all ranks adds them up. So a
 parameter sharded over (dp_shard, tp) and replicated over dp_replicate is counted exactly once, with
 a single collective whatever the mesh, and none when every rank holds every gradient whole
-(DDP-style replication). ``local_grad_square_sum`` gives a rank's share alone, for callers that
-reduce it together with other numbers (meshtron.train.step_stats).
+(DDP-style replication). A parameter marked ``DUPLICATE_GRADIENT`` (a pipeline's second copy of tied
+embeddings) is left out, so the tied weight counts once. ``local_grad_square_sum`` gives a rank's share
+alone, for callers that reduce it together with other numbers (meshtron.train.step_stats).
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ def _weighted_square_sum(grads: list[torch.Tensor], ranks: int) -> torch.Tensor 
     return total
 
 
+DUPLICATE_GRADIENT = "_meshtron_duplicate_gradient"
+"""Set (True) on a parameter whose gradient equals another parameter's, which the norm counts instead: the
+last pipeline stage's copy of tied embeddings (meshtron.distributed.tied_embeddings). Clipping still scales it."""
+
+
 def _grads(parameters) -> list[torch.Tensor]:
-    return [p.grad for p in parameters if p.grad is not None]
+    return [p.grad for p in parameters if p.grad is not None and not getattr(p, DUPLICATE_GRADIENT, False)]
 
 
 def replicated_everywhere(grads: list[torch.Tensor], ranks: int, pipeline_degree: int = 1) -> bool:

@@ -5,7 +5,9 @@ head (and the loss) on the last, decoder blocks spread over all of them (evenly 
 ``parallel.pp_first_stage_layers`` / ``pp_last_stage_layers`` / ``pp_stage_layers`` say). Each stage
 is the Hugging Face model itself with the parts it does not hold removed, so parameter names,
 initialization and checkpoints are the same as without pipelining. Schedules, microbatching and the
-stage-to-stage transfers are ``torch.distributed.pipelining``'s.
+stage-to-stage transfers are ``torch.distributed.pipelining``'s. A model that ties its head to its
+embeddings gets the head as a parameter of its own on the last stage, initialized as the embeddings and
+kept equal to them by summing the two gradients (``meshtron.distributed.tied_embeddings``).
 
 Between stages travel the hidden states and the micro-batch's full token ids, from which every stage
 derives the position ids, document layout and context-parallel shard it needs. The token ids travel
@@ -177,22 +179,44 @@ def check_pipeline(
             f"the model's vocab_size {hf_config.vocab_size} is over {MAX_EXACT_TOKEN_ID}, the largest token id pipeline "
             "stages pass exactly; use parallel.pp=1"
         )
-    if getattr(hf_config, "tie_word_embeddings", False):
-        raise ConfigError(
-            "the model ties its embeddings to its head, which pipeline stages cannot share; "
-            "use an untied model or parallel.pp=1"
-        )
     return microbatches
 
 
+TIED_WEIGHTS = "pipeline_tied_weights"
+"""Attribute of each pipeline stage of a tied model: {head weight name: embedding weight name}. The last
+stage's head is then a parameter of its own that starts as, and is kept equal to, the first stage's
+embeddings (see meshtron.distributed.tied_embeddings)."""
+
+
+def tied_weight_names(model: nn.Module, adapter: DecoderAdapter) -> dict[str, str]:
+    """{head weight name: embedding weight name} of a whole model that ties them, else {}."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    names = {id(module): name for name, module in model.named_modules()}
+    head, embeddings = adapter.lm_head(model), adapter.embeddings(model)
+    if head is None or embeddings is None or id(head) not in names or id(embeddings) not in names:
+        return {}
+    return {f"{names[id(head)]}.weight": f"{names[id(embeddings)]}.weight"}
+
+
 def split_pipeline(model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
-    """(stage id, stage model) for every stage pipeline rank ``pp_rank`` holds, cut from the meta-device ``model``."""
+    """(stage id, stage model) for every stage pipeline rank ``pp_rank`` holds, cut from the meta-device ``model``.
+
+    With tied embeddings no stage holds both the embeddings (first stage) and the head (last): each stage's
+    own config says untied (so nothing ties a head to absent embeddings) and ``TIED_WEIGHTS`` names the pair.
+    """
     ranges = split_layers(model.config.num_hidden_layers, cfg)
     last_stage = len(ranges) - 1
+    tied = tied_weight_names(model, adapter)
     stages = []
     for stage_id in local_stage_ids(pp_rank, cfg):
         stage = copy.deepcopy(model)  # meta tensors: no memory
         adapter.keep_stage(stage, ranges[stage_id], first=stage_id == 0, last=stage_id == last_stage)
+        if tied and last_stage > 0:
+            # The stage's own copy of the config: adapter.tie_weights (materialize, TP) must not tie the
+            # last stage's head to embeddings it does not hold.
+            stage.config.tie_word_embeddings = False
+            setattr(stage, TIED_WEIGHTS, dict(tied))
         stages.append((stage_id, stage))
     return stages
 

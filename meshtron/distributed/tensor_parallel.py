@@ -173,7 +173,7 @@ def _float8_styles(roles: dict[str, str], float8_paths: frozenset[str]):
 
     classes = {}
     for path, role in roles.items():
-        if role in ("attention", "mlp"):
+        if role in ("attention", "attention_positional", "mlp"):
             inputs = [p for p, r in roles.items() if p.startswith(path + ".") and r in ("colwise", "kv_colwise")]
             if inputs and all(p in float8_paths for p in inputs):
                 classes[path] = PrepareFloat8ModuleInput
@@ -194,6 +194,10 @@ def _block_styles(
                 input_kwarg_layouts={"hidden_states": stream},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=False,
+            )
+        elif role == "attention_positional":  # called with the hidden states as its first positional argument
+            styles[path] = float8.get(path, PrepareModuleInput)(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
             )
         elif role == "mlp":
             styles[path] = float8.get(path, PrepareModuleInput)(

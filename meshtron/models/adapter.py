@@ -9,6 +9,7 @@ Gemma 2's final logit soft-capping), since meshtron runs the stages and the head
 
 from __future__ import annotations
 
+import importlib
 import types
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ def canonical_name(name: str) -> str:
 # Tensor-parallel roles of a decoder block's submodules (paths relative to the block). The roles are
 # turned into PyTorch parallel styles by meshtron.distributed.tensor_parallel:
 #   attention / mlp   the module whose input is gathered over the sequence (or kept replicated)
+#   attention_positional  the same for an attention called with its input positionally (GPT-NeoX)
 #   colwise / rowwise output features / input features split over tp
 #   kv_colwise        k/v projections: split by KV head, or replicated when tp > KV heads
 #   norm              a norm on the residual stream (sequence-sharded under sequence parallel)
@@ -107,20 +109,39 @@ class DecoderAdapter:
 
         ``inputs`` holds this rank's ``input_ids`` and ``position_ids`` and, when meshtron's attention is
         in use, the ``sequence_layout``; ``hidden`` is the previous stage's output (ignored when first).
+        Without meshtron's attention each block gets the mask of its layer type that the model's own forward
+        would build (causal, or sliding-window causal), for the model's attention implementation.
         """
-        body = self.body(model)
+        from meshtron.models.attention import layer_type, model_attention_masks
+
+        positions = inputs["position_ids"]
         if first:
             hidden = self.embed(model, inputs["input_ids"])
-        position_embeddings = body.rotary_emb(hidden, inputs["position_ids"])
-        extra = {"sequence_layout": inputs["sequence_layout"]} if "sequence_layout" in inputs else {}
-        for _, block in self.named_blocks(model):
+        blocks = self.named_blocks(model)
+        kinds = [layer_type(model.config, int(name)) for name, _ in blocks]
+        if "sequence_layout" in inputs:  # meshtron's attention: document masks, context parallelism
+            masks, extra = dict.fromkeys(kinds), {"sequence_layout": inputs["sequence_layout"]}
+        else:
+            masks = model_attention_masks(model.config, hidden, positions, kinds, **self.mask_overlays(model.config))
+            extra = {}
+        rotary = self.rotary_embeddings(model, hidden, positions, kinds)
+        for (_, block), kind in zip(blocks, kinds):
             hidden = block(
-                hidden, attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
-                position_embeddings=position_embeddings, **extra,
+                hidden, attention_mask=masks[kind], position_ids=positions, use_cache=False,
+                position_embeddings=rotary[kind], **extra,
             )
         if last:
-            hidden = body.norm(hidden)
+            hidden = self.final_norm(model)(hidden)
         return hidden
+
+    def rotary_embeddings(self, model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kinds) -> dict:
+        """(cos, sin) per layer type of ``kinds``: one rotary embedding shared by every layer here."""
+        shared = self.body(model).rotary_emb(hidden, positions)
+        return dict.fromkeys(kinds, shared)
+
+    def mask_overlays(self, config) -> dict[str, dict]:
+        """Extra keyword arguments of a layer type's mask function (see ``attention.model_attention_masks``)."""
+        return {}
 
     @property
     def norm_init(self) -> float:
@@ -203,6 +224,26 @@ class DecoderAdapter:
         present = {name for name, _ in model.named_modules()}
         return {path: role for path, role in _TOP_TP_ROLES.items() if path in present}
 
+    def split_fused_projections(self, model: nn.Module) -> None:
+        """Give a (meta-device) model's fused projections as separate modules for training (Phi-3); a no-op
+        for families without them."""
+
+    def fuse_projections(self, model: nn.Module) -> None:
+        """Undo ``split_fused_projections`` (before saving a Hugging Face model)."""
+
+    def embedding_name(self) -> str:
+        """Name of the embedding weight in the model's state dict and checkpoints."""
+        return "model.embed_tokens.weight"
+
+    def checkpoint_sources(self, name: str, config) -> list[tuple[str, int | None]]:
+        """Where a Hugging Face checkpoint keeps parameter ``name``, candidates in order of preference:
+        (checkpoint name, None) for a tensor of the parameter's shape, (checkpoint name, first row) for a row
+        range of a fused tensor. A tied head falls back to the embedding."""
+        sources: list[tuple[str, int | None]] = [(name, None)]
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            sources.append((self.embedding_name(), None))
+        return sources
+
     def tie_weights(self, model: nn.Module) -> None:
         """Share the head's weight with the embeddings again (parallelizing replaces both parameters)."""
         if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not None:
@@ -237,9 +278,8 @@ class DecoderAdapter:
 
 def adapter_for(config) -> DecoderAdapter:
     """The adapter of a Hugging Face config's family; a ConfigError listing the supported families for others."""
-    family_of(config)
-    if config.model_type == "gpt_neox":  # its own anatomy (body at .gpt_neox)
-        from meshtron.models.gpt_neox import GPTNeoXAdapter
-
-        return GPTNeoXAdapter(config.model_type)
-    return DecoderAdapter(config.model_type)
+    adapter_path = family_of(config).adapter
+    if not adapter_path:
+        return DecoderAdapter(config.model_type)
+    module, _, name = adapter_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)(config.model_type)

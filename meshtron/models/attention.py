@@ -5,6 +5,10 @@ attends only to earlier tokens of its own document and position ids restart at e
 model's attention modules reach ``hf_attention`` through transformers' attention-function registry
 (the adapter switches the model's ``attn_implementation``); per-call information travels in the
 ``sequence_layout`` keyword argument that transformers passes down to the attention function.
+
+Without document masks and context parallelism the model keeps its own attention (sdpa, eager, ...):
+also under pipeline parallelism, whose stages build the masks the model's forward would build
+(``model_attention_masks``: causal and sliding-window causal, by layer type).
 """
 
 from __future__ import annotations
@@ -34,38 +38,70 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def uses_meshtron_attention(cp: int, mask_documents: bool, pp: int = 1) -> bool:
-    """Whether the model's attention must be replaced by ``hf_attention`` (pipeline stages, which run the
-    blocks without the model's own mask construction, use it for the plain causal mask too)."""
-    return cp > 1 or mask_documents or pp > 1
+    """Whether the model's attention must be replaced by ``hf_attention``: for document masks and context
+    parallelism. ``pp`` does not matter: pipeline stages that run the blocks themselves build the model's
+    own masks (``model_attention_masks``)."""
+    return cp > 1 or mask_documents
+
+
+def layer_type(config, index: int) -> str:
+    """The attention type of block ``index`` as the model's forward picks its mask: ``config.layer_types``
+    (Gemma, Qwen2/3), else ``sliding_attention`` for a model with a ``sliding_window`` (Mistral, Phi-3,
+    Starcoder2), else ``full_attention``."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def attention_windows(config) -> tuple[int | None, ...]:
+    """The distinct sliding windows of the model's layers (None for full attention), as ``layer_type`` sees them."""
+    window = getattr(config, "sliding_window", None)
+    kinds = {layer_type(config, index) for index in range(config.num_hidden_layers)}
+    return tuple(window if kind == "sliding_attention" else None for kind in sorted(kinds))
+
+
+def model_attention_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types, **mask_kwargs) -> dict:
+    """The attention masks the model's own forward builds for a training batch (no padding mask, no cache),
+    for each of ``layer_types``: transformers' ``create_causal_mask`` for ``full_attention`` and
+    ``create_sliding_window_causal_mask`` for ``sliding_attention``, for the model's attention implementation
+    (None where sdpa's causal mode suffices, a float mask for eager). ``hidden`` stands for the input
+    embeddings (batch, length, dtype and device are read from it); ``mask_kwargs[type]`` adds keyword
+    arguments for one type's mask (Gemma 3's bidirectional overlays)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    common = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None,
+              "position_ids": position_ids}
+    masks = {}
+    for kind in sorted(set(layer_types)):
+        if kind not in makers:
+            raise MeshtronError(f"layers of attention type '{kind}' are not supported by meshtron's pipeline stages")
+        masks[kind] = makers[kind](**common, **mask_kwargs.get(kind, {}))
+    return masks
 
 
 def check_attention(
     hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int, pp: int = 1
 ) -> None:
-    """Refuse settings meshtron's attention cannot honour, before any process-group work."""
+    """Refuse settings meshtron's attention cannot honour, before any process-group work. (Sliding windows it
+    keeps; pipeline stages without it build the model's own masks.)"""
     if not uses_meshtron_attention(cp, mask_documents, pp):
         return
-    needs = "parallel.cp > 1" if cp > 1 else "parallel.pp > 1" if pp > 1 else "data.mask_documents"
-    alternative = "" if cp > 1 or pp > 1 else " or set data.mask_documents=false"
+    needs = "parallel.cp > 1" if cp > 1 else "data.mask_documents"
+    alternative = "" if cp > 1 else " or set data.mask_documents=false"
     # The settings that would keep the model's own attention (which has what meshtron's lacks).
-    own = " and ".join(s for s, on in (("parallel.cp=1", cp > 1), ("parallel.pp=1", pp > 1),
-                                        ("data.mask_documents=false", mask_documents)) if on)
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if layer_types:  # per-layer attention types (Gemma, Qwen2): sliding if any layer is
-        sliding = "sliding_attention" in layer_types
-    else:  # Mistral has no switch; Qwen2-style configs turn the window off with use_sliding_window=false
-        sliding = getattr(hf_config, "use_sliding_window", None) is not False
-    if window and sliding and window < seq_len:
-        raise ConfigError(
-            f"the model's sliding_window {window} is shorter than data.seq_len {seq_len}, and meshtron's attention "
-            f"(used for {needs}) has no sliding window; use data.seq_len <= {window} or set {own}"
-        )
+    own = " and ".join(s for s, on in (("parallel.cp=1", cp > 1), ("data.mask_documents=false", mask_documents)) if on)
     softcap = getattr(hf_config, "attn_logit_softcapping", None)
     if softcap:
         raise ConfigError(
             f"the model's attn_logit_softcapping {softcap} is not supported by meshtron's attention (used for {needs}); "
             f"set {own}"
+        )
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ConfigError(
+            f"the model attends bidirectionally (use_bidirectional_attention), and meshtron's attention (used for "
+            f"{needs}) is causal; set {own}"
         )
     if attn_implementation != "sdpa":
         raise ConfigError(
@@ -80,22 +116,27 @@ def check_attention(
         )
 
 
-def _single_device_attention(query, key, value, layout: SequenceLayout, scale: float) -> torch.Tensor:
-    """Whole-sequence attention with the document mask, by the device's kernel (see ``attention_kernels``)."""
-    return document_attention(query, key, value, layout.document_ids, scale, cache=layout.attention_cache)
+def _single_device_attention(query, key, value, layout: SequenceLayout, scale: float, window: int | None = None):
+    """Whole-sequence attention with the document mask (and the layer's sliding ``window``), by the device's
+    kernel (see ``attention_kernels``)."""
+    return document_attention(query, key, value, layout.document_ids, scale, cache=layout.attention_cache, window=window)
 
 
-def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_layout=None, **kwargs):
-    """A transformers attention function: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) -> (B, L, H, D)."""
+def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_layout=None,
+                 sliding_window=None, **kwargs):
+    """A transformers attention function: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) -> (B, L, H, D).
+    ``sliding_window``: what the layer's attention module passes (Gemma 2/3, Qwen2/3: the window on sliding
+    layers, None on full ones; Mistral, Phi-3, Starcoder2: ``config.sliding_window``); a query at index i then
+    sees a key at index j only if i - j < sliding_window, as transformers' ``sliding_window_overlay``."""
     if sequence_layout is None:
         raise MeshtronError("meshtron attention was called without a sequence_layout; call the model through meshtron")
     if dropout:
         raise MeshtronError("attention dropout is not supported with document masking or context parallelism")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if sequence_layout.cp == 1:
-        out = _single_device_attention(query, key, value, sequence_layout, scale)
+        out = _single_device_attention(query, key, value, sequence_layout, scale, sliding_window)
     else:
-        out = context_parallel_attention(query, key, value, sequence_layout, scale)
+        out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

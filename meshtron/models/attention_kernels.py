@@ -1,4 +1,4 @@
-"""Whole-sequence causal attention with document masks: the kernel, chosen per device.
+"""Whole-sequence causal attention with document masks and an optional sliding window: the kernel, chosen per device.
 
 * CUDA: FlexAttention (compiled once per process) with a document ``BlockMask``. The block mask is
   built from each 128-token block's first and last document id, so no sequence x sequence mask is
@@ -6,9 +6,15 @@
 * elsewhere (CPU): PyTorch's SDPA, whose CPU flash kernel takes a dense (B, 1, S, S) boolean mask
   (FlexAttention has no CPU backward).
 
+Sliding window (``window``, per layer: transformers' attention modules pass ``sliding_window``): a query
+at index i also needs i - j < window to see the key at index j (transformers' ``sliding_window_overlay``),
+besides causal (j <= i) and same document. A window of at least the sequence length changes nothing and
+is treated as none. On CUDA the block mask skips the 128-token blocks that lie entirely outside the window.
+
 Masks are built once per micro-batch: callers pass a ``cache`` dict that lives as long as the
-micro-batch (``SequenceLayout.attention_cache``), so every layer reuses the first layer's mask.
-Document ids must not decrease along a row (``attention.document_ids`` counts EOS tokens).
+micro-batch (``SequenceLayout.attention_cache``), so every layer reuses the first layer's mask (one per
+window: full and sliding layers alternate in Gemma and Qwen2). Document ids must not decrease along a row
+(``attention.document_ids`` counts EOS tokens).
 """
 
 from __future__ import annotations
@@ -29,29 +35,55 @@ def choose_kernel(device: torch.device | str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
-def document_attention(query, key, value, document_ids, scale: float, kernel: str = "auto", cache: dict | None = None):
+def effective_window(window: int | None, length: int) -> int | None:
+    """The sliding window that restricts a sequence of ``length`` tokens: None when there is none or it is at
+    least ``length`` long (then every causal key is inside it)."""
+    if window is None:
+        return None
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+    return None if window >= length else window
+
+
+def mask_key(kind: str, device, length: int, window: int | None = None) -> tuple:
+    """The ``cache`` key of a mask: ``(kind, device, length)``, with the window appended when there is one."""
+    key = (kind, str(device), length)
+    return key if window is None else (*key, window)
+
+
+def document_attention(query, key, value, document_ids, scale: float, kernel: str = "auto", cache: dict | None = None,
+                       window: int | None = None):
     """Causal attention within documents: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) with H a
-    multiple of Hkv, ``document_ids`` (B, L) or None (one document per row) -> (B, H, L, D)."""
+    multiple of Hkv, ``document_ids`` (B, L) or None (one document per row), ``window`` the sliding window or
+    None -> (B, H, L, D)."""
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "auto":
         kernel = choose_kernel(query.device)
+    length = query.shape[2]
+    window = effective_window(window, length)
     if kernel == "flex":
-        return _flex_attention(query, key, value, document_ids, scale, cache)
-    if document_ids is None:
+        return _flex_attention(query, key, value, document_ids, scale, cache, window)
+    if document_ids is None and window is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
-    cache_key = ("dense", str(query.device), query.shape[2])
-    visible = _cached(cache, cache_key, dense_document_mask, document_ids, query.device)
+    cache_key = mask_key("dense", query.device, length, window)
+    visible = _cached(cache, cache_key, dense_document_mask, document_ids, query.device, window, length)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=True)
 
 
-def prepare_masks(cache: dict, document_ids: torch.Tensor | None, device: torch.device, length: int) -> None:
-    """Build the mask ``document_attention`` will look up, before the model runs: compiled decoder
-    blocks then find it in ``cache`` and never call a mask builder (no graph break)."""
-    if choose_kernel(device) == "flex":
-        _cached(cache, ("flex", str(device), length), document_block_mask, document_ids, device, length)
-    elif document_ids is not None:
-        _cached(cache, ("dense", str(device), length), dense_document_mask, document_ids, device)
+def prepare_masks(cache: dict, document_ids: torch.Tensor | None, device: torch.device, length: int,
+                  windows=(None,)) -> None:
+    """Build the masks ``document_attention`` will look up, one per sliding window in ``windows`` (None: no
+    window), before the model runs: compiled decoder blocks then find them in ``cache`` and never call a
+    mask builder (no graph break)."""
+    for window in dict.fromkeys(effective_window(w, length) for w in windows):
+        if choose_kernel(device) == "flex":
+            _cached(cache, mask_key("flex", device, length, window), document_block_mask, document_ids, device, length,
+                    BLOCK_SIZE, window)
+        elif document_ids is not None or window is not None:
+            _cached(cache, mask_key("dense", device, length, window), dense_document_mask, document_ids, device, window,
+                    length)
 
 
 @functools.cache
@@ -60,10 +92,11 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention(query, key, value, document_ids, scale: float, cache: dict | None):
+def _flex_attention(query, key, value, document_ids, scale: float, cache: dict | None, window: int | None = None):
     length = query.shape[2]
-    cache_key = ("flex", str(query.device), length)
-    block_mask = _cached(cache, cache_key, document_block_mask, document_ids, query.device, length)
+    window = effective_window(window, length)
+    cache_key = mask_key("flex", query.device, length, window)
+    block_mask = _cached(cache, cache_key, document_block_mask, document_ids, query.device, length, BLOCK_SIZE, window)
     # Eager flex_attention runs an unfused reference (CPU tests); inside a compiled block dynamo fuses it.
     on_gpu = query.device.type == "cuda" and not torch.compiler.is_compiling()
     attend = _compiled_flex() if on_gpu else flex_attention
@@ -80,23 +113,41 @@ def _cached(cache: dict | None, cache_key: tuple, build, *args):
 
 
 @torch.compiler.disable
-def dense_document_mask(document_ids: torch.Tensor, device) -> torch.Tensor:
-    """(B, 1, L, L) bool, True where a query may attend a key: causal and same document."""
-    docs = document_ids.to(device)
-    causal = torch.ones(docs.shape[1], docs.shape[1], dtype=torch.bool, device=device).tril()
-    return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+def dense_document_mask(document_ids: torch.Tensor | None, device, window: int | None = None,
+                        length: int | None = None) -> torch.Tensor:
+    """(B, 1, L, L) bool, True where a query may attend a key: causal, same document (``document_ids`` (B, L);
+    None: one document, batch 1, ``length`` tokens) and inside the sliding ``window`` (query index - key index
+    < window) when there is one."""
+    docs = None if document_ids is None else document_ids.to(device)
+    length = docs.shape[1] if docs is not None else length
+    index = torch.arange(length, device=device)
+    distance = index[:, None] - index[None, :]
+    visible = distance >= 0
+    if window is not None:
+        visible = visible & (distance < window)
+    if docs is None:
+        return visible[None, None]
+    return (visible & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def document_mask_mod(document_ids: torch.Tensor | None):
-    """FlexAttention ``mask_mod``: causal, and same document when ``document_ids`` (B, >= L) is given."""
+def document_mask_mod(document_ids: torch.Tensor | None, window: int | None = None):
+    """FlexAttention ``mask_mod``: causal, same document when ``document_ids`` (B, >= L) is given, and inside
+    the sliding ``window`` (q_idx - kv_idx < window) when there is one."""
     if document_ids is None:
-        return _causal
-    docs = document_ids
+        base = _causal
+    else:
+        docs = document_ids
 
-    def causal_same_document(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+        def base(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-    return causal_same_document
+    if window is None:
+        return base
+
+    def windowed(b, h, q_idx, kv_idx):
+        return base(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
+    return windowed
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -105,10 +156,12 @@ def _causal(b, h, q_idx, kv_idx):
 
 @torch.compiler.disable
 def document_block_mask(
-    document_ids: torch.Tensor | None, device, length: int, block_size: int = BLOCK_SIZE
+    document_ids: torch.Tensor | None, device, length: int, block_size: int = BLOCK_SIZE, window: int | None = None
 ) -> BlockMask:
     """The ``BlockMask`` of ``document_mask_mod`` for sequences of ``length`` tokens, from per-block
-    document ranges (O(B x (L / block_size)^2) work, no L x L tensor); batch 1 when ``document_ids`` is None."""
+    document ranges (O(B x (L / block_size)^2) work, no L x L tensor); batch 1 when ``document_ids`` is None.
+    With a sliding ``window``, blocks whose every (query, key) pair is at least ``window`` apart are skipped and
+    only blocks whose every pair is closer than ``window`` can be full."""
     blocks = -(-length // block_size)
     padded = blocks * block_size
     if document_ids is None:
@@ -126,11 +179,16 @@ def document_block_mask(
     # shares a document iff its last key's id equals the first query's, is full iff all ids are equal.
     visible = (kv_block <= q_block) & (last[:, None, :] >= first[:, :, None])
     full = (kv_block < q_block) & (first[:, None, :] == last[:, :, None]) & complete[:, None] & complete[None, :]
+    if window is not None:
+        # Query index - key index over a block pair runs from (q - kv) * size - (size - 1) to (q - kv) * size + size - 1.
+        gap = (q_block - kv_block) * block_size
+        visible = visible & (gap - (block_size - 1) < window)
+        full = full & (gap + block_size - 1 < window)
     kv_num, kv_index = _ordered(visible & ~full)
     full_num, full_index = _ordered(full)
     return BlockMask.from_kv_blocks(
         kv_num, kv_index, full_num, full_index,
-        BLOCK_SIZE=block_size, mask_mod=document_mask_mod(docs), seq_lengths=(length, length),
+        BLOCK_SIZE=block_size, mask_mod=document_mask_mod(docs, window), seq_lengths=(length, length),
     )
 
 

@@ -92,6 +92,7 @@ def build_meta_model(hf_config, model_cfg: ModelConfig) -> tuple[nn.Module, Deco
         )
     adapter = adapter_for(hf_config)
     adapter.check_anatomy(model)
+    adapter.split_fused_projections(model)
     return model, adapter
 
 
@@ -181,22 +182,30 @@ def _local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, tied: bool, region) -> torch.Tensor:
-    candidates = [name]
-    if name == "lm_head.weight" and "embed_out.weight" in reader:
-        candidates.append("embed_out.weight")  # GPT-NeoX checkpoints name their head embed_out
-    if tied and name.endswith("lm_head.weight"):
-        candidates.append(name.replace("lm_head.weight", "model.embed_tokens.weight"))
-        candidates.append("gpt_neox.embed_in.weight")
-    for candidate in candidates:
-        if candidate in reader:
-            shape = reader.shape(candidate)
-            if shape != tuple(param.shape):
-                raise MeshtronError(
-                    f"model.name_or_path: weight '{candidate}' has shape {shape} but the config "
-                    f"asks for {tuple(param.shape)}; the weights do not belong to this config.json"
-                )
+def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, adapter: DecoderAdapter, config,
+                region) -> torch.Tensor:
+    """This rank's ``region`` of parameter ``name`` read from the checkpoint, wherever the family keeps it there
+    (``adapter.checkpoint_sources``: another name, or a row range of a fused tensor)."""
+    wanted = tuple(param.shape)
+    for candidate, first_row in adapter.checkpoint_sources(name, config):
+        if candidate not in reader:
+            continue
+        shape = reader.shape(candidate)
+        if first_row is None:
+            fits = shape == wanted
+        else:  # rows first_row.. of a fused tensor
+            fits = len(shape) == len(wanted) and shape[1:] == wanted[1:] and shape[0] >= first_row + wanted[0]
+        if not fits:
+            rows = "" if first_row is None else f" from row {first_row}"
+            raise MeshtronError(
+                f"model.name_or_path: weight '{candidate}' has shape {shape} but the config asks for {wanted}{rows}; "
+                "the weights do not belong to this config.json"
+            )
+        if first_row is None:
             return reader.get(candidate, region)
+        region = region or tuple(slice(0, size) for size in wanted)
+        rows = slice(region[0].start + first_row, region[0].stop + first_row)
+        return reader.get(candidate, (rows, *region[1:]))
     raise MeshtronError(f"model.name_or_path: the checkpoint has no weight '{name}'; it does not match config.json")
 
 
@@ -221,12 +230,14 @@ def materialize(
     adapter.init_buffers(model, buffer_device or device)
     reader = CheckpointReader(pretrained_dir) if pretrained_dir else None
     std = getattr(model.config, "initializer_range", 0.02)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # A pipeline stage of a tied model names {head: embeddings}: its head starts as the first stage's embeddings.
+    tied_to = getattr(model, "pipeline_tied_weights", {})
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
+        name = tied_to.get(name, name)
         region = _local_region(param)
         if reader is not None:
-            local = _weight_for(name, param, reader, tied, region)
+            local = _weight_for(name, param, reader, adapter, model.config, region)
         else:
             # The full tensor is drawn so that the values never depend on the layout; only the shard is kept.
             full = init_tensor(name, param.shape, std, seed, adapter.norm_init)

@@ -2,10 +2,11 @@
 
 Every family here but GPT-NeoX has the shared decoder anatomy (``XForCausalLM`` with its body at ``.model``
 holding ``embed_tokens``, ``layers`` and ``norm``, its head at ``.lm_head``; GPT-NeoX's own paths are in
-``meshtron.models.gpt_neox``); what differs is listed per family:
-tensor-parallel roles of differently named submodules, transforms the model applies outside its blocks
-(embedding and logit scaling, logit soft-capping, which ``DecoderAdapter`` reproduces), and the
-parallelisms a family cannot be split by, refused here with one line before any process group starts.
+``meshtron.models.gpt_neox``); what differs is listed per family: an adapter class of its own where the
+family needs one (``adapter``: GPT-NeoX's anatomy, Phi-3's fused projections), tensor-parallel roles of
+differently named submodules, transforms the model applies outside its blocks (embedding and logit scaling,
+logit soft-capping, which ``DecoderAdapter`` reproduces), and the parallelisms a family cannot be split by,
+refused here with one line before any process group starts.
 """
 
 from __future__ import annotations
@@ -19,23 +20,21 @@ from meshtron.errors import ConfigError
 class Family:
     """What meshtron knows of one Hugging Face ``model_type`` beyond the shared anatomy."""
 
-    tp_refusal: str = ""
-    """Why tensor parallelism cannot split this family (empty: it can)."""
     tp_over_kv_heads_refusal: str = ""
     """Why tp cannot exceed the number of KV heads (empty: it can, KV projections are then replicated)."""
-    pp_refusal: str = ""
-    """Why pipeline stages cannot run this family (empty: they can)."""
     eager_only: str = ""
     """Why the family's attention needs ``model.attn_implementation=eager`` (empty: sdpa works)."""
     zero_centered_norms: bool = False
     """Its RMSNorms scale by ``1 + weight`` (Gemma): fresh norm weights start at 0, not 1."""
     extra_roles: dict[str, str] = field(default_factory=dict)
     """Tensor-parallel roles of block submodules beyond the Llama ones (see ``adapter._BLOCK_TP_ROLES``)."""
+    adapter: str = ""
+    """Dotted path of the family's adapter class when it is not the shared ``adapter.DecoderAdapter``."""
 
 
 _GEMMA_NORMS = {"pre_feedforward_layernorm": "norm", "post_feedforward_layernorm": "norm"}
-_GEMMA_PP = ("its layers use per-layer-type rotary embeddings and sliding windows that meshtron's pipeline "
-             "stages do not reproduce")
+# Per-layer-type masks and rotary embeddings, which its pipeline stages build (meshtron.models.gemma).
+_GEMMA_ADAPTER = "meshtron.models.gemma.GemmaAdapter"
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
@@ -54,17 +53,14 @@ FAMILIES: dict[str, Family] = {
     "cohere": Family(),
     # Biases everywhere, LayerNorms with biases, a two-matrix MLP.
     "starcoder2": Family(extra_roles={"mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
-    "phi3": Family(
-        tp_refusal="its fused qkv_proj and gate_up_proj projections are not split by meshtron's tensor parallelism"
-    ),
-    # Body at .gpt_neox (meshtron.models.gpt_neox), biases, LayerNorms, parallel attention and MLP.
-    "gpt_neox": Family(
-        tp_refusal="its fused query_key_value projection interleaves q, k and v per head, which meshtron's "
-        "tensor parallelism does not split"
-    ),
-    "gemma2": Family(pp_refusal=_GEMMA_PP, extra_roles=_GEMMA_NORMS, zero_centered_norms=True,
+    # Fused qkv_proj and gate_up_proj, trained split (meshtron.models.phi3).
+    "phi3": Family(adapter="meshtron.models.phi3.Phi3Adapter"),
+    # Body at .gpt_neox (meshtron.models.gpt_neox), biases, LayerNorms, parallel attention and MLP; its fused
+    # query_key_value holds each head's q, k and v rows together, so splitting its rows splits by head.
+    "gpt_neox": Family(adapter="meshtron.models.gpt_neox.GPTNeoXAdapter"),
+    "gemma2": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True,
                      eager_only="its attention logit soft-capping is not in torch's sdpa"),
-    "gemma3_text": Family(pp_refusal=_GEMMA_PP, extra_roles=_GEMMA_NORMS, zero_centered_norms=True),
+    "gemma3_text": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True),
 }
 
 
@@ -83,23 +79,15 @@ def family_of(hf_config) -> Family:
     return FAMILIES[model_type]
 
 
-def check_family(hf_config, *, tp: int = 1, pp: int = 1, attn_implementation: str | None = None) -> None:
+def check_family(hf_config, *, tp: int = 1, attn_implementation: str | None = None) -> None:
     """Refuse an unknown family, or a parallelism the family cannot be split by, with one line."""
     family = family_of(hf_config)
     name = hf_config.model_type
-    if tp > 1 and family.tp_refusal:
-        raise ConfigError(
-            f"model family {name} under parallel.tp > 1 is not supported yet: {family.tp_refusal}; use parallel.tp=1"
-        )
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_attention_heads", tp)
     if tp > kv_heads and family.tp_over_kv_heads_refusal:
         raise ConfigError(
             f"model family {name} with parallel.tp={tp} > its {kv_heads} KV heads is not supported yet: "
             f"{family.tp_over_kv_heads_refusal}; use a tp that divides {kv_heads}"
-        )
-    if pp > 1 and family.pp_refusal:
-        raise ConfigError(
-            f"model family {name} under parallel.pp > 1 is not supported yet: {family.pp_refusal}; use parallel.pp=1"
         )
     if attn_implementation == "sdpa" and family.eager_only:
         raise ConfigError(

@@ -1,9 +1,12 @@
 """GPT-NeoX anatomy (``GPTNeoXForCausalLM``): body at ``.gpt_neox`` with ``embed_in``, ``layers``,
-``final_layer_norm`` and ``rotary_emb``; attention at ``block.attention`` (a fused, per-head-interleaved
-``query_key_value``, which tensor parallelism does not split: refused in ``families``); biased linears,
-LayerNorms and, with ``use_parallel_residual``, attention and MLP side by side (done by the blocks).
+``final_layer_norm`` and ``rotary_emb``; attention at ``block.attention``; biased linears, LayerNorms and,
+with ``use_parallel_residual``, attention and MLP side by side (done by the blocks).
 
-The head is ``lm_head`` in transformers 5 (checkpoints call it ``embed_out``, see ``build``).
+The fused ``query_key_value`` holds, head after head, that head's q, k and v rows: a column-parallel split
+of its rows in contiguous pieces gives each tensor-parallel rank whole heads (the attention reshapes its
+output to ``(-1 heads, 3 x head size)``, so it runs on the local heads unchanged). GPT-NeoX has no GQA.
+
+The head is ``lm_head`` in transformers 5; checkpoints call it ``embed_out`` (``checkpoint_sources``).
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from meshtron.models.adapter import DecoderAdapter
 
 # Roles of the parts outside the blocks (paths relative to the whole model).
 TOP_TP_ROLES = {"gpt_neox.embed_in": "embedding", "gpt_neox.final_layer_norm": "norm", "lm_head": "head"}
-# Block roles (the planner reads them; tensor parallelism itself is refused for the family).
 BLOCK_TP_ROLES = {
     "input_layernorm": "norm",
-    "attention": "attention",
+    "attention": "attention_positional",  # the block passes the hidden states positionally
     "attention.query_key_value": "colwise",
     "attention.dense": "rowwise",
     "post_attention_layernorm": "norm",
@@ -42,23 +44,16 @@ class GPTNeoXAdapter(DecoderAdapter):
             body.final_layer_norm = None
             model.lm_head = None
 
-    def run_stage(self, model: nn.Module, hidden: torch.Tensor, inputs: dict, first: bool, last: bool) -> torch.Tensor:
-        body = self.body(model)
-        if first:
-            hidden = body.emb_dropout(self.embed(model, inputs["input_ids"]))
-        position_embeddings = body.rotary_emb(hidden, position_ids=inputs["position_ids"])
-        extra = {"sequence_layout": inputs["sequence_layout"]} if "sequence_layout" in inputs else {}
-        for _, block in self.named_blocks(model):
-            hidden = block(
-                hidden, attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
-                layer_past=None, position_embeddings=position_embeddings, **extra,
-            )
-        if last:
-            hidden = body.final_layer_norm(hidden)
-        return hidden
+    def embedding_name(self) -> str:
+        return "gpt_neox.embed_in.weight"
+
+    def checkpoint_sources(self, name: str, config) -> list[tuple[str, int | None]]:
+        sources = super().checkpoint_sources(name, config)
+        return sources + [("embed_out.weight", None)] if name == "lm_head.weight" else sources
 
     def embed(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.body(model).embed_in(input_ids)
+        body = self.body(model)
+        return body.emb_dropout(body.embed_in(input_ids))
 
     def embeddings(self, model: nn.Module) -> nn.Module:
         return self.body(model).embed_in

@@ -63,13 +63,21 @@ def _numel(specs, layout: Layout, shape: ModelShape) -> int:
     return sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads) for p in specs)
 
 
+def _final_specs(shape: ModelShape, first: bool, last: bool) -> tuple:
+    """The parameters a stage holding the head holds besides its blocks and embeddings: the final norm and
+    head, plus, for tied embeddings on a last stage without them (pp > 1), the head's own copy of them."""
+    if not last:
+        return ()
+    return shape.final + (shape.embedding if shape.tied_embeddings and not first else ())
+
+
 def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
     """Parameter elements held by each pipeline rank (the largest FSDP shard of it)."""
     block = _numel(shape.block, layout, shape)
     embedding = _numel(shape.embedding, layout, shape)
-    final = _numel(shape.final, layout, shape)
     return [
-        sum(layers * block + (embedding if first else 0) + (final if last else 0) for layers, first, last in stages)
+        sum(layers * block + (embedding if first else 0) + _numel(_final_specs(shape, first, last), layout, shape)
+            for layers, first, last in stages)
         for stages in stage_layout(shape, layout, workload)
     ]
 
@@ -243,8 +251,9 @@ def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -
     if not defers_gradient_reduction(layout, workload):
         return [numel * DTYPE_BYTES[workload.model_dtype] for numel in state_numel(shape, layout, workload)]
     block = _local_numel(shape.block, layout, shape)
-    embedding, final = _local_numel(shape.embedding, layout, shape), _local_numel(shape.final, layout, shape)
-    return [sum(layers * block + embedding * first + final * last for layers, first, last in stages) * FP32
+    embedding = _local_numel(shape.embedding, layout, shape)
+    return [sum(layers * block + embedding * first + _local_numel(_final_specs(shape, first, last), layout, shape)
+                for layers, first, last in stages) * FP32
             for stages in stage_layout(shape, layout, workload)]
 
 
@@ -258,8 +267,8 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
     e = compute_bytes(workload)
     block = _local_numel(shape.block, layout, shape)
     layers = sum(n for n, _, _ in stages) if layout.pp > 1 else 2
-    outer = sum(_local_numel(shape.embedding, layout, shape) * first + _local_numel(shape.final, layout, shape) * last
-                for _, first, last in stages)
+    outer = sum(_local_numel(shape.embedding, layout, shape) * first
+                + _local_numel(_final_specs(shape, first, last), layout, shape) for _, first, last in stages)
     unreduced = 0 if defers_gradient_reduction(layout, workload) else block * FP32  # else in held gradients
     return layers * block * e + unreduced + outer * e
 

@@ -45,11 +45,11 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
     from meshtron.models.families import check_family
 
     try:
-        check_family(hf_config, tp=layout.tp, pp=layout.pp)  # parallelisms the model family cannot be split by
+        check_family(hf_config, tp=layout.tp)  # parallelisms the model family cannot be split by
         check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len, layout.pp)
         check_tensor_parallel(hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp)
         check_context_parallel(layout.cp, workload.seq_len)
-        if layout.pp > 1:  # stage split, microbatch counts, no tied embeddings
+        if layout.pp > 1:  # stage split, microbatch counts (tied embeddings: memory.py counts the head copy)
             check_pipeline(layout.parallel_config(workload), hf_config, layout.local_batch(workload), False)
     except ConfigError:
         return False

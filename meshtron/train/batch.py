@@ -23,6 +23,8 @@ class SequenceSplit:
     mask_documents: bool = False
     eos_token_id: int | None = None
     pp: int = 1
+    attention_windows: tuple = (None,)
+    """The sliding windows the model's layers use (None: full attention), whose masks are built up front."""
 
 
 def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
@@ -47,8 +49,9 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the sub-block
         # plan, whose one host sync happens here and not in the layers).
         if split.cp == 1:
-            prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1])
+            prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1], split.attention_windows)
         else:
-            sub_blocks(layout, input_ids.device)
+            for window in split.attention_windows:
+                sub_blocks(layout, input_ids.device, window)
         kwargs["sequence_layout"] = layout
     return kwargs

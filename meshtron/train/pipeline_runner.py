@@ -28,14 +28,19 @@ class PipelineRunner:
     """A callable giving the last stage's (head weight, bias) as they are at loss time."""
     compute_dtype: torch.dtype | None = None
     loss_chunk_size: int = 0
+    softcap: float | None = None
+    """The model's final logit soft-capping (Gemma 2), applied by the loss as without pipelining."""
     scale: float = 1.0
+    tied_gradients: object = None
+    """Called after each step's backward: sums a tied model's embedding and head gradients
+    (``meshtron.distributed.tied_embeddings``)."""
 
     def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's."""
         weight, bias = self.head()
         loss = head_loss_sum(
             hidden, labels, weight, bias, compute_dtype=self.compute_dtype, chunk_size=self.loss_chunk_size,
-            loss_parallel=self.loss_parallel,
+            loss_parallel=self.loss_parallel, softcap=self.softcap,
         )
         return loss * self.scale
 
@@ -48,6 +53,8 @@ class PipelineRunner:
         # Loss parallel's context must cover the backward too, which the schedule runs inside step().
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             self.schedule.step(*args, **kwargs)
+        if self.tied_gradients is not None:
+            self.tied_gradients()
         if not losses:
             return torch.zeros((), device=input_ids.device)
         return torch.stack([local_value(loss.detach()) for loss in losses]).sum() / scale
@@ -80,6 +87,7 @@ def build_pipeline_runner(
         head=partial(adapter.head_parameters, last_module) if last_module is not None else None,
         compute_dtype=compute_dtype,
         loss_chunk_size=cfg.train.loss_chunk_size,
+        softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
     )
     runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, plan.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner

@@ -28,11 +28,12 @@ from meshtron.distributed.data_parallel import check_data_parallel, parameter_de
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.tensor_parallel import check_tensor_parallel
+from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb
 from meshtron.models.adapter import adapter_for
-from meshtron.models.attention import check_attention
+from meshtron.models.attention import attention_windows, check_attention
 from meshtron.models.families import check_family
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
 from meshtron.distributed.pipeline_parallel import check_pipeline
@@ -124,7 +125,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_data_path(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
-    check_family(hf_config, tp=dims.tp, pp=dims.pp, attn_implementation=cfg.model.attn_implementation)
+    check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and cfg.data.seq_len > max_positions:
         raise ConfigError(
@@ -161,13 +162,15 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
     return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
-def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
+def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None,
+                    hf_config) -> SequenceSplit:
     cp_rank, cp_group = 0, None
     if dims.cp > 1:
         cp_mesh = meshes["world"]["cp"]
         cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
     return SequenceSplit(
-        dims.cp, cp_rank, cp_group, cfg.parallel.cp_method, cfg.data.mask_documents, eos_token_id, dims.pp
+        dims.cp, cp_rank, cp_group, cfg.parallel.cp_method, cfg.data.mask_documents, eos_token_id, dims.pp,
+        attention_windows(hf_config),
     )
 
 
@@ -195,7 +198,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
 
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
-    split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id)
+    split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id, plan.hf_config)
     model, adapter = build_meta_model(plan.hf_config, cfg.model)
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
@@ -213,6 +216,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         model, runner = build_pipeline_runner(
             stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype
         )
+        # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
+        attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
     else:
         model = parts[0]
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
@@ -302,7 +307,10 @@ def _count_params(model: nn.Module, pp_group=None) -> int:
     """Parameters of the whole model (DTensors counted at full size, pipeline stages summed)."""
     from torch.distributed.tensor import DTensor
 
-    count = sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters())
+    from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
+
+    count = sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters()
+                if not getattr(p, DUPLICATE_GRADIENT, False))  # a tied head copy is the embeddings again
     if pp_group is None:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)
