@@ -32,6 +32,7 @@ ON_NONFINITE = ("error", "skip")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE = ("auto", "true", "false")
+ROUTER_AUX_LOSS = ("auto", "true", "false")
 CP_METHODS = ("ring", "allgather")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 BUILTIN_CORPUS = "builtin:python-stdlib"
@@ -101,6 +102,10 @@ class TrainConfig:
     """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; see docs/precision.md)."""
     on_nonfinite: str = "error"
     """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step."""
+    router_aux_loss: str = "auto"
+    """Mixture-of-experts models: add the router load-balancing loss (``router_aux_loss_coef`` of the model
+    config times transformers' ``load_balancing_loss_func``, over the global micro-batch): ``true``, ``false``,
+    or ``auto`` (the model config's ``output_router_logits``, as transformers decides); see docs/metrics.md."""
 
 
 @dataclass
@@ -118,6 +123,9 @@ class ParallelConfig:
     """Context-parallel degree: every sequence split over this many ranks (see docs/context-parallel.md)."""
     cp_method: str = "ring"
     """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models): each MoE layer's experts split over this many ranks,
+    borrowed from ``dp_shard x cp`` (the world size does not change; see docs/moe.md)."""
     pp: int = 1
     """Pipeline-parallel degree: the decoder split into stages over this many ranks (see docs/pipeline-parallel.md)."""
     pp_schedule: str = "1F1B"
@@ -187,7 +195,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-ENV_DEGREES = {"DP_SIZE": "dp_shard", "TP_SIZE": "tp", "CP_SIZE": "cp", "PP_SIZE": "pp"}
+ENV_DEGREES = {"DP_SIZE": "dp_shard", "TP_SIZE": "tp", "CP_SIZE": "cp", "PP_SIZE": "pp", "EP_SIZE": "ep"}
 
 
 def _sections(cfg: Config) -> dict[str, Any]:
@@ -330,6 +338,8 @@ def validate_config(cfg: Config) -> None:
     _choice("train.mixed_precision", t.mixed_precision, MIXED_PRECISION)
     t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
     _choice("train.compile", t.compile, COMPILE)
+    t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())
+    _choice("train.router_aux_loss", t.router_aux_loss, ROUTER_AUX_LOSS)
     _choice("run.device", cfg.run.device, DEVICES)
     if t.loss_chunk_size < 0:
         raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {t.loss_chunk_size}")

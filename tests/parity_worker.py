@@ -17,7 +17,23 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from meshtron.config import load_config
 from meshtron.train.runtime import init_runtime, shutdown_runtime
+from meshtron.metrics.logger import local_bytes
 from meshtron.train.trainer import preflight, train
+
+
+def expert_state_bytes(result) -> tuple[torch.Tensor, int]:
+    """(bytes this rank holds of the experts' parameters and AdamW state, bytes of all of it unsharded) after the
+    run: the local shards of every ``.experts.`` parameter and of its optimizer state, against their full sizes."""
+    local = full = 0
+    for part in result.model_parts:
+        for name, param in part.named_parameters():
+            if ".experts." not in name:
+                continue
+            tensors = [param] + [v for v in result.optimizer.state.get(param, {}).values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+            local += sum(local_bytes(t) for t in tensors)
+            full += len(tensors) * param.numel() * param.element_size()
+    return torch.tensor([local], dtype=torch.int64), full
 
 
 def main() -> None:
@@ -34,6 +50,8 @@ def main() -> None:
                 dtype=torch.int64,
             )
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+            expert_local, expert_full = expert_state_bytes(result)
+            dist.all_reduce(expert_local, op=dist.ReduceOp.MAX)
             options = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
             state = {}
             for part in result.model_parts:  # pipeline stages: each holds some of the parameters, names unchanged
@@ -47,7 +65,8 @@ def main() -> None:
                 (out / f"{name}.json").write_text(json.dumps(
                     {"losses": result.losses, "grad_norms": result.grad_norms, "state_bytes": int(measured[0]),
                      "activation_bytes": int(measured[1]),
-                     "accumulation_grad_bytes": int(measured[2])}
+                     "accumulation_grad_bytes": int(measured[2]),
+                     "expert_state_bytes": [int(expert_local), expert_full]}
                 ))
             del result, state
     finally:

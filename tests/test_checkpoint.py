@@ -29,6 +29,7 @@ def base(cache_dir) -> list[str]:
 
 
 TIED = "model.preset=qwen3-tiny"  # tied embeddings
+MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
 
 
 def from_half(out: Path, name: str) -> str:
@@ -82,11 +83,17 @@ def runs(tmp_path_factory, cache_dir):
         "pp2_dp2_tied_resumed": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "pp2_dp2_tied")],
         "pp2_dp2_tied_from_fsdp4_tied": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "fsdp4_tied")],
         "fsdp4_tied_from_pp2_dp2_tied": [TIED, "parallel.dp_shard=4", from_half(out, "pp2_dp2_tied")],
+        # Expert parallelism: experts sharded over ep (and FSDP over what remains); checkpoints hold whole experts.
+        "ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", "parallel.ep=2"],
+        "ep2_fsdp4_moe_resumed": [MOE, "parallel.dp_shard=4", "parallel.ep=2", from_half(out, "ep2_fsdp4_moe")],
+        "ep4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", "parallel.ep=4", from_half(out, "ep2_fsdp4_moe")],
+        "fsdp4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", from_half(out, "ep2_fsdp4_moe")],
     }, out, cache_dir)
     in_process("single", [], out, cache_dir)
     in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
     in_process("single_from_fsdp4", [from_half(out, "fsdp4")], out, cache_dir)
     in_process("single_tied_from_pp2_dp2_tied", [TIED, from_half(out, "pp2_dp2_tied")], out, cache_dir)
+    in_process("single_moe_from_ep2_fsdp4_moe", [MOE, from_half(out, "ep2_fsdp4_moe")], out, cache_dir)
     return out
 
 
@@ -96,7 +103,7 @@ def losses(out: Path, name: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16",
-                                      "pp2_dp2_tied"])
+                                      "pp2_dp2_tied", "ep2_fsdp4_moe"])
 def test_resume_is_exact(runs, straight):
     """N steps, stop, resume for N more: the same losses and weights, bit for bit, as 2N straight."""
     full, resumed = losses(runs, straight), losses(runs, f"{straight}_resumed")
@@ -115,6 +122,9 @@ def test_resume_is_exact(runs, straight):
     ("pp2_dp2_tied_from_fsdp4_tied", "fsdp4_tied"),  # tied: FSDP4 -> PP2 x DP2 (the head copy gets the embeddings' moments)
     ("fsdp4_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> FSDP4
     ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process
+    ("ep4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP4
+    ("fsdp4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> no EP
+    ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
 ])
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
     full, continued = losses(runs, straight), losses(runs, resumed)

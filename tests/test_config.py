@@ -23,6 +23,7 @@ def test_precedence_toml_env_cli(tmp_path):
     assert cfg.model.preset == "qwen3-tiny"
     cfg = load_config(toml, ["parallel.dp_shard=8"], env={"DP_SIZE": "4"})
     assert cfg.parallel.dp_shard == 8  # CLI beats env
+    assert load_config(toml, env={"EP_SIZE": "2"}).parallel.ep == 2  # expert parallelism, as the other degrees
 
 
 @pytest.mark.parametrize(

@@ -211,6 +211,7 @@ def test_fingerprint_changes_with_data(tmp_path):
 
 
 def test_schedule_slices_match_global_batch():
+    """Every layout trains on exactly the global batch's sequences, each once."""
     sched = GlobalBatchSchedule(num_samples=37, global_batch_size=8, shuffle=True, seed=3)
     for step in (0, 1, 4, 9):
         full = sched.global_batch(step)
@@ -223,9 +224,38 @@ def test_schedule_slices_match_global_batch():
                     for mb in sched.local_micro_batches(step, rank, dp, micro)
                 ]
                 assert all(len(mb) == micro for mb in parts)
-                np.testing.assert_array_equal(np.concatenate(parts), full)
+                assert len(parts) == 8 // micro
+                np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.sort(full))
     with pytest.raises(ValueError):
         sched.local_micro_batches(0, 0, 2, 3)
+
+
+def test_schedule_global_micro_batches_do_not_depend_on_the_layout():
+    """Accumulation step i of every rank covers the i-th A-th of the global batch (the router loss's global
+    micro-batch): the same sequences as a one-process run with the same accumulation A, rank r taking the
+    r-th slice of them."""
+    sched = GlobalBatchSchedule(num_samples=37, global_batch_size=16, shuffle=True, seed=5)
+    for step in (0, 3):
+        full = sched.global_batch(step)
+        for accumulation in (1, 2, 4, 8):
+            one_process = sched.local_micro_batches(step, 0, 1, 16 // accumulation)
+            assert len(one_process) == accumulation
+            for dp in (2, 4, 8, 16):
+                if 16 % (dp * accumulation):
+                    continue
+                micro = 16 // (dp * accumulation)
+                per_rank = [sched.local_micro_batches(step, rank, dp, micro) for rank in range(dp)]
+                assert all(len(batches) == accumulation for batches in per_rank)
+                for i in range(accumulation):
+                    together = np.concatenate([per_rank[rank][i] for rank in range(dp)])
+                    np.testing.assert_array_equal(together, one_process[i])
+                    np.testing.assert_array_equal(together, full[i * dp * micro:(i + 1) * dp * micro])
+    # Without accumulation rank r's micro-batch is its contiguous r-th slice, as before.
+    np.testing.assert_array_equal(sched.local_micro_batches(0, 1, 4, 4)[0], sched.global_batch(0)[4:8])
+    # With it, rank 1 of 2 with micro-batches of 2 takes positions 2-3, 6-7, 10-11, 14-15.
+    np.testing.assert_array_equal(
+        np.concatenate(sched.local_micro_batches(0, 1, 2, 2)), sched.global_batch(0)[[2, 3, 6, 7, 10, 11, 14, 15]]
+    )
 
 
 def test_schedule_seeds_and_epochs():

@@ -54,7 +54,16 @@ class GlobalBatchSchedule:
         return self.indices(step * self.global_batch_size, self.global_batch_size)
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[np.ndarray]:
-        """Rank ``dp_rank``'s contiguous slice of the global batch, cut into micro-batches."""
+        """Rank ``dp_rank``'s micro-batches of step ``step``: its slice of each global micro-batch.
+
+        The global batch is cut into ``A = global_batch_size / (dp_size x micro_batch_size)`` global
+        micro-batches of ``dp_size x micro_batch_size`` consecutive sequences; accumulation step ``i`` of
+        every rank processes global micro-batch ``i``, rank ``r`` its ``r``-th slice of ``micro_batch_size``.
+        So the sequences processed together at an accumulation step are the same whatever ``dp_size`` (the
+        ``i``-th ``A``-th of the global batch), as the router load-balancing loss, a mean over each global
+        micro-batch, needs (meshtron.train.router_loss); a one-process run with the same ``A`` has them in
+        its micro-batches.
+        """
         g = self.global_batch_size
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_size}")
@@ -63,5 +72,7 @@ class GlobalBatchSchedule:
         per_rank = g // dp_size
         if micro_batch_size < 1 or per_rank % micro_batch_size:
             raise ValueError(f"{per_rank} sequences per rank are not divisible by micro-batch size {micro_batch_size}")
-        local = self.global_batch(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        return [local[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+        batch = self.global_batch(step)
+        group = dp_size * micro_batch_size  # one global micro-batch
+        offset = dp_rank * micro_batch_size
+        return [batch[start + offset : start + offset + micro_batch_size] for start in range(0, g, group)]

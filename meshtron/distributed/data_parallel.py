@@ -9,19 +9,23 @@ from torch.distributed.tensor import DTensor
 
 from meshtron.config import FSDPConfig
 from meshtron.errors import ConfigError
+from meshtron.distributed.expert_parallel import shard_experts
 from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.moe import moe_blocks
 
 
 def apply_fsdp(
     model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSDPConfig, policy: MixedPrecisionPolicy,
-    pipelined: bool = False,
+    pipelined: bool = False, expert_mesh=None,
 ) -> None:
     """Shard every decoder block, then the root (embeddings, final norm, head) over ``dp_mesh``.
 
     ``dp_mesh`` is ``dp_shard x cp`` flattened (context-parallel ranks hold the same parameters), with
     ``dp_replicate`` in front for HSDP. When that sharding dim has size 1 every rank holds the whole
     model: that is DDP, and plain replication (``replicate_whole_model``) runs it (see ``replicates_only``).
-    ``policy``: the run's mixed precision (meshtron.train.precision).
+    ``policy``: the run's mixed precision (meshtron.train.precision). ``expert_mesh``: under expert
+    parallelism, the mesh the experts of each MoE block are sharded over instead (``expert_fsdp``: the ranks
+    holding the same experts), their gradients divided as the others' (``expert_parallel.shard_experts``).
     """
     if replicates_only(model, dp_mesh, policy, fsdp_cfg.cpu_offload, pipelined):
         replicate_whole_model(model, dp_mesh)
@@ -34,6 +38,10 @@ def apply_fsdp(
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         reshard = reshard_blocks and index < len(blocks) - 1
+        if expert_mesh is not None:
+            for _, moe_block in moe_blocks(block):
+                shard_experts(moe_block.experts, expert_mesh, dp_mesh.size(), mp_policy=policy, offload_policy=offload,
+                              reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
 

@@ -20,6 +20,8 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel degree, borrowed from ``dp_shard x cp`` (not a mesh dimension of its own)."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -32,12 +34,18 @@ class ParallelDims:
                     "change the degrees or the number of processes"
                 )
             dp_shard = world_size // fixed
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, world_size)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, world_size, cfg.ep)
         if dims.product != world_size:
             raise ConfigError(
                 f"world size {world_size} != product of the parallel degrees "
                 f"(pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
                 f"x tp {dims.tp} = {dims.product}); launch {dims.product} processes or change parallel.*"
+            )
+        if dims.ep > 1 and (dims.dp_shard * dims.cp) % dims.ep:
+            raise ConfigError(
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard*cp = {dims.dp_shard * dims.cp} (expert parallelism "
+                "borrows its ranks from the data-parallel shard and context-parallel ranks); change parallel.ep or "
+                "parallel.dp_shard"
             )
         return dims
 
@@ -78,8 +86,12 @@ class ParallelDims:
             meshes["fsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp])
         else:
             meshes["fsdp"] = dp_shard_cp
+        if self.ep > 1:  # ep, efsdp and expert_fsdp, split from dp_shard_cp
+            from meshtron.distributed.expert_parallel import expert_meshes
+
+            meshes.update(expert_meshes(meshes, self.ep))
         return meshes
 
     def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        parts = [f"{name}={getattr(self, name)}" for name in (*MESH_DIMS, "ep") if getattr(self, name) > 1]
         return " ".join(parts) or "single process"

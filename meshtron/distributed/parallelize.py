@@ -1,8 +1,8 @@
 """The one place that applies every parallelism to a model, in order.
 
-Order: pipeline split (first), then for each stage: float8 conversion (``train.float8``), tensor
-parallel, context parallel, activation checkpointing, compile, FSDP/HSDP. Each step only talks to the
-model through its adapter.
+Order: pipeline split (first), then for each stage: float8 conversion (``train.float8``), expert
+parallel (MoE models), tensor parallel, context parallel, activation checkpointing, compile, FSDP/HSDP
+(the experts over their own mesh). Each step only talks to the model through its adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from meshtron.config import Config
 from meshtron.distributed.data_parallel import apply_fsdp
+from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
@@ -125,6 +126,8 @@ def parallelize_model(
     device_type = device_type or _device_type(meshes, cfg)
     if cfg.train.float8:
         apply_float8(model, adapter, device_type=device_type, fsdp_enabled=dims.fsdp_enabled, tp=dims.tp)
+    if dims.ep > 1:  # before TP, whose replicated MoE block then leaves the (already sharded) experts alone
+        apply_expert_parallel_to_model(model, meshes["ep"])
     if dims.tp > 1:
         apply_tensor_parallel(
             model,
@@ -141,7 +144,8 @@ def parallelize_model(
         apply_compile(model, adapter)
     precision = precision_policy(cfg, device_type)
     if dims.fsdp_enabled:
-        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, precision.fsdp_policy(), pipelined=dims.pp > 1)
+        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, precision.fsdp_policy(), pipelined=dims.pp > 1,
+                   expert_mesh=meshes.get("expert_fsdp"))
     else:  # the same mixed-precision casts FSDP would do, at the same places
         apply_compute_casts(model, adapter, precision)
     return model

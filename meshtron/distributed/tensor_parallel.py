@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.nn.utils.stateless import _reparametrize_module
 
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
@@ -162,6 +163,55 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
 
 
+class ReplicatedBlockParallel(ParallelStyle):
+    """A module computed whole on every tp rank on the full sequence (a sparse MoE block: router, experts,
+    shared expert), on plain tensors.
+
+    Its input is gathered from the residual-stream layout to the full sequence (``Replicate``), its
+    parameters are replicated DTensors that its forward sees as local tensors (the experts index their 3-D
+    parameters, which DTensor does not support), and its output goes back to the residual-stream layout
+    (``Shard(1)`` under sequence parallel: a local slice, whose backward all-gathers the output gradient).
+    Every tp rank so computes the same output and the same whole gradients: they are ``Replicate``, not
+    partial, and the input gradient is the same on every rank (its ``Shard(1)`` slice needs no reduction).
+    """
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.stream = Shard(1) if sequence_parallel else Replicate()
+
+    def _input_fn(self, module, inputs, mesh):
+        hidden, *rest = inputs
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, mesh, [self.stream], run_check=False)
+        return (hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Replicate()]), *rest)
+
+    def _output_fn(self, module, output, mesh):
+        output = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
+        if isinstance(self.stream, Shard):
+            return output.redistribute(mesh, [self.stream])  # the residual stream is a DTensor here
+        return output.to_local(grad_placements=[Replicate()])
+
+    @staticmethod
+    def _local_forward(module: nn.Module):
+        forward = module.forward
+
+        def local_forward(*args, **kwargs):
+            params = {
+                name: param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
+                for name, param in module.named_parameters()
+            }
+            with _reparametrize_module(module, params):
+                return forward(*args, **kwargs)
+
+        module.forward = local_forward
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # No partition function: distribute_module replicates the parameters over the tp mesh.
+        module = distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+        self._local_forward(module)
+        return module
+
+
 def _float8_styles(roles: dict[str, str], float8_paths: frozenset[str]):
     """(prepare input, colwise, rowwise) style classes per path: torchao's float8 ones for float8 linears
     and for an attention / MLP region whose every input projection is one."""
@@ -216,6 +266,8 @@ def _block_styles(
             styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
         elif role == "gathered_norm":
             styles[path] = GatheredNormParallel()
+        elif role == "replicated_block":
+            styles[path] = ReplicatedBlockParallel(sequence_parallel)
         elif role == "head_norm":
             # Works on [batch, seq, local heads, head_dim]: the heads dim is the split one.
             styles[path] = SequenceParallel(sequence_dim=2, use_local_output=True)

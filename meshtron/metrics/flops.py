@@ -32,21 +32,44 @@ def device_peak_flops(device: torch.device) -> float | None:
     return None
 
 
+def _mlp_params_per_layer(hf_config) -> list[int]:
+    """Weights each token multiplies by in each layer's MLP: the dense MLP, or for a mixture of experts only
+    the active ones: top-k routed experts, the router, and a shared expert with its gate (Qwen2-MoE).
+
+    Dense layers of an MoE model (Qwen-MoE's ``mlp_only_layers``, ``decoder_sparse_step``) count as dense.
+    """
+    from meshtron.models.moe import experts_per_token, num_experts
+
+    hidden, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    dense = 3 * hidden * hf_config.intermediate_size
+    experts = num_experts(hf_config)
+    if not experts:
+        return [dense] * layers
+    # Mixtral has no moe_intermediate_size: its intermediate_size is each expert's.
+    expert_inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    sparse = experts_per_token(hf_config) * 3 * hidden * expert_inter + hidden * experts
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
+    if shared:
+        sparse += 3 * hidden * shared + hidden  # the shared expert and its sigmoid gate
+    dense_layers = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    return [sparse if i not in dense_layers and (i + 1) % step == 0 else dense for i in range(layers)]
+
+
 def flops_per_token(hf_config, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (non-embedding parameters + head) + causal attention (6 x L x 2 x s x d / 2 x 2).
 
     Counts matmuls only: forward 2 FLOPs per weight per token, backward 4. Attention scores and
-    values cost 2 x 2 x s x d per token per layer forward, halved for the causal mask.
+    values cost 2 x 2 x s x d per token per layer forward, halved for the causal mask. Mixtures of experts
+    count the weights a token is routed through (active parameters), not every expert.
     """
     hidden = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
     attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    mlp_params = 3 * hidden * inter
     head_params = hidden * hf_config.vocab_size
-    matmul_params = layers * (attn_params + mlp_params) + head_params
+    matmul_params = layers * attn_params + sum(_mlp_params_per_layer(hf_config)) + head_params
     attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
     return 6 * matmul_params + 3 * attention

@@ -68,8 +68,9 @@ class MetricsLogger:
 
     def _print_progress(self, r: dict) -> None:
         mfu = f" | mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        aux = f" (aux {r['aux_loss']:.4f}, expert load {r['expert_load_max']:.2f}x)" if "aux_loss" in r else ""
         line = (
-            f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} | loss {r['loss']:.4f} | "
+            f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} | loss {r['loss']:.4f}{aux} | "
             f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s{mfu} | "
             f"mem {r['max_memory_gb']:.2f} GB | {r['elapsed_s']:.0f}s"
         )

@@ -18,6 +18,7 @@ from torch import nn
 
 from meshtron.errors import MeshtronError
 from meshtron.models.families import FAMILIES, family_of, supported_families
+from meshtron.models.moe import checkpoint_renames, moe_blocks
 
 # Wrappers that parallelism adds around modules; they are not part of a parameter's real name.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -39,6 +40,8 @@ def canonical_name(name: str) -> str:
 #   norm              a norm on the residual stream (sequence-sharded under sequence parallel)
 #   head_norm         a per-head norm inside attention (Qwen3's q_norm / k_norm): works on local heads
 #   gathered_norm     a norm over all heads' features (OLMo 2's q_norm / k_norm): runs on gathered heads
+#   replicated_block  a module computed whole on every tp rank on the gathered sequence (a sparse MoE block:
+#                     router, experts and shared expert); set for every block ``moe.moe_blocks`` finds
 _BLOCK_TP_ROLES = {
     "input_layernorm": "norm",
     "self_attn": "attention",
@@ -217,7 +220,12 @@ class DecoderAdapter:
         """Tensor-parallel role of each submodule of a decoder block that has one (see ``_BLOCK_TP_ROLES``)."""
         present = {name for name, _ in block.named_modules()}
         roles = {**_BLOCK_TP_ROLES, **FAMILIES[self.family].extra_roles}
-        return {path: role for path, role in roles.items() if path in present}
+        roles = {path: role for path, role in roles.items() if path in present}
+        # A sparse MoE block (router, experts, shared expert) is kept whole on every tp rank: no role inside it.
+        for moe_path, _ in moe_blocks(block):
+            roles = {path: role for path, role in roles.items() if not path.startswith(moe_path + ".")}
+            roles[moe_path] = "replicated_block"
+        return roles
 
     def top_tp_roles(self, model: nn.Module) -> dict[str, str]:
         """Roles of the parts outside the blocks that ``model`` holds (a pipeline stage may lack some)."""
@@ -240,6 +248,7 @@ class DecoderAdapter:
         (checkpoint name, None) for a tensor of the parameter's shape, (checkpoint name, first row) for a row
         range of a fused tensor. A tied head falls back to the embedding."""
         sources: list[tuple[str, int | None]] = [(name, None)]
+        sources += [(renamed, None) for renamed in checkpoint_renames(name, self.family)]  # MoE block names
         if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             sources.append((self.embedding_name(), None))
         return sources

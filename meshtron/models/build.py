@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
+from meshtron.models.moe import read_experts
 from meshtron.models.presets import make_preset_config
 
 DEFAULT_PRESET = "tiny"
@@ -185,7 +186,8 @@ def _local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
 def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, adapter: DecoderAdapter, config,
                 region) -> torch.Tensor:
     """This rank's ``region`` of parameter ``name`` read from the checkpoint, wherever the family keeps it there
-    (``adapter.checkpoint_sources``: another name, or a row range of a fused tensor)."""
+    (``adapter.checkpoint_sources``: another name, or a row range of a fused tensor; a mixture of experts'
+    fused expert parameter: the experts' own tensors, ``moe.read_experts``)."""
     wanted = tuple(param.shape)
     for candidate, first_row in adapter.checkpoint_sources(name, config):
         if candidate not in reader:
@@ -206,6 +208,9 @@ def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, adapte
         region = region or tuple(slice(0, size) for size in wanted)
         rows = slice(region[0].start + first_row, region[0].stop + first_row)
         return reader.get(candidate, (rows, *region[1:]))
+    experts = read_experts(name, wanted, reader, region, adapter.family)  # MoE experts saved one by one
+    if experts is not None:
+        return experts
     raise MeshtronError(f"model.name_or_path: the checkpoint has no weight '{name}'; it does not match config.json")
 
 

@@ -61,6 +61,12 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True,
                      eager_only="its attention logit soft-capping is not in torch's sdpa"),
     "gemma3_text": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True),
+    # Mixtures of experts (meshtron.models.moe): a sparse block at mlp (router gate, fused 3-D experts), kept
+    # whole on every tp rank ("replicated_block"); checkpoints keep each expert's matrices apart (Mixtral's
+    # under block_sparse_moe, w1 / w3 / w2), read into the fused parameters; pipeline parallelism refused.
+    "qwen3_moe": Family(),
+    "mixtral": Family(),
+    "qwen2_moe": Family(),  # plus a dense shared expert and its sigmoid gate, inside the sparse block
 }
 
 

@@ -74,6 +74,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
     ),
+    # Mixtures of experts (docs/moe.md): 4 experts, top-2, a sparse block in every layer; the router's
+    # load-balancing loss off (output_router_logits False) until meshtron's trainer adds it.
+    "qwen3moe-tiny": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, norm_topk_prob=True, output_router_logits=False,  # as Qwen3-30B-A3B
+    ),
+    "mixtral-tiny": dict(  # intermediate_size is each expert's
+        model_type="mixtral", hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        sliding_window=None, output_router_logits=False,
+    ),
+    "qwen2moe-tiny": dict(  # a shared expert beside the routed ones, q/k/v biases
+        model_type="qwen2_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, output_router_logits=False,
+    ),
     "llama-small": dict(
         model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,

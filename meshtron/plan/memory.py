@@ -138,7 +138,10 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     if shape.eager_attention:  # eager: k/v repeated to every query head, scores (and capped scores) kept, no lse
         attention += e * (2 * heads - kv_local - kv_stored) * d - FP32 * heads
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
-    mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
+    if shape.experts:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
+        mlp = moe_activation_per_token(shape, e)
+    else:
+        mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
     return norms + gathered_inputs + attention + mlp
 
 
@@ -328,3 +331,11 @@ def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, r
     """Parameter bytes the planner expects global rank ``rank`` to hold (pp is the outermost mesh dim)."""
     pp_rank = rank // (layout.world_size // layout.pp)
     return state_numel(shape, layout, workload)[pp_rank] * DTYPE_BYTES[workload.model_dtype]
+
+
+def moe_activation_per_token(shape: ModelShape, e: int) -> float:
+    """A sparse MoE block per token: for each of its top-k experts the gathered input, gate/up output, silu(gate),
+    product and weighted output; the router's fp32 probabilities; a shared expert's gated MLP, output and gate."""
+    routed = shape.experts_per_token * e * (2 * shape.hidden + 4 * shape.moe_intermediate)
+    shared = e * (4 * shape.shared_expert_intermediate + shape.hidden + 1) if shape.shared_expert_intermediate else 0
+    return routed + FP32 * shape.experts + shared

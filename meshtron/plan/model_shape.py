@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from meshtron.config import ModelConfig
 from meshtron.models.adapter import canonical_name
+from meshtron.models.moe import experts_per_token, is_moe, num_experts
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ParamSpec:
     role: str
 
     def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
-        if tp == 1 or self.role in ("norm", "head_norm", "gathered_norm"):
+        if tp == 1 or self.role in ("norm", "head_norm", "gathered_norm", "replicated"):
             return None
         if self.role == "kv_colwise" and num_kv_heads < tp:
             return None  # replicated KV projection
@@ -71,6 +72,22 @@ class ModelShape:
     """Soft-capped final logits (Gemma 2): the loss keeps the capped fp32 logits too."""
     gated_mlp: bool = True
     """A gated MLP (gate and up projections); False: two matrices around the activation (StarCoder2)."""
+    experts: int = 0
+    """Routed experts per MoE block (0: a dense model; meshtron.models.moe)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate: int = 0
+    """Intermediate size of one routed expert."""
+    shared_expert_intermediate: int = 0
+    """Intermediate size of the dense shared expert beside the routed ones (Qwen2-MoE; 0: none)."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: the routed experts' only ``experts_per_token / experts`` of them."""
+        if not self.experts:
+            return self.total_params
+        expert_params = sum(math.prod(p.shape) for p in self.block if p.role == "replicated" and len(p.shape) == 3)
+        return self.total_params - self.layers * expert_params * (self.experts - self.experts_per_token) // self.experts
 
     @property
     def total_params(self) -> int:
@@ -90,10 +107,14 @@ class ModelShape:
         model, adapter = build_meta_model(hf_config, model_cfg)
         blocks = adapter.named_blocks(model)
         roles = adapter.block_tp_roles(blocks[0][1])
+        # Inside a replicated block (a sparse MoE block: router, 3-D experts, shared expert) every tp rank holds
+        # every parameter whole; FSDP still splits dim 0 (the experts of [E, ...] parameters).
+        replicated = tuple(path + "." for path, role in roles.items() if role == "replicated_block")
         block_specs = []
         for name, param in blocks[0][1].named_parameters():
             module = name.rsplit(".", 1)[0]
-            block_specs.append(ParamSpec(name, tuple(param.shape), roles.get(module, "norm")))
+            role = "replicated" if name.startswith(replicated) else roles.get(module, "norm")
+            block_specs.append(ParamSpec(name, tuple(param.shape), role))
         shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
         if len(shapes) != 1:
             raise ValueError(f"model family '{adapter.family}': decoder blocks differ in shape; the planner needs alike blocks")
@@ -125,5 +146,17 @@ class ModelShape:
             eager_attention=model_cfg.attn_implementation == "eager",
             attention_softcap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
             logit_softcap=bool(adapter.logit_softcap(model)),
-            gated_mlp=any(name.endswith(("mlp.gate_proj", "mlp.gate_up_proj")) for name, _ in blocks[0][1].named_modules()),
+            gated_mlp=any(name.endswith(("mlp.gate_proj", "mlp.gate_up_proj")) for name, _ in blocks[0][1].named_modules())
+            or bool(replicated),  # experts are gated MLPs
+            experts=num_experts(hf_config),
+            experts_per_token=experts_per_token(hf_config) if is_moe(hf_config) else 0,
+            moe_intermediate=_moe_intermediate(hf_config),
+            shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
         )
+
+
+def _moe_intermediate(hf_config) -> int:
+    """One routed expert's intermediate size (``moe_intermediate_size``; Mixtral: ``intermediate_size``)."""
+    if not is_moe(hf_config):
+        return 0
+    return int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)

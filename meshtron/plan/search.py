@@ -43,9 +43,11 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
 
     from meshtron.models.attention import check_attention
     from meshtron.models.families import check_family
+    from meshtron.models.moe import check_moe
 
     try:
         check_family(hf_config, tp=layout.tp)  # parallelisms the model family cannot be split by
+        check_moe(hf_config, pp=layout.pp)
         check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len, layout.pp)
         check_tensor_parallel(hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp)
         check_context_parallel(layout.cp, workload.seq_len)

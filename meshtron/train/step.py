@@ -2,14 +2,16 @@
 norm, mixed-precision loss scaling, clipping and the optimizer step.
 
 Loss is the sum of token losses over the whole global batch divided by the global number of target
-tokens, so it is the same number whatever the layout, micro-batch size or accumulation.
+tokens, so it is the same number whatever the layout, micro-batch size or accumulation. Mixture-of-experts
+models with the router loss on add ``coef`` times the mean over the accumulation micro-batches of each
+global micro-batch's load-balancing loss (meshtron.train.router_loss).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -28,6 +30,7 @@ from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
 from meshtron.train.float8 import refresh_float8_scales
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.precision import LossScaler, PrecisionPolicy, unscale_gradients
+from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
 
@@ -46,24 +49,38 @@ class StepContext:
     adapter: object = None
     precision: PrecisionPolicy | None = None
     scaler: LossScaler | None = None
+    router: RouterLoss | None = None
+    """The MoE router load-balancing loss, when on (meshtron.train.router_loss.build_router_loss)."""
+    step_metrics: dict = field(default_factory=dict)
+    """Metrics of the last step beyond loss and gradient norm (the router loss's), for the logger."""
 
     @property
     def loss_parallel(self) -> bool:
         return self.dims.tp > 1 and self.cfg.parallel.loss_parallel
 
 
-def _forward_backward(model, batches, ctx: StepContext, scale: float, held_grads: list[int] | None = None) -> torch.Tensor:
+def _forward_backward(
+    model, batches, ctx: StepContext, scale: float, held_grads: list[int] | None = None,
+    routing: StepRouting | None = None, aux_scale: float = 0.0,
+) -> torch.Tensor:
     """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
 
     ``batches``: (full token ids, this rank's labels) per micro-batch. ``held_grads``: gets the gradient
     bytes this rank holds after each micro-batch but the last (see meshtron.metrics.gradient_memory).
+    ``routing``: with the router loss on, gets each micro-batch's global aux loss; this rank's share of it
+    goes into backward times ``aux_scale``.
     """
     local_loss_sum = torch.zeros((), device=ctx.device)
     compute_dtype = ctx.precision.compute_dtype if ctx.precision else None
     for index, (input_ids, labels) in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.cfg.fsdp.accumulate_unsharded)
-        hidden = model(**sequence_inputs(input_ids, ctx.split))
+        with ctx.router.recording() if routing is not None else contextlib.nullcontext():
+            hidden = model(**sequence_inputs(input_ids, ctx.split))
+        aux = None
+        if routing is not None:  # one all-reduce of the routers' counts over the dp x cp ranks
+            aux = ctx.router.micro_batch()
+            routing.add(aux)
         weight, bias = ctx.adapter.head_parameters(model)
         # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
@@ -71,9 +88,12 @@ def _forward_backward(model, batches, ctx: StepContext, scale: float, held_grads
                 hidden, labels, weight, bias, compute_dtype=compute_dtype, chunk_size=ctx.cfg.train.loss_chunk_size,
                 loss_parallel=ctx.loss_parallel, softcap=ctx.adapter.logit_softcap(model),
             )
-            (loss_sum * scale).backward()
+            if aux is None:
+                (loss_sum * scale).backward()
+            else:  # one backward for both (the LM loss may be a DTensor under loss parallel)
+                torch.autograd.backward([loss_sum * scale, aux.share * aux_scale])
         local_loss_sum += local_value(loss_sum.detach())
-        del hidden, loss_sum
+        del hidden, loss_sum, aux
         if ctx.dims.tp > 1 and not ctx.dims.fsdp_enabled and not last:
             shard_replicated_gradients(model.parameters())
         if held_grads is not None and not last:
@@ -98,14 +118,19 @@ def train_step(
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets
     loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
+    # The router loss: the mean over the accumulation micro-batches, scaled for FSDP's mean like the LM loss.
+    routing = StepRouting() if ctx.router is not None else None
+    aux_scale = ctx.router.coef / len(batches) * dims.dp * dims.cp * loss_scale if routing is not None else 0.0
     tracker = SavedActivationTracker() if measure_activations is not None else None
     with tracker.track() if tracker is not None else contextlib.nullcontext():
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
+            if routing is not None:
+                raise MeshtronError("the router load-balancing loss does not run under pipeline parallelism")
             (input_ids, labels), = batches
             local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale)
         else:
             held_grads = [] if measure_state is not None else None
-            local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads)
+            local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)
             if held_grads:
                 measure_state.accumulation_grad_bytes = max(held_grads)
     if measure_activations is not None:
@@ -118,7 +143,10 @@ def train_step(
     loss, grad_norm = global_loss_and_grad_norm(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp
     )
-    loss_value, norm_value = host_values(loss, grad_norm / loss_scale)
+    loss_value, norm_value, *routed = host_values(loss, grad_norm / loss_scale, *(routing.tensors() if routing else []))
+    if routing is not None:  # the reported loss is transformers': LM loss + coef x aux
+        ctx.step_metrics = router_metrics(routed)
+        loss_value += ctx.router.coef * ctx.step_metrics["aux_loss"]
     if ctx.scaler is not None and math.isfinite(loss_value):
         overflowed = not math.isfinite(norm_value)
         ctx.scaler.update(overflowed)

@@ -24,6 +24,7 @@ from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import check_data_path
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.context_parallel import check_context_parallel
+from meshtron.distributed.expert_parallel import check_expert_parallel
 from meshtron.distributed.data_parallel import check_data_parallel, parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
@@ -35,6 +36,7 @@ from meshtron.metrics.logger import MetricsLogger, max_memory_gb
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import attention_windows, check_attention
 from meshtron.models.families import check_family
+from meshtron.models.moe import check_moe
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
 from meshtron.distributed.pipeline_parallel import check_pipeline
 from meshtron.train.batch import SequenceSplit
@@ -42,6 +44,7 @@ from meshtron.train.float8 import check_float8, refresh_float8_scales
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
+from meshtron.train.router_loss import build_router_loss, check_router_loss
 from meshtron.train.runtime import Runtime, launched_by_torchrun
 from meshtron.train.step import StepContext, train_step
 
@@ -126,6 +129,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
+    check_moe(hf_config, pp=dims.pp)  # mixtures of experts: pipeline parallelism refused for now (docs/moe.md)
+    check_expert_parallel(hf_config, dims.ep)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and cfg.data.seq_len > max_positions:
         raise ConfigError(
@@ -137,6 +142,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
         hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
     )
     pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
+    check_router_loss(cfg, hf_config, dims.pp)
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
@@ -226,7 +232,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     scheduler = build_scheduler(optimizer, cfg.train)
     step_context = StepContext(
         _dp_rank(meshes, dims), dims, plan, split, runtime.device, cfg, runner, adapter, policy,
-        loss_scaler(policy, cfg),
+        loss_scaler(policy, cfg), router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
     )
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
@@ -285,6 +291,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                         "mfu": flops_tok * tokens_per_s / (peak * runtime.world_size) if peak else None,
                         "max_memory_gb": max_memory_gb(runtime.device),
                         **({"loss_scale": step_context.scaler.scale} if step_context.scaler is not None else {}),
+                        **step_context.step_metrics,
                     }
                 )
             if checkpoints is not None and checkpoints.due(step + 1, cfg.train.steps):

@@ -1,0 +1,120 @@
+"""Mixture-of-experts anatomy: where a Hugging Face MoE model keeps its routers and experts.
+
+transformers 5 gives every MoE family the same shape: a sparse MoE block (at ``block.mlp``) with a router
+``gate`` (``forward(hidden (T, H)) -> (router logits (T, E), top-k weights (T, k), top-k expert ids (T, k))``)
+and ``experts`` holding fused 3-D parameters ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``
+(``forward(hidden (T, H), top_k_index, top_k_weights) -> (T, H)``); Qwen2-MoE adds a dense
+``shared_expert`` and its ``shared_expert_gate``. Parallelism and the router loss find them here, never
+by reaching into a family's modules themselves.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def is_moe(config) -> bool:
+    """Whether the model routes tokens to experts."""
+    return num_experts(config) > 0
+
+
+def num_experts(config) -> int:
+    """Experts per MoE layer (``num_experts``; Mixtral: ``num_local_experts``); 0 for a dense model."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
+def experts_per_token(config) -> int:
+    """Experts each token is routed to (top-k)."""
+    return int(getattr(config, "num_experts_per_tok", 0) or 0)
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, sparse MoE block) for every MoE block ``model`` holds (a pipeline stage: its own),
+    in order. A block is a module with a router ``gate`` and an ``experts`` module of 3-D parameters."""
+    found = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if getattr(module, "gate", None) is not None and experts is not None and getattr(experts, "gate_up_proj", None) is not None:
+            found.append((name, module))
+    return found
+
+
+def check_moe(hf_config, *, pp: int = 1) -> None:
+    """Refuse, with one line, a parallelism meshtron cannot split an MoE model by yet (dense models pass)."""
+    from meshtron.errors import ConfigError
+
+    if not is_moe(hf_config):
+        return
+    if pp > 1:
+        raise ConfigError(
+            f"model family {hf_config.model_type} (mixture of experts) with parallel.pp={pp} is not supported yet: "
+            "its load-balancing loss averages over all layers, which pipeline stages split; set parallel.pp=1"
+        )
+
+
+# Per-expert checkpoint names of the fused expert parameters, as transformers' save_pretrained writes them and
+# Hub checkpoints hold them: {family: (block path in the checkpoint, {fused name: per-expert parts along dim 1})}.
+# ``gate_up_proj [E, 2I, H]`` is expert e's gate rows then its up rows; ``down_proj [E, H, I]`` is its down.
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_CHECKPOINT_EXPERTS = {
+    "qwen3_moe": (".mlp.", _EXPERT_PARTS),
+    "qwen2_moe": (".mlp.", _EXPERT_PARTS),
+    "mixtral": (".block_sparse_moe.", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
+}
+
+
+def checkpoint_renames(name: str, model_type: str) -> list[str]:
+    """Other names a checkpoint may give parameter ``name`` of an MoE family's block (Mixtral's Hub and
+    save_pretrained checkpoints: ``block_sparse_moe`` for ``mlp``); empty for the rest."""
+    block_path = _CHECKPOINT_EXPERTS.get(model_type, (".mlp.",))[0]
+    if block_path != ".mlp." and ".mlp." in name:
+        return [name.replace(".mlp.", block_path, 1)]
+    return []
+
+
+def read_experts(name: str, shape: tuple[int, ...], reader, region, model_type: str):
+    """``region`` (None: all) of the fused expert parameter ``name`` of shape ``shape`` ([E, rows, cols]),
+    assembled from a checkpoint that keeps each expert's matrices apart (``...experts.{e}.{part}.weight``);
+    each per-expert tensor is read only in the rows and columns the region covers. None when ``name`` is no
+    fused expert parameter of the family or the checkpoint does not hold per-expert tensors for it."""
+    import torch
+
+    from meshtron.errors import MeshtronError
+
+    if model_type not in _CHECKPOINT_EXPERTS or ".experts." not in name:
+        return None
+    block_path, parts_of = _CHECKPOINT_EXPERTS[model_type]
+    prefix, _, fused = name.rpartition(".experts.")
+    if fused not in parts_of or len(shape) != 3:
+        return None
+    prefixes = [prefix + ".experts."]
+    if block_path != ".mlp." and ".mlp" in prefix:  # also the model's own block name
+        prefixes.insert(0, prefix.replace(".mlp", block_path.rstrip("."), 1) + ".experts.")
+    parts = parts_of[fused]
+    for base in prefixes:
+        if f"{base}0.{parts[0]}.weight" in reader:
+            break
+    else:
+        return None
+    experts, rows, cols = shape
+    part_rows = rows // len(parts)
+    region = region or tuple(slice(0, size) for size in shape)
+    pieces = []
+    for expert in range(region[0].start, region[0].stop):
+        expert_rows = []
+        for index, part in enumerate(parts):
+            part_name = f"{base}{expert}.{part}.weight"
+            if part_name not in reader or reader.shape(part_name) != (part_rows, cols):
+                got = reader.shape(part_name) if part_name in reader else "no such weight"
+                raise MeshtronError(
+                    f"model.name_or_path: expert weight '{part_name}' is {got} but the config asks for "
+                    f"{(part_rows, cols)} ({experts} experts of '{name}' {shape}); the weights do not belong to this config.json"
+                )
+            start, stop = index * part_rows, (index + 1) * part_rows
+            lo, hi = max(region[1].start, start), min(region[1].stop, stop)
+            if lo < hi:
+                expert_rows.append(reader.get(part_name, (slice(lo - start, hi - start), region[2])))
+        pieces.append(torch.cat(expert_rows) if len(expert_rows) > 1 else expert_rows[0])
+    if not pieces:
+        return torch.empty(tuple(r.stop - r.start for r in region))
+    return torch.stack(pieces)
