@@ -19,22 +19,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshtron.config import ParallelConfig
 from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
 from meshtron.distributed.pipeline_parallel import TIED_WEIGHTS, local_stage_ids, stages_per_rank
-from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
+from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.models.adapter import canonical_name
 
 
 def _named(parts: list[nn.Module], name: str) -> list[nn.Parameter]:
     return [p for part in parts for n, p in part.named_parameters() if canonical_name(n) == name]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class TiedEmbeddingSync:
@@ -58,17 +53,17 @@ class TiedEmbeddingSync:
         reduce_partial_gradients(params)
         if self.group is None:  # first and last stage on this rank
             for embedding, head in zip(self.embeddings, self.heads):
-                total = _local(embedding.grad) + _local(head.grad)
-                _local(embedding.grad).copy_(total)
-                _local(head.grad).copy_(total)
+                total = local_value(embedding.grad) + local_value(head.grad)
+                local_value(embedding.grad).copy_(total)
+                local_value(head.grad).copy_(total)
             return
         for param in params:
-            dist.all_reduce(_local(param.grad), group=self.group)
+            dist.all_reduce(local_value(param.grad), group=self.group)
 
 
 def _split(param: torch.Tensor) -> tuple:
     """How a parameter is split: its placements, full shape and this rank's local shape."""
-    return str(getattr(param, "placements", None)), tuple(param.shape), tuple(_local(param).shape)
+    return str(getattr(param, "placements", None)), tuple(param.shape), tuple(local_value(param).shape)
 
 
 def _check_alike(a: tuple, b: tuple) -> None:
