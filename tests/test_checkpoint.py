@@ -88,6 +88,8 @@ def runs(tmp_path_factory, cache_dir):
         "ep2_fsdp4_moe_resumed": [MOE, "parallel.dp_shard=4", "parallel.ep=2", from_half(out, "ep2_fsdp4_moe")],
         "ep4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", "parallel.ep=4", from_half(out, "ep2_fsdp4_moe")],
         "fsdp4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", from_half(out, "ep2_fsdp4_moe")],
+        "ep2_pp2_moe_from_ep2_fsdp4_moe": [MOE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                           from_half(out, "ep2_fsdp4_moe")],
     }, out, cache_dir)
     in_process("single", [], out, cache_dir)
     in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
@@ -124,6 +126,7 @@ def test_resume_is_exact(runs, straight):
     ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process
     ("ep4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP4
     ("fsdp4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> no EP
+    ("ep2_pp2_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP2 x PP2
     ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
 ])
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):

@@ -330,8 +330,6 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
          "parallel.ep=3 must divide the model's 4 experts"),
         (["model.preset=qwen3moe-tiny", "parallel.ep=2", "parallel.tp=2", "parallel.dp_shard=1"], 2,
          "parallel.ep=2 must divide parallel.dp_shard.cp = 1 .expert parallelism borrows its ranks"),
-        (["model.preset=qwen3moe-tiny", "parallel.pp=2"], 2,
-         "model family qwen3_moe (mixture of experts) with parallel.pp=2 is not supported yet: its load-balancing loss"),
         (["model.preset=olmo2-tiny", "parallel.tp=4"], 4,
          "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes"),
         (["model.preset=gemma2-tiny", "data.mask_documents=false"], 1,
@@ -358,6 +356,8 @@ def test_supported_family_settings_pass_preflight():
     _preflight(["model.preset=phi3-tiny", "parallel.tp=4"], 4)  # 2 KV heads: k_proj / v_proj replicated
     _preflight(["model.preset=gptneox-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=olmo2-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
+    _preflight(["model.preset=qwen3moe-tiny", "train.router_aux_loss=true", "parallel.pp=2", "parallel.ep=2",
+                "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2"], 16)
     _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen3moe-tiny", "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen2moe-tiny", "parallel.tp=4"], 4)  # the MoE block whole on every tp rank
@@ -422,7 +422,7 @@ def test_pretrained_load_of_each_family_reads_only_each_ranks_slice(sharded_load
 
 
 # Mixtures of experts (meshtron.models.moe, docs/moe.md): a sparse block at mlp with fused 3-D experts.
-MOE_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "qwen2moe-tiny"]
+MOE_FAMILIES = ["qwen3moe-tiny", "mixtral-tiny", "qwen2moe-tiny", "olmoe-tiny"]
 
 
 def _fused_expert_checkpoint(original, directory: Path) -> None:
@@ -498,19 +498,6 @@ def test_moe_block_is_one_replicated_tensor_parallel_role():
         assert roles["self_attn.q_proj"] == "colwise"
     assert adapter_for(make_preset_config("llama-tiny", 257)).block_tp_roles(
         build(ModelConfig(preset="llama-tiny")).model.layers[0])["mlp.gate_proj"] == "colwise"
-
-
-def test_moe_pipeline_parallelism_is_refused_with_one_line():
-    from meshtron.models.moe import check_moe
-
-    for preset in MOE_FAMILIES:
-        config = make_preset_config(preset, 257)
-        with pytest.raises(ConfigError) as err:
-            check_moe(config, pp=2)
-        assert "(mixture of experts) with parallel.pp=2 is not supported yet" in str(err.value)
-        assert "set parallel.pp=1" in str(err.value) and "\n" not in str(err.value)
-        check_moe(config, pp=1)
-    check_moe(make_preset_config("llama-tiny", 257), pp=2)
 
 
 @pytest.mark.parametrize("preset", MOE_FAMILIES)

@@ -6,6 +6,7 @@ parity layout is in test_parity.py (it reuses those runs); bench/dry_run.py time
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -308,3 +309,176 @@ def test_planned_half_precision_activations_match_a_cpu_run(tmp_path, cache_dir,
     planned = max(activation_bytes(*config_view(cfg, 1, device="cpu")))
     print(f"{' '.join(overrides)}: measured {measured:,} B, planned {planned:,.0f} B (x{planned / measured:.3f})")
     assert abs(planned / measured - 1) <= 0.10
+
+
+# ---------------------------------------------------------------------------------------------- expert parallelism
+
+
+def _moe_config(layers: int = 2, **overrides):
+    """qwen3moe-tiny (4 experts, top-2) with ``layers`` layers and any other config overrides."""
+    from meshtron.models.presets import make_preset_config
+
+    hf_config = make_preset_config("qwen3moe-tiny", 259)
+    hf_config.num_hidden_layers = layers
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+@pytest.fixture(scope="module")
+def big_experts():
+    """A Qwen3-30B-A3B-like sparse block (hidden 2048, 128 experts of 768, top-8) in 4 layers (few layers keep the
+    meta build fast; every layer is alike, so the per-layer trade-offs are the full model's)."""
+    from transformers import Qwen3MoeConfig
+
+    from meshtron.plan.model_shape import ModelShape
+
+    hf_config = Qwen3MoeConfig(
+        hidden_size=2048, num_hidden_layers=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960,
+    )
+    return hf_config, ModelShape.from_hf_config(hf_config)
+
+
+def test_planner_proposes_expert_parallelism_for_big_experts(big_experts):
+    """64 H100s, one 4096-token sequence per GPU: FSDP would gather all 128 experts of every block over the
+    network twice per step; expert parallelism inside a node gathers only E / ep of them (over efsdp) at the
+    price of the token all-to-alls, and is proposed. The same workload on a dense model never gets an ep."""
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Workload
+    from meshtron.plan.search import candidate_layouts, plan_layouts
+
+    hf_config, shape = big_experts
+    hw = hardware("h100")
+    workload = Workload(seq_len=4096, global_batch=64)
+    candidates = plan_layouts(shape, hf_config, workload, 64, hw)
+    best = candidates[0]
+    print(f"big experts on 64 H100s: best {best.layout.dims.describe()} micro {best.layout.micro_batch}, "
+          f"{best.step.tokens_per_s / 64:,.0f} tokens/s/GPU, all-to-all {best.step.all_to_all_s * 1e3:.1f} ms of "
+          f"{best.step.seconds * 1e3:.0f} ms")
+    assert best.fits and best.layout.ep > 1
+    assert best.step.all_to_all_s > 0
+    fastest_without = max(c.step.tokens_per_s for c in candidates if c.fits and c.layout.ep == 1)
+    assert best.step.tokens_per_s > 1.02 * fastest_without  # faster, not a tie-break
+    assert {c.layout.ep for c in candidates} >= {1, 2, 4, 8, 16, 32, 64}
+
+    dense_config, dense = _llama_1b()
+    assert {layout.ep for layout in candidate_layouts(dense, dense_config, workload, 64, hw)} == {1}
+
+
+def test_expert_degrees_follow_meshtrons_rules():
+    """Only ep values meshtron accepts are proposed: dividing the experts (6 here) and dp_shard x cp; ep on a dense
+    model, or one that does not divide the experts, is refused by meshtron's own checks (``Layout.check``)."""
+    from meshtron.errors import ConfigError
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.search import candidate_layouts
+
+    hf_config = _moe_config(num_experts=6)
+    shape = ModelShape.from_hf_config(hf_config)
+    layouts = candidate_layouts(shape, hf_config, Workload(seq_len=256, global_batch=16), 8, hardware("h100"))
+    assert {layout.ep for layout in layouts} == {1, 2}  # 3 and 6 divide the experts, not dp_shard x cp (powers of 2)
+    assert all(6 % layout.ep == 0 and layout.fsdp_size % layout.ep == 0 for layout in layouts)
+    with pytest.raises(ConfigError, match="must divide the model's 6 experts"):
+        Layout(dp_shard=8, ep=4).check(hf_config)
+    with pytest.raises(ConfigError, match=r"must divide parallel.dp_shard\*cp"):
+        Layout(dp_shard=2, tp=2, ep=4).check(_moe_config())
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        Layout(dp_shard=2, ep=2).check(_llama_1b()[0])
+
+
+def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
+    """Each candidate for a 4-layer qwen3moe-tiny on 8 GPUs, written as a train config, passes ``meshtron train``'s
+    checks, and parallel.ep round-trips; pipelines with ep are proposed exactly where meshtron accepts them."""
+    from meshtron.config import ModelConfig, load_config, to_toml
+    from meshtron.errors import ConfigError
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.report import train_config
+    from meshtron.plan.search import candidate_layouts
+    from meshtron.train.trainer import preflight
+
+    hf_config = _moe_config(layers=4)
+    hf_config.save_pretrained(tmp_path / "moe")
+    model_cfg = ModelConfig(name_or_path=str(tmp_path / "moe"))
+    shape = ModelShape.from_hf_config(hf_config)
+    workload = Workload(seq_len=256, global_batch=16)
+    layouts = [layout for layout in candidate_layouts(shape, hf_config, workload, 8, hardware("h100"))
+               if layout.activation_checkpointing == "none"]
+    assert {layout.ep for layout in layouts} == {1, 2, 4}
+    with_pp = any(layout.ep > 1 and layout.pp > 1 for layout in layouts)
+    seen = set()
+    for layout in layouts:
+        cfg = train_config(layout, workload, model_cfg)
+        plan = preflight(cfg, 8, "cuda")
+        assert plan.dims.ep == layout.ep and plan.dims.product == 8
+        key = (layout.pp, layout.ep)
+        if key not in seen:  # the written TOML loads back to the same layout
+            seen.add(key)
+            path = tmp_path / f"pp{layout.pp}_ep{layout.ep}.toml"
+            path.write_text(to_toml(cfg))
+            loaded = load_config(path, env={})
+            assert loaded.parallel.ep == layout.ep
+            assert Layout.from_config(loaded, 8, hf_config) == layout
+    # ep with pp: proposed iff meshtron's preflight takes it.
+    try:
+        preflight(train_config(Layout(dp_shard=4, pp=2, ep=4, micro_batch=1), workload, model_cfg), 8, "cuda")
+        accepted = True
+    except ConfigError:
+        accepted = False
+    assert with_pp == accepted
+
+
+def test_all_to_all_time_grows_with_ep_and_is_zero_without(big_experts):
+    """The EP all-to-alls: none at ep=1; then per MoE layer and micro-batch 4 all-to-alls (dispatch and combine,
+    forward and backward) of tokens x top-k x hidden x 2 bytes, (ep - 1) / ep of it leaving each rank -- the
+    bytes meshtron's own ``all_to_all_traffic`` counts for evenly spread routing; slower once the ep group
+    leaves the node. FSDP's expert traffic shrinks with ep (gathered over efsdp only)."""
+    import torch
+
+    from meshtron.distributed.expert_parallel import all_to_all_traffic
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.throughput import estimate_step, expert_all_to_all_bytes
+
+    hf_config, shape = big_experts
+    hw = hardware("h100")
+    workload = Workload(seq_len=4096, global_batch=64)
+    steps = {ep: estimate_step(shape, Layout(dp_shard=64, ep=ep), workload, hw, hf_config) for ep in (1, 2, 4, 8, 16)}
+    times = [steps[ep].all_to_all_s for ep in (1, 2, 4, 8, 16)]
+    print("all-to-all s per step at ep 1, 2, 4, 8, 16: " + ", ".join(f"{t:.4f}" for t in times))
+    assert times[0] == 0 and all(a < b for a, b in zip(times, times[1:]))
+    assert times[4] > 5 * times[3]  # ep 16 crosses nodes: the network
+    assert all(s.exposed_comm_s >= s.all_to_all_s for s in steps.values())
+
+    ep, tokens = 8, 4096  # one micro-batch of one sequence per rank, evenly routed (each rank owns 16 experts)
+    layout = Layout(dp_shard=64, ep=ep)
+    routing = [torch.arange(tokens * 8).remainder(128).view(tokens, 8) for _ in range(ep)]
+    traffic = all_to_all_traffic(routing, 128, shape.hidden, 2)
+    assert expert_all_to_all_bytes(shape, layout, workload) == pytest.approx(traffic.max_sent_bytes())
+
+    dense_fsdp = estimate_step(shape, Layout(dp_shard=64, micro_batch=1), Workload(4096, 64 * 16), hw, hf_config)
+    sharded = estimate_step(shape, Layout(dp_shard=64, micro_batch=1, ep=8), Workload(4096, 64 * 16), hw, hf_config)
+    assert sharded.exposed_comm_s - sharded.all_to_all_s <= dense_fsdp.exposed_comm_s
+
+
+def test_expert_parallel_memory():
+    """ep changes no parameter, gradient or AdamW shard (E / ep experts over dp_shard x cp / ep ranks), gathers only
+    E / ep experts per block, and keeps one more hidden row per (token, expert) pair for backward."""
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import block_activation_per_token, estimate_memory, state_numel
+    from meshtron.plan.model_shape import ModelShape
+
+    hf_config = _moe_config()
+    shape = ModelShape.from_hf_config(hf_config)
+    workload = Workload(seq_len=256, global_batch=8)
+    plain, ep = Layout(dp_shard=4), Layout(dp_shard=4, ep=4)
+    assert state_numel(shape, plain, workload) == state_numel(shape, ep, workload)
+    experts = sum(math.prod(p.shape) for p in shape.block if p.expert)
+    fewer = estimate_memory(shape, plain, workload).gathered - estimate_memory(shape, ep, workload).gathered
+    assert experts and fewer == experts * 3 // 4 * (2 * 2 + 4)  # 3 of 4 experts fewer: two bf16 blocks, one fp32 gradient
+    extra = block_activation_per_token(shape, ep, workload) - block_activation_per_token(shape, plain, workload)
+    assert extra == shape.experts_per_token * (2 * shape.hidden + 8)  # a bf16 hidden row and an int64 per pair

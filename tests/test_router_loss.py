@@ -201,3 +201,53 @@ def test_single_process_loss_at_step_1_is_transformers_loss(tmp_path, cache_dir)
         halves = [float(reference(input_ids=input_ids[i:i + 2], output_router_logits=True).aux_loss) for i in (0, 2)]
     assert accum_record["aux_loss"] == pytest.approx(np.mean(halves), rel=1e-5)
     assert accum_loss == pytest.approx(lm_only + 0.02 * np.mean(halves), rel=1e-5)
+
+
+def test_pipeline_stages_carry_the_routing_to_transformers_value_and_gradient():
+    """Two pipeline stages (layers 0-1, 2-3 of a 4-layer Qwen3-MoE), chained by hand with the routing carry
+    (meshtron.train.pipeline_router_loss): the last stage's aux and the gradient of its share reaching every
+    parameter of both stages equal transformers' aux_loss of the whole model and its gradient."""
+    from meshtron.distributed.pipeline_parallel import set_stage_forward, split_pipeline
+    from meshtron.models.attention import register_attention
+    from meshtron.models.build import build_meta_model, load_hf_config, materialize
+    from meshtron.models.moe import moe_layer_indices
+    from meshtron.train.batch import SequenceSplit, sequence_inputs
+    from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting
+
+    cfg = load_config(None, ["model.preset=qwen3moe-tiny", "parallel.pp=2"], env={})
+    tokenizer = load_tokenizer("byte")
+    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+    hf_config.num_hidden_layers, hf_config.output_router_logits = 4, True
+    cpu = torch.device("cpu")
+    full, adapter = build_meta_model(hf_config, cfg.model)
+    materialize(full, adapter, cpu, seed=3)
+    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id, pp=2)
+    input_ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    input_ids[0, 5] = tokenizer.eos_token_id
+    adapter.use_attention(full, register_attention())
+    expected = full(**sequence_inputs(input_ids, split), output_router_logits=True).aux_loss
+    expected.backward()
+
+    out, stages = (input_ids,), []
+    for pp_rank in range(2):
+        meta, _ = build_meta_model(hf_config, cfg.model)
+        (stage_id, stage), = split_pipeline(meta, adapter, cfg.parallel, pp_rank)
+        materialize(stage, adapter, cpu, seed=3)
+        adapter.use_attention(stage, register_attention())
+        routing = StageRouting(stage, hf_config, 4, E)
+        assert routing.layers == [2 * pp_rank, 2 * pp_rank + 1]
+        set_stage_forward(stage, adapter, stage_id == 0, stage_id == 1, lambda ids: sequence_inputs(ids, split),
+                          routing=routing)
+        out = stage(*out)
+        stages.append(stage)
+    hidden, carry = out
+    assert carry.shape == (4, 2 * E + 1)
+    aux = PipelineRouterLoss(0.02, E, moe_layer_indices(full)).micro_batch(carry)
+    assert float(aux.aux) == pytest.approx(expected.item(), rel=1e-6)
+    assert aux.share.item() == pytest.approx(expected.item(), rel=1e-6)  # one rank: its share is all of it
+    aux.share.backward()
+    want = {name: p.grad for name, p in full.named_parameters() if p.grad is not None}
+    got = {name: p.grad for stage in stages for name, p in stage.named_parameters() if p.grad is not None}
+    assert set(got) == set(want) and any(".layers.0." in name for name in got)  # reached the first stage
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)

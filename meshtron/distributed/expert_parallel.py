@@ -299,8 +299,9 @@ class AllToAllTraffic:
     """Bytes of the per-expert count exchange each rank sends (all of it, its own slice included)."""
 
     def sent_bytes(self, rank: int, backward: bool = True) -> int:
-        """Bytes ``rank`` sends to other ranks for one forward (dispatch + combine) and, with
-        ``backward``, the backward too (the same two all-to-alls reversed, of gradients)."""
+        """Hidden-row bytes ``rank`` sends to other ranks for one forward (dispatch + combine) and, with
+        ``backward``, the backward too (the same two all-to-alls reversed, of gradients). The count exchange
+        before each forward's dispatch (``count_bytes``) is not included."""
         dispatch = sum(n for dst, n in enumerate(self.rows[rank]) if dst != rank)
         combine_rows = sum(self.rows[src][rank] for src in range(len(self.rows)) if src != rank)
         total = (dispatch + combine_rows) * self.row_bytes

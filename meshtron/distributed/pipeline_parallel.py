@@ -221,30 +221,45 @@ def split_pipeline(model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfi
     return stages
 
 
-def set_stage_forward(model: nn.Module, adapter: DecoderAdapter, first: bool, last: bool, inputs_for, tp_mesh=None):
+def set_stage_forward(
+    model: nn.Module, adapter: DecoderAdapter, first: bool, last: bool, inputs_for, tp_mesh=None, routing=None
+):
     """Give the stage model the forward its pipeline stage calls.
 
     ``inputs_for(input_ids)`` turns the micro-batch's full token ids into this rank's model inputs.
     A first stage takes ``(input_ids,)``, the others ``(hidden, token_ids)`` with the token ids as
     float32; every stage but the last returns ``(hidden, token_ids)``, the last its output. Under
     sequence parallel the hidden states are a sequence-sharded DTensor; they travel as their local
-    shard and are rewrapped on arrival.
+    shard and are rewrapped on arrival. ``routing`` (a ``meshtron.train.pipeline_router_loss.StageRouting``,
+    with the router load-balancing loss on): every stage also takes (but the first) and returns the routing
+    carry, last in its inputs and outputs.
     """
 
     def forward(self, *args):
+        carry = None
         if first:
             hidden, input_ids = None, args[0]
         else:
-            hidden, token_ids = args
+            hidden, token_ids, *rest = args
+            carry = rest[0] if rest else None
             input_ids = token_ids.detach().long()
             # A zero that depends on the received ids gives them the (zero) gradient torch < 2.13 sends back.
             hidden = hidden + (token_ids.sum() * 0).to(hidden.dtype)
         if tp_mesh is not None and hidden is not None and not isinstance(hidden, DTensor):
             hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
-        out = adapter.run_stage(self, hidden, inputs_for(input_ids), first, last)
+
+        def run():
+            return adapter.run_stage(self, hidden, inputs_for(input_ids), first, last)
+
+        extra = ()
+        if routing is None:
+            out = run()
+        else:
+            out, carry = routing.run(run, carry, input_ids.device)
+            extra = (carry,)
         if last:
-            return out
-        return (out.to_local() if isinstance(out, DTensor) else out), input_ids.to(torch.float32)
+            return (out, *extra) if extra else out
+        return ((out.to_local() if isinstance(out, DTensor) else out), input_ids.to(torch.float32), *extra)
 
     model.forward = types.MethodType(forward, model)
 

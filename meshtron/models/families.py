@@ -63,10 +63,16 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True),
     # Mixtures of experts (meshtron.models.moe): a sparse block at mlp (router gate, fused 3-D experts), kept
     # whole on every tp rank ("replicated_block"); checkpoints keep each expert's matrices apart (Mixtral's
-    # under block_sparse_moe, w1 / w3 / w2), read into the fused parameters; pipeline parallelism refused.
+    # under block_sparse_moe, w1 / w3 / w2), read into the fused parameters.
     "qwen3_moe": Family(),
     "mixtral": Family(),
     "qwen2_moe": Family(),  # plus a dense shared expert and its sigmoid gate, inside the sparse block
+    # OLMoE: Qwen3-MoE's sparse block (64 experts, top-8, no renormalization) with OLMo 2's q/k norms over all
+    # heads, but Llama's pre-norms.
+    "olmoe": Family(
+        extra_roles={"self_attn.q_norm": "gathered_norm", "self_attn.k_norm": "gathered_norm"},
+        tp_over_kv_heads_refusal="its k_norm normalizes over all KV heads together, which tp > KV heads replicates",
+    ),
 }
 
 

@@ -10,6 +10,8 @@ by reaching into a family's modules themselves.
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 
@@ -39,17 +41,9 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def check_moe(hf_config, *, pp: int = 1) -> None:
-    """Refuse, with one line, a parallelism meshtron cannot split an MoE model by yet (dense models pass)."""
-    from meshtron.errors import ConfigError
-
-    if not is_moe(hf_config):
-        return
-    if pp > 1:
-        raise ConfigError(
-            f"model family {hf_config.model_type} (mixture of experts) with parallel.pp={pp} is not supported yet: "
-            "its load-balancing loss averages over all layers, which pipeline stages split; set parallel.pp=1"
-        )
+def moe_layer_indices(model: nn.Module) -> list[int]:
+    """The decoder layer index of each of ``moe_blocks(model)``, in the same order."""
+    return [int(re.search(r"(?:^|\.)layers\.(\d+)\.", name).group(1)) for name, _ in moe_blocks(model)]
 
 
 # Per-expert checkpoint names of the fused expert parameters, as transformers' save_pretrained writes them and
@@ -59,6 +53,7 @@ _EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_p
 _CHECKPOINT_EXPERTS = {
     "qwen3_moe": (".mlp.", _EXPERT_PARTS),
     "qwen2_moe": (".mlp.", _EXPERT_PARTS),
+    "olmoe": (".mlp.", _EXPERT_PARTS),
     "mixtral": (".block_sparse_moe.", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
 }
 

@@ -91,6 +91,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2, shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, output_router_logits=False,
     ),
+    "olmoe-tiny": dict(  # q/k norms over all heads, experts not renormalized (as OLMoE-1B-7B)
+        model_type="olmoe", hidden_size=64, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        norm_topk_prob=False, output_router_logits=False, pad_token_id=None, eos_token_id=None, bos_token_id=None,
+    ),
     "llama-small": dict(
         model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,

@@ -94,6 +94,10 @@ class Layout:
     pp_first_stage_layers: int | None = None
     pp_last_stage_layers: int | None = None
     pp_stage_layers: str | None = None
+    ep: int = 1
+    """Expert-parallel degree (``parallel.ep``, mixtures of experts only): ranks borrowed from
+    ``dp_shard x cp``, each holding ``E / ep`` experts and receiving the tokens routed to them
+    (meshtron.distributed.expert_parallel). Not a mesh dimension: the world size does not change."""
 
     @property
     def dims(self):
@@ -101,7 +105,7 @@ class Layout:
         from meshtron.distributed.mesh import ParallelDims
 
         world = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, world)
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, world, self.ep)
 
     @property
     def world_size(self) -> int:
@@ -115,6 +119,12 @@ class Layout:
     def fsdp_size(self) -> int:
         """Ranks each parameter is sharded over (dp_shard x cp); 1 means whole parameters."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks each expert parameter is sharded over under expert parallelism: ``dp_shard x cp / ep``
+        (the ``efsdp`` mesh; ``fsdp_size`` without EP)."""
+        return max(1, self.fsdp_size // self.ep)
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -134,8 +144,19 @@ class Layout:
             pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank if self.pp > 1 else None,
             pp_microbatches=self.microbatches(workload) if workload is not None and self.pp > 1 else None,
             pp_first_stage_layers=self.pp_first_stage_layers, pp_last_stage_layers=self.pp_last_stage_layers,
-            pp_stage_layers=self.pp_stage_layers,
+            pp_stage_layers=self.pp_stage_layers, ep=self.ep,
         )
+
+    def check(self, hf_config, workload: Workload | None = None) -> None:
+        """Raise ConfigError where meshtron would refuse this layout's degrees for ``hf_config``: their
+        product and ``ep`` dividing ``dp_shard x cp`` (``ParallelDims.from_config``), and ``ep`` against the
+        model (``check_expert_parallel``: experts needed, ``ep`` dividing them) -- meshtron's own checks,
+        as ``meshtron train``'s preflight runs them."""
+        from meshtron.distributed.expert_parallel import check_expert_parallel
+        from meshtron.distributed.mesh import ParallelDims
+
+        ParallelDims.from_config(self.parallel_config(workload), self.world_size)
+        check_expert_parallel(hf_config, self.ep)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":
@@ -156,5 +177,5 @@ class Layout:
             sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
             pp_schedule=p.pp_schedule, pp_stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
             pp_first_stage_layers=p.pp_first_stage_layers, pp_last_stage_layers=p.pp_last_stage_layers,
-            pp_stage_layers=p.pp_stage_layers,
+            pp_stage_layers=p.pp_stage_layers, ep=dims.ep,
         )

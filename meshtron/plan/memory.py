@@ -60,7 +60,7 @@ def stage_layout(shape: ModelShape, layout: Layout, workload: Workload | None = 
 
 
 def _numel(specs, layout: Layout, shape: ModelShape) -> int:
-    return sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads) for p in specs)
+    return sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) for p in specs)
 
 
 def _final_specs(shape: ModelShape, first: bool, last: bool) -> tuple:
@@ -104,8 +104,9 @@ def loss_chunked(layout: Layout, workload: Workload) -> bool:
 
 
 def _local_numel(specs, layout: Layout, shape: ModelShape) -> int:
-    """Elements of ``specs`` on one rank before FSDP sharding (what a compute-dtype copy or a gather holds)."""
-    return sum(p.local_numel(layout.tp, 1, shape.kv_heads) for p in specs)
+    """Elements of ``specs`` on one rank before FSDP sharding (what a compute-dtype copy or a gather holds):
+    under expert parallelism only this rank's ``E / ep`` experts."""
+    return sum(p.local_numel(layout.tp, 1, shape.kv_heads, layout.ep) for p in specs)
 
 
 def head_numel(shape: ModelShape, layout: Layout) -> int:
@@ -139,7 +140,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         attention += e * (2 * heads - kv_local - kv_stored) * d - FP32 * heads
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
     if shape.experts:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
-        mlp = moe_activation_per_token(shape, e)
+        mlp = moe_activation_per_token(shape, e, layout.ep)
     else:
         mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
     return norms + gathered_inputs + attention + mlp
@@ -293,6 +294,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> Me
         temporaries += tokens * block_activation_per_token(shape, layout, workload)
         if casts_weights(layout, workload):
             temporaries += _local_numel(shape.block, layout, shape) * compute_bytes(workload)
+    if layout.ep > 1:  # one MoE layer's dispatch: the rows sent and the rows received before regrouping
+        temporaries += 2 * tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
     if layout.cp > 1:
         chunk = workload.seq_len / (2 * layout.cp)
         query_rows = layout.micro_batch * (shape.heads // layout.tp) * chunk
@@ -333,9 +336,27 @@ def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, r
     return state_numel(shape, layout, workload)[pp_rank] * DTYPE_BYTES[workload.model_dtype]
 
 
-def moe_activation_per_token(shape: ModelShape, e: int) -> float:
-    """A sparse MoE block per token: for each of its top-k experts the gathered input, gate/up output, silu(gate),
-    product and weighted output; the router's fp32 probabilities; a shared expert's gated MLP, output and gate."""
-    routed = shape.experts_per_token * e * (2 * shape.hidden + 4 * shape.moe_intermediate)
-    shared = e * (4 * shape.shared_expert_intermediate + shape.hidden + 1) if shape.shared_expert_intermediate else 0
-    return routed + FP32 * shape.experts + shared
+def ep_rows_per_token(shape: ModelShape) -> int:
+    """Hidden rows expert parallelism dispatches per token of a rank: one per routed expert (top-k; dropless,
+    every (token, expert) pair is sent, to this rank too when it owns the expert)."""
+    return shape.experts_per_token
+
+
+def moe_activation_per_token(shape: ModelShape, e: int, ep: int = 1) -> float:
+    """A sparse MoE block per token (a rank's tokens; uniform routing: under expert parallelism a rank receives as
+    many (token, expert) pairs as it sends). Per pair, without EP (transformers' grouped experts): the gathered
+    input, gate/up output, silu(gate), product and expert output, its routing weight and three int64 indices
+    (token, slot, sort order). With EP (meshtron.distributed.expert_parallel) the received rows regrouped by
+    expert (the experts' input), gate/up output, silu(gate) and product, on the receiving side, with the
+    regrouping's two int64 permutations; on the sending side the returned rows and the weighted rows
+    (``combine``'s multiply and ``index_add`` each keep one), the routing weight and two int64 indices (token,
+    sort order): one hidden row more per pair than without EP. Per token: the router's fp32 probabilities, its
+    top-k int64 indices and fp32 weights and their sum; a shared expert's gated MLP, output and gate."""
+    h, inter = shape.hidden, shape.moe_intermediate
+    if ep > 1:
+        pair = e * (3 * h + 4 * inter) + e + 4 * INDEX
+    else:
+        pair = e * (2 * h + 4 * inter) + e + 3 * INDEX
+    router = FP32 * shape.experts + shape.experts_per_token * (INDEX + FP32) + FP32
+    shared = e * (4 * shape.shared_expert_intermediate + h + 1) if shape.shared_expert_intermediate else 0
+    return shape.experts_per_token * pair + router + shared

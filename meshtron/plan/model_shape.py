@@ -32,13 +32,23 @@ class ParamSpec:
             return 1 if len(self.shape) == 2 else None  # a row-parallel bias is replicated
         return 0  # colwise, kv_colwise, embedding, head (and their biases)
 
-    def local_numel(self, tp: int, fsdp: int, num_kv_heads: int) -> int:
+    @property
+    def expert(self) -> bool:
+        """A routed experts' fused 3-D parameter (``[E, ...]``, inside the replicated sparse block)."""
+        return self.role == "replicated" and len(self.shape) == 3
+
+    def local_numel(self, tp: int, fsdp: int, num_kv_heads: int, ep: int = 1) -> int:
         """Elements the largest holder keeps: its tp split, then FSDP's dim-0 split (rank 0 gets the ceiling
-        of both: a vocabulary tp does not divide is split unevenly, as ``torch.chunk`` does)."""
+        of both: a vocabulary tp does not divide is split unevenly, as ``torch.chunk`` does). Under expert
+        parallelism (``ep`` > 1) an expert parameter keeps ``E / ep`` experts, which FSDP splits over the
+        ``efsdp = fsdp / ep`` ranks holding the same experts (``fsdp`` 1: unsharded, the ``E / ep`` whole)."""
         shape = list(self.shape)
         dim = self.tp_dim(tp, num_kv_heads)
         if dim is not None:
             shape[dim] = -(-shape[dim] // tp)
+        if ep > 1 and self.expert:
+            shape[0] = shape[0] // ep
+            fsdp = max(1, fsdp // ep)
         shape[0] = -(-shape[0] // fsdp)
         return math.prod(shape)
 
@@ -86,7 +96,7 @@ class ModelShape:
         """Parameters one token's forward uses: the routed experts' only ``experts_per_token / experts`` of them."""
         if not self.experts:
             return self.total_params
-        expert_params = sum(math.prod(p.shape) for p in self.block if p.role == "replicated" and len(p.shape) == 3)
+        expert_params = sum(math.prod(p.shape) for p in self.block if p.expert)
         return self.total_params - self.layers * expert_params * (self.experts - self.experts_per_token) // self.experts
 
     @property

@@ -25,13 +25,13 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
             "activations": m.activations / GB, "gathered": m.gathered / GB, "temporaries": m.temporaries / GB,
             "total": m.total / GB,
         },
-        "step_s": s.seconds, "compute_s": s.compute_s, "exposed_comm_s": s.exposed_comm_s,
+        "step_s": s.seconds, "compute_s": s.compute_s, "exposed_comm_s": s.exposed_comm_s, "all_to_all_s": s.all_to_all_s,
         "tokens_per_s": s.tokens_per_s, "tokens_per_s_per_gpu": s.tokens_per_s / gpus, "mfu": s.mfu,
     }
 
 
 def _layout_cell(layout: Layout) -> str:
-    return f"{layout.pp:>2} {layout.dp_replicate:>4} {layout.dp_shard:>5} {layout.cp:>2} {layout.tp:>2}"
+    return f"{layout.pp:>2} {layout.dp_replicate:>4} {layout.dp_shard:>5} {layout.cp:>2} {layout.tp:>2} {layout.ep:>3}"
 
 
 def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int) -> str:
@@ -39,7 +39,7 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
     fitting = [c for c in candidates if c.fits]
     usable = hw.memory_gb - hw.reserved_gb
     header = (
-        "   pp  rep shard cp tp | micro  ckpt       schedule        | GB/rank: state  act  other  total | "
+        "   pp  rep shard cp tp  ep | micro  ckpt       schedule        | GB/rank: state  act  other  total | "
         "step s  tok/s/GPU   MFU"
     )
     lines = [header, "-" * len(header)]

@@ -43,11 +43,10 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
 
     from meshtron.models.attention import check_attention
     from meshtron.models.families import check_family
-    from meshtron.models.moe import check_moe
 
     try:
         check_family(hf_config, tp=layout.tp)  # parallelisms the model family cannot be split by
-        check_moe(hf_config, pp=layout.pp)
+        layout.check(hf_config, workload)  # the degrees' product, and ep (experts, dividing them and dp_shard x cp)
         check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len, layout.pp)
         check_tensor_parallel(hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp)
         check_context_parallel(layout.cp, workload.seq_len)
@@ -58,10 +57,19 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
     return True
 
 
+def expert_degrees(shape: ModelShape, dp_shard: int, cp: int) -> list[int]:
+    """The ``parallel.ep`` values worth trying: 1, and for a mixture of experts every divisor of both its
+    expert count and ``dp_shard x cp`` (meshtron's rules; ``Layout.check`` applies them again)."""
+    if not shape.experts:
+        return [1]
+    return _divisors(math.gcd(shape.experts, dp_shard * cp))
+
+
 def candidate_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware,
                       max_micro_batch: int = 16) -> list[Layout]:
     """Every layout worth estimating: tp within a node, cp and pp as powers of two, dp split as FSDP
-    across all data-parallel ranks or as HSDP (FSDP inside a node, replicas across nodes)."""
+    across all data-parallel ranks or as HSDP (FSDP inside a node, replicas across nodes), and for a
+    mixture of experts every expert-parallel degree meshtron allows."""
     layouts = []
     for tp in [t for t in _powers_of_two(hw.gpus_per_node) if gpus % t == 0]:
         for cp in [c for c in _powers_of_two(16) if gpus % (tp * c) == 0]:
@@ -85,10 +93,11 @@ def candidate_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: in
                             if schedule == "Interleaved1F1B" and shape.layers < 2 * pp:
                                 continue
                             for ac in AC_MODES:
-                                layout = Layout(dp_replicate, dp_shard, cp, tp, pp, micro, ac,
-                                                pp_schedule=schedule, pp_stages_per_rank=per_rank)
-                                if _valid(shape, hf_config, layout, workload):
-                                    layouts.append(layout)
+                                for ep in expert_degrees(shape, dp_shard, cp):
+                                    layout = Layout(dp_replicate, dp_shard, cp, tp, pp, micro, ac,
+                                                    pp_schedule=schedule, pp_stages_per_rank=per_rank, ep=ep)
+                                    if _valid(shape, hf_config, layout, workload):
+                                        layouts.append(layout)
     return layouts
 
 
@@ -102,7 +111,7 @@ def check_cluster(gpus: int, hw: Hardware) -> None:
 
 def complexity(layout: Layout) -> int:
     """How many mechanisms a layout adds to plain FSDP: the tie-breaker between equally fast layouts."""
-    return (sum(d > 1 for d in (layout.pp, layout.dp_replicate, layout.cp, layout.tp))
+    return (sum(d > 1 for d in (layout.pp, layout.dp_replicate, layout.cp, layout.tp, layout.ep))
             + (layout.activation_checkpointing != "none") + (layout.pp_stages_per_rank > 1))
 
 

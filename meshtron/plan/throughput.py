@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from meshtron.metrics.flops import flops_per_token
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import Layout, Workload
-from meshtron.plan.memory import FP32, compute_bytes, loss_chunked, stage_layout, state_numel
+from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, loss_chunked, stage_layout, state_numel
 from meshtron.plan.model_shape import ModelShape
 
 
@@ -23,9 +23,12 @@ class StepEstimate:
     compute_s: float
     """Matmul time including recomputation (checkpointed blocks, loss chunks' head) and the pipeline bubble."""
     exposed_comm_s: float
-    """Communication on the critical path (TP, un-hidden CP / FSDP / HSDP, pipeline transfers)."""
+    """Communication on the critical path (TP, EP all-to-alls, un-hidden CP / FSDP / HSDP, pipeline transfers)."""
     tokens_per_s: float
     mfu: float
+    all_to_all_s: float = 0.0
+    """Expert parallelism's all-to-alls (token dispatch and combine, forward and backward), part of
+    ``exposed_comm_s``; 0 without EP."""
 
 
 def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: float = 1.0) -> float:
@@ -37,6 +40,46 @@ def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: fl
     bandwidth = (hw.nvlink_gbps if inside else hw.network_gbps) * 1e9 * hw.link_efficiency
     latency = (hw.nvlink_latency_us if inside else hw.network_latency_us) * 1e-6
     return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
+
+
+def all_to_all_s(nbytes: float, group: int, span: int, hw: Hardware) -> float:
+    """One all-to-all in which each of ``group`` ranks (spanning ``span`` consecutive ranks) holds ``nbytes`` and
+    sends the ``(group - 1) / group`` of it owned by the others: pairwise exchanges, ``group - 1`` latencies,
+    all of it over the network once the group leaves a node."""
+    return _collective_s(nbytes, group, span, hw)
+
+
+def expert_all_to_all_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware,
+                        passes: int, layers: int, forwards: int) -> float:
+    """Expert parallelism's all-to-alls of one step on a rank: per MoE layer and micro-batch, the dispatch and
+    the combine in every forward (a checkpointed block's recomputation included: ``passes - 1`` forwards) and
+    again in backward (their gradients), each moving ``tokens x top-k x hidden x compute bytes`` of which the
+    ``(ep - 1) / ep`` owned by other ranks leave (uniform routing: a rank's pairs spread evenly over the ep
+    ranks, and it receives as many as it sends), plus each forward's exchange of the per-expert counts. Every
+    tp rank of an ep group runs its own (ep is innermost in ``dp_shard x cp``, outside tp): the group spans
+    ``ep x tp`` ranks. Nothing overlaps them (meshtron waits for each before computing)."""
+    if layout.ep <= 1 or not shape.experts:
+        return 0.0
+    rows = _dispatched_bytes(shape, layout, workload)
+    span = layout.ep * layout.tp
+    forward_passes = passes - 1
+    one_layer = 2 * passes * all_to_all_s(rows, layout.ep, span, hw)
+    one_layer += forward_passes * all_to_all_s(shape.experts * INDEX, layout.ep, span, hw)
+    return one_layer * layers * forwards
+
+
+def _dispatched_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """The hidden rows one rank dispatches per MoE layer and micro-batch (each token once per routed expert)."""
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    return tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
+
+
+def expert_all_to_all_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Bytes one rank sends to the other EP ranks per MoE layer and micro-batch, forward and backward (dispatch and
+    combine in each; no recomputation), under uniform routing; 0 without EP."""
+    if layout.ep <= 1 or not shape.experts:
+        return 0.0
+    return 4 * _dispatched_bytes(shape, layout, workload) * (layout.ep - 1) / layout.ep
 
 
 def bubble_fraction(layout: Layout, workload: Workload) -> float:
@@ -90,18 +133,29 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     cp_comm = _collective_s(kv_bytes * layout.cp, layout.cp, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
     cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * hw.matmul_efficiency))
 
+    # Expert parallel: the all-to-alls of the token dispatch and combine, on the critical path.
+    a2a_s = expert_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)
+
     # FSDP: all-gather parameters (compute dtype) for forward and backward of every microbatch,
     # reduce-scatter fp32 gradients after every microbatch (once per step where the reduction is deferred:
     # fsdp.accumulate_unsharded, pipeline stages); HSDP adds one all-reduce of the shards over dp_replicate.
-    # Both run behind compute (prefetch); only what exceeds it is exposed.
-    numel = max(state_numel(shape, layout, workload)) * layout.fsdp_size  # a rank's tp share of its stages
+    # Both run behind compute (prefetch); only what exceeds it is exposed. Under expert parallelism the
+    # experts' E / ep are gathered and reduced over efsdp = dp_shard x cp / ep (whose ranks are ep x tp apart:
+    # the same span), the other parameters over dp_shard x cp.
+    shard = max(state_numel(shape, layout, workload))  # a rank's shard of its stages
+    expert = expert_shard_numel(shape, layout, workload) if layout.ep > 1 else 0
+    groups = [(shard - expert, layout.fsdp_size), (expert, layout.efsdp_size)]
     fsdp_span = layout.fsdp_size * layout.tp
     gathers = forwards * (2 if layout.pp == 1 else 1)
-    fsdp_s = gathers * _collective_s(numel * e, layout.fsdp_size, fsdp_span, hw)
     reduce_scatters = 1 if layout.pp > 1 or workload.accumulate_unsharded else forwards
-    fsdp_s += reduce_scatters * _collective_s(numel * FP32, layout.fsdp_size, fsdp_span, hw)
+    fsdp_s = 0.0
+    for numel, group in groups:
+        if not numel:
+            continue
+        fsdp_s += gathers * _collective_s(numel * group * e, group, fsdp_span, hw)
+        fsdp_s += reduce_scatters * _collective_s(numel * group * FP32, group, fsdp_span, hw)
     replicate_span = layout.dp_replicate * fsdp_span
-    fsdp_s += _collective_s(numel * FP32 / layout.fsdp_size, layout.dp_replicate, replicate_span, hw, 2.0)
+    fsdp_s += _collective_s(shard * FP32, layout.dp_replicate, replicate_span, hw, 2.0)
     fsdp_exposed = max(0.0, fsdp_s - 0.9 * compute)
 
     # Pipeline: each microbatch's activations cross each stage boundary forward and backward.
@@ -111,9 +165,15 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         send = _collective_s(local_tokens * h * e * 2, 2, span, hw)
         pp_s = 2 * send * forwards * layout.pp_stages_per_rank
 
-    exposed = tp_s + cp_s + fsdp_exposed + pp_s
+    exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s
     seconds = compute + exposed
     return StepEstimate(
         seconds=seconds, compute_s=compute, exposed_comm_s=exposed, tokens_per_s=tokens / seconds,
-        mfu=model_flops / (seconds * hw.peak_tflops * 1e12),
+        mfu=model_flops / (seconds * hw.peak_tflops * 1e12), all_to_all_s=a2a_s,
     )
+
+
+def expert_shard_numel(shape: ModelShape, layout: Layout, workload: Workload) -> int:
+    """Expert-parameter elements in the busiest pipeline rank's FSDP shard (its share of ``state_numel``)."""
+    experts = sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) for p in shape.block if p.expert)
+    return experts * max(sum(layers for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload))

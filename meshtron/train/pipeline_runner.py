@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -12,8 +12,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
 from meshtron.distributed.tensor_parallel import local_value
+from meshtron.models.moe import num_experts
 from meshtron.train.batch import sequence_inputs
 from meshtron.train.loss import head_loss_sum
+from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
+from meshtron.train.router_loss import router_coef, router_loss_enabled
 
 
 @dataclass
@@ -34,36 +37,59 @@ class PipelineRunner:
     tied_gradients: object = None
     """Called after each step's backward: sums a tied model's embedding and head gradients
     (``meshtron.distributed.tied_embeddings``)."""
+    router: PipelineRouterLoss | None = None
+    """The MoE router load-balancing loss, when on (on every pipeline rank; only the last stage computes it)."""
+    aux_scale: float = 0.0
+    microbatches: int = 1
+    pp_group: object = None
+    lm_losses: list = field(default_factory=list)
 
-    def loss_fn(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's."""
+    def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's,
+        plus this rank's scaled share of the router loss (``output`` then carries the routing statistics)."""
+        hidden, carry = output if self.router is not None else (output, None)
         weight, bias = self.head()
         loss = head_loss_sum(
             hidden, labels, weight, bias, compute_dtype=self.compute_dtype, chunk_size=self.loss_chunk_size,
             loss_parallel=self.loss_parallel, softcap=self.softcap,
         )
-        return loss * self.scale
+        self.lm_losses.append(local_value(loss.detach()))
+        loss = loss * self.scale
+        if carry is not None:
+            loss = add_share(loss, self.router.micro_batch(carry).share * self.aux_scale)
+        return loss
 
-    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage)."""
-        self.scale = scale
-        losses: list[torch.Tensor] = []
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, aux_scale: float = 0.0) -> torch.Tensor:
+        """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage).
+        ``aux_scale``: what this rank's share of each microbatch's router loss is multiplied by."""
+        self.scale, self.aux_scale, self.lm_losses = scale, aux_scale, []
+        if self.router is not None:
+            self.router.start_step()
         args = (input_ids,) if self.holds_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.holds_last else {}
+        kwargs = {"target": labels} if self.holds_last else {}
         # Loss parallel's context must cover the backward too, which the schedule runs inside step().
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             self.schedule.step(*args, **kwargs)
         if self.tied_gradients is not None:
             self.tied_gradients()
-        if not losses:
+        # torch >= 2.13 may have called loss_fn once more first, on uninitialized tensors (shape inference).
+        self.lm_losses = self.lm_losses[-self.microbatches:]
+        if self.router is not None:
+            self.router.finish_step(self.microbatches)
+        if not self.lm_losses:
             return torch.zeros((), device=input_ids.device)
-        return torch.stack([local_value(loss.detach()) for loss in losses]).sum() / scale
+        return torch.stack(self.lm_losses).sum()
+
+    def router_values(self, device: torch.device) -> list[torch.Tensor]:
+        """The step's (mean aux, max and min expert load) on every pipeline rank (meshtron.train.router_loss)."""
+        return pipeline_router_values(self.router, self.pp_group, device)
 
 
 def build_pipeline_runner(
-    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None
+    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None, moe_layers=()
 ) -> tuple[nn.ModuleList, PipelineRunner]:
     """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
+    ``moe_layers``: the whole model's decoder layers with a router (for the router load-balancing loss).
 
     Returns the stages as one module (for the optimizer and metrics) and the runner.
     """
@@ -72,10 +98,13 @@ def build_pipeline_runner(
     pp_mesh = meshes["world"]["pp"]
     num_stages = len(split_layers(plan.hf_config.num_hidden_layers, cfg.parallel))
     tp_mesh = meshes["world"]["tp"] if dims.tp > 1 and cfg.parallel.sequence_parallel else None
+    hf_config = plan.hf_config
+    routes = router_loss_enabled(cfg.train.router_aux_loss, hf_config)
     pipeline_stages = []
     for stage_id, module in stages:
         first, last = stage_id == 0, stage_id == num_stages - 1
-        set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh)
+        routing = StageRouting(module, hf_config, hf_config.num_hidden_layers, num_experts(hf_config)) if routes else None
+        set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh, routing)
         pipeline_stages.append(PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group()))
     stage_ids = [stage_id for stage_id, _ in stages]
     last_module = dict(stages).get(num_stages - 1)
@@ -88,6 +117,11 @@ def build_pipeline_runner(
         compute_dtype=compute_dtype,
         loss_chunk_size=cfg.train.loss_chunk_size,
         softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
+        microbatches=plan.pp_microbatches,
+        pp_group=pp_mesh.get_group(),
     )
+    if routes:
+        dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
+        runner.router = PipelineRouterLoss(router_coef(hf_config), num_experts(hf_config), moe_layers, dp_cp)
     runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, plan.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner

@@ -63,16 +63,6 @@ def router_loss_enabled(setting: str, hf_config) -> bool:
     return moe and (setting == "true" or bool(getattr(hf_config, "output_router_logits", False)))
 
 
-def check_router_loss(cfg, hf_config, pp: int) -> None:
-    """Preflight: the setting against the model (and pipeline parallelism, which the loss cannot run under:
-    its means span every layer of the model)."""
-    if router_loss_enabled(cfg.train.router_aux_loss, hf_config) and pp > 1:
-        raise ConfigError(
-            "the router load-balancing loss (train.router_aux_loss) averages over every layer, which pipeline "
-            "stages split; set parallel.pp=1 or train.router_aux_loss=false"
-        )
-
-
 @dataclass
 class LocalRouting:
     """One micro-batch's routing statistics on this rank, per MoE layer (L layers, E experts)."""
@@ -142,9 +132,9 @@ def micro_batch_aux(local: LocalRouting, reduced: torch.Tensor) -> MicroBatchAux
 class RouterLoss:
     """Records the routers of ``model``'s MoE blocks during each micro-batch's forward; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, hf_config, coef: float, group=None):
+    def __init__(self, model: torch.nn.Module, hf_config, coef: float, group=None, allow_empty: bool = False):
         self.blocks = moe_blocks(model)
-        if not self.blocks:
+        if not self.blocks and not allow_empty:  # allowed: a pipeline stage without MoE layers
             raise ConfigError("the router load-balancing loss found no MoE block (router gate + experts) in the model")
         self.num_experts = num_experts(hf_config)
         self.top_k = experts_per_token(hf_config)
@@ -227,10 +217,16 @@ def router_metrics(values: list[float]) -> dict:
     return {"aux_loss": aux, "expert_load_max": load_max, "expert_load_min": load_min}
 
 
+def router_coef(hf_config) -> float:
+    """The model's ``router_aux_loss_coef`` (transformers' default 0.001 when the config has none)."""
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.001))
+
+
 def build_router_loss(model, hf_config, cfg, dims, meshes) -> RouterLoss | None:
     """The run's RouterLoss, or None when train.router_aux_loss leaves it off (a dense model, or auto with
-    the model config's output_router_logits false)."""
-    if not router_loss_enabled(cfg.train.router_aux_loss, hf_config):
+    the model config's output_router_logits false) or pipeline stages compute it
+    (meshtron.train.pipeline_router_loss)."""
+    if dims.pp > 1 or not router_loss_enabled(cfg.train.router_aux_loss, hf_config):
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
-    return RouterLoss(model, hf_config, getattr(hf_config, "router_aux_loss_coef", 0.001), group)
+    return RouterLoss(model, hf_config, router_coef(hf_config), group)

@@ -13,6 +13,7 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -110,7 +111,11 @@ def train_step(
     ``accumulation_grad_bytes`` / ``activation_bytes`` this step measures.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
-    micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
+    if ctx.runner is None:
+        micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
+    else:  # pipeline microbatch m of every rank: its slice of global micro-batch m (as accumulation has them)
+        size = ctx.plan.micro_batch_size // ctx.plan.pp_microbatches
+        micro_batches = [np.concatenate(schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, size))]
     batches = [(input_ids.to(device), shard_labels(labels.to(device), ctx.split))
                for input_ids, labels in map(dataset.batch, micro_batches)]
     # Every rank counts the global batch's labelled tokens itself: no collective, no device sync.
@@ -118,16 +123,18 @@ def train_step(
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets
     loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
-    # The router loss: the mean over the accumulation micro-batches, scaled for FSDP's mean like the LM loss.
+    # The router loss: the mean over the accumulation (or pipeline) micro-batches, scaled for FSDP's mean like
+    # the LM loss. Pipeline stages compute it in the runner (meshtron.train.pipeline_router_loss).
+    pipeline_router = ctx.runner.router if ctx.runner is not None else None
+    router = ctx.router or pipeline_router
     routing = StepRouting() if ctx.router is not None else None
-    aux_scale = ctx.router.coef / len(batches) * dims.dp * dims.cp * loss_scale if routing is not None else 0.0
+    accumulation = ctx.plan.pp_microbatches if ctx.runner is not None else len(batches)
+    aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
     tracker = SavedActivationTracker() if measure_activations is not None else None
     with tracker.track() if tracker is not None else contextlib.nullcontext():
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-            if routing is not None:
-                raise MeshtronError("the router load-balancing loss does not run under pipeline parallelism")
             (input_ids, labels), = batches
-            local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale)
+            local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale)
         else:
             held_grads = [] if measure_state is not None else None
             local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)
@@ -143,10 +150,11 @@ def train_step(
     loss, grad_norm = global_loss_and_grad_norm(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp
     )
-    loss_value, norm_value, *routed = host_values(loss, grad_norm / loss_scale, *(routing.tensors() if routing else []))
-    if routing is not None:  # the reported loss is transformers': LM loss + coef x aux
+    router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
+    loss_value, norm_value, *routed = host_values(loss, grad_norm / loss_scale, *router_tensors)
+    if router is not None:  # the reported loss is transformers': LM loss + coef x aux
         ctx.step_metrics = router_metrics(routed)
-        loss_value += ctx.router.coef * ctx.step_metrics["aux_loss"]
+        loss_value += router.coef * ctx.step_metrics["aux_loss"]
     if ctx.scaler is not None and math.isfinite(loss_value):
         overflowed = not math.isfinite(norm_value)
         ctx.scaler.update(overflowed)

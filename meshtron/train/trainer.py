@@ -36,7 +36,7 @@ from meshtron.metrics.logger import MetricsLogger, max_memory_gb
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import attention_windows, check_attention
 from meshtron.models.families import check_family
-from meshtron.models.moe import check_moe
+from meshtron.models.moe import moe_layer_indices
 from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
 from meshtron.distributed.pipeline_parallel import check_pipeline
 from meshtron.train.batch import SequenceSplit
@@ -44,7 +44,7 @@ from meshtron.train.float8 import check_float8, refresh_float8_scales
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
-from meshtron.train.router_loss import build_router_loss, check_router_loss
+from meshtron.train.router_loss import build_router_loss
 from meshtron.train.runtime import Runtime, launched_by_torchrun
 from meshtron.train.step import StepContext, train_step
 
@@ -129,7 +129,6 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
-    check_moe(hf_config, pp=dims.pp)  # mixtures of experts: pipeline parallelism refused for now (docs/moe.md)
     check_expert_parallel(hf_config, dims.ep)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and cfg.data.seq_len > max_positions:
@@ -142,7 +141,6 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
         hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
     )
     pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
-    check_router_loss(cfg, hf_config, dims.pp)
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
@@ -209,6 +207,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
     policy = plan.precision or precision_policy(cfg, runtime.device.type)
+    moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
     stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
     for _, stage in stages:
         materialize(
@@ -220,7 +219,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     runner = None
     if dims.pp > 1:
         model, runner = build_pipeline_runner(
-            stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype
+            stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype, moe_layers
         )
         # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
         attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
