@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file")
     train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="with --nproc: restart all workers up to this many times after any of them fails; the "
+                            "run resumes from its latest checkpoint (docs/faults.md)")
     train.add_argument("--dry-run", action="store_true",
                        help="build one rank's sharded model on the meta device with a fake process group of --nproc "
                             "ranks and print its parameter / gradient / optimizer bytes; trains nothing")
@@ -85,12 +88,16 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if _under_torchrun():
         if args.nproc:
             raise ConfigError("--nproc cannot be used under torchrun; torchrun already started the processes")
+        if args.max_restarts:
+            raise ConfigError("--max-restarts is for --nproc; under torchrun use torchrun's own --max-restarts")
         return _run_worker(cfg)
     world_size = args.nproc or 1
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     _check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
-    if world_size == 1 and launched_world_size() == 1:
+    if world_size == 1 and launched_world_size() == 1 and not args.max_restarts:
         return _run_worker(cfg)
     return _self_launch(args, extra, cfg, world_size)
 
@@ -117,7 +124,7 @@ def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
     if cfg.run.output_dir is None:
         output_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
         extra = [*extra, f"--run.output_dir={output_dir}"]
-    launcher_args = ["--nnodes=1", f"--nproc-per-node={world_size}", "--max-restarts=0"]
+    launcher_args = ["--nnodes=1", f"--nproc-per-node={world_size}", f"--max-restarts={args.max_restarts}"]
     if args.master_port:
         launcher_args += ["--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
     else:

@@ -137,6 +137,82 @@ def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
 
 
 @pytest.mark.slow
+def test_damaged_latest_checkpoint_is_skipped_by_auto_and_refused_by_path(runs, tmp_path, cache_dir, capfd):
+    """A truncated tensor file in the newest checkpoint: checkpoint.resume=auto says so, resumes from the one
+    before and continues exactly; the same checkpoint given by path is a one-line error naming the file; with
+    every checkpoint damaged, auto is an error too (nothing is silently started over)."""
+    import shutil
+
+    from meshtron.checkpoint.manager import find_checkpoint
+    from meshtron.errors import MeshtronError
+
+    checkpoints = tmp_path / "damaged" / "checkpoints"
+    shutil.copytree(runs / "single" / "checkpoints", checkpoints)
+    newest, previous = checkpoints / f"step-{STEPS:08d}", checkpoints / f"step-{HALF:08d}"
+    shard = next(newest.glob("*.distcp"))
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])  # a copy or a write cut short
+
+    with pytest.raises(MeshtronError) as err:
+        find_checkpoint(checkpoints, str(newest))
+    message = str(err.value)
+    assert f"{shard.name} has {size // 2:,} bytes, {size:,} when saved" in message and "\n" not in message
+
+    in_process("damaged", [], tmp_path, cache_dir)
+    log = capfd.readouterr()
+    assert f"checkpoint {newest.name} is damaged ({shard.name} has" in log.out + log.err
+    assert losses(tmp_path, "damaged") == losses(runs, "single")[HALF:]  # resumed at step 4, exactly
+    assert damage_free(newest)  # the resumed run saved step 8 again, whole
+
+    for folder in (newest, previous):
+        (folder / ".metadata").write_bytes(b"")
+    with pytest.raises(MeshtronError, match="no whole checkpoint to resume from"):
+        find_checkpoint(checkpoints, "auto")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_run_which_continues_exactly(runs, tmp_path, cache_dir):
+    """FSDP over 4 ranks, rank 2 killed (SIGKILL) at the start of step 6, between the step-4 and step-8
+    checkpoints: `--max-restarts 1` restarts all workers, which resume from step 4 by themselves. The last
+    metrics row of every step and the final checkpoint equal the uninterrupted run's, bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "restarted"
+    args = ["train", "--nproc", "4", "--max-restarts", "1", *[f"--{item}" for item in base(cache_dir)],
+            "--parallel.dp_shard=4", f"--run.output_dir={out}"]
+    proc = run_cli(args, env=worker_env(MESHTRON_FAULT="kill:step=6:rank=2"), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "restart 1 of this run after a failure: resumed from step-00000004 (step 4); 1 step(s)" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 trained again after the restart
+    assert [row.get("restart", 0) for row in rows] == [0] * 5 + [1] * 4
+    last = {row["step"]: row["loss"] for row in rows}
+    assert [last[step] for step in range(1, STEPS + 1)] == losses(runs, "fsdp4")
+    final = f"checkpoints/step-{STEPS:08d}"
+    dcp_to_torch_save(out / final, tmp_path / "restarted.pt")
+    dcp_to_torch_save(runs / "fsdp4" / final, tmp_path / "straight.pt")
+    got, want = (torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in ("restarted", "straight"))
+    flat_got, flat_want = _tensors(got), _tensors(want)
+    assert flat_got.keys() == flat_want.keys() and len(flat_got) > 10
+    assert all(torch.equal(flat_got[key], flat_want[key]) for key in flat_want)
+
+
+def _tensors(tree, prefix: str = "") -> dict:
+    """Every tensor of a nested state dict by its dotted path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{prefix}.{key}").items()}
+    return {}
+
+
+def damage_free(path: Path) -> bool:
+    from meshtron.checkpoint.integrity import damage
+
+    return damage(path) is None
+
+
+@pytest.mark.slow
 def test_export_loads_in_plain_transformers(runs, tmp_path):
     """The exported directory, loaded by plain transformers in a fresh process, gives the logits of
     meshtron's model with the same trained weights."""

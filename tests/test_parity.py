@@ -332,7 +332,6 @@ LAYOUTS.update({
     ),
     # Pipeline stages pass each microbatch's routing statistics on with the hidden states
     # (meshtron.train.pipeline_router_loss); pipeline microbatches play the accumulation micro-batches' part.
-    "pp2_moe_aux": (2, ["parallel.pp=2"], "moe-aux-accum2"),
     "ep2_pp2_moe_aux": (
         4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=2"], "moe-aux-accum2"
     ),
@@ -342,7 +341,6 @@ LAYOUTS.update({
     "ep2_mixtral_aux": (2, ["parallel.dp_shard=2", "parallel.ep=2"], "mixtral-aux"),
     "ep4_qwen2moe": (4, ["parallel.dp_shard=4", "parallel.ep=4"], "qwen2moe-tiny"),
     # OLMoE: q/k norms over all heads (gathered under TP) around Qwen3-MoE's sparse block.
-    "tp2_olmoe": (2, ["parallel.tp=2"], "olmoe-tiny"),
     "ep2_tp2_olmoe": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "olmoe-tiny"),
 })
 

@@ -32,12 +32,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from meshtron.checkpoint.integrity import FILES, META, damage, file_manifest
 from meshtron.checkpoint.shared_directory import check_shared_directory, on_every_rank, on_main
 from meshtron.checkpoint.state import TrainingState
 from meshtron.errors import ConfigError, MeshtronError
 
 LATEST = "latest"
-META = "meshtron.json"
 PARTIAL = ".partial"
 PROBE = ".meshtron-probe-"
 # Model settings that must match between a checkpoint and the run that loads it.
@@ -56,33 +56,45 @@ def model_signature(hf_config) -> dict:
 
 
 def read_meta(path: Path) -> dict:
-    """meshtron.json of a complete checkpoint, or a clear error for a missing or broken one."""
-    meta_file = Path(path) / META
-    if not (Path(path) / ".metadata").is_file() or not meta_file.is_file():
+    """meshtron.json of a whole checkpoint, or a clear error for a missing, incomplete or damaged one."""
+    reason = damage(path)
+    if reason is not None:
         raise MeshtronError(
-            f"checkpoint '{path}' is missing or incomplete (no .metadata / {META}); "
-            "point checkpoint.resume at a step-N folder written by meshtron, or use checkpoint.resume=none"
+            f"checkpoint '{path}' is missing or incomplete: {reason}; point checkpoint.resume at another step-N folder "
+            "written by meshtron (checkpoint.resume=auto falls back to the newest whole one), or use checkpoint.resume=none"
         )
-    try:
-        return json.loads(meta_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise MeshtronError(f"checkpoint '{path}': {META} is unreadable ({err}); the checkpoint is corrupt") from None
+    return json.loads((Path(path) / META).read_text())
 
 
-def find_checkpoint(directory: Path, resume: str) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` asks for: None, the ``latest`` in ``directory``, or a given path."""
+def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = None) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` asks for: None, a given path, or (``auto``) the newest whole one in
+    ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity)."""
     if resume == "none":
         return None
     if resume != "auto":
         path = Path(resume)
         read_meta(path)
         return path
+    # Newest first; a complete folder newer than `latest` is a run killed between the rename and the marker.
+    candidates = sorted((p for p in directory.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL)),
+                        reverse=True) if directory.is_dir() else []
     marker = directory / LATEST
-    if not marker.is_file():
-        return None
-    path = directory / marker.read_text().strip()
-    read_meta(path)
-    return path
+    if marker.is_file() and (directory / marker.read_text().strip()) not in candidates:
+        candidates.insert(0, directory / marker.read_text().strip())
+    reasons = []
+    for path in candidates:
+        reason = damage(path)
+        if reason is None:
+            if skipped is not None:
+                skipped.extend(reasons)
+            return path
+        reasons.append(f"checkpoint {path.name} is damaged ({reason})")
+    if reasons:
+        raise MeshtronError(
+            f"no whole checkpoint to resume from in '{directory}': {'; '.join(reasons)}; use checkpoint.resume=none "
+            "to start over (in a new run.output_dir) or restore a checkpoint"
+        )
+    return None
 
 
 def check_compatible(meta: dict, path: Path, hf_config, global_batch_size: int, seq_len: int) -> None:
@@ -194,7 +206,8 @@ class CheckpointManager:
         self.runtime.barrier()  # every rank has written its shards
 
         def commit() -> None:
-            (partial / META).write_text(json.dumps(meta, indent=1))
+            # Every file with its size, so that a resume can tell a damaged checkpoint (integrity.damage).
+            (partial / META).write_text(json.dumps({**meta, FILES: file_manifest(partial)}, indent=1))
             final = self.directory / step_dir_name(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
@@ -246,12 +259,13 @@ def check_fixed_directory(cfg, launched: bool) -> None:
         )
 
 
-def resume_point(cfg, hf_config) -> Path | None:
-    """The checkpoint this run continues from (checked against the model and data settings), or None."""
+def resume_point(cfg, hf_config, skipped: list[str] | None = None) -> Path | None:
+    """The checkpoint this run continues from (checked against the model and data settings), or None;
+    ``skipped``: as for ``find_checkpoint``."""
     directory = checkpoint_directory(cfg)
     if cfg.checkpoint.resume == "auto" and directory is None:
         return None
-    path = find_checkpoint(directory, cfg.checkpoint.resume)
+    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped)
     if path is not None:
         check_compatible(read_meta(path), path, hf_config, cfg.train.global_batch_size, cfg.data.seq_len)
     return path

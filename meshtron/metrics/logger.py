@@ -47,12 +47,12 @@ def max_memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Writes one JSON object per logged step and prints progress; inactive on ranks other than 0."""
 
-    def __init__(self, output_dir: Path | None, total_steps: int, *, enabled: bool, progress: bool, stream: IO = sys.stdout):
+    def __init__(self, output_dir: Path | None, total_steps: int, *, enabled: bool, progress: bool, stream: IO | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
         self.progress = progress and enabled
-        self.stream = stream
-        self.live = self.progress and stream.isatty()
+        self.stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
+        self.live = self.progress and self.stream.isatty()
         self.start = time.perf_counter()
         self._file = open(output_dir / "metrics.jsonl", "a") if enabled and output_dir else None
 

@@ -109,8 +109,13 @@ def init_runtime(timeout_s: float = 1800, device: str = "auto", host_collectives
         chosen = torch.device("cpu")
     backend = process_group_backend(chosen.type, host_collectives)
     if launched_by_torchrun() and not dist.is_initialized():
+        from meshtron.train.restart import attempt_store, restart_count
+
         kwargs = {"device_id": chosen} if chosen.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = timedelta(seconds=timeout_s)
+        if restart_count() > 0:  # torchrun restarted the workers: this attempt's rendezvous keys apart
+            kwargs.update(store=attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=chosen)
 
 

@@ -44,6 +44,8 @@ from meshtron.train.float8 import check_float8, refresh_float8_scales
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
+from meshtron.train.faults import fault_from_env
+from meshtron.train.restart import last_logged_step, restart_count, restart_message
 from meshtron.train.router_loss import build_router_loss
 from meshtron.train.runtime import Runtime, launched_by_torchrun
 from meshtron.train.step import StepContext, train_step
@@ -65,6 +67,8 @@ class Plan:
     resume_from: Path | None = None
     """The checkpoint this run continues from."""
     precision: PrecisionPolicy | None = None
+    resume_skipped: tuple[str, ...] = ()
+    """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
 
 
 @dataclass
@@ -145,9 +149,11 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
     )
     check_fixed_directory(cfg, launched=launched_by_torchrun())
-    resume_from = resume_point(cfg, hf_config)
-    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None)
-    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision)
+    skipped: list[str] = []
+    resume_from = resume_point(cfg, hf_config, skipped)
+    # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
+    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
+    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped))
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
@@ -233,6 +239,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         _dp_rank(meshes, dims), dims, plan, split, runtime.device, cfg, runner, adapter, policy,
         loss_scaler(policy, cfg), router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
     )
+    restarts = restart_count()  # > 0: torchrun restarted the workers after a failure (meshtron.train.restart)
+    logged_before = last_logged_step(output_dir) if restarts and runtime.is_main else 0
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
@@ -252,13 +260,20 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         scheduler.load_state_dict(meta["scheduler"])
         if step_context.scaler is not None and "loss_scaler" in meta:
             step_context.scaler.load_state_dict(meta["loss_scaler"])
+        for line in plan.resume_skipped:
+            logger.message(f"meshtron: {line}; skipped it")
         logger.message(f"meshtron: resumed from {plan.resume_from} (step {start_step}, saved as {meta['layout']})")
     result.start_step = start_step
+    if restarts:
+        logger.message(restart_message(restarts, plan.resume_from, start_step, logged_before))
+    fault = fault_from_env()  # tests only (meshtron.train.faults); None in a normal run
     if cfg.train.float8:
         refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights
     activation_step = min(start_step + 1, cfg.train.steps - 1)
     try:
         for step in range(start_step, cfg.train.steps):
+            if fault is not None:
+                fault.before_step(step + 1, runtime.rank)
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss, grad_norm, tokens = train_step(
@@ -291,6 +306,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                         "max_memory_gb": max_memory_gb(runtime.device),
                         **({"loss_scale": step_context.scaler.scale} if step_context.scaler is not None else {}),
                         **step_context.step_metrics,
+                        **({"restart": restarts} if restarts else {}),
                     }
                 )
             if checkpoints is not None and checkpoints.due(step + 1, cfg.train.steps):
