@@ -79,8 +79,9 @@ def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = No
     candidates = sorted((p for p in directory.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL)),
                         reverse=True) if directory.is_dir() else []
     marker = directory / LATEST
-    if marker.is_file() and (directory / marker.read_text().strip()) not in candidates:
-        candidates.insert(0, directory / marker.read_text().strip())
+    latest = directory / marker.read_text().strip() if marker.is_file() else None
+    if latest is not None and latest not in candidates:
+        candidates.insert(0, latest)
     reasons = []
     for path in candidates:
         reason = damage(path)

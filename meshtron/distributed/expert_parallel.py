@@ -216,7 +216,6 @@ def apply_expert_parallel_to_model(model: nn.Module, ep_mesh) -> None:
         apply_expert_parallel(block.experts, ep_mesh)
 
 
-
 def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | None = None) -> nn.Module:
     """Shard ``experts`` (a transformers experts module: ``gate_up_proj`` [E, 2I, H], ``down_proj``
     [E, H, I], ``act_fn``) over the 1-D ``ep_mesh`` and make its forward the all-to-all dispatch.

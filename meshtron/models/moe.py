@@ -41,9 +41,14 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def layer_index(name: str) -> int:
+    """The decoder layer index in a qualified module name (``model.layers.3.mlp`` -> 3)."""
+    return int(re.search(r"(?:^|\.)layers\.(\d+)\.", name).group(1))
+
+
 def moe_layer_indices(model: nn.Module) -> list[int]:
     """The decoder layer index of each of ``moe_blocks(model)``, in the same order."""
-    return [int(re.search(r"(?:^|\.)layers\.(\d+)\.", name).group(1)) for name, _ in moe_blocks(model)]
+    return [layer_index(name) for name, _ in moe_blocks(model)]
 
 
 # Per-expert checkpoint names of the fused expert parameters, as transformers' save_pretrained writes them and

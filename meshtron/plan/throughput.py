@@ -42,13 +42,6 @@ def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: fl
     return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
 
 
-def all_to_all_s(nbytes: float, group: int, span: int, hw: Hardware) -> float:
-    """One all-to-all in which each of ``group`` ranks (spanning ``span`` consecutive ranks) holds ``nbytes`` and
-    sends the ``(group - 1) / group`` of it owned by the others: pairwise exchanges, ``group - 1`` latencies,
-    all of it over the network once the group leaves a node."""
-    return _collective_s(nbytes, group, span, hw)
-
-
 def expert_all_to_all_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware,
                         passes: int, layers: int, forwards: int) -> float:
     """Expert parallelism's all-to-alls of one step on a rank: per MoE layer and micro-batch, the dispatch and
@@ -57,14 +50,16 @@ def expert_all_to_all_s(shape: ModelShape, layout: Layout, workload: Workload, h
     ``(ep - 1) / ep`` owned by other ranks leave (uniform routing: a rank's pairs spread evenly over the ep
     ranks, and it receives as many as it sends), plus each forward's exchange of the per-expert counts. Every
     tp rank of an ep group runs its own (ep is innermost in ``dp_shard x cp``, outside tp): the group spans
-    ``ep x tp`` ranks. Nothing overlaps them (meshtron waits for each before computing)."""
+    ``ep x tp`` ranks. Nothing overlaps them (meshtron waits for each before computing). One all-to-all costs
+    what ``_collective_s`` charges a ring collective: each rank sends the ``(ep - 1) / ep`` of its buffer owned by
+    the others, ``ep - 1`` latencies, all of it over the network once the group leaves a node."""
     if layout.ep <= 1 or not shape.experts:
         return 0.0
     rows = _dispatched_bytes(shape, layout, workload)
     span = layout.ep * layout.tp
     forward_passes = passes - 1
-    one_layer = 2 * passes * all_to_all_s(rows, layout.ep, span, hw)
-    one_layer += forward_passes * all_to_all_s(shape.experts * INDEX, layout.ep, span, hw)
+    one_layer = 2 * passes * _collective_s(rows, layout.ep, span, hw)
+    one_layer += forward_passes * _collective_s(shape.experts * INDEX, layout.ep, span, hw)
     return one_layer * layers * forwards
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshtron.models.moe import moe_layer_indices
+from meshtron.models.moe import layer_index
 from meshtron.train.router_loss import LocalRouting, MicroBatchAux, RouterLoss, StepRouting, micro_batch_aux, reduce_routing
 
 
@@ -33,7 +33,7 @@ class StageRouting:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.recorder = RouterLoss(stage, hf_config, coef=0.0, allow_empty=True)
-        self.layers = moe_layer_indices(stage)
+        self.layers = [layer_index(name) for name, _ in self.recorder.blocks]
 
     def run(self, forward, carry: torch.Tensor | None, device: torch.device):
         """(``forward()``, the carry with this stage's layers added): ``forward`` runs the stage with its routers
