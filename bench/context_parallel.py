@@ -80,7 +80,8 @@ def worker(args) -> None:
 
     from meshtron.config import load_config
     from meshtron.train.runtime import init_runtime, shutdown_runtime
-    from meshtron.train.trainer import preflight, train
+    from meshtron.train.preflight import preflight
+    from meshtron.train.trainer import train
 
     runtime = init_runtime()
     cp = runtime.world_size

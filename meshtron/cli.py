@@ -113,27 +113,39 @@ def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
 
 
 def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
-    """Check everything once here, then start ``world_size`` workers with torch's elastic launcher."""
+    """Check everything once here, then start ``world_size`` workers with torch's elastic launcher.
+
+    Exit status: 0, the first failed worker's (e.g. 124 after a hang), or 75 when a signal stopped the
+    run after its checkpoint was saved (docs/faults.md)."""
+    import time
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
     from meshtron.train.runtime import resolve_device_type
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     preflight(cfg, world_size, resolve_device_type(cfg.run.device, world_size))
     if cfg.run.output_dir is None:
-        output_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-        extra = [*extra, f"--run.output_dir={output_dir}"]
+        cfg.run.output_dir = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]
     launcher_args = ["--nnodes=1", f"--nproc-per-node={world_size}", f"--max-restarts={args.max_restarts}"]
     if args.master_port:
         launcher_args += ["--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
     else:
         launcher_args += ["--standalone"]
+    parser = get_args_parser()
     worker = ["-m", "meshtron", "train"] + (["--config", args.config] if args.config else []) + extra
-    try:
-        run(get_args_parser().parse_args(launcher_args + worker))
-    except ChildFailedError:
-        return 1
+    started = time.time()
+    with forward_stop_signals(parser, launcher_args, cfg.run.collective_timeout_s) as stopped:
+        try:
+            run(parser.parse_args(launcher_args + worker))
+        except ChildFailedError as err:
+            _, failure = err.get_first_failure()
+            return failure.exitcode if failure.exitcode > 0 else 1
+        except stopped.exception as err:
+            return stopped_with_checkpoint(cfg, started, err.sigval)
     return 0
 
 
@@ -141,14 +153,22 @@ def _run_worker(cfg) -> int:
     from meshtron.train.runtime import (
         init_runtime, launched_world_size, local_world_size, resolve_device_type, shutdown_runtime,
     )
-    from meshtron.train.trainer import preflight, train
+    from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
+    from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
+    from meshtron.train.preflight import preflight
+    from meshtron.train.trainer import train
 
     plan = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))
-    runtime = init_runtime(
-        timeout_s=cfg.run.collective_timeout_s, device=cfg.run.device, host_collectives=cfg.fsdp.cpu_offload
+    runtime = init_runtime(  # collectives wait a little longer than the hang watchdog, which names the laggards
+        timeout_s=cfg.run.collective_timeout_s + COLLECTIVE_GRACE_S, device=cfg.run.device,
+        host_collectives=cfg.fsdp.cpu_offload,
     )
     try:
         train(cfg, runtime, plan)
+    except Preempted as stop:
+        if runtime.is_main:
+            print(stop, flush=True)
+        return EXIT_PREEMPTED
     finally:
         shutdown_runtime()
     return 0

@@ -28,7 +28,7 @@ from meshtron.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-ON_NONFINITE = ("error", "skip")
+ON_NONFINITE = ("error", "skip", "rollback")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE = ("auto", "true", "false")
@@ -65,6 +65,10 @@ class DataConfig:
     """Where tokenized, packed data is cached; default ``~/.cache/meshtron``."""
     mask_documents: bool = True
     """Packed blocks: tokens attend only within their own document and positions restart per document."""
+    skip_batches: list[int] = field(default_factory=list)
+    """Global batches left out of the data order, numbered from 1 as a run that skips none trains them
+    (step k trains batch k): e.g. ``[1200, 1201]`` after a loss spike. ``train.on_nonfinite=rollback`` adds
+    to this list by itself; checkpoints record it (see docs/faults.md)."""
 
 
 @dataclass
@@ -101,7 +105,10 @@ class TrainConfig:
     float8: bool = False
     """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; see docs/precision.md)."""
     on_nonfinite: str = "error"
-    """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step."""
+    """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step's update,
+    ``rollback`` reloads the last checkpoint and leaves the step's global batch out from then on."""
+    max_rollbacks: int = 3
+    """``on_nonfinite=rollback``: rollbacks in a row (no new checkpoint saved between them) before the run stops."""
     router_aux_loss: str = "auto"
     """Mixture-of-experts models: add the router load-balancing loss (``router_aux_loss_coef`` of the model
     config times transformers' ``load_balancing_loss_func``, over the global micro-batch): ``true``, ``false``,
@@ -180,8 +187,9 @@ class RunConfig:
     """``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo) or ``auto`` (cuda when a GPU is visible)."""
     log_every: int = 1
     progress: bool = True
-    collective_timeout_s: float = 1800.0
-    """Seconds a collective (barrier, all-reduce, ...) waits for the other ranks before the run is stopped."""
+    collective_timeout_s: float = 600.0
+    """Seconds a step (or a save) may go without every rank arriving: then every rank stops with one line naming
+    the step and the rank(s) that did not arrive (see docs/faults.md). Collectives themselves time out 60 s later."""
 
 
 @dataclass
@@ -217,13 +225,32 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 
 def _type_name(tp: Any) -> str:
     base, optional = _split_optional(tp)
-    return f"{base.__name__}{' or none' if optional else ''}"
+    name = "list of integers" if typing.get_origin(base) is list else base.__name__
+    return f"{name}{' or none' if optional else ''}"
+
+
+def _integer_list(value: Any, from_text: bool) -> list[int] | None:
+    """``[1, 2]`` from TOML, or ``1,2`` / ``[1,2]`` from the CLI; None when it is not a list of integers."""
+    if from_text:
+        text = str(value).strip().strip("[]").strip()
+        try:
+            return [int(item) for item in text.split(",") if item.strip()] if text else []
+        except ValueError:
+            return None
+    if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        return list(value)
+    return None
 
 
 def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     """Return ``value`` as type ``tp`` or raise a ConfigError naming ``key``."""
     base, optional = _split_optional(tp)
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}; fix the value in the config or CLI")
+    if typing.get_origin(base) is list:
+        items = _integer_list(value, from_text)
+        if items is None:
+            raise bad
+        return items
     if from_text:
         text = str(value).strip()
         if optional and text.lower() in ("none", "null", ""):
@@ -358,6 +385,11 @@ def validate_config(cfg: Config) -> None:
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.micro_batch_size", t.micro_batch_size, allow_none=True)
     _positive("run.log_every", cfg.run.log_every)
+    _positive("train.max_rollbacks", t.max_rollbacks)
+    if any(batch < 1 for batch in d.skip_batches):
+        raise ConfigError(f"data.skip_batches: global batches are numbered from 1, got {d.skip_batches}")
+    if t.on_nonfinite == "rollback" and cfg.checkpoint.interval < 1:
+        raise ConfigError("train.on_nonfinite=rollback reloads the last checkpoint: set checkpoint.interval (e.g. 100)")
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError(f"run.collective_timeout_s: must be > 0 seconds, got {cfg.run.collective_timeout_s}")
     for key in ("dp_replicate", "tp", "cp", "pp"):

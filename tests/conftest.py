@@ -84,3 +84,27 @@ def full_blocks(block_mask):
         count = int(block_mask.full_kv_num_blocks[b, h, q])
         full[b, h, q, block_mask.full_kv_indices[b, h, q, :count].long()] = True
     return full[:, 0]
+
+
+def assert_same_tensors(checkpoint: Path, reference: Path, scratch: Path) -> None:
+    """Every tensor of two DCP checkpoints is equal (bit for bit)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, scratch / "got.pt")
+    dcp_to_torch_save(reference, scratch / "want.pt")
+    got, want = (torch.load(scratch / f"{name}.pt", weights_only=False) for name in ("got", "want"))
+    flat_got, flat_want = _tensors(got), _tensors(want)
+    assert flat_got.keys() == flat_want.keys() and len(flat_got) > 10
+    assert all(torch.equal(flat_got[key], flat_want[key]) for key in flat_want)
+
+
+def _tensors(tree, prefix: str = "") -> dict:
+    """Every tensor of a nested state dict by its dotted path."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{prefix}.{key}").items()}
+    return {}

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from meshtron.config import load_config
 from meshtron.train.runtime import init_runtime, shutdown_runtime
 from meshtron.metrics.logger import local_bytes
-from meshtron.train.trainer import preflight, train
+from meshtron.train.preflight import preflight
+from meshtron.train.trainer import train
 
 
 def expert_state_bytes(result) -> tuple[torch.Tensor, int]:

@@ -19,7 +19,7 @@ from meshtron.config import load_config
 from meshtron.models import build
 from meshtron.distributed.parallelize import parallelize_model
 from meshtron.train.runtime import init_runtime, shutdown_runtime
-from meshtron.train.trainer import preflight
+from meshtron.train.preflight import preflight
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_cli, run_torchrun, worker_env
+from conftest import REPO, assert_same_tensors, run_cli, run_torchrun, worker_env
 
 STEPS, HALF = 8, 4
 LOSS_RTOL = 1e-5
@@ -171,39 +171,28 @@ def test_damaged_latest_checkpoint_is_skipped_by_auto_and_refused_by_path(runs, 
 
 
 @pytest.mark.slow
-def test_a_killed_rank_restarts_the_run_which_continues_exactly(runs, tmp_path, cache_dir):
-    """FSDP over 4 ranks, rank 2 killed (SIGKILL) at the start of step 6, between the step-4 and step-8
-    checkpoints: `--max-restarts 1` restarts all workers, which resume from step 4 by themselves. The last
-    metrics row of every step and the final checkpoint equal the uninterrupted run's, bit for bit."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+def test_killed_ranks_restart_the_run_which_continues_exactly(runs, tmp_path, cache_dir):
+    """pp2 x tp2 over 4 ranks (checkpoints at steps 4 and 8), `--max-restarts 3`: one rank SIGKILLed before
+    the first checkpoint (step 3), right after one (step 5) and between two (step 7), each time a different
+    rank. The workers restart and resume by themselves; the last metrics row of every step and the final
+    checkpoint equal the uninterrupted run's, bit for bit (the 2-rank kills are in test_recovery.py)."""
     out = tmp_path / "restarted"
-    args = ["train", "--nproc", "4", "--max-restarts", "1", *[f"--{item}" for item in base(cache_dir)],
-            "--parallel.dp_shard=4", f"--run.output_dir={out}"]
-    proc = run_cli(args, env=worker_env(MESHTRON_FAULT="kill:step=6:rank=2"), timeout=400)
+    args = ["train", "--nproc", "4", "--max-restarts", "3", *[f"--{item}" for item in base(cache_dir)],
+            "--parallel.pp=2", "--parallel.tp=2", f"--run.output_dir={out}"]
+    faults = "kill:step=3:rank=1,kill:step=5:rank=2:attempt=1,kill:step=7:rank=3:attempt=2"
+    proc = run_cli(args, env=worker_env(MESHTRON_FAULT=faults), timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "restart 1 of this run after a failure: resumed from step-00000004 (step 4); 1 step(s)" in proc.stdout
+    for line in ("restart 1 of this run after a failure: no checkpoint yet: starting over; 2 step(s)",
+                 "restart 2 of this run after a failure: resumed from step-00000004 (step 4); 0 step(s)",
+                 "restart 3 of this run after a failure: resumed from step-00000004 (step 4); 2 step(s)"):
+        assert line in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 trained again after the restart
-    assert [row.get("restart", 0) for row in rows] == [0] * 5 + [1] * 4
+    assert [row["step"] for row in rows] == [1, 2, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert [row.get("restart", 0) for row in rows] == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3]
     last = {row["step"]: row["loss"] for row in rows}
-    assert [last[step] for step in range(1, STEPS + 1)] == losses(runs, "fsdp4")
-    final = f"checkpoints/step-{STEPS:08d}"
-    dcp_to_torch_save(out / final, tmp_path / "restarted.pt")
-    dcp_to_torch_save(runs / "fsdp4" / final, tmp_path / "straight.pt")
-    got, want = (torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in ("restarted", "straight"))
-    flat_got, flat_want = _tensors(got), _tensors(want)
-    assert flat_got.keys() == flat_want.keys() and len(flat_got) > 10
-    assert all(torch.equal(flat_got[key], flat_want[key]) for key in flat_want)
-
-
-def _tensors(tree, prefix: str = "") -> dict:
-    """Every tensor of a nested state dict by its dotted path."""
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{prefix}.{key}").items()}
-    return {}
+    assert [last[step] for step in range(1, STEPS + 1)] == losses(runs, "pp2_tp2")
+    assert_same_tensors(out / f"checkpoints/step-{STEPS:08d}", runs / "pp2_tp2" / f"checkpoints/step-{STEPS:08d}",
+                        tmp_path)
 
 
 def damage_free(path: Path) -> bool:

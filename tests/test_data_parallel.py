@@ -81,7 +81,7 @@ def test_cpu_offload_is_checked_against_the_layout_before_any_collective():
     fsdp2_cpu_offload in test_parity.py trains it against one process)."""
     from meshtron.config import load_config
     from meshtron.errors import ConfigError
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     cfg = load_config(None, ["fsdp.cpu_offload=true", "run.progress=false"], env={})
     with pytest.raises(ConfigError, match="fsdp.cpu_offload needs FSDP"):

@@ -9,22 +9,29 @@ import pytest
 
 from meshtron.checkpoint.integrity import damage, file_manifest
 from meshtron.errors import ConfigError
-from meshtron.train.faults import Fault, fault_from_env
-from meshtron.train.restart import last_logged_step, restart_count, restart_message
+from meshtron.resilience.faults import Fault, Faults, faults_from_env
+from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 
 
 def test_fault_spec_parses_and_bad_ones_name_the_format():
-    assert fault_from_env({}) is None
-    assert fault_from_env({"MESHTRON_FAULT": "kill:step=6:rank=2"}) == Fault("kill", 6, 2)
-    for bad in ("explode:step=1:rank=0", "kill:step=x:rank=0", "kill:rank=0"):
+    assert faults_from_env({}) is None
+    assert faults_from_env({"MESHTRON_FAULT": "kill:step=6:rank=2"}).faults == (Fault("kill", 6, 2),)
+    several = faults_from_env({"MESHTRON_FAULT": "kill:step=3:rank=1, hang:step=5:rank=0:attempt=1,nan:step=2"})
+    assert several.faults == (Fault("kill", 3, 1), Fault("hang", 5, 0, 1), Fault("nan", 2, 0))
+    for bad in ("explode:step=1:rank=0", "kill:step=x:rank=0", "kill:rank=0", "kill:step=1:rank=0:when=now"):
         with pytest.raises(ConfigError, match="kind:step=S:rank=R"):
-            fault_from_env({"MESHTRON_FAULT": bad})
+            faults_from_env({"MESHTRON_FAULT": bad})
 
 
-def test_a_restarted_attempt_never_injects_again(monkeypatch):
+def test_a_fault_fires_only_in_its_attempt_and_once(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert restart_count() == 1
-    Fault("kill", 3, 0).before_step(3, 0)  # would SIGKILL this test on a first start
+    Faults((Fault("kill", 3, 0),)).before_step(3, 0)  # would SIGKILL this test on a first start
+    faults = Faults((Fault("nan", 4, 0, attempt=1), Fault("failsave", 2, 1, attempt=1)))
+    assert not faults.nonfinite(3) and faults.nonfinite(4) and not faults.nonfinite(4)  # once: a rollback goes on
+    faults.during_save(2, 0)  # another rank's fault
+    with pytest.raises(OSError, match="No space left on device"):
+        faults.during_save(2, 1)
 
 
 def test_restart_bookkeeping(tmp_path):
@@ -51,3 +58,182 @@ def test_file_list_finds_missing_and_truncated_files(tmp_path):
     (tmp_path / "meshtron.json").write_text("{")
     assert damage(tmp_path).startswith("meshtron.json is unreadable")
     assert damage(tmp_path / "nowhere") == "the folder does not exist"
+
+
+def _watchdog(rank, world, store, lines, codes, **kwargs):
+    import io
+
+    from meshtron.resilience.watchdog import HangWatchdog
+
+    stream = io.StringIO()
+    watchdog = HangWatchdog(rank, world, 0.3, store, poll_s=0.05, report_wait_s=0.5, exit=codes.append, stream=stream,
+                            **kwargs)
+    lines.append(stream)
+    return watchdog
+
+
+def test_hang_watchdog_names_the_ranks_that_did_not_arrive():
+    """Rank 0 waits in a collective, rank 1 is busy elsewhere, rank 2 never reports: rank 0 says so in one
+    line and every rank that can exits with status 124."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from meshtron.resilience.watchdog import EXIT_HUNG
+
+    store, streams, codes = HashStore(), [], []
+    waiting = _watchdog(0, 3, store, streams, codes, locate=lambda: (True, "step_stats.py:40 in host_values"))
+    busy = _watchdog(1, 3, store, streams, codes, locate=lambda: (False, "loader.py:12 in next_batch"))
+    for watchdog in (waiting, busy):
+        watchdog.progress(7)
+    threads = [threading.Thread(target=w.give_up, args=(31.0,)) for w in (waiting, busy)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert codes == [EXIT_HUNG, EXIT_HUNG]
+    said = streams[0].getvalue()
+    assert said.count("\n") == 1 and streams[1].getvalue() == ""  # one rank speaks for all
+    assert "step 7 made no progress for 31 s (run.collective_timeout_s=0.3): rank(s) 1, 2 did not arrive" in said
+    assert "rank 1 busy at loader.py:12 in next_batch; rank 2 sent no report" in said
+
+
+def test_hang_watchdog_fires_only_without_progress():
+    import time
+
+    from torch.distributed import HashStore
+
+    streams, codes = [], []
+    watchdog = _watchdog(0, 1, HashStore(), streams, codes).start()
+    for step in range(1, 11):  # progress every 0.1 s: no alarm
+        watchdog.progress(step)
+        time.sleep(0.1)
+    assert codes == []
+    deadline = time.time() + 5
+    while not codes and time.time() < deadline:
+        time.sleep(0.05)
+    watchdog.close()
+    assert codes == [124] and "step 10 made no progress" in streams[0].getvalue()
+
+
+def test_main_thread_location_tells_waiting_from_busy():
+    """Seen from another thread (as the watchdog sees it): busy in this test, or waiting in a host sync."""
+    import threading
+
+    from meshtron.resilience.watchdog import main_thread_location
+
+    seen = []
+
+    def look():
+        seen.append(main_thread_location())
+
+    def busy():
+        thread = threading.Thread(target=look)
+        thread.start()
+        thread.join()
+
+    def host_values():  # the name of the step's host sync, where a rank waits for the others
+        busy()
+
+    busy()
+    host_values()
+    assert not seen[0][0] and seen[0][1].startswith("test_faults.py:") and seen[0][1].endswith("in busy")
+    assert seen[1][0]
+
+
+def test_stop_signals_are_recorded_once_and_handlers_come_back():
+    import os
+    import signal
+
+    from meshtron.resilience.preemption import StopSignals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals() as signals:
+        assert signals.agreed(None, distributed=False) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal while stopping: counted, not acted on
+        assert signals.agreed(None, distributed=False) == "SIGUSR1" and signals.repeated == 1
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    from meshtron.config import load_config
+    from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
+
+    launcher_args = []
+    with forward_stop_signals(get_args_parser(), launcher_args, 600) as stopped:
+        assert stopped.received is None
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in launcher_args
+    assert "--shutdown-timeout=660" in launcher_args
+    cfg = load_config(None, [f"run.output_dir={tmp_path}"], env={})
+    assert stopped_with_checkpoint(cfg, 0.0, 15) == 143  # no checkpoint: as a shell reports SIGTERM
+    step = tmp_path / "checkpoints" / "step-00000003"
+    step.mkdir(parents=True)
+    (step / "meshtron.json").write_text(json.dumps({"step": 3, "stopped_by": "SIGTERM"}))
+    (tmp_path / "checkpoints" / "latest").write_text(step.name)
+    assert stopped_with_checkpoint(cfg, 0.0, 15) == 75
+
+
+def test_skipped_batches_shift_the_data_order_and_are_settings():
+    from meshtron.config import load_config
+    from meshtron.data.sampler import GlobalBatchSchedule
+
+    schedule = GlobalBatchSchedule(100, 4, shuffle=True, seed=3)
+    straight = [schedule.global_batch(step).tolist() for step in range(8)]
+    schedule.skip([2, 3, 6])
+    assert [schedule.batch_number(step) for step in range(5)] == [1, 4, 5, 7, 8]
+    assert [schedule.global_batch(step).tolist() for step in range(3)] == [straight[0], straight[3], straight[4]]
+    assert load_config(None, ["data.skip_batches=5,9"], env={}).data.skip_batches == [5, 9]
+    assert load_config(None, ["data.skip_batches=[]"], env={}).data.skip_batches == []
+    with pytest.raises(ConfigError, match="data.skip_batches: expected list of integers"):
+        load_config(None, ["data.skip_batches=five"], env={})
+    with pytest.raises(ConfigError, match="numbered from 1"):
+        load_config(None, ["data.skip_batches=0"], env={})
+    with pytest.raises(ConfigError, match="train.on_nonfinite=rollback reloads the last checkpoint: set checkpoint.interval"):
+        load_config(None, ["train.on_nonfinite=rollback"], env={})
+
+
+def _train(tmp_path, cache_dir, name: str, overrides: list[str]):
+    import torch
+
+    from meshtron.config import load_config
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    base = ["model.preset=llama-deep", "data.max_documents=40", "data.seq_len=32", f"data.cache_dir={cache_dir}",
+            "train.steps=8", "train.global_batch_size=8", "train.lr=1e-3", "train.warmup_steps=2", "train.seed=7",
+            "run.progress=false", "checkpoint.interval=4", f"run.output_dir={tmp_path / name}"]
+    cfg = load_config(None, base + overrides, env={})
+    return train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+
+
+def test_rollback_continues_as_a_run_that_skipped_the_bad_batch(tmp_path, cache_dir, monkeypatch):
+    """Step 6 made NaN, train.on_nonfinite=rollback: back to the step-4 checkpoint, batch 6 left out; the
+    whole trajectory and final weights equal a run given data.skip_batches=[6] (exact, fp32 CPU)."""
+    import torch
+
+    skipped = _train(tmp_path, cache_dir, "skipped", ["data.skip_batches=6"])
+    monkeypatch.setenv("MESHTRON_FAULT", "nan:step=6")
+    rolled = _train(tmp_path, cache_dir, "rolled", ["train.on_nonfinite=rollback"])
+    assert len(rolled.losses) == 8 and rolled.losses == skipped.losses
+    want, got = skipped.model.state_dict(), rolled.model.state_dict()
+    assert all(torch.equal(got[key], want[key]) for key in want)
+    rows = [json.loads(line) for line in (tmp_path / "rolled" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert rows[5]["rolled_back_to"] == 4 and rows[5]["loss"] != rows[5]["loss"]  # NaN
+    assert [row.get("rollbacks", 0) for row in rows[6:]] == [1] * 4
+    meta = json.loads((tmp_path / "rolled" / "checkpoints" / "step-00000008" / "meshtron.json").read_text())
+    assert meta["data.skip_batches"] == [6]
+
+
+def test_rollbacks_in_a_row_or_before_any_checkpoint_stop_the_run(tmp_path, cache_dir, monkeypatch):
+    from meshtron.errors import MeshtronError
+
+    monkeypatch.setenv("MESHTRON_FAULT", "nan:step=5,nan:step=6")  # no checkpoint between the two
+    with pytest.raises(MeshtronError, match=r"step 6: loss is nan .* after 1 rollback\(s\) in a row \(train.max_rollbacks=1\)"):
+        _train(tmp_path, cache_dir, "twice", ["train.on_nonfinite=rollback", "train.max_rollbacks=1"])
+    monkeypatch.setenv("MESHTRON_FAULT", "nan:step=2")
+    with pytest.raises(MeshtronError, match="has no checkpoint to go back to yet"):
+        _train(tmp_path, cache_dir, "early", ["train.on_nonfinite=rollback"])

@@ -301,7 +301,7 @@ def test_gemma_norm_weights_start_at_zero():
 
 def _preflight(overrides, world_size=1):
     from meshtron.config import load_config
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     return preflight(load_config(None, ["data.seq_len=32", *overrides], env={}), world_size, "cpu")
 

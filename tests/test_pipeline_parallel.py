@@ -129,7 +129,7 @@ def test_micro_batch_size_is_the_pipeline_microbatch():
 def test_micro_batch_size_under_pp_splits_the_global_batch_before_any_process_group():
     """preflight: each rank steps its global / dp sequences at once (no accumulation) in global / (micro x dp)
     microbatches; micro x dp must divide the global batch; the settings' disagreement is one line naming both."""
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     def plan(*overrides, world=2):
         cfg = load_config(None, ["model.preset=llama-deep", "train.global_batch_size=8", *overrides], env={})

@@ -133,7 +133,7 @@ def test_every_proposed_layout_passes_meshtron_preflight(preset):
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import train_config
     from meshtron.plan.search import candidate_layouts
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     hf_config = make_preset_config(preset, 259)
     shape = ModelShape.from_hf_config(hf_config)
@@ -399,7 +399,7 @@ def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import train_config
     from meshtron.plan.search import candidate_layouts
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     hf_config = _moe_config(layers=4)
     hf_config.save_pretrained(tmp_path / "moe")

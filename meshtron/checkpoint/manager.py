@@ -139,18 +139,20 @@ class CheckpointManager:
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
         self.pending = None  # (future, step, partial dir, meta) of an async save not yet committed
+        self.faults = None  # tests only: meshtron.resilience.faults.Faults, whose during_save runs in each save
         # Async saves run collectives from a background thread: give them a group of their own.
         self.group = dist.new_group(backend="gloo") if async_save and runtime.distributed else None
 
-        def prepare() -> Path:
+        def prepare() -> tuple[Path, list[str]]:
             directory.mkdir(parents=True, exist_ok=True)
+            partial = sorted(path.name for path in directory.glob(f"*{PARTIAL}"))
             for stale in [*directory.glob(f"*{PARTIAL}"), *directory.glob(f"{PROBE}*")]:  # left by a killed run
                 shutil.rmtree(stale, ignore_errors=True)
             probe = directory / f"{PROBE}{uuid.uuid4().hex[:12]}"
             probe.mkdir()
-            return probe
+            return probe, partial
 
-        probe = on_main(runtime, prepare, lambda reason: ConfigError(
+        probe, self.removed_partial = on_main(runtime, prepare, lambda reason: ConfigError(
             f"checkpoint directory '{directory}' cannot be used ({reason}); set checkpoint.dir (or run.output_dir) "
             "to a writable directory"
         ))
@@ -185,11 +187,31 @@ class CheckpointManager:
                     future = dcp.async_save(state.state_dict(), checkpoint_id=str(partial), process_group=self.group,
                                             no_dist=not self.runtime.distributed)
                     self.pending = (future, step, partial, meta)
+                    self._inject_fault(step, partial)
                     return
                 dcp.save(state.state_dict(), checkpoint_id=str(partial), no_dist=not self.runtime.distributed)
         except (OSError, CheckpointException) as err:  # DCP gathers every rank's failure and raises on all
             raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
+        self._inject_fault(step, partial)
         self._commit(step, partial, meta)
+
+    def _inject_fault(self, step: int, partial: Path) -> None:
+        if self.faults is not None:  # tests only: each rank's part is written (or, async, being written)
+            on_every_rank(self.runtime, lambda: self.faults.during_save(step, self.runtime.rank),
+                          lambda reason: self._failed(partial, reason))
+
+    def commit_if_done(self) -> None:
+        """Commit an async save as soon as every rank has written its part (every rank calls this after each
+        step), so that a run killed before the next save resumes from it."""
+        if self.pending is None:
+            return
+        done = self.pending[0].done()
+        if self.runtime.distributed:
+            flag = torch.tensor([int(done)], device=self.runtime.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        if done:
+            self.wait()
 
     def wait(self) -> None:
         """Finish and commit an async save still in flight (every rank calls this at the same point)."""

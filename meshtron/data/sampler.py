@@ -13,6 +13,9 @@ class GlobalBatchSchedule:
     ``p // num_samples``. Step ``k`` uses positions ``[k * G, (k + 1) * G)``, so the data position
     is simply ``step * global_batch_size``: no sampler state needs saving, and a run resumes on
     the same sequences under any data-parallel layout.
+
+    ``skipped_batches`` (``data.skip_batches``, and what ``train.on_nonfinite=rollback`` adds) are global
+    batches numbered from 1 that the order leaves out: step ``k`` then trains the ``k``-th batch not skipped.
     """
 
     def __init__(self, num_samples: int, global_batch_size: int, shuffle: bool, seed: int):
@@ -25,6 +28,19 @@ class GlobalBatchSchedule:
         self.shuffle = shuffle
         self.seed = seed
         self._cached: tuple[int, np.ndarray] | None = None
+        self.skipped_batches: set[int] = set()
+
+    def skip(self, batches) -> None:
+        """Leave these global batches (numbered from 1) out of the order from now on."""
+        self.skipped_batches.update(int(batch) for batch in batches)
+
+    def batch_number(self, step: int) -> int:
+        """The global batch (numbered from 1) that 0-based optimizer step ``step`` trains on."""
+        number = step + 1
+        for skipped in sorted(self.skipped_batches):
+            if skipped <= number:
+                number += 1
+        return number
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The block order of one epoch (the latest one asked for is cached)."""
@@ -51,7 +67,7 @@ class GlobalBatchSchedule:
 
     def global_batch(self, step: int) -> np.ndarray:
         """The ``global_batch_size`` block indices of optimizer step ``step``."""
-        return self.indices(step * self.global_batch_size, self.global_batch_size)
+        return self.indices((self.batch_number(step) - 1) * self.global_batch_size, self.global_batch_size)
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[np.ndarray]:
         """Rank ``dp_rank``'s micro-batches of step ``step``: its slice of each global micro-batch.

@@ -59,7 +59,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        record = {"elapsed_s": round(time.perf_counter() - self.start, 3), **record}
+        record = {"elapsed_s": round(time.perf_counter() - self.start, 3), "time": round(time.time(), 3), **record}
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

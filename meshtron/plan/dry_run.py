@@ -44,7 +44,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     from meshtron.metrics.logger import model_state_bytes
     from meshtron.models.build import build_meta_model
     from meshtron.train.optim import build_optimizer
-    from meshtron.train.trainer import preflight
+    from meshtron.train.preflight import preflight
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"--dry-run-rank {rank} is not a rank of a world of {world_size}; use 0..{world_size - 1}")

@@ -163,7 +163,7 @@ class Layout:
         """The layout a meshtron run of ``cfg`` on ``world_size`` processes uses (degrees and batch resolved)."""
         from meshtron.distributed.mesh import ParallelDims
         from meshtron.distributed.pipeline_parallel import check_pipeline, stages_per_rank
-        from meshtron.train.trainer import micro_batch_plan
+        from meshtron.train.preflight import micro_batch_plan
 
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         micro, _ = micro_batch_plan(cfg, dims)

@@ -109,7 +109,7 @@ def init_runtime(timeout_s: float = 1800, device: str = "auto", host_collectives
         chosen = torch.device("cpu")
     backend = process_group_backend(chosen.type, host_collectives)
     if launched_by_torchrun() and not dist.is_initialized():
-        from meshtron.train.restart import attempt_store, restart_count
+        from meshtron.resilience.restart import attempt_store, restart_count
 
         kwargs = {"device_id": chosen} if chosen.type == "cuda" else {}
         timeout = timedelta(seconds=timeout_s)

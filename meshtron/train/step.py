@@ -42,7 +42,7 @@ class StepContext:
     dp_rank: int
     dims: ParallelDims
     plan: object
-    """The run's trainer.Plan (micro-batch size and the like)."""
+    """The run's meshtron.train.preflight.Plan (micro-batch size and the like)."""
     split: SequenceSplit
     device: torch.device
     cfg: Config
@@ -54,6 +54,10 @@ class StepContext:
     """The MoE router load-balancing loss, when on (meshtron.train.router_loss.build_router_loss)."""
     step_metrics: dict = field(default_factory=dict)
     """Metrics of the last step beyond loss and gradient norm (the router loss's), for the logger."""
+    nonfinite: bool = False
+    """The last step's loss or gradient norm was NaN/Inf and it did not update (``train.on_nonfinite``)."""
+    inject_nonfinite: bool = False
+    """Tests only (meshtron.resilience.faults): make this step's loss NaN."""
 
     @property
     def loss_parallel(self) -> bool:
@@ -150,6 +154,9 @@ def train_step(
     loss, grad_norm = global_loss_and_grad_norm(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp
     )
+    if ctx.inject_nonfinite:
+        loss = loss * float("nan")
+    ctx.nonfinite = False
     router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
     loss_value, norm_value, *routed = host_values(loss, grad_norm / loss_scale, *router_tensors)
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
@@ -167,8 +174,9 @@ def train_step(
         if cfg.train.on_nonfinite == "error":
             raise MeshtronError(
                 f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
-                "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip"
+                "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip or rollback"
             )
+        ctx.nonfinite = True
         optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, float(global_targets)
     clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm / loss_scale)

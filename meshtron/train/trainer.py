@@ -14,61 +14,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.checkpoint.manager import (
-    CheckpointManager, check_fixed_directory, checkpoint_directory, checkpoint_meta, resume_point,
-)
+from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
-from meshtron.config import Config, save_config, to_toml
+from meshtron.config import Config, save_config
 from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.sampler import GlobalBatchSchedule
-from meshtron.data.sources import check_data_path
-from meshtron.data.tokenizer import load_tokenizer
-from meshtron.distributed.context_parallel import check_context_parallel
-from meshtron.distributed.expert_parallel import check_expert_parallel
-from meshtron.distributed.data_parallel import check_data_parallel, parameter_device
+from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
-from meshtron.distributed.tensor_parallel import check_tensor_parallel
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
-from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb
-from meshtron.models.adapter import adapter_for
-from meshtron.models.attention import attention_windows, check_attention
-from meshtron.models.families import check_family
+from meshtron.models.attention import attention_windows
 from meshtron.models.moe import moe_layer_indices
-from meshtron.models.build import build_meta_model, check_model_path, load_hf_config, materialize
-from meshtron.distributed.pipeline_parallel import check_pipeline
+from meshtron.models.build import build_meta_model, materialize
 from meshtron.train.batch import SequenceSplit
-from meshtron.train.float8 import check_float8, refresh_float8_scales
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
-from meshtron.train.precision import PrecisionPolicy, loss_scaler, precision_policy
-from meshtron.train.faults import fault_from_env
-from meshtron.train.restart import last_logged_step, restart_count, restart_message
+from meshtron.train.precision import loss_scaler, precision_policy
+from meshtron.resilience.guard import RunGuard
+from meshtron.train.resumable import Resumable
 from meshtron.train.router_loss import build_router_loss
-from meshtron.train.runtime import Runtime, launched_by_torchrun
+from meshtron.train.runtime import Runtime
+from meshtron.train.preflight import Plan, preflight
 from meshtron.train.step import StepContext, train_step
 
-RUN_MARKERS = ("config.toml", "metrics.jsonl")
-
-
-@dataclass
-class Plan:
-    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
-
-    dims: ParallelDims
-    micro_batch_size: int
-    accumulation_steps: int
-    tokenizer: object
-    hf_config: object
-    pp_microbatches: int = 1
-    """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
-    resume_from: Path | None = None
-    """The checkpoint this run continues from."""
-    precision: PrecisionPolicy | None = None
-    resume_skipped: tuple[str, ...] = ()
-    """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
+__all__ = ["Plan", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
 
 
 @dataclass
@@ -93,67 +64,9 @@ class TrainResult:
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
     also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
 
-
-def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
-    """(sequences per forward, accumulation_steps) per rank, or a ConfigError if the batch does not split.
-
-    Under pipeline parallelism the forward is the schedule's step over the rank's whole batch, which it
-    splits into microbatches of ``train.micro_batch_size`` (see check_pipeline), without accumulation.
-    """
-    batch, dp = cfg.train.global_batch_size, dims.dp
-    micro = cfg.train.micro_batch_size or max(1, batch // dp)
-    if batch % (dp * micro):
-        raise ConfigError(
-            f"train.global_batch_size {batch} is not divisible by data-parallel degree {dp} x "
-            f"train.micro_batch_size {micro} = {dp * micro}; make the global batch a multiple of {dp * micro}"
-        )
-    if dims.pp > 1:
-        return batch // dp, 1
-    return micro, batch // (dp * micro)
-
-
-def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
-    """Refuse to write into a directory that already holds a run's outputs, unless continuing that run."""
-    if output_dir is None or resuming:
-        return
-    path = Path(output_dir)
-    if any((path / marker).exists() for marker in RUN_MARKERS):
-        raise ConfigError(f"run.output_dir '{path}' already holds a run; choose a new run.output_dir")
-
-
-def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
-    """All checks that need no process group, run identically on every rank (and by the launcher)."""
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    micro, accumulation = micro_batch_plan(cfg, dims)
-    check_data_parallel(cfg.fsdp, dims)
-    precision = precision_policy(cfg, device_type)
-    check_float8(cfg, device_type)
-    check_model_path(cfg.model)
-    check_data_path(cfg.data.path)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
-    check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
-    check_expert_parallel(hf_config, dims.ep)
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    if max_positions is not None and cfg.data.seq_len > max_positions:
-        raise ConfigError(
-            f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
-            f"use data.seq_len <= {max_positions}"
-        )
-    check_context_parallel(dims.cp, cfg.data.seq_len)
-    check_attention(
-        hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
-    )
-    pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
-    check_tensor_parallel(
-        hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
-    )
-    check_fixed_directory(cfg, launched=launched_by_torchrun())
-    skipped: list[str] = []
-    resume_from = resume_point(cfg, hf_config, skipped)
-    # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
-    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
-    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped))
+    def rewind(self, steps_kept: int) -> None:
+        """Forget the steps after the first ``steps_kept`` of this start (a rollback trains them again)."""
+        del self.losses[steps_kept:], self.grad_norms[steps_kept:], self.tokens_per_s[steps_kept:]
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
@@ -239,8 +152,6 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         _dp_rank(meshes, dims), dims, plan, split, runtime.device, cfg, runner, adapter, policy,
         loss_scaler(policy, cfg), router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
     )
-    restarts = restart_count()  # > 0: torchrun restarted the workers after a failure (meshtron.train.restart)
-    logged_before = last_logged_step(output_dir) if restarts and runtime.is_main else 0
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
@@ -252,70 +163,55 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     peak = device_peak_flops(runtime.device)
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
     result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
-    state = TrainingState(parts, model, optimizer)
-    start_step = 0
-    if plan.resume_from:
-        meta = checkpoints.load(plan.resume_from, state)
-        start_step = meta["step"]
-        scheduler.load_state_dict(meta["scheduler"])
-        if step_context.scaler is not None and "loss_scaler" in meta:
-            step_context.scaler.load_state_dict(meta["loss_scaler"])
-        for line in plan.resume_skipped:
-            logger.message(f"meshtron: {line}; skipped it")
-        logger.message(f"meshtron: resumed from {plan.resume_from} (step {start_step}, saved as {meta['layout']})")
-    result.start_step = start_step
-    if restarts:
-        logger.message(restart_message(restarts, plan.resume_from, start_step, logged_before))
-    fault = fault_from_env()  # tests only (meshtron.train.faults); None in a normal run
-    if cfg.train.float8:
-        refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights
+    schedule.skip(cfg.data.skip_batches)
+    resumable = Resumable(
+        cfg, runtime, checkpoints, TrainingState(parts, model, optimizer), scheduler, step_context.scaler, schedule,
+        plan.hf_config, dims.describe(), parts,
+    )
+    guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
+    start_step = result.start_step = _resume(resumable, plan, logger)
+    guard.resumed(plan.resume_from, start_step)
     activation_step = min(start_step + 1, cfg.train.steps - 1)
+    step = start_step
     try:
-        for step in range(start_step, cfg.train.steps):
-            if fault is not None:
-                fault.before_step(step + 1, runtime.rank)
-            started = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
-            loss, grad_norm, tokens = train_step(
-                model, optimizer, dataset, schedule, step, step_context,
-                measure_state=result if not result.state_bytes else None,  # the first step that updates
-                measure_activations=result if step == activation_step else None,
-            )
-            scheduler.step()
-            if runtime.device.type == "cuda":
-                torch.cuda.synchronize(runtime.device)
-            seconds = time.perf_counter() - started
-            tokens_per_s = tokens / seconds
-            result.losses.append(loss)
-            result.grad_norms.append(grad_norm)
-            result.tokens_per_s.append(tokens_per_s)
-            if step == activation_step:
-                logger.message(
-                    f"meshtron: step {step + 1}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
-                    f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
+        with guard:
+            while step < cfg.train.steps:
+                guard.before_step(step, step_context)
+                started = time.perf_counter()
+                lr = optimizer.param_groups[0]["lr"]
+                loss, grad_norm, tokens = train_step(
+                    model, optimizer, dataset, schedule, step, step_context,
+                    measure_state=result if not result.state_bytes else None,  # the first step that updates
+                    measure_activations=result if step == activation_step else None,
                 )
-            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps:
-                logger.log(
-                    {
-                        "step": step + 1,
-                        "loss": loss,
-                        "grad_norm": grad_norm,
-                        "lr": lr,
-                        "tokens_per_s": tokens_per_s,
+                rolled_to = guard.rolled_back(step, loss, grad_norm, lr, start_step, step_context)
+                if rolled_to is not None:  # train.on_nonfinite=rollback: on from the last checkpoint
+                    step = rolled_to
+                    continue
+                scheduler.step()
+                if runtime.device.type == "cuda":
+                    torch.cuda.synchronize(runtime.device)
+                tokens_per_s = tokens / (time.perf_counter() - started)
+                result.losses.append(loss)
+                result.grad_norms.append(grad_norm)
+                result.tokens_per_s.append(tokens_per_s)
+                step += 1
+                if step - 1 == activation_step:
+                    logger.message(
+                        f"meshtron: step {step}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
+                        f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
+                    )
+                if step % cfg.run.log_every == 0 or step == cfg.train.steps:
+                    logger.log({
+                        "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s,
                         "mfu": flops_tok * tokens_per_s / (peak * runtime.world_size) if peak else None,
                         "max_memory_gb": max_memory_gb(runtime.device),
                         **({"loss_scale": step_context.scaler.scale} if step_context.scaler is not None else {}),
                         **step_context.step_metrics,
-                        **({"restart": restarts} if restarts else {}),
-                    }
-                )
-            if checkpoints is not None and checkpoints.due(step + 1, cfg.train.steps):
-                meta = checkpoint_meta(step + 1, scheduler, plan.hf_config, cfg, runtime, dims.describe())
-                if step_context.scaler is not None:
-                    meta["loss_scaler"] = step_context.scaler.state_dict()
-                checkpoints.save(step + 1, state, meta, to_toml(cfg))
-        if checkpoints is not None:
-            checkpoints.wait()
+                        **guard.metrics(),
+                    })
+                guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
+            guard.finish(step)
         trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
         logger.message(
             f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl)"
@@ -323,6 +219,21 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     finally:
         logger.close()
     return result
+
+
+def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
+    """Restore the checkpoint the run continues from, if any, and say so; the step it starts after."""
+    if not plan.resume_from:
+        if resumable.cfg.train.float8:
+            from meshtron.train.float8 import refresh_float8_scales
+
+            refresh_float8_scales(resumable.parts)  # FSDP's float8 all-gather: weight scales from the initial weights
+        return 0
+    meta = resumable.restore(plan.resume_from)
+    for line in plan.resume_skipped:
+        logger.message(f"meshtron: {line}; skipped it")
+    logger.message(f"meshtron: resumed from {plan.resume_from} (step {meta['step']}, saved as {meta['layout']})")
+    return meta["step"]
 
 
 def _count_params(model: nn.Module, pp_group=None) -> int:

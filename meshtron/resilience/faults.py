@@ -1,0 +1,116 @@
+"""Fault injection for tests: make a chosen rank fail in a chosen way at a chosen step of a chosen start.
+
+``MESHTRON_FAULT`` in the workers' environment holds one or more faults separated by commas, each
+``kind:step=S:rank=R[:attempt=A]`` (steps 1-based as the logs count them; ``attempt`` is torchrun's
+``TORCHELASTIC_RESTART_COUNT`` the fault fires in, 0 by default, so that a restarted run goes on):
+
+- ``kill``: rank R kills itself with SIGKILL at the start of step S, as a crashed or out-of-memory process ends.
+- ``hang``: rank R stops at the start of step S (sleeps forever), as a stuck data loader or a dead host would.
+- ``term``: rank R sends SIGTERM to its launcher (torchrun's agent) at the start of step S, as SLURM does
+  before a preemption; the agent forwards it to every rank. During the checkpoint that follows, rank R sends
+  a second SIGTERM to the launcher and to itself.
+- ``nan``: step S's loss is made non-finite (every rank; ``rank`` is ignored), once per process.
+- ``killsave``: rank R kills itself with SIGKILL in the save of step S, after writing its part.
+- ``failsave``: rank R's save of step S fails with "No space left on device".
+
+Unset, nothing happens: training calls these hooks, which return at once. Not a user setting.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from meshtron.errors import ConfigError
+from meshtron.resilience.restart import restart_count
+
+ENV = "MESHTRON_FAULT"
+KINDS = ("kill", "hang", "term", "nan", "killsave", "failsave")
+
+
+def _announce(what: str) -> None:
+    """One stderr line with the wall-clock time, which bench/recovery.py reads."""
+    print(f"meshtron fault: {what} at time {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int
+    attempt: int = 0
+
+    def applies(self, kind: str, step: int, rank: int) -> bool:
+        return (self.kind == kind and self.step == step and restart_count() == self.attempt
+                and (rank == self.rank or kind == "nan"))
+
+
+@dataclass
+class Faults:
+    """The faults ``MESHTRON_FAULT`` asks for, with the hooks training calls."""
+
+    faults: tuple[Fault, ...]
+    fired: set = field(default_factory=set)
+    second_term: bool = False
+    """A ``term`` fault fired: send the second SIGTERM in the save that follows."""
+
+    def _due(self, kind: str, step: int, rank: int) -> bool:
+        for fault in self.faults:
+            if fault.applies(kind, step, rank) and fault not in self.fired:
+                self.fired.add(fault)
+                return True
+        return False
+
+    def before_step(self, step: int, rank: int) -> None:
+        """Called by every rank at the start of each (1-based) ``step``."""
+        if self._due("kill", step, rank):
+            _announce(f"rank {rank} killed at the start of step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("term", step, rank):
+            _announce(f"rank {rank} sends SIGTERM to its launcher at the start of step {step}")
+            self.second_term = True
+            os.kill(os.getppid(), signal.SIGTERM)
+        if self._due("hang", step, rank):
+            _announce(f"rank {rank} hangs at the start of step {step}")
+            while True:
+                time.sleep(3600)
+
+    def nonfinite(self, step: int) -> bool:
+        """Whether step ``step``'s loss is to be made non-finite."""
+        return self._due("nan", step, -1)
+
+    def during_save(self, step: int, rank: int) -> None:
+        """Called by every rank in the save of ``step``, after writing its part and before the commit."""
+        if self.second_term:
+            self.second_term = False
+            _announce(f"rank {rank} sends a second SIGTERM during the save of step {step}")
+            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._due("killsave", step, rank):
+            _announce(f"rank {rank} killed in the save of step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("failsave", step, rank):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+def faults_from_env(environ=os.environ) -> Faults | None:
+    """The faults ``MESHTRON_FAULT`` asks for, or None."""
+    spec = environ.get(ENV, "")
+    if not spec:
+        return None
+    faults = []
+    for item in spec.split(","):
+        kind, *fields = item.strip().split(":")
+        try:
+            values = dict(field.split("=", 1) for field in fields)
+            fault = Fault(kind, int(values.pop("step")), int(values.pop("rank", 0)), int(values.pop("attempt", 0)))
+        except (KeyError, ValueError):
+            fault = None
+        if fault is None or kind not in KINDS or values:
+            raise ConfigError(f"{ENV}={spec!r}: expected kind:step=S:rank=R[:attempt=A], kind one of {', '.join(KINDS)}")
+        faults.append(fault)
+    return Faults(tuple(faults))

@@ -1,0 +1,100 @@
+"""What keeps a run going around the training loop, in one context manager with one hook per step phase.
+
+- after a restart by torchrun: the log line of what was resumed and lost (meshtron.resilience.restart),
+- stop signals: save at the step every rank agrees on and leave with ``Preempted`` (preemption),
+- a hang watchdog with the step as its progress mark (watchdog),
+- ``train.on_nonfinite=rollback`` (rollback),
+- saves at the interval, and an async save committed as soon as every rank has written it,
+- test-only faults from ``MESHTRON_FAULT`` (faults), which do nothing in a normal run.
+"""
+
+from __future__ import annotations
+
+from meshtron.checkpoint.manager import step_dir_name
+from meshtron.resilience.faults import faults_from_env
+from meshtron.resilience.preemption import Preempted, StopSignals, stop_message
+from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
+from meshtron.resilience.rollback import NonfiniteRollback
+from meshtron.resilience.watchdog import start_watchdog
+
+
+class RunGuard:
+    """``with RunGuard(...) as guard:`` around the loop; ``before_step``, ``rolled_back``, ``after_step`` in it.
+
+    ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its MetricsLogger and
+    ``result`` its TrainResult (a rollback rewinds its per-step lists)."""
+
+    def __init__(self, cfg, runtime, resumable, logger, result):
+        self.cfg, self.runtime, self.resumable, self.logger, self.result = cfg, runtime, resumable, logger, result
+        self.restarts = restart_count()  # > 0: torchrun restarted the workers after a failure
+        self.logged_before = last_logged_step(result.output_dir) if self.restarts and runtime.is_main else 0
+        self.rollback = NonfiniteRollback(cfg.train.max_rollbacks) if cfg.train.on_nonfinite == "rollback" else None
+        if self.rollback is not None:
+            resumable.on_save = self.rollback.checkpoint_saved
+        self.faults = faults_from_env()  # tests only; None in a normal run
+        if resumable.checkpoints is not None:
+            resumable.checkpoints.faults = self.faults
+        self.signals = StopSignals()
+        self.watchdog = None
+
+    def resumed(self, resumed_from, start_step: int) -> None:
+        """Say what a restarted run resumed (call once the checkpoint is loaded) and which partial saves went."""
+        if self.restarts:
+            self.logger.message(restart_message(self.restarts, resumed_from, start_step, self.logged_before))
+        if self.resumable.checkpoints is not None:
+            for name in self.resumable.checkpoints.removed_partial:
+                self.logger.message(f"meshtron: removed {name}, a save that did not complete (the run was stopped during it)")
+
+    def __enter__(self) -> RunGuard:
+        self.signals.__enter__()
+        self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s)  # None in one process
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        self.signals.__exit__(*exc)
+
+    def _progress(self, step: int, phase: str = "step") -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(step, phase)
+
+    def before_step(self, step: int, step_context) -> None:
+        """At the start of 0-based ``step``."""
+        self._progress(step + 1)
+        if self.faults is not None:
+            self.faults.before_step(step + 1, self.runtime.rank)
+            step_context.inject_nonfinite = self.faults.nonfinite(step + 1)
+
+    def rolled_back(self, step: int, loss: float, grad_norm: float, lr: float, start_step: int, step_context) -> int | None:
+        """After 0-based ``step`` trained: the step to go on from when it was non-finite and rolled back, else None."""
+        if not (step_context.nonfinite and self.rollback is not None):
+            return None
+        rolled_to, line = self.rollback.roll_back(step + 1, loss, grad_norm, self.resumable)
+        self.logger.message(line)
+        self.logger.log({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "rolled_back_to": rolled_to})
+        self.result.rewind(rolled_to - start_step)
+        return rolled_to
+
+    def metrics(self) -> dict:
+        """Fields of each metrics row: which restart and how many rollbacks it comes after."""
+        rollbacks = self.rollback.total if self.rollback is not None else 0
+        return {**({"restart": self.restarts} if self.restarts else {}), **({"rollbacks": rollbacks} if rollbacks else {})}
+
+    def after_step(self, step: int) -> None:
+        """After ``step`` steps are done: save when due or stopped; raise Preempted after a stop's save."""
+        last = self.cfg.train.steps
+        stop = self.signals.agreed(self.runtime.device, self.runtime.distributed) if step < last else None
+        if stop or self.resumable.save_due(step):
+            self._progress(step, "saving a checkpoint")
+            self.resumable.save(step, stopped_by=stop)
+        else:
+            self.resumable.commit_if_done()
+        if stop:
+            self.resumable.wait()
+            raise Preempted(stop_message(stop, step, last, step_dir_name(step)))
+
+    def finish(self, step: int) -> None:
+        """After the last step: wait for an async save in flight."""
+        self._progress(step, "saving a checkpoint")
+        self.resumable.wait()

@@ -1,0 +1,68 @@
+"""Preemption: SIGTERM or SIGUSR1 make every rank finish its step, save a checkpoint and exit with status 75.
+
+SLURM sends SIGTERM before it ends or preempts a job (or SIGUSR1 some seconds earlier with
+``--signal=USR1@120``); torchrun's agent forwards the signals it handles to every worker. Each rank records
+a signal when it comes; after every step all ranks agree (one all-reduce of a flag) whether any got one, so
+they stop after the same step even when the signal reached only some of them. Then they save a checkpoint
+at that step (also between ``checkpoint.interval`` steps), wait for it to be complete, and exit with
+``EXIT_PREEMPTED``: running the same command again resumes from it. Further signals while stopping are
+ignored, and a kill in the middle of the save leaves the previous checkpoint complete (saves are atomic).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+EXIT_PREEMPTED = 75
+"""Exit status after a stop by a signal with the checkpoint saved (``EX_TEMPFAIL``: run again to resume)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""What torchrun's agent should forward to the workers (``--signals-to-handle``); its default lacks SIGUSR1."""
+
+
+class Preempted(Exception):
+    """Training stopped after a stop signal, with a complete checkpoint of the last step; ``str`` says so."""
+
+
+class StopSignals:
+    """Records SIGTERM / SIGUSR1 while training (a context manager; the earlier handlers come back after)."""
+
+    def __init__(self):
+        self.received: int = 0
+        self.repeated: int = 0
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _record(self, signum: int, frame) -> None:
+        if self.received:
+            self.repeated += 1  # already stopping: a second signal must not interrupt the save
+        else:
+            self.received = signum
+
+    def agreed(self, device: torch.device, distributed: bool) -> str | None:
+        """The name of a stop signal that any rank got (every rank calls this after each step), or None."""
+        received = self.received
+        if distributed:
+            flag = torch.tensor([received], dtype=torch.int64, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            received = int(flag.item())
+        return signal.Signals(received).name if received else None
+
+
+def stop_message(signal_name: str, step: int, total: int, checkpoint_name: str) -> str:
+    return (f"meshtron: stopped by {signal_name} after step {step} of {total}: checkpoint {checkpoint_name} saved; "
+            f"run the same command again to resume (exit status {EXIT_PREEMPTED})")

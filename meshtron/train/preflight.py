@@ -1,0 +1,109 @@
+"""Checks that run before any collective, identically on every rank and by the launcher: the parallel
+degrees, the batch split, the model, data and attention settings, and where the run resumes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshtron.checkpoint.manager import check_fixed_directory, resume_point
+from meshtron.config import Config
+from meshtron.data.sources import check_data_path
+from meshtron.data.tokenizer import load_tokenizer
+from meshtron.distributed.context_parallel import check_context_parallel
+from meshtron.distributed.data_parallel import check_data_parallel
+from meshtron.distributed.expert_parallel import check_expert_parallel
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.pipeline_parallel import check_pipeline
+from meshtron.distributed.tensor_parallel import check_tensor_parallel
+from meshtron.errors import ConfigError
+from meshtron.models.adapter import adapter_for
+from meshtron.models.attention import check_attention
+from meshtron.models.build import check_model_path, load_hf_config
+from meshtron.models.families import check_family
+from meshtron.train.float8 import check_float8
+from meshtron.train.precision import PrecisionPolicy, precision_policy
+from meshtron.resilience.restart import restart_count
+from meshtron.train.runtime import launched_by_torchrun
+
+RUN_MARKERS = ("config.toml", "metrics.jsonl")
+
+
+@dataclass
+class Plan:
+    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
+
+    dims: ParallelDims
+    micro_batch_size: int
+    accumulation_steps: int
+    tokenizer: object
+    hf_config: object
+    pp_microbatches: int = 1
+    """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
+    resume_from: Path | None = None
+    """The checkpoint this run continues from."""
+    precision: PrecisionPolicy | None = None
+    resume_skipped: tuple[str, ...] = ()
+    """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
+
+
+def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+    """(sequences per forward, accumulation_steps) per rank, or a ConfigError if the batch does not split.
+
+    Under pipeline parallelism the forward is the schedule's step over the rank's whole batch, which it
+    splits into microbatches of ``train.micro_batch_size`` (see check_pipeline), without accumulation.
+    """
+    batch, dp = cfg.train.global_batch_size, dims.dp
+    micro = cfg.train.micro_batch_size or max(1, batch // dp)
+    if batch % (dp * micro):
+        raise ConfigError(
+            f"train.global_batch_size {batch} is not divisible by data-parallel degree {dp} x "
+            f"train.micro_batch_size {micro} = {dp * micro}; make the global batch a multiple of {dp * micro}"
+        )
+    if dims.pp > 1:
+        return batch // dp, 1
+    return micro, batch // (dp * micro)
+
+
+def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
+    """Refuse to write into a directory that already holds a run's outputs, unless continuing that run."""
+    if output_dir is None or resuming:
+        return
+    path = Path(output_dir)
+    if any((path / marker).exists() for marker in RUN_MARKERS):
+        raise ConfigError(f"run.output_dir '{path}' already holds a run; choose a new run.output_dir")
+
+
+def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
+    """All checks that need no process group, run identically on every rank (and by the launcher)."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    micro, accumulation = micro_batch_plan(cfg, dims)
+    check_data_parallel(cfg.fsdp, dims)
+    precision = precision_policy(cfg, device_type)
+    check_float8(cfg, device_type)
+    check_model_path(cfg.model)
+    check_data_path(cfg.data.path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+    check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
+    check_expert_parallel(hf_config, dims.ep)
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if max_positions is not None and cfg.data.seq_len > max_positions:
+        raise ConfigError(
+            f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
+            f"use data.seq_len <= {max_positions}"
+        )
+    check_context_parallel(dims.cp, cfg.data.seq_len)
+    check_attention(
+        hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
+    )
+    pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
+    check_tensor_parallel(
+        hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
+    )
+    check_fixed_directory(cfg, launched=launched_by_torchrun())
+    skipped: list[str] = []
+    resume_from = resume_point(cfg, hf_config, skipped)
+    # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
+    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
+    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped))

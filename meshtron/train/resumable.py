@@ -1,0 +1,73 @@
+"""What a checkpoint holds of a run (weights, optimizer, LR schedule, loss scale, skipped batches), saved
+and restored together: at the save interval, at a stop by signal, at resume and at a rollback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta
+from meshtron.checkpoint.state import TrainingState
+from meshtron.config import Config, to_toml
+
+SKIPPED_KEY = "data.skip_batches"
+"""meshtron.json's list of the global batches the run leaves out (data.skip_batches and rollbacks)."""
+
+
+@dataclass
+class Resumable:
+    cfg: Config
+    runtime: object
+    checkpoints: CheckpointManager | None
+    """None when the run saves nothing (checkpoint.interval 0) until a stop by signal needs one."""
+    state: TrainingState
+    scheduler: object
+    scaler: object
+    """The fp16 loss scaler, or None."""
+    schedule: object
+    """The run's GlobalBatchSchedule, whose skipped batches a checkpoint records."""
+    hf_config: object
+    layout: str
+    parts: list
+    """The model parts (float8 weight scales are refreshed from restored weights)."""
+    on_save: object = None
+    """Called after each save (NonfiniteRollback.checkpoint_saved)."""
+
+    def save_due(self, step: int) -> bool:
+        return self.checkpoints is not None and self.checkpoints.due(step, self.cfg.train.steps)
+
+    def save(self, step: int, stopped_by: str | None = None) -> None:
+        """Save the state after ``step`` steps (``stopped_by``: the signal that stopped the run)."""
+        if self.checkpoints is None:  # every rank got here together: the set-up's collectives are safe
+            self.checkpoints = CheckpointManager(checkpoint_directory(self.cfg), 0, self.cfg.checkpoint.keep_last,
+                                                 False, self.runtime)
+        meta = checkpoint_meta(step, self.scheduler, self.hf_config, self.cfg, self.runtime, self.layout)
+        meta[SKIPPED_KEY] = sorted(self.schedule.skipped_batches)
+        if self.scaler is not None:
+            meta["loss_scaler"] = self.scaler.state_dict()
+        if stopped_by:
+            meta["stopped_by"] = stopped_by
+        self.checkpoints.save(step, self.state, meta, to_toml(self.cfg))
+        if self.on_save is not None:
+            self.on_save()
+
+    def commit_if_done(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.commit_if_done()
+
+    def wait(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+
+    def restore(self, path: Path) -> dict:
+        """Load checkpoint ``path`` into the model, optimizer, LR schedule, loss scale and data order; its meta."""
+        meta = self.checkpoints.load(path, self.state)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler is not None and "loss_scaler" in meta:
+            self.scaler.load_state_dict(meta["loss_scaler"])
+        self.schedule.skip(meta.get(SKIPPED_KEY, []))
+        if self.cfg.train.float8:
+            from meshtron.train.float8 import refresh_float8_scales
+
+            refresh_float8_scales(self.parts)
+        return meta
