@@ -1,13 +1,15 @@
 """Runs several training layouts in one torchrun launch (one transformers import per process).
 
 Usage: torchrun --nproc-per-node N tests/parity_worker.py SPEC.json OUT_DIR
-SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}. For each layout, rank 0 writes
+SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}; an override ``env:VAR=VALUE`` sets an
+environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``). For each layout, rank 0 writes
 OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter + gradient + optimizer
 bytes of any rank, the largest activation peak and the largest gradient bytes held between accumulated
 micro-batches) and OUT_DIR/<name>.pt (full final weights).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,9 +45,16 @@ def main() -> None:
     runtime = init_runtime()
     try:
         for name, overrides in spec["layouts"].items():
+            env = dict(item[len("env:"):].split("=", 1) for item in overrides if item.startswith("env:"))
+            overrides = [item for item in overrides if not item.startswith("env:")]
             cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
             plan = preflight(cfg, runtime.world_size, runtime.device.type)
-            result = train(cfg, runtime, plan)
+            os.environ.update(env)
+            try:
+                result = train(cfg, runtime, plan)
+            finally:
+                for var in env:
+                    os.environ.pop(var)
             measured = torch.tensor(
                 [sum(result.state_bytes.values()), result.activation_bytes, result.accumulation_grad_bytes],
                 dtype=torch.int64,

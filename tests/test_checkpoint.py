@@ -66,6 +66,10 @@ def runs(tmp_path_factory, cache_dir):
         "dp2_tp2_from_fsdp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "fsdp4")],
         "pp2_tp2": ["parallel.pp=2", "parallel.tp=2"],
         "pp2_tp2_resumed": ["parallel.pp=2", "parallel.tp=2", from_half(out, "pp2_tp2")],
+        # train.on_nonfinite=rollback across ranks: step 6 made NaN, back to step 4 without batch 6.
+        "pp2_tp2_rollback": ["parallel.pp=2", "parallel.tp=2", "train.on_nonfinite=rollback",
+                             "env:MESHTRON_FAULT=nan:step=6"],
+        "pp2_tp2_skip_batch_6": ["parallel.pp=2", "parallel.tp=2", "data.skip_batches=6"],
         "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
         "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
         "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
@@ -101,6 +105,18 @@ def runs(tmp_path_factory, cache_dir):
 
 def losses(out: Path, name: str) -> list[float]:
     return json.loads((out / f"{name}.json").read_text())["losses"]
+
+
+@pytest.mark.slow
+def test_rollback_across_ranks_continues_as_a_run_that_skipped_the_batch(runs):
+    """pp2 x tp2: the NaN step rolls every rank back to step 4; the trajectory and final weights are those of
+    a run given data.skip_batches=[6] (test_faults.py has the one-process case and the limits)."""
+    assert losses(runs, "pp2_tp2_rollback") == losses(runs, "pp2_tp2_skip_batch_6")
+    assert losses(runs, "pp2_tp2_rollback")[:5] == losses(runs, "pp2_tp2")[:5]
+    rolled, skipped = torch.load(runs / "pp2_tp2_rollback.pt"), torch.load(runs / "pp2_tp2_skip_batch_6.pt")
+    assert rolled.keys() == skipped.keys() and all(torch.equal(rolled[k], skipped[k]) for k in skipped)
+    rows = [json.loads(line) for line in (runs / "pp2_tp2_rollback" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8] and rows[5]["rolled_back_to"] == 4
 
 
 @pytest.mark.slow

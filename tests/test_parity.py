@@ -225,14 +225,16 @@ TP_LAYOUTS = {
 }
 for _family in ("llama", "qwen3"):
     for _name, (_world, _overrides) in TP_LAYOUTS.items():
-        LAYOUTS[f"{_name}_{_family}"] = (_world, _overrides, f"{_family}-tiny")
+        if _family == "llama" or _name not in ("tp2_no_sp", "tp2_no_lp"):  # the options are the family's own on llama
+            LAYOUTS[f"{_name}_{_family}"] = (_world, _overrides, f"{_family}-tiny")
 
-# More families: FSDP, TP, PP and CP (document masks) where the family supports them.
+# More families: TP, PP and CP (document masks) where the family supports them, FSDP for the tied ones (FSDP
+# itself only needs the adapter's block list, which TP, PP and CP use as well).
 FAMILY_LAYOUTS = {"fsdp2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
-for _family, _layouts in {"granite": ("fsdp2", "tp2", "pp2", "cp2"), "olmo2": ("fsdp2", "tp2", "pp2", "cp2"),
-                          "phi3": ("fsdp2", "tp2", "pp2", "cp2"), "cohere": ("fsdp2", "tp2", "pp2", "cp2"),
-                          "starcoder2": ("fsdp2", "tp2", "pp2", "cp2"),
-                          "gptneox": ("fsdp2", "tp2", "pp2", "cp2"), "gemma2": ("fsdp2", "tp2", "pp2"),
+for _family, _layouts in {"granite": ("tp2", "pp2", "cp2"), "olmo2": ("tp2", "pp2", "cp2"),
+                          "phi3": ("tp2", "pp2", "cp2"), "cohere": ("tp2", "pp2", "cp2"),
+                          "starcoder2": ("tp2", "pp2", "cp2"),
+                          "gptneox": ("tp2", "pp2", "cp2"), "gemma2": ("fsdp2", "tp2", "pp2"),
                           "gemma3": ("fsdp2", "tp2", "pp2")}.items():
     for _name in _layouts:
         LAYOUTS[f"{_name}_{_family}"] = (2, FAMILY_LAYOUTS[_name], f"{_family}-tiny")
@@ -256,12 +258,14 @@ CP_LAYOUTS = {
 }
 for _method in ("ring", "allgather"):
     for _name, (_world, _overrides) in CP_LAYOUTS.items():
-        LAYOUTS[f"{_name}_{_method}"] = (_world, _overrides + [f"parallel.cp_method={_method}"], "llama-docs")
+        if _method == "ring" or _name in ("cp2", "tp2_cp2"):  # allgather: the composition with TP is the subtle one
+            LAYOUTS[f"{_name}_{_method}"] = (_world, _overrides + [f"parallel.cp_method={_method}"], "llama-docs")
 # Pipeline parallelism: schedules at pp 2 and 4, and every composition up to 4-D (16 processes).
 PP_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 for _pp in (2, 4):
     for _short, _schedule in PP_SCHEDULE_NAMES.items():
-        LAYOUTS[f"pp{_pp}_{_short}"] = (_pp, [f"parallel.pp={_pp}", f"parallel.pp_schedule={_schedule}"], "llama-deep")
+        if _pp == 2 or _short != "gpipe":
+            LAYOUTS[f"pp{_pp}_{_short}"] = (_pp, [f"parallel.pp={_pp}", f"parallel.pp_schedule={_schedule}"], "llama-deep")
 LAYOUTS["pp2_zero_bubble_interleaved"] = (2, ["parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"], "llama-deep")
 LAYOUTS["pp2_zbv"] = (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "llama-deep")
 LAYOUTS["pp2_uneven_8_microbatches_ac"] = (

@@ -26,8 +26,9 @@ EXIT_HUNG = 124
 """Exit status of a rank that gave up waiting (as ``timeout`` uses)."""
 COLLECTIVE_GRACE_S = 60.0
 REPORT_WAIT_S = 10.0
-# Functions in which a main thread waits for the other ranks: host syncs of the step and of the stop flag.
-WAITING_FUNCTIONS = {"host_values", "agreed", "synchronize", "barrier"}
+# Functions in which a main thread waits for the other ranks: host syncs of the step, the stop flag and the
+# async-save flag (on GPUs the host waits there, not inside torch.distributed).
+WAITING_FUNCTIONS = {"host_values", "agreed", "commit_if_done", "synchronize", "barrier"}
 
 
 def main_thread_location() -> tuple[bool, str]:
