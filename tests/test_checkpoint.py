@@ -380,6 +380,43 @@ def test_a_failed_write_during_a_save_is_one_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), OSError(28, "No space left on device")])
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_loadable(tmp_path, monkeypatch, error):
+    """Step 1 saves; step 2's tensor write fails (permission, full disk): one clear error, `latest` still names
+    step 1, nothing of step 2 is taken as complete, and step 1 loads with its values."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshtron.checkpoint import manager
+    from meshtron.errors import MeshtronError
+    from meshtron.train.runtime import Runtime
+
+    class State:
+        def __init__(self, value: float):
+            self.weights = {"w": torch.full((4,), value)}
+
+        def state_dict(self):
+            return self.weights
+
+    saver = manager.CheckpointManager(tmp_path / "ckpt", 1, 3, False, Runtime(0, 0, 1, torch.device("cpu")))
+    saver.save(1, State(1.0), {"step": 1}, "")
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(manager.dcp, "save", failing)
+    reason = rf"\[Errno {error.errno}\] {error.strerror}"
+    with pytest.raises(MeshtronError, match=rf"saving checkpoint step-00000002.partial failed \({reason}\); free disk "
+                       r"space, make checkpoint.dir writable or change it"):
+        saver.save(2, State(2.0), {"step": 2}, "")
+    directory = tmp_path / "ckpt"
+    assert (directory / "latest").read_text() == "step-00000001" and not (directory / "step-00000002").exists()
+    assert manager.find_checkpoint(directory, "auto") == directory / "step-00000001"
+    assert damage_free(directory / "step-00000001")
+    loaded = State(0.0)
+    dcp.load(loaded.weights, checkpoint_id=str(directory / "step-00000001"), no_dist=True)
+    assert torch.equal(loaded.weights["w"], torch.ones(4))
+
+
 def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monkeypatch):
     """A checkpoint's config.toml cannot make export run a model's own code; only the caller
     (``meshtron export --trust-remote-code``) can."""

@@ -45,24 +45,29 @@ def straight(tmp_path_factory, cache_dir) -> Path:
 
 @pytest.mark.slow
 def test_kills_and_failed_saves_restart_the_run_which_continues_exactly(straight, tmp_path, cache_dir):
-    """One torchrun with `--max-restarts 4`, a fault in each attempt: SIGKILL before the first checkpoint
-    (step 2) and between two (step 5); SIGKILL during the sync save of step 6 (its partial folder is reported
-    and removed, the run resumes from step 3); and a save of step 6 that fails with a full disk (a clear error
-    on every rank, step 3 still loads). Losses and final weights equal the uninterrupted run's. (A kill right
-    after a checkpoint: the 4-rank test in test_checkpoint.py; the SIGTERM test's rerun starts right after one.)"""
+    """One torchrun with `--max-restarts 5`, a fault in each attempt: SIGKILL before the first checkpoint
+    (step 2), right after one (step 4, the step-3 checkpoint just written) and between two (step 5); SIGKILL
+    during the sync save of step 6 (its partial folder is reported and removed, the run resumes from step 3);
+    and a save of step 6 that fails with a full disk (a clear error on every rank, step 3 still loads). Losses
+    and final weights equal the uninterrupted run's. (The 4-rank pp2 x tp2 kills: test_checkpoint.py.)"""
     out = tmp_path / "run"
-    faults = ("kill:step=2:rank=1,kill:step=5:rank=0:attempt=1,killsave:step=6:rank=1:attempt=2,"
-              "failsave:step=6:rank=0:attempt=3")
-    proc = run_cli([*command(cache_dir, out), "--max-restarts", "4"], env=worker_env(MESHTRON_FAULT=faults), timeout=500)
+    faults = ("kill:step=2:rank=1,kill:step=4:rank=0:attempt=1,kill:step=5:rank=1:attempt=2,"
+              "killsave:step=6:rank=1:attempt=3,failsave:step=6:rank=0:attempt=4")
+    proc = run_cli([*command(cache_dir, out), "--max-restarts", "5"], env=worker_env(MESHTRON_FAULT=faults), timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for line in ("restart 1 of this run after a failure: no checkpoint yet: starting over; 1 step(s)",
-                 "restart 2 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)",
-                 "restart 3 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)",
+                 "restart 2 of this run after a failure: resumed from step-00000003 (step 3); 0 step(s)",
+                 "restart 3 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)",
+                 "restart 4 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)",
                  "removed step-00000006.partial, a save that did not complete",
-                 "restart 4 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)"):
+                 "restart 5 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)"):
         assert line in proc.stdout, proc.stdout[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 1, 2, 3, 4, 4, 5, 6, 4, 5, 6, 4, 5, 6, 7, 8]
+    assert [row.get("restart", 0) for row in rows] == [0, 1, 1, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 5, 5]
     assert ("meshtron: error: saving checkpoint step-00000006.partial failed (rank 0: [Errno 28] No space left on "
-            "device (injected)); free disk space or change checkpoint.dir (earlier checkpoints are untouched)"
+            "device (injected)); free disk space, make checkpoint.dir writable or change it (earlier checkpoints are "
+            "untouched)"
             in proc.stderr)
     assert last_losses(out) == last_losses(straight)
     assert_same_tensors(out / FINAL, straight / FINAL, tmp_path)

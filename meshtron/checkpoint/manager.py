@@ -163,8 +163,8 @@ class CheckpointManager:
 
     def _failed(self, partial: Path, reason: str, uniform: bool = True) -> MeshtronError:
         return MeshtronError(
-            f"saving checkpoint {partial.name} failed ({reason}); free disk space or change checkpoint.dir "
-            "(earlier checkpoints are untouched)", uniform=uniform,
+            f"saving checkpoint {partial.name} failed ({reason}); free disk space, make checkpoint.dir writable or "
+            "change it (earlier checkpoints are untouched)", uniform=uniform,
         )
 
     def save(self, step: int, state: TrainingState, meta: dict, config_text: str) -> None:
