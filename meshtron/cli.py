@@ -1,5 +1,6 @@
 """``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``,
-``meshtron plan ...`` (see meshtron.plan.cli) and ``meshtron export CHECKPOINT OUT_DIR``.
+``meshtron plan ...`` (see meshtron.plan.cli), ``meshtron data prepare ...`` (meshtron.data.cli) and
+``meshtron export CHECKPOINT OUT_DIR``.
 
 Under ``torchrun`` each process trains its rank. Started by hand, ``--nproc N`` re-launches itself
 through torch's elastic launcher on this machine; without it, one process trains alone.
@@ -55,9 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
     export.add_argument("--trust-remote-code", action="store_true",
                         help="run the model's and tokenizer's own Python code (never taken from the checkpoint)")
+    from meshtron.data.cli import add_data_parser
     from meshtron.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -188,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.plan.cli import run_plan
 
             return run_plan(args)
+        if args.command == "data":
+            from meshtron.data.cli import run_data
+
+            return run_data(args, extra)
         if args.command == "export":
             if extra:
                 raise ConfigError(f"unexpected arguments {extra}; usage: meshtron export CHECKPOINT OUT_DIR")

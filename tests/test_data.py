@@ -14,7 +14,8 @@ import torch
 from meshtron.config import BUILTIN_CORPUS, DataConfig
 from meshtron.data import dataset as dataset_mod
 from meshtron.data.dataset import PackedDataset, build_packed_dataset, cache_path
-from meshtron.data.packing import iter_blocks, pack_documents
+from meshtron.data.prepare import write_shard
+from meshtron.data.shards import MANIFEST, TokenCorpus
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import check_data_path, iter_documents, source_fingerprint
 from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -26,26 +27,61 @@ EOS = 99
 # ---------------------------------------------------------------- packing
 
 
-def test_pack_places_eos_and_drops_remainder():
-    docs = [np.array([1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8, 9])]
-    blocks = pack_documents(docs, EOS, seq_len=3)
+def pack_documents(docs, eos: int, seq_len: int) -> np.ndarray:
+    """The packing a prepared corpus must give: documents joined with EOS after each, cut into blocks of
+    seq_len + 1, the remainder dropped (the in-memory definition meshtron used before prepared corpora)."""
+    stream = np.concatenate([np.append(np.asarray(d, dtype=np.int64), eos) for d in docs])
+    return stream[: stream.size // (seq_len + 1) * (seq_len + 1)].reshape(-1, seq_len + 1)
+
+
+class ListTokenizer:
+    """Documents given as token lists (``encode_batch`` returns them as they are)."""
+
+    name, vocab_size = "list", 100
+
+    def __init__(self, eos: int = EOS):
+        self.eos_token_id = eos
+
+    def encode_batch(self, docs):
+        return [np.asarray(d, dtype=np.int32) for d in docs]
+
+
+def corpus_of(tmp_path, docs, shard_sizes) -> TokenCorpus:
+    """A prepared directory whose shards hold ``shard_sizes`` documents each, with a minimal manifest."""
+    shards, start = [], 0
+    for index, size in enumerate(shard_sizes):
+        shards.append(write_shard(tmp_path, index, start, docs[start:start + size], ListTokenizer()))
+        start += size
+    (tmp_path / MANIFEST).write_text(json.dumps({"dtype": "uint16", "shards": shards}))
+    return TokenCorpus(tmp_path)
+
+
+def test_blocks_cut_from_a_prepared_corpus_place_eos_and_drop_the_remainder(tmp_path):
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    corpus = corpus_of(tmp_path, docs, [2, 1])
     # stream: 1 2 3 E 4 5 E 6 7 8 9 E (12 tokens) -> 3 blocks of 4, nothing left
-    assert blocks.dtype == np.int32 and blocks.shape == (3, 4)
-    assert blocks.tolist() == [[1, 2, 3, EOS], [4, 5, EOS, 6], [7, 8, 9, EOS]]
-    blocks = pack_documents(docs, EOS, seq_len=4)
-    # 12 tokens -> 2 blocks of 5, remainder of 2 dropped
-    assert blocks.tolist() == [[1, 2, 3, EOS, 4], [5, EOS, 6, 7, 8]]
+    blocks = PackedDataset.from_corpus(corpus, seq_len=3)
+    assert len(blocks) == 3 and blocks.rows([0, 1, 2]).tolist() == [[1, 2, 3, EOS], [4, 5, EOS, 6], [7, 8, 9, EOS]]
+    # 12 tokens -> 2 blocks of 5, remainder of 2 dropped; block 1 crosses from shard 0 into shard 1
+    blocks = PackedDataset.from_corpus(corpus, seq_len=4)
+    assert len(blocks) == 2 and blocks.rows([1, 0]).tolist() == [[5, EOS, 6, 7, 8], [1, 2, 3, EOS, 4]]
+    assert corpus.document_ends().tolist() == [4, 7, 12]
+    with pytest.raises(IndexError):
+        blocks.rows([2])
 
 
-def test_pack_chunked_equals_one_shot_and_empty():
+def test_corpus_blocks_equal_in_memory_packing_for_any_sharding_and_seq_len(tmp_path):
     rng = np.random.default_rng(0)
-    docs = [rng.integers(0, 50, size=rng.integers(0, 40)) for _ in range(200)]
-    stream = np.concatenate([np.append(d, EOS) for d in docs]).astype(np.int32)
-    n = stream.size // 17 * 17
-    expected = stream[:n].reshape(-1, 17)
-    np.testing.assert_array_equal(pack_documents(docs, EOS, 16), expected)
-    np.testing.assert_array_equal(np.concatenate(list(iter_blocks(docs, EOS, 16, chunk_tokens=23))), expected)
-    assert pack_documents([np.array([1, 2])], EOS, 8).shape == (0, 9)
+    docs = [rng.integers(0, 50, size=rng.integers(0, 40)).tolist() for _ in range(200)]
+    for case, shard_sizes in enumerate(([200], [1, 50, 49, 100], [7] * 28 + [4])):
+        (tmp_path / str(case)).mkdir()
+        corpus = corpus_of(tmp_path / str(case), docs, shard_sizes)
+        for seq_len in (1, 16, 63):
+            expected = pack_documents(docs, EOS, seq_len)
+            dataset = PackedDataset.from_corpus(corpus, seq_len)
+            assert len(dataset) == len(expected)
+            np.testing.assert_array_equal(dataset.rows(np.arange(len(dataset))), expected)
+    assert len(PackedDataset.from_corpus(corpus_of(tmp_path, [[1, 2]], [1]), 8)) == 0
 
 
 def test_packed_dataset_batch_shifts_labels():
@@ -291,28 +327,31 @@ def test_build_packed_dataset_caches(tmp_path, monkeypatch):
     calls = []
     ds = build_packed_dataset(cfg, tok, is_builder=True, barrier=lambda: calls.append(1))
     assert calls == [1] and len(ds) == 15 and ds.seq_len == 64
-    assert isinstance(ds.blocks, np.memmap) and ds.path == cache_path(cfg, tok)
-    assert ds.blocks[0, 0] == ord("x") and ds.blocks[-1, -1] == ord("x")
-    assert [p.suffix for p in sorted((tmp_path / "cache").iterdir())] == [".json", ".npy"]
+    assert ds.path == cache_path(cfg, tok) and (ds.path / MANIFEST).is_file()
+    assert ds.rows([0])[0, 0] == ord("x") and ds.rows([14])[0, -1] == ord("x")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [ds.path.name]  # nothing half-built left
+    manifest = json.loads((ds.path / MANIFEST).read_text())
+    assert manifest["dtype"] == "uint16" and manifest["tokens"] == 1000 and manifest["documents"] == 1
 
     def no_build(*args, **kwargs):
         raise AssertionError("rebuilt although the cache exists")
 
     monkeypatch.setattr(dataset_mod, "_build", no_build)
-    mtime = ds.path.stat().st_mtime_ns
+    mtime = (ds.path / MANIFEST).stat().st_mtime_ns
     again = build_packed_dataset(cfg, tok, is_builder=True)
-    assert again.path == ds.path and ds.path.stat().st_mtime_ns == mtime
-    np.testing.assert_array_equal(again.blocks, ds.blocks)
+    assert again.path == ds.path and (ds.path / MANIFEST).stat().st_mtime_ns == mtime
+    np.testing.assert_array_equal(again.rows(range(15)), ds.rows(range(15)))
     # a non-builder only loads
     assert len(build_packed_dataset(cfg, tok, is_builder=False)) == 15
-    # a different seq_len is a different cache entry
-    assert cache_path(DataConfig(path=str(f), seq_len=32, cache_dir=cfg.cache_dir), tok) != ds.path
+    # another seq_len reuses the same tokens (no new build: _build would raise)
+    shorter = build_packed_dataset(DataConfig(path=str(f), seq_len=31, cache_dir=cfg.cache_dir), tok, is_builder=True)
+    assert shorter.path == ds.path and len(shorter) == 31
 
 
 def test_cache_dir_default_respects_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = cache_path(DataConfig(path=str(_corpus(tmp_path, 10))), ByteTokenizer())
-    assert path.parent == tmp_path / "xdg" / "meshtron" and len(path.stem) == 16
+    assert path.parent == tmp_path / "xdg" / "meshtron" and len(path.name) == 16
 
 
 def test_zero_blocks_error_on_every_rank(tmp_path):
@@ -323,7 +362,7 @@ def test_zero_blocks_error_on_every_rank(tmp_path):
     assert "lower data.seq_len" in str(err.value)
     with pytest.raises(MeshtronError, match=r"21 tokens"):
         build_packed_dataset(cfg, ByteTokenizer(), is_builder=False)
-    assert os.path.getsize(cache_path(cfg, ByteTokenizer())) > 0
+    assert (cache_path(cfg, ByteTokenizer()) / MANIFEST).is_file()
 
 
 def _slow_build(monkeypatch, seconds: float) -> threading.Event:
@@ -354,7 +393,7 @@ def test_non_builders_wait_for_the_file_outside_any_collective(tmp_path, monkeyp
     for builder in builders:
         builder.join(30)
     assert len(waiting) == 15 and built == [15, 15]
-    assert not list((tmp_path / "cache").glob("*.tmp"))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache_path(cfg, ByteTokenizer()).name]
 
 
 def test_non_builders_stop_with_the_builders_error(tmp_path, monkeypatch):

@@ -63,9 +63,23 @@ def write_short_documents(directory: Path) -> Path:
     lines = [line.strip() for line in Path(textwrap.__file__).read_text().splitlines() if line.strip()]
     path = directory / SHORT_DOCUMENTS
     path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    prepare_short_documents(directory, path)
     write_vocab_250_model(directory)
     write_moe_aux_model(directory)
     return path
+
+
+SHORT_DOCUMENTS_PREPARED = "short-documents-prepared"
+
+
+def prepare_short_documents(directory: Path, source: Path) -> None:
+    """The short documents as a prepared directory (`meshtron data prepare`), in ~150 shards of ~100 characters,
+    so that about a third of the 33-token blocks cross from one shard file into the next."""
+    from meshtron.config import DataConfig
+    from meshtron.data.prepare import prepare_corpus
+
+    if not (directory / SHORT_DOCUMENTS_PREPARED).exists():  # both fixtures write the documents (a new mtime)
+        prepare_corpus(DataConfig(path=str(source)), directory / SHORT_DOCUMENTS_PREPARED, shard_chars=100)
 
 
 VOCAB_250 = "llama-vocab-250"
@@ -146,6 +160,9 @@ REFERENCES = {
     # Layer 1's v_proj is the tensor most sensitive to rounding here (about 5x the others, under FSDP
     # too); at lr 1e-3 CP's reordered attention sums put it at 9e-6, too near the bound, so lr is halved.
     "llama-docs": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"],
+    # The same documents from a prepared directory: the same losses as read on the fly (exactly), under layouts too.
+    "llama-docs-prepared": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}",
+                            "train.lr=5e-4"],
     "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
                           "train.lr=5e-4", "data.mask_documents=false"],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
@@ -282,6 +299,9 @@ LAYOUTS["pp2_dp2_cp2_tp2"] = (
     16, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
     "llama-deep",
 )
+# Prepared data (meshtron data prepare): each rank memory-maps the shards and cuts its blocks across them.
+LAYOUTS["fsdp2_prepared"] = (2, ["parallel.dp_shard=2"], "llama-docs-prepared")
+LAYOUTS["dp2_tp2_prepared"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "llama-docs-prepared")
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
 # Replication over dp_replicate with FSDP over dp_shard x cp: the (dp_replicate, dp_shard_cp) mesh of HSDP x CP.
@@ -462,6 +482,15 @@ def references(tmp_path_factory, cache_dir):
         results[name] = (result.losses, weights, sum(result.state_bytes.values()), result.grad_norms,
                          result.activation_bytes)
     return results
+
+
+@pytest.mark.slow
+def test_a_prepared_directory_trains_exactly_as_the_source_read_on_the_fly(references):
+    """llama-docs-prepared reads the shards of `meshtron data prepare`; llama-docs tokenizes the same documents
+    into its cache in one shard: every step's loss and gradient norm, and the final weights, are equal."""
+    prepared, on_the_fly = references["llama-docs-prepared"], references["llama-docs"]
+    assert prepared[0] == on_the_fly[0] and prepared[3] == on_the_fly[3] and len(prepared[0]) == STEPS
+    assert all(torch.equal(prepared[1][key], on_the_fly[1][key]) for key in on_the_fly[1])
 
 
 @pytest.mark.slow

@@ -1,7 +1,10 @@
-"""The packed, cached training dataset.
+"""The packed training dataset: blocks of ``seq_len + 1`` tokens cut from a prepared corpus at load time.
 
-One process per machine (local rank 0) builds the cache file; the others wait for it by watching the
-file system, not in a collective, so a long first build never meets the collective timeout.
+``data.path`` is either a directory made by ``meshtron data prepare`` (memory-mapped as it is) or any other
+source, which is prepared once into ``data.cache_dir`` in the same format (meshtron.data.shards). The cache
+does not depend on ``seq_len``, so another sequence length reuses it. One process per machine (local rank 0)
+builds the cache; the others wait for it by watching the file system, not in a collective, so a long first
+build never meets the collective timeout.
 """
 
 from __future__ import annotations
@@ -10,47 +13,71 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
 
 from meshtron.config import DataConfig
-from meshtron.data.packing import pack_documents
-from meshtron.data.sources import iter_documents, source_fingerprint
+from meshtron.data.prepare import prepare_corpus
+from meshtron.data.shards import MANIFEST, TokenCorpus, is_prepared
+from meshtron.data.sources import source_fingerprint
 from meshtron.errors import ConfigError, MeshtronError
 
-FORMAT_VERSION = 1
-ENCODE_CHUNK = 256
+CACHE_VERSION = 2
 POLL_S = 1.0
 """Longest pause between two looks of a waiting process for the cache file (or the builder's failure)."""
 
 
 class PackedDataset:
-    """Blocks of ``seq_len + 1`` tokens (an array or ``np.memmap`` of shape (num_blocks, seq_len + 1))."""
+    """Blocks of ``seq_len + 1`` tokens: the rows of an array (num_blocks, seq_len + 1), or the consecutive
+    windows of a prepared corpus's token stream (``from_corpus``; the remainder at the end is dropped)."""
 
     def __init__(self, blocks: np.ndarray, path: Path | None = None):
         if blocks.ndim != 2 or blocks.shape[1] < 2:
             raise ValueError(f"blocks must have shape (num_blocks, seq_len + 1), got {blocks.shape}")
-        self.blocks = blocks
+        self._blocks, self._corpus = blocks, None
+        self._len = blocks.shape[0]
         self.path = path
         self.seq_len = blocks.shape[1] - 1
 
+    @classmethod
+    def from_corpus(cls, corpus: TokenCorpus, seq_len: int, path: Path | None = None) -> PackedDataset:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        dataset = cls.__new__(cls)
+        dataset._blocks, dataset._corpus = None, corpus
+        dataset._len = corpus.num_tokens // (seq_len + 1)
+        dataset.path, dataset.seq_len = path, seq_len
+        return dataset
+
     def __len__(self) -> int:
-        return self.blocks.shape[0]
+        return self._len
 
     @property
     def num_tokens(self) -> int:
         """Tokens stored in the blocks, ``len(self) * (seq_len + 1)``."""
-        return int(self.blocks.size)
+        return self._len * (self.seq_len + 1)
+
+    def rows(self, indices) -> np.ndarray:
+        """The blocks ``indices`` as an int64 array (len(indices), seq_len + 1)."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if self._corpus is None:
+            return np.asarray(self._blocks[indices], dtype=np.int64)
+        width = self.seq_len + 1
+        if indices.size and (indices.min() < 0 or indices.max() >= self._len):
+            raise IndexError(f"block indices outside [0, {self._len})")
+        return np.stack([self._corpus.read(int(i) * width, (int(i) + 1) * width) for i in indices]) if indices.size \
+            else np.zeros((0, width), dtype=np.int64)
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` int64 tensors of shape (len(indices), seq_len); labels are shifted by one."""
-        rows = np.asarray(self.blocks[np.asarray(indices, dtype=np.int64)], dtype=np.int64)
-        data = torch.from_numpy(rows)
+        data = torch.from_numpy(self.rows(indices))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
@@ -60,38 +87,19 @@ def default_cache_dir() -> Path:
 
 
 def cache_path(data_cfg: DataConfig, tokenizer) -> Path:
-    """Where the packed blocks for this data, tokenizer and ``seq_len`` are cached."""
+    """The prepared directory that caches this data tokenized by this tokenizer (any ``seq_len``)."""
     key = json.dumps(
         [
-            FORMAT_VERSION,
+            CACHE_VERSION,
             source_fingerprint(data_cfg.path),
             data_cfg.text_field,
             tokenizer.name,
             tokenizer.vocab_size,
-            data_cfg.seq_len,
             data_cfg.max_documents,
         ]
     )
     root = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
-    return root / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".npy")
-
-
-def _tokenized(data_cfg: DataConfig, tokenizer, stats: dict[str, int]) -> Iterator[np.ndarray]:
-    """Token arrays of the documents, encoded ``ENCODE_CHUNK`` at a time; counts go to ``stats``."""
-    chunk: list[str] = []
-    for doc in iter_documents(data_cfg.path, data_cfg.text_field, data_cfg.max_documents):
-        chunk.append(doc)
-        if len(chunk) == ENCODE_CHUNK:
-            yield from _encode(chunk, tokenizer, stats)
-            chunk = []
-    yield from _encode(chunk, tokenizer, stats)
-
-
-def _encode(texts: list[str], tokenizer, stats: dict[str, int]) -> list[np.ndarray]:
-    ids = tokenizer.encode_batch(texts) if texts else []
-    stats["documents"] += len(ids)
-    stats["tokens"] += sum(int(x.size) + 1 for x in ids)
-    return ids
+    return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _atomic_write(target: Path, write: Callable) -> None:
@@ -109,18 +117,23 @@ def _atomic_write(target: Path, write: Callable) -> None:
 
 
 def _build(data_cfg: DataConfig, tokenizer, path: Path) -> None:
-    """Tokenize and pack; write the counts (``.json``) and then the blocks (``.npy``) to the cache."""
-    stats = {"documents": 0, "tokens": 0}
-    blocks = pack_documents(_tokenized(data_cfg, tokenizer, stats), tokenizer.eos_token_id, data_cfg.seq_len)
-    meta = {"path": data_cfg.path, "tokenizer": tokenizer.name, "seq_len": data_cfg.seq_len, "blocks": len(blocks)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path.with_suffix(".json"), lambda fh: fh.write(json.dumps({**meta, **stats}).encode()))
-    _atomic_write(path, lambda fh: np.save(fh, blocks))
+    """Prepare the data into a folder of its own, then rename it to ``path`` (a builder that loses the race
+    to another machine sharing the cache drops its copy)."""
+    building = path.with_name(f"{path.name}.building-{uuid.uuid4().hex[:8]}")
+    try:
+        prepare_corpus(data_cfg, building, tokenizer=tokenizer)
+        try:
+            os.rename(building, path)
+        except OSError:
+            if not (path / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
 
 
 def _empty_error(data_cfg: DataConfig, path: Path) -> MeshtronError:
     try:
-        meta = json.loads(path.with_suffix(".json").read_text())
+        meta = json.loads((path / MANIFEST).read_text())
         counts = f"{meta['tokens']:,} tokens from {meta['documents']:,} documents"
     except (OSError, ValueError, KeyError):
         counts = "too few tokens"
@@ -151,7 +164,7 @@ def _build_or_report(data_cfg: DataConfig, tokenizer, path: Path, run_id: str) -
 def _wait_for_build(path: Path, run_id: str) -> None:
     """Poll until the builder has renamed ``path`` into place; raise its error if it reports a failure."""
     marker, pause = _failure_marker(path), 0.01
-    while not path.is_file():
+    while not (path / MANIFEST).is_file():
         try:
             report = json.loads(marker.read_text())
         except (OSError, ValueError):
@@ -169,20 +182,23 @@ def _wait_for_build(path: Path, run_id: str) -> None:
 def build_packed_dataset(
     data_cfg: DataConfig, tokenizer, *, is_builder: bool, run_id: str = "", barrier: Callable[[], None] = lambda: None
 ) -> PackedDataset:
-    """Build the cached blocks on the builder (one process per machine), then load them everywhere.
+    """The blocks of ``data.seq_len + 1`` tokens of a prepared ``data.path``, or of the cache built from it.
 
-    The cache file is reused when present. The other processes wait for the builder without a collective
-    (and without a time limit): they poll for the file, which the builder renames into place when complete,
-    or for the failure it reports under ``run_id`` (the same string on every process of a run). Several
-    builders of the same file (machines sharing ``data.cache_dir``) are safe: each renames a whole file.
-    ``barrier``, when given, is called once the file is there (a sync point for callers that want one).
+    The cache is reused when present. The other processes wait for the builder without a collective
+    (and without a time limit): they poll for its manifest, which appears when the builder renames the
+    complete folder into place, or for the failure it reports under ``run_id`` (the same string on every
+    process of a run). Several builders of the same cache (machines sharing ``data.cache_dir``) are safe:
+    each renames a whole folder. ``barrier``, when given, is called once the data is there.
     """
-    path = cache_path(data_cfg, tokenizer)
-    if is_builder and not path.is_file():
-        _build_or_report(data_cfg, tokenizer, path, run_id)
-    _wait_for_build(path, run_id)
+    if is_prepared(data_cfg.path):
+        path = Path(data_cfg.path).expanduser()
+    else:
+        path = cache_path(data_cfg, tokenizer)
+        if is_builder and not (path / MANIFEST).is_file():
+            _build_or_report(data_cfg, tokenizer, path, run_id)
+        _wait_for_build(path, run_id)
     barrier()
-    blocks = np.load(path, mmap_mode="r")
-    if len(blocks) == 0:
+    dataset = PackedDataset.from_corpus(TokenCorpus(path), data_cfg.seq_len, path)
+    if len(dataset) == 0:
         raise _empty_error(data_cfg, path)
-    return PackedDataset(blocks, path)
+    return dataset

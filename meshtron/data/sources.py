@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from meshtron.config import BUILTIN_CORPUS
+from meshtron.data.shards import is_prepared
 from meshtron.errors import ConfigError
 
 TEXT_EXTENSIONS = (".txt", ".md", ".py", ".rst", ".text")
@@ -70,6 +71,8 @@ def check_data_path(path: str) -> None:
         if local.stat().st_size == 0:
             raise ConfigError(f"data.path: '{path}' is an empty file; {fix}")
     elif local.is_dir():
+        if is_prepared(local):
+            return
         if not _is_saved_dataset(local) and not any(f.stat().st_size > 0 for f in _folder_files(local)):
             raise ConfigError(
                 f"data.path: folder '{path}' has no non-empty {'/'.join(FOLDER_EXTENSIONS)} files; {fix}"

@@ -67,6 +67,15 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary (token -> id), the same for the same tokenizer wherever its folder is."""
+    import hashlib
+    import json
+
+    vocab = tokenizer.tok.get_vocab() if hasattr(tokenizer, "tok") else {"byte": tokenizer.vocab_size}
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> ByteTokenizer | HFTokenizer:
     """``"byte"`` gives the ByteTokenizer; anything else must be a local tokenizer directory."""
     if spec == "byte":

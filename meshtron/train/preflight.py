@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshtron.checkpoint.manager import check_fixed_directory, resume_point
 from meshtron.config import Config
+from meshtron.data.shards import check_prepared_tokenizer
 from meshtron.data.sources import check_data_path
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.context_parallel import check_context_parallel
@@ -84,6 +85,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_model_path(cfg.model)
     check_data_path(cfg.data.path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    check_prepared_tokenizer(cfg.data.path, tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
     check_expert_parallel(hf_config, dims.ep)

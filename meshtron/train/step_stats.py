@@ -24,7 +24,7 @@ def global_target_count(dataset, indices: np.ndarray) -> int:
     Counted the way ``PackedDataset.batch`` cuts labels (each block's tokens after the first). Reads
     the label tokens of the blocks (4 bytes a token), no collective: every rank gets the same count.
     """
-    rows = np.asarray(dataset.blocks[np.sort(np.asarray(indices, dtype=np.int64))])
+    rows = dataset.rows(np.sort(np.asarray(indices, dtype=np.int64)))
     return max(1, int(np.count_nonzero(rows[:, 1:] != IGNORE_INDEX)))
 
 
