@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -59,6 +60,9 @@ def write_shard(directory: Path, index: int, first_document: int, texts: list[st
 
 @functools.lru_cache(maxsize=1)
 def _worker_tokenizer(spec: str, trust_remote_code: bool):
+    # One thread per worker process: the workers are the parallelism (a fast tokenizer would otherwise start a
+    # thread per core in every worker). In one process (workers=1) it keeps its own threads.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return load_tokenizer(spec, trust_remote_code)
 
 
