@@ -65,6 +65,11 @@ class DataConfig:
     """Where tokenized, packed data is cached; default ``~/.cache/meshtron``."""
     mask_documents: bool = True
     """Packed blocks: tokens attend only within their own document and positions restart per document."""
+    sources: list[str] = field(default_factory=list)
+    """A weighted mixture instead of ``path``: ``["/data/web:0.7", "/data/code:0.2", "/data/math:0.1"]`` (each a
+    prepared directory or any source ``path`` takes; weights are normalized). See docs/data.md."""
+    prefetch: bool = True
+    """Read the next step's batches in a background thread while a step trains (no effect on results)."""
     skip_batches: list[int] = field(default_factory=list)
     """Global batches left out of the data order, numbered from 1 as a run that skips none trains them
     (step k trains batch k): e.g. ``[1200, 1201]`` after a loss spike. ``train.on_nonfinite=rollback`` adds
@@ -225,19 +230,24 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 
 def _type_name(tp: Any) -> str:
     base, optional = _split_optional(tp)
-    name = "list of integers" if typing.get_origin(base) is list else base.__name__
+    if typing.get_origin(base) is list:
+        name = "list of integers" if typing.get_args(base)[0] is int else "list of strings"
+    else:
+        name = base.__name__
     return f"{name}{' or none' if optional else ''}"
 
 
-def _integer_list(value: Any, from_text: bool) -> list[int] | None:
-    """``[1, 2]`` from TOML, or ``1,2`` / ``[1,2]`` from the CLI; None when it is not a list of integers."""
+def _typed_list(value: Any, item_type: type, from_text: bool) -> list | None:
+    """``[1, 2]`` / ``["a", "b"]`` from TOML, or ``1,2`` / ``[1,2]`` / ``a,b`` from the CLI; None when the items
+    are not all of ``item_type``."""
     if from_text:
         text = str(value).strip().strip("[]").strip()
+        items = [item.strip().strip("'\"") for item in text.split(",") if item.strip()] if text else []
         try:
-            return [int(item) for item in text.split(",") if item.strip()] if text else []
+            return [item_type(item) for item in items]
         except ValueError:
             return None
-    if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+    if isinstance(value, list) and all(isinstance(item, item_type) and not isinstance(item, bool) for item in value):
         return list(value)
     return None
 
@@ -247,7 +257,7 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     base, optional = _split_optional(tp)
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}; fix the value in the config or CLI")
     if typing.get_origin(base) is list:
-        items = _integer_list(value, from_text)
+        items = _typed_list(value, typing.get_args(base)[0], from_text)
         if items is None:
             raise bad
         return items

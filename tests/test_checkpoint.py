@@ -29,6 +29,19 @@ def base(cache_dir) -> list[str]:
 
 
 TIED = "model.preset=qwen3-tiny"  # tied embeddings
+MIXTURE_DOCUMENTS = "mixture-documents.jsonl"
+
+
+def mixture(cache_dir) -> str:
+    """A weighted mixture (data.sources) of the stdlib sources and the lines of json/decoder.py."""
+    return f"data.sources=builtin:python-stdlib:0.6,{cache_dir / MIXTURE_DOCUMENTS}:0.4"
+
+
+def write_mixture_documents(cache_dir) -> None:
+    import json.decoder
+
+    lines = [line.strip() for line in Path(json.decoder.__file__).read_text().splitlines() if line.strip()]
+    (cache_dir / MIXTURE_DOCUMENTS).write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
 MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
 
 
@@ -60,6 +73,7 @@ def in_process(name: str, overrides: list[str], out: Path, cache_dir):
 def runs(tmp_path_factory, cache_dir):
     """Uninterrupted runs that save at step 4 and 8, and runs resumed from their step-4 checkpoint."""
     out = tmp_path_factory.mktemp("checkpoint")
+    write_mixture_documents(cache_dir)
     launch(4, {
         "fsdp4": ["parallel.dp_shard=4"],
         "fsdp4_resumed": ["parallel.dp_shard=4", from_half(out, "fsdp4")],
@@ -70,6 +84,10 @@ def runs(tmp_path_factory, cache_dir):
         "pp2_tp2_rollback": ["parallel.pp=2", "parallel.tp=2", "train.on_nonfinite=rollback",
                              "env:MESHTRON_FAULT=nan:step=6"],
         "pp2_tp2_skip_batch_6": ["parallel.pp=2", "parallel.tp=2", "data.skip_batches=6"],
+        # A mixture's order is a function of the seed, weights and step: FSDP4 -> DP2 x TP2 continues it.
+        "fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=4"],
+        "dp2_tp2_mixture_from_fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=2", "parallel.tp=2",
+                                               from_half(out, "fsdp4_mixture")],
         "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
         "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
         "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
@@ -137,6 +155,7 @@ def test_resume_is_exact(runs, straight):
     ("dp2_tp2_from_fsdp4", "fsdp4"),     # FSDP4 -> DP2 x TP2, same world size
     ("single_from_fsdp4", "fsdp4"),      # 4 processes -> 1
     ("dp2_cp2_from_pp2_tp2", "pp2_tp2"), # PP2 x TP2 -> DP2 x CP2
+    ("dp2_tp2_mixture_from_fsdp4_mixture", "fsdp4_mixture"),  # a mixture of two sources: FSDP4 -> DP2 x TP2
     ("pp2_dp2_tied_from_fsdp4_tied", "fsdp4_tied"),  # tied: FSDP4 -> PP2 x DP2 (the head copy gets the embeddings' moments)
     ("fsdp4_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> FSDP4
     ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process

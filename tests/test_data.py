@@ -420,3 +420,88 @@ def test_non_builders_stop_with_the_builders_error(tmp_path, monkeypatch):
         build_packed_dataset(cfg, ByteTokenizer(), is_builder=True, run_id="run-2")
     thread.join(30)
     assert waited == [str(err.value)]
+
+
+# ---------------------------------------------------------------- prefetch
+
+
+def test_step_reader_gives_the_same_inputs_with_and_without_read_ahead(tmp_path):
+    """Step by step, through a batch skipped after its read ahead (as a rollback does) and a jump back to an
+    earlier step: the read-ahead inputs equal those read on the spot, and a stale read ahead is not used."""
+    from meshtron.data.prefetch import StepBlocks, StepReader
+    from meshtron.train.step_stats import global_target_count
+
+    dataset = PackedDataset(np.arange(40 * 9, dtype=np.int32).reshape(40, 9))
+    schedules = [GlobalBatchSchedule(40, 4, shuffle=True, seed=3) for _ in range(2)]
+
+    def reader(schedule, prefetch):
+        def blocks(step):
+            return StepBlocks(tuple(schedule.local_micro_batches(step, 1, 2, 1)), schedule.global_batch(step))
+        return StepReader(dataset, blocks, global_target_count, prefetch=prefetch)
+
+    ahead, plain = reader(schedules[0], True), reader(schedules[1], False)
+    on_the_spot = []  # reads in the caller's thread: a step whose blocks were not read ahead
+    original = ahead.read
+    ahead.read = lambda blocks: (threading.current_thread() is threading.main_thread() and on_the_spot.append(1)
+                                 or original(blocks))
+    for step in (0, 1, 2, "skip", 3, 4, 1, 2):
+        if step == "skip":  # after step 3's blocks were read ahead, batch 4 leaves the order
+            for schedule in schedules:
+                schedule.skip([4])
+            continue
+        got, want = ahead.get(step), plain.get(step)
+        assert got.global_targets == want.global_targets == 4 * 8
+        assert len(got.micro_batches) == len(want.micro_batches) == 2
+        for (ids, labels), (want_ids, want_labels) in zip(got.micro_batches, want.micro_batches):
+            assert torch.equal(ids, want_ids) and torch.equal(labels, want_labels)
+    # the first step, and the re-reads after the skip and after the jump back; every other step was read ahead
+    assert len(on_the_spot) == 3
+    ahead.close()
+    plain.close()
+
+
+# ---------------------------------------------------------------- mixtures
+
+
+def test_mixture_order_holds_the_weights_and_any_window_is_a_slice_of_it():
+    """Over 1,000 global batches of 8 each source gives its weight's share (within one sample, far inside 2%);
+    any window of positions (a step, a resumed step) is the same slice of the one order; within a source the
+    samples follow its own shuffled epochs."""
+    from meshtron.data.mixture import MixtureSchedule
+
+    sizes, weights = [1000, 300, 50], [0.7, 0.2, 0.1]
+    schedule = MixtureSchedule(sizes, weights, 8, shuffle=True, seed=5)
+    order = np.concatenate([schedule.global_batch(step) for step in range(1000)])
+    source = np.searchsorted(np.cumsum([0] + sizes), order, side="right") - 1
+    counts = np.bincount(source, minlength=3)
+    assert np.all(np.abs(counts - 8000 * np.array(weights)) <= 1), counts
+    for start in (0, 1, 7, 777, 4321):
+        np.testing.assert_array_equal(schedule.indices(start, 40), order[start:start + 40])
+    math_samples = order[source == 2] - 1300  # source 2's 50 blocks: each epoch a permutation of them
+    assert sorted(math_samples[:50]) == list(range(50)) and sorted(math_samples[50:100]) == list(range(50))
+    assert not np.array_equal(math_samples[:50], math_samples[50:100])
+    again = MixtureSchedule(sizes, weights, 8, shuffle=True, seed=5)
+    np.testing.assert_array_equal(again.global_batch(999), schedule.global_batch(999))
+    assert not np.array_equal(MixtureSchedule(sizes, weights, 8, True, seed=6).global_batch(0), order[:8])
+    counts = schedule.counts_before(10**9)  # a far step: found without walking the order
+    assert counts.sum() == 10**9 and np.all(np.abs(counts - 10**9 * np.array(weights)) <= 1)
+
+
+def test_mixture_settings_are_checked(tmp_path):
+    from meshtron.config import load_config
+    from meshtron.data.mixture import MixedDataset, parse_sources
+    from meshtron.train.preflight import check_data_sources
+
+    assert parse_sources(["/data/web:7", "/data/code:3"]) == [("/data/web", 0.7), ("/data/code", 0.3)]
+    for bad in ("/data/web", "/data/web:0", "/data/web:lots"):
+        with pytest.raises(ConfigError, match="is not PATH:WEIGHT with a positive weight"):
+            parse_sources([bad])
+    corpus = _corpus(tmp_path, 50)
+    both = load_config(None, [f"data.path={corpus}", f"data.sources={corpus}:1"], env={}).data
+    with pytest.raises(ConfigError, match="data.path and data.sources are both set"):
+        check_data_sources(both)
+    missing = load_config(None, [f"data.sources={corpus}:1,{tmp_path / 'nowhere.jsonl'}:1"], env={}).data
+    with pytest.raises(ConfigError, match="nowhere.jsonl' does not exist"):
+        check_data_sources(missing)
+    mixed = MixedDataset([PackedDataset(np.zeros((2, 5), dtype=np.int32)), PackedDataset(np.ones((3, 5), dtype=np.int32))])
+    assert len(mixed) == 5 and mixed.rows([4, 0, 2]).tolist() == [[1] * 5, [0] * 5, [1] * 5]

@@ -163,6 +163,9 @@ REFERENCES = {
     # The same documents from a prepared directory: the same losses as read on the fly (exactly), under layouts too.
     "llama-docs-prepared": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}",
                             "train.lr=5e-4"],
+    # A weighted mixture (data.sources) of the prepared short documents and the stdlib sources read on the fly.
+    "llama-mixture": ["model.preset=llama-tiny",
+                      f"data.sources={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}:0.7,builtin:python-stdlib:0.3"],
     "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
                           "train.lr=5e-4", "data.mask_documents=false"],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
@@ -302,6 +305,10 @@ LAYOUTS["pp2_dp2_cp2_tp2"] = (
 # Prepared data (meshtron data prepare): each rank memory-maps the shards and cuts its blocks across them.
 LAYOUTS["fsdp2_prepared"] = (2, ["parallel.dp_shard=2"], "llama-docs-prepared")
 LAYOUTS["dp2_tp2_prepared"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "llama-docs-prepared")
+# Mixtures: every rank takes its slice of the same mixed global batch.
+LAYOUTS["ddp2_mixture"] = (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "llama-mixture")
+LAYOUTS["fsdp2_mixture"] = (2, ["parallel.dp_shard=2"], "llama-mixture")
+LAYOUTS["tp2_mixture"] = (2, ["parallel.tp=2"], "llama-mixture")
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
 # Replication over dp_replicate with FSDP over dp_shard x cp: the (dp_replicate, dp_shard_cp) mesh of HSDP x CP.

@@ -52,7 +52,8 @@ def test_same_config_same_losses(tmp_path, cache_dir):
     first = train(small_config(tmp_path / "a", cache_dir), CPU_RUNTIME).losses
     second = train(small_config(tmp_path / "b", cache_dir), CPU_RUNTIME).losses
     third = train(small_config(tmp_path / "c", cache_dir, "train.seed=1"), CPU_RUNTIME).losses
-    assert first == second
+    unprefetched = train(small_config(tmp_path / "d", cache_dir, "data.prefetch=false"), CPU_RUNTIME).losses
+    assert first == second == unprefetched  # data.prefetch only changes when batches are read
     assert first != third
 
 

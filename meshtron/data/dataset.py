@@ -77,8 +77,13 @@ class PackedDataset:
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` int64 tensors of shape (len(indices), seq_len); labels are shifted by one."""
-        data = torch.from_numpy(self.rows(indices))
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        return inputs_and_labels(self.rows(indices))
+
+
+def inputs_and_labels(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``seq_len + 1`` tokens -> ``(input_ids, labels)``: each label is the next token."""
+    data = torch.from_numpy(rows)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
 def default_cache_dir() -> Path:

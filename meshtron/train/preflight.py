@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtron.checkpoint.manager import check_fixed_directory, resume_point
-from meshtron.config import Config
+from meshtron.config import BUILTIN_CORPUS, Config
+from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer
 from meshtron.data.sources import check_data_path
 from meshtron.data.tokenizer import load_tokenizer
@@ -75,6 +76,19 @@ def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
         raise ConfigError(f"run.output_dir '{path}' already holds a run; choose a new run.output_dir")
 
 
+def check_data_sources(data) -> list[str]:
+    """The data paths of the run (``data.path``, or each of ``data.sources``), each checked."""
+    if not data.sources:
+        check_data_path(data.path)
+        return [data.path]
+    if data.path != BUILTIN_CORPUS:
+        raise ConfigError("data.path and data.sources are both set; keep data.sources for a mixture, or data.path alone")
+    paths = [path for path, _ in parse_sources(data.sources)]
+    for path in paths:
+        check_data_path(path)
+    return paths
+
+
 def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
@@ -83,9 +97,10 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type)
     check_model_path(cfg.model)
-    check_data_path(cfg.data.path)
+    data_paths = check_data_sources(cfg.data)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-    check_prepared_tokenizer(cfg.data.path, tokenizer)
+    for path in data_paths:
+        check_prepared_tokenizer(path, tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
     check_expert_parallel(hf_config, dims.ep)

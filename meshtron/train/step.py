@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.config import Config
-from meshtron.data.dataset import PackedDataset
+from meshtron.data.prefetch import StepBlocks, StepReader
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
@@ -106,24 +106,34 @@ def _forward_backward(
     return local_loss_sum
 
 
-def train_step(
-    model, optimizer, dataset: PackedDataset, schedule, step, ctx: StepContext, measure_state=None, measure_activations=None
-):
-    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
-
-    ``measure_state`` / ``measure_activations``: a TrainResult whose ``state_bytes`` and
-    ``accumulation_grad_bytes`` / ``activation_bytes`` this step measures.
-    """
-    dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
+def step_blocks(schedule, step: int, ctx: StepContext) -> StepBlocks:
+    """The blocks step ``step`` reads: this rank's micro-batches and the global batch (whose labelled tokens
+    every rank counts itself: no collective, no device sync)."""
     if ctx.runner is None:
-        micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, ctx.plan.micro_batch_size)
+        micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, ctx.plan.micro_batch_size)
     else:  # pipeline microbatch m of every rank: its slice of global micro-batch m (as accumulation has them)
         size = ctx.plan.micro_batch_size // ctx.plan.pp_microbatches
-        micro_batches = [np.concatenate(schedule.local_micro_batches(step, ctx.dp_rank, dims.dp, size))]
-    batches = [(input_ids.to(device), shard_labels(labels.to(device), ctx.split))
-               for input_ids, labels in map(dataset.batch, micro_batches)]
-    # Every rank counts the global batch's labelled tokens itself: no collective, no device sync.
-    global_targets = global_target_count(dataset, schedule.global_batch(step))
+        micro_batches = [np.concatenate(schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, size))]
+    return StepBlocks(tuple(micro_batches), schedule.global_batch(step))
+
+
+def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
+    """The run's StepReader (``data.prefetch``: the next step's batches read while a step trains)."""
+    return StepReader(dataset, lambda step: step_blocks(schedule, step, ctx), global_target_count,
+                      prefetch=ctx.cfg.data.prefetch, pin=ctx.device.type == "cuda")
+
+
+def train_step(model, optimizer, inputs: StepReader, step, ctx: StepContext, measure_state=None, measure_activations=None):
+    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
+
+    ``inputs`` gives the step's batches (meshtron.data.prefetch); ``measure_state`` / ``measure_activations``: a
+    TrainResult whose ``state_bytes`` and ``accumulation_grad_bytes`` / ``activation_bytes`` this step measures.
+    """
+    dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
+    step_inputs = inputs.get(step)
+    batches = [(input_ids.to(device, non_blocking=True), shard_labels(labels.to(device, non_blocking=True), ctx.split))
+               for input_ids, labels in step_inputs.micro_batches]
+    global_targets = step_inputs.global_targets
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets
     loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0

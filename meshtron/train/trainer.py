@@ -17,8 +17,7 @@ from torch import nn
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, save_config
-from meshtron.data.dataset import build_packed_dataset
-from meshtron.data.sampler import GlobalBatchSchedule
+from meshtron.data.training_data import build_training_data
 from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
@@ -37,7 +36,7 @@ from meshtron.train.resumable import Resumable
 from meshtron.train.router_loss import build_router_loss
 from meshtron.train.runtime import Runtime
 from meshtron.train.preflight import Plan, preflight
-from meshtron.train.step import StepContext, train_step
+from meshtron.train.step import StepContext, step_reader, train_step
 
 __all__ = ["Plan", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
 
@@ -115,10 +114,9 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
             save_config(cfg, output_dir / "config.toml")
 
     torch.manual_seed(cfg.train.seed)
-    dataset = build_packed_dataset(  # the others wait for local rank 0's build outside any collective
-        cfg.data, plan.tokenizer, is_builder=runtime.local_rank == 0, run_id=run_id
+    dataset, schedule = build_training_data(  # the others wait for local rank 0's build outside any collective
+        cfg.data, plan.tokenizer, cfg.train.global_batch_size, is_builder=runtime.local_rank == 0, run_id=run_id
     )
-    schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
 
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id, plan.hf_config)
@@ -173,6 +171,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     guard.resumed(plan.resume_from, start_step)
     activation_step = min(start_step + 1, cfg.train.steps - 1)
     step = start_step
+    inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
     try:
         with guard:
             while step < cfg.train.steps:
@@ -180,7 +179,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                 started = time.perf_counter()
                 lr = optimizer.param_groups[0]["lr"]
                 loss, grad_norm, tokens = train_step(
-                    model, optimizer, dataset, schedule, step, step_context,
+                    model, optimizer, inputs, step, step_context,
                     measure_state=result if not result.state_bytes else None,  # the first step that updates
                     measure_activations=result if step == activation_step else None,
                 )
@@ -217,6 +216,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
             f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl)"
         )
     finally:
+        inputs.close()
         logger.close()
     return result
 

@@ -1,0 +1,79 @@
+"""Step inputs read ahead: while step k trains, a background thread reads step k + 1's micro-batches.
+
+The main thread decides which blocks a step reads (the schedule is only touched there, so a rollback that
+changes it cannot race with the thread); the thread reads them from the memory-mapped corpus into int64
+tensors (pinned on CUDA, so that the step's copies to the device are non-blocking) and counts the global batch's
+labelled tokens. A read ahead is used only if the step asks for exactly the blocks it read, so skipping
+batches or going back to a checkpoint re-reads; the inputs, and so the results, are the same with
+``data.prefetch`` on or off.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepInputs:
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    """(input_ids, labels) int64 tensors on the host, one pair per micro-batch of this rank."""
+    global_targets: int
+    """Labelled tokens of the whole global batch (every rank counts them itself)."""
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """Which blocks a step reads: this rank's micro-batches and the whole global batch."""
+
+    micro_batches: tuple[np.ndarray, ...]
+    global_batch: np.ndarray
+
+    def same_as(self, other: StepBlocks) -> bool:
+        return (len(self.micro_batches) == len(other.micro_batches)
+                and np.array_equal(self.global_batch, other.global_batch)
+                and all(np.array_equal(a, b) for a, b in zip(self.micro_batches, other.micro_batches)))
+
+
+class StepReader:
+    """``get(step)``: the inputs of a step, read ahead by one step when ``prefetch`` is on.
+
+    ``blocks(step)`` says which blocks a step reads (a StepBlocks); ``dataset`` is the PackedDataset;
+    ``count_targets(dataset, indices)`` counts labelled tokens (meshtron.train.step_stats.global_target_count);
+    ``pin`` pins the host tensors (for non-blocking copies to a GPU).
+    """
+
+    def __init__(self, dataset, blocks: Callable[[int], StepBlocks], count_targets: Callable, *, prefetch: bool = True,
+                 pin: bool = False):
+        self.dataset, self.blocks, self.count_targets, self.pin = dataset, blocks, count_targets, pin
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshtron-prefetch") if prefetch else None
+        self._ahead: tuple[int, StepBlocks, Future] | None = None
+
+    def read(self, blocks: StepBlocks) -> StepInputs:
+        pairs = []
+        for indices in blocks.micro_batches:
+            input_ids, labels = self.dataset.batch(indices)
+            pairs.append((input_ids.pin_memory(), labels.pin_memory()) if self.pin else (input_ids, labels))
+        return StepInputs(pairs, self.count_targets(self.dataset, blocks.global_batch))
+
+    def get(self, step: int) -> StepInputs:
+        wanted = self.blocks(step)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step and ahead[1].same_as(wanted):
+            inputs = ahead[2].result()
+        else:
+            if ahead is not None:
+                ahead[2].cancel()
+            inputs = self.read(wanted)
+        if self._pool is not None:
+            following = self.blocks(step + 1)
+            self._ahead = (step + 1, following, self._pool.submit(self.read, following))
+        return inputs
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
