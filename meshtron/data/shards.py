@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,9 @@ def check_prepared_tokenizer(data_path: str, tokenizer) -> None:
 
 
 def write_json_atomically(path: Path, value: dict) -> None:
-    """Write via a temporary file in the same folder and rename it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write via a temporary file in the same folder and rename it into place (machines sharing the folder each
+    write their own temporary file)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     tmp.write_text(json.dumps(value, indent=1))
     os.replace(tmp, path)
 
