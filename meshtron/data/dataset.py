@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from meshtron.config import DataConfig
 from meshtron.data.prepare import prepare_corpus
-from meshtron.data.shards import MANIFEST, TokenCorpus, is_prepared
+from meshtron.data.shards import MANIFEST, TokenCorpus, is_prepared, write_json_atomically
 from meshtron.data.sources import source_fingerprint
 from meshtron.errors import ConfigError, MeshtronError
 
@@ -107,20 +106,6 @@ def cache_path(data_cfg: DataConfig, tokenizer) -> Path:
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _atomic_write(target: Path, write: Callable) -> None:
-    """Write via a temp file in the same folder, then ``os.replace`` it into place."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _build(data_cfg: DataConfig, tokenizer, path: Path) -> None:
     """Prepare the data into a folder of its own, then rename it to ``path`` (a builder that loses the race
     to another machine sharing the cache drops its copy)."""
@@ -162,7 +147,7 @@ def _build_or_report(data_cfg: DataConfig, tokenizer, path: Path, run_id: str) -
     except Exception as err:
         report = {"run": run_id, "kind": type(err).__name__, "error": str(err)}
         with contextlib.suppress(OSError):  # the error itself matters more
-            _atomic_write(marker, lambda fh: fh.write(json.dumps(report).encode()))
+            write_json_atomically(marker, report)
         raise
 
 

@@ -98,14 +98,9 @@ class MixedDataset:
         self.seq_len = datasets[0].seq_len
         self.sizes = [len(d) for d in datasets]
         self.starts = np.cumsum([0] + self.sizes)
-        self.path = None
 
     def __len__(self) -> int:
         return int(self.starts[-1])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self) * (self.seq_len + 1)
 
     def rows(self, indices) -> np.ndarray:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -118,7 +113,3 @@ class MixedDataset:
 
     def batch(self, indices):
         return inputs_and_labels(self.rows(indices))
-
-    def source_of(self, indices) -> np.ndarray:
-        """The source of each block index."""
-        return np.searchsorted(self.starts, np.asarray(indices, dtype=np.int64), side="right") - 1
