@@ -68,6 +68,9 @@ class DataConfig:
     sources: list[str] = field(default_factory=list)
     """A weighted mixture instead of ``path``: ``["/data/web:0.7", "/data/code:0.2", "/data/math:0.1"]`` (each a
     prepared directory or any source ``path`` takes; weights are normalized). See docs/data.md."""
+    streaming: bool = False
+    """Read ``data.path`` as a stream (a hub name, or local files too large to prepare): documents in the source's
+    order, tokenized while training runs, each rank only its share; checkpoints save the position. See docs/data.md."""
     prefetch: bool = True
     """Read the next step's batches in a background thread while a step trains (no effect on results)."""
     skip_batches: list[int] = field(default_factory=list)

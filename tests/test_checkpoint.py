@@ -42,6 +42,13 @@ def write_mixture_documents(cache_dir) -> None:
 
     lines = [line.strip() for line in Path(json.decoder.__file__).read_text().splitlines() if line.strip()]
     (cache_dir / MIXTURE_DOCUMENTS).write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+
+
+def streamed(cache_dir) -> list[str]:
+    """The lines of json/decoder.py streamed (data.streaming); data.max_documents=40 ends each pass after 40 lines."""
+    return ["data.streaming=true", f"data.path={cache_dir / MIXTURE_DOCUMENTS}"]
+
+
 MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
 
 
@@ -88,6 +95,16 @@ def runs(tmp_path_factory, cache_dir):
         "fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=4"],
         "dp2_tp2_mixture_from_fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=2", "parallel.tp=2",
                                                from_half(out, "fsdp4_mixture")],
+        # A stream's position: each rank saves its lanes'; FSDP4 -> FSDP4 and -> DP2 x TP2 (other lane owners).
+        "fsdp4_stream": [*streamed(cache_dir), "parallel.dp_shard=4"],
+        "fsdp4_stream_resumed": [*streamed(cache_dir), "parallel.dp_shard=4", from_half(out, "fsdp4_stream")],
+        "dp2_tp2_stream_from_fsdp4_stream": [*streamed(cache_dir), "parallel.dp_shard=2", "parallel.tp=2",
+                                             from_half(out, "fsdp4_stream")],
+        # A rollback rewinds the lanes (the step read ahead included) to the checkpoint's position.
+        "pp2_dp2_stream_rollback": [*streamed(cache_dir), "parallel.pp=2", "parallel.dp_shard=2",
+                                    "train.on_nonfinite=rollback", "env:MESHTRON_FAULT=nan:step=6"],
+        "pp2_dp2_stream_skip_batch_6": [*streamed(cache_dir), "parallel.pp=2", "parallel.dp_shard=2",
+                                        "data.skip_batches=6"],
         "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
         "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
         "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
@@ -138,7 +155,16 @@ def test_rollback_across_ranks_continues_as_a_run_that_skipped_the_batch(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("straight", ["single", "fsdp4", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16",
+def test_a_streamed_run_rolls_back_as_a_run_that_skipped_the_batch(runs):
+    """pp2 x dp2 streaming: the rollback to step 4 rewinds the lanes (and drops the step read ahead), batch 6 is
+    skipped, and the trajectory and weights are those of data.skip_batches=[6]."""
+    assert losses(runs, "pp2_dp2_stream_rollback") == losses(runs, "pp2_dp2_stream_skip_batch_6")
+    rolled, skipped = torch.load(runs / "pp2_dp2_stream_rollback.pt"), torch.load(runs / "pp2_dp2_stream_skip_batch_6.pt")
+    assert all(torch.equal(rolled[k], skipped[k]) for k in skipped)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("straight", ["single", "fsdp4", "fsdp4_stream", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16",
                                       "pp2_dp2_tied", "ep2_fsdp4_moe"])
 def test_resume_is_exact(runs, straight):
     """N steps, stop, resume for N more: the same losses and weights, bit for bit, as 2N straight."""
@@ -156,6 +182,7 @@ def test_resume_is_exact(runs, straight):
     ("single_from_fsdp4", "fsdp4"),      # 4 processes -> 1
     ("dp2_cp2_from_pp2_tp2", "pp2_tp2"), # PP2 x TP2 -> DP2 x CP2
     ("dp2_tp2_mixture_from_fsdp4_mixture", "fsdp4_mixture"),  # a mixture of two sources: FSDP4 -> DP2 x TP2
+    ("dp2_tp2_stream_from_fsdp4_stream", "fsdp4_stream"),  # a stream: 4 ranks' lanes -> 2 ranks'
     ("pp2_dp2_tied_from_fsdp4_tied", "fsdp4_tied"),  # tied: FSDP4 -> PP2 x DP2 (the head copy gets the embeddings' moments)
     ("fsdp4_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> FSDP4
     ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process

@@ -166,6 +166,9 @@ REFERENCES = {
     # A weighted mixture (data.sources) of the prepared short documents and the stdlib sources read on the fly.
     "llama-mixture": ["model.preset=llama-tiny",
                       f"data.sources={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}:0.7,builtin:python-stdlib:0.3"],
+    # The same documents streamed (data.streaming): read while training, each data-parallel rank its lanes.
+    "llama-stream": ["model.preset=llama-tiny", "data.streaming=true", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+                     "data.max_documents=1000"],
     "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
                           "train.lr=5e-4", "data.mask_documents=false"],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
@@ -309,6 +312,10 @@ LAYOUTS["dp2_tp2_prepared"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "lla
 LAYOUTS["ddp2_mixture"] = (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "llama-mixture")
 LAYOUTS["fsdp2_mixture"] = (2, ["parallel.dp_shard=2"], "llama-mixture")
 LAYOUTS["tp2_mixture"] = (2, ["parallel.tp=2"], "llama-mixture")
+# Streaming: each data-parallel rank tokenizes the documents of its lanes (positions) of every global batch.
+LAYOUTS["ddp2_stream"] = (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "llama-stream")
+LAYOUTS["dp2_tp2_stream_accum"] = (4, ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=2"],
+                                   "llama-stream")
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
 # Replication over dp_replicate with FSDP over dp_shard x cp: the (dp_replicate, dp_shard_cp) mesh of HSDP x CP.

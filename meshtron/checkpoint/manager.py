@@ -4,7 +4,8 @@ On disk (``checkpoint.dir``, default ``<run.output_dir>/checkpoints``)::
 
     step-00000020/          a complete checkpoint: DCP files (.metadata, __<rank>_0.distcp),
                             meshtron.json (step, scheduler, model and data settings), config.toml,
-                            rng-rank<r>.pt (each rank's torch RNG state)
+                            rng-rank<r>.pt (each rank's torch RNG state), data-stream-rank<r>.json
+                            (each rank's streamed data position, with data.streaming)
     step-00000030.partial/  a save in progress (or killed); never loaded
     latest                  the name of the newest complete checkpoint
 
@@ -167,8 +168,10 @@ class CheckpointManager:
             "change it (earlier checkpoints are untouched)", uniform=uniform,
         )
 
-    def save(self, step: int, state: TrainingState, meta: dict, config_text: str) -> None:
-        """Write a checkpoint of the state after ``step`` optimizer steps."""
+    def save(self, step: int, state: TrainingState, meta: dict, config_text: str,
+             rank_files: dict[str, str] | None = None) -> None:
+        """Write a checkpoint of the state after ``step`` optimizer steps; ``rank_files``: this rank's own small
+        files (name -> text), written beside its RNG state."""
         self.wait()
         partial = self.directory / (step_dir_name(step) + PARTIAL)
 
@@ -179,8 +182,13 @@ class CheckpointManager:
 
         on_main(self.runtime, start, lambda reason: self._failed(partial, reason))
         rng_file = partial / f"rng-rank{self.runtime.rank}.pt"
-        on_every_rank(self.runtime, lambda: torch.save(torch.get_rng_state(), rng_file),
-                       lambda reason: self._failed(partial, reason))
+
+        def write_rank_files() -> None:
+            torch.save(torch.get_rng_state(), rng_file)
+            for name, text in (rank_files or {}).items():
+                (partial / name).write_text(text)
+
+        on_every_rank(self.runtime, write_rank_files, lambda reason: self._failed(partial, reason))
         try:
             with quiet_single_process():
                 if self.async_save:

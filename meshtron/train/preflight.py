@@ -9,8 +9,9 @@ from pathlib import Path
 from meshtron.checkpoint.manager import check_fixed_directory, resume_point
 from meshtron.config import BUILTIN_CORPUS, Config
 from meshtron.data.mixture import parse_sources
-from meshtron.data.shards import check_prepared_tokenizer
+from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
+from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.context_parallel import check_context_parallel
 from meshtron.distributed.data_parallel import check_data_parallel
@@ -78,6 +79,13 @@ def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
 
 def check_data_sources(data) -> list[str]:
     """The data paths of the run (``data.path``, or each of ``data.sources``), each checked."""
+    if data.streaming:
+        if data.sources:
+            raise ConfigError("data.streaming reads one source (data.path), not a mixture (data.sources); prepare the "
+                              "sources (meshtron data prepare) for a mixture, or set data.streaming=false")
+        if is_prepared(data.path):
+            raise ConfigError(f"data.path '{data.path}' is a prepared directory, memory-mapped as it is; set "
+                              "data.streaming=false")
     if not data.sources:
         check_data_path(data.path)
         return [data.path]
@@ -121,6 +129,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     skipped: list[str] = []
     resume_from = resume_point(cfg, hf_config, skipped)
+    check_stream_checkpoint(resume_from, cfg.data.streaming)
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
     return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped))

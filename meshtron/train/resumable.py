@@ -1,4 +1,5 @@
-"""What a checkpoint holds of a run (weights, optimizer, LR schedule, loss scale, skipped batches), saved
+"""What a checkpoint holds of a run (weights, optimizer, LR schedule, loss scale, skipped batches, a stream's
+position), saved
 and restored together: at the save interval, at a stop by signal, at resume and at a rollback."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_toml
+from meshtron.data.streaming import load_stream_states, save_stream_state
 
 SKIPPED_KEY = "data.skip_batches"
 """meshtron.json's list of the global batches the run leaves out (data.skip_batches and rollbacks)."""
@@ -32,6 +34,8 @@ class Resumable:
     """The model parts (float8 weight scales are refreshed from restored weights)."""
     on_save: object = None
     """Called after each save (NonfiniteRollback.checkpoint_saved)."""
+    stream: object = None
+    """The StreamingDataset of a ``data.streaming`` run, whose position each rank saves and restores."""
 
     def save_due(self, step: int) -> bool:
         return self.checkpoints is not None and self.checkpoints.due(step, self.cfg.train.steps)
@@ -47,7 +51,10 @@ class Resumable:
             meta["loss_scaler"] = self.scaler.state_dict()
         if stopped_by:
             meta["stopped_by"] = stopped_by
-        self.checkpoints.save(step, self.state, meta, to_toml(self.cfg))
+        rank_files = None
+        if self.stream is not None:  # the position before the next global batch the run trains
+            rank_files = save_stream_state(self.stream, self.schedule.batch_number(step) - 1, self.runtime.rank)
+        self.checkpoints.save(step, self.state, meta, to_toml(self.cfg), rank_files)
         if self.on_save is not None:
             self.on_save()
 
@@ -66,6 +73,8 @@ class Resumable:
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self.schedule.skip(meta.get(SKIPPED_KEY, []))
+        if self.stream is not None:
+            self.stream.restore(load_stream_states(path))
         if self.cfg.train.float8:
             from meshtron.train.float8 import refresh_float8_scales
 

@@ -17,6 +17,7 @@ from torch import nn
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, save_config
+from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
@@ -153,7 +154,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
-        f"{policy.describe()} | {len(dataset):,} sequences of {cfg.data.seq_len} tokens | "
+        f"{policy.describe()} | {_data_summary(dataset, cfg.data.seq_len)} | "
         + (f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches of "
            f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})" if dims.pp > 1 else
            f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation")
@@ -162,16 +163,16 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
     result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
+    inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
     resumable = Resumable(
         cfg, runtime, checkpoints, TrainingState(parts, model, optimizer), scheduler, step_context.scaler, schedule,
-        plan.hf_config, dims.describe(), parts,
+        plan.hf_config, dims.describe(), parts, stream=dataset if isinstance(dataset, StreamingDataset) else None,
     )
     guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
     start_step = result.start_step = _resume(resumable, plan, logger)
     guard.resumed(plan.resume_from, start_step)
     activation_step = min(start_step + 1, cfg.train.steps - 1)
     step = start_step
-    inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
     try:
         with guard:
             while step < cfg.train.steps:
@@ -234,6 +235,12 @@ def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
         logger.message(f"meshtron: {line}; skipped it")
     logger.message(f"meshtron: resumed from {plan.resume_from} (step {meta['step']}, saved as {meta['layout']})")
     return meta["step"]
+
+
+def _data_summary(dataset, seq_len: int) -> str:
+    if isinstance(dataset, StreamingDataset):
+        return dataset.describe()
+    return f"{len(dataset):,} sequences of {seq_len} tokens"
 
 
 def _count_params(model: nn.Module, pp_group=None) -> int:
