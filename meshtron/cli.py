@@ -1,6 +1,7 @@
 """``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``,
 ``meshtron plan ...`` (see meshtron.plan.cli), ``meshtron data prepare ...`` (meshtron.data.cli) and
-``meshtron export CHECKPOINT OUT_DIR``.
+``meshtron export CHECKPOINT OUT_DIR``, ``meshtron plot RUN_DIR ...``, ``meshtron compare RUN_A RUN_B``
+(meshtron.metrics.cli) and ``meshtron generate CKPT_OR_EXPORT --prompt TEXT`` (meshtron.models.generate).
 
 Under ``torchrun`` each process trains its rank. Started by hand, ``--nproc N`` re-launches itself
 through torch's elastic launcher on this machine; without it, one process trains alone.
@@ -46,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0,
                        help="with --nproc: restart all workers up to this many times after any of them fails; the "
                             "run resumes from its latest checkpoint (docs/faults.md)")
+    train.add_argument("--nnodes", type=int, help="with --nproc: machines that each start --nproc workers (each runs "
+                                                    "this command; read from SLURM under srun)")
+    train.add_argument("--node-rank", type=int, help="this machine's index among --nnodes (default 0)")
+    train.add_argument("--rdzv-endpoint", help="with --nnodes: HOST:PORT of the first machine, the same on every one")
+    train.add_argument("--rdzv-id", help="with --nnodes: a name of this job, the same on every machine")
     train.add_argument("--dry-run", action="store_true",
                        help="build one rank's sharded model on the meta device with a fake process group of --nproc "
                             "ranks and print its parameter / gradient / optimizer bytes; trains nothing")
@@ -56,11 +62,24 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
     export.add_argument("--trust-remote-code", action="store_true",
                         help="run the model's and tokenizer's own Python code (never taken from the checkpoint)")
+    generate = sub.add_parser("generate", help="sample text from a checkpoint or an exported model")
+    generate.add_argument("model", help="a checkpoint folder (step-N) or a Hugging Face model directory")
+    generate.add_argument("--prompt", default="", help="the text to continue (default: start a new document)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    generate.add_argument("--tokenizer", help="byte or a tokenizer folder (default: the run's, or the model folder's)")
+    generate.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
+    generate.add_argument("--trust-remote-code", action="store_true", help="run the model's own Python code")
     from meshtron.data.cli import add_data_parser
     from meshtron.plan.cli import add_plan_parser
 
+    from meshtron.metrics.cli import add_runs_parsers
+
     add_plan_parser(sub)
     add_data_parser(sub)
+    add_runs_parsers(sub)
     return parser
 
 
@@ -94,7 +113,12 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         if args.max_restarts:
             raise ConfigError("--max-restarts is for --nproc; under torchrun use torchrun's own --max-restarts")
         return _run_worker(cfg)
-    world_size = args.nproc or 1
+    nodes = _nodes(args)
+    if nodes is not None:
+        args.nproc = args.nproc or nodes.procs_per_node
+        if not args.nproc:
+            raise ConfigError(f"a launch over {nodes.count} nodes needs --nproc N: the workers to start on each")
+    world_size = (args.nproc or 1) * (nodes.count if nodes else 1)
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
@@ -102,7 +126,15 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     _check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
     if world_size == 1 and launched_world_size() == 1 and not args.max_restarts:
         return _run_worker(cfg)
-    return _self_launch(args, extra, cfg, world_size)
+    return _self_launch(args, extra, cfg, world_size, nodes)
+
+
+def _nodes(args: argparse.Namespace):
+    """The machines of a multi-node launch: the command line's, or SLURM's under srun; None on one machine."""
+    from meshtron.cluster import command_line_nodes, slurm_nodes
+
+    return (command_line_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
+            or (slurm_nodes(os.environ, args.master_port) if args.nnodes is None else None))
 
 
 def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
@@ -115,7 +147,7 @@ def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
         )
 
 
-def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
+def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> int:
     """Check everything once here, then start ``world_size`` workers with torch's elastic launcher.
 
     Exit status: 0, the first failed worker's (e.g. 124 after a hang), or 75 when a signal stopped the
@@ -131,10 +163,16 @@ def _self_launch(args, extra: list[str], cfg, world_size: int) -> int:
 
     preflight(cfg, world_size, resolve_device_type(cfg.run.device, world_size))
     if cfg.run.output_dir is None:
-        cfg.run.output_dir = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        if nodes is not None and not nodes.job_id.startswith("slurm-"):
+            raise ConfigError("a launch over several nodes needs run.output_dir: a folder every node shares (each "
+                              "machine would pick its own runs/<timestamp>)")
+        name = nodes.job_id if nodes is not None else datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.run.output_dir = str(Path("runs") / name)
         extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]
     launcher_args = ["--nnodes=1", f"--nproc-per-node={world_size}", f"--max-restarts={args.max_restarts}"]
-    if args.master_port:
+    if nodes is not None:
+        launcher_args = nodes.launcher_args(args.nproc) + [f"--max-restarts={args.max_restarts}"]
+    elif args.master_port:
         launcher_args += ["--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
     else:
         launcher_args += ["--standalone"]
@@ -195,6 +233,22 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.data.cli import run_data
 
             return run_data(args, extra)
+        if args.command == "generate":
+            if extra:
+                raise ConfigError(f"unexpected arguments {extra}; see meshtron generate --help")
+            from meshtron.models.generate import generate_text
+
+            text = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                 tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, device=args.device)
+            print(args.prompt + text)
+            return 0
+        if args.command in ("plot", "compare"):
+            if extra:
+                raise ConfigError(f"unexpected arguments {extra}; see meshtron {args.command} --help")
+            from meshtron.metrics.cli import run_compare, run_plot
+
+            return run_plot(args) if args.command == "plot" else run_compare(args)
         if args.command == "export":
             if extra:
                 raise ConfigError(f"unexpected arguments {extra}; usage: meshtron export CHECKPOINT OUT_DIR")

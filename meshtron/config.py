@@ -31,6 +31,8 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip", "rollback")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
 CP_METHODS = ("ring", "allgather")
@@ -195,6 +197,13 @@ class RunConfig:
     """``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo) or ``auto`` (cuda when a GPU is visible)."""
     log_every: int = 1
     progress: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where rank 0 sends each logged step: ``jsonl`` (metrics.jsonl, always on), ``tensorboard`` (event files in
+    ``<output_dir>/tensorboard``) and ``wandb`` (Weights & Biases). See docs/metrics.md."""
+    wandb_project: str = "meshtron"
+    wandb_mode: str = "online"
+    """``online`` (needs ``wandb login`` or WANDB_API_KEY), ``offline`` (a run folder to ``wandb sync`` later; no
+    network, no key) or ``disabled``."""
     collective_timeout_s: float = 600.0
     """Seconds a step (or a save) may go without every rank arriving: then every rank stops with one line naming
     the step and the rank(s) that did not arrive (see docs/faults.md). Collectives themselves time out 60 s later."""
@@ -381,6 +390,9 @@ def validate_config(cfg: Config) -> None:
     t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())
     _choice("train.router_aux_loss", t.router_aux_loss, ROUTER_AUX_LOSS)
     _choice("run.device", cfg.run.device, DEVICES)
+    _choice("run.wandb_mode", cfg.run.wandb_mode, WANDB_MODES)
+    for logger in cfg.run.loggers:
+        _choice("run.loggers", logger, LOGGERS)
     if t.loss_chunk_size < 0:
         raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {t.loss_chunk_size}")
     if t.fp16_initial_loss_scale <= 0:

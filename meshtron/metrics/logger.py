@@ -1,4 +1,4 @@
-"""Per-step metrics: ``metrics.jsonl`` on rank 0 and a live progress line on the console."""
+"""Per-step metrics: ``metrics.jsonl`` on rank 0 (and the loggers of ``run.loggers``) and a live progress line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import IO
 
 import torch
+
+
+METRICS = "metrics.jsonl"
+RUN_INFO = "run.json"
 
 
 def local_bytes(tensor) -> int:
@@ -47,14 +51,22 @@ def max_memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Writes one JSON object per logged step and prints progress; inactive on ranks other than 0."""
 
-    def __init__(self, output_dir: Path | None, total_steps: int, *, enabled: bool, progress: bool, stream: IO | None = None):
+    def __init__(self, output_dir: Path | None, total_steps: int, *, enabled: bool, progress: bool, stream: IO | None = None,
+                 loggers: list | None = None):
         self.enabled = enabled
+        self.loggers = loggers or []  # TensorBoard, W&B (meshtron.metrics.loggers): get every row too
         self.total_steps = total_steps
         self.progress = progress and enabled
         self.stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
         self.live = self.progress and self.stream.isatty()
         self.start = time.perf_counter()
-        self._file = open(output_dir / "metrics.jsonl", "a") if enabled and output_dir else None
+        self.output_dir = Path(output_dir) if output_dir else None
+        self._file = open(output_dir / METRICS, "a") if enabled and output_dir else None
+
+    def describe_run(self, info: dict) -> None:
+        """Write ``run.json`` beside metrics.jsonl: the layout and sizes that ``meshtron plot`` / ``compare`` show."""
+        if self.enabled and self.output_dir is not None:
+            (self.output_dir / RUN_INFO).write_text(json.dumps(info, indent=1))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -63,6 +75,8 @@ class MetricsLogger:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for logger in self.loggers:
+            logger.log(record)
         if self.progress:
             self._print_progress(record)
 
@@ -89,6 +103,9 @@ class MetricsLogger:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
         if self._file:
             self._file.close()
             self._file = None

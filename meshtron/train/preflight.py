@@ -13,6 +13,7 @@ from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import load_tokenizer
+from meshtron.metrics.loggers import check_loggers
 from meshtron.distributed.context_parallel import check_context_parallel
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.expert_parallel import check_expert_parallel
@@ -105,6 +106,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type)
     check_model_path(cfg.model)
+    check_loggers(cfg)
     data_paths = check_data_sources(cfg.data)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     for path in data_paths:

@@ -25,6 +25,7 @@ from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb
+from meshtron.metrics.loggers import build_loggers
 from meshtron.models.attention import attention_windows
 from meshtron.models.moe import moe_layer_indices
 from meshtron.models.build import build_meta_model, materialize
@@ -151,7 +152,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         _dp_rank(meshes, dims), dims, plan, split, runtime.device, cfg, runner, adapter, policy,
         loss_scaler(policy, cfg), router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
     )
-    logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress)
+    logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress,
+                           loggers=build_loggers(cfg, output_dir, dims.describe()) if runtime.is_main else None)
     logger.message(
         f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
         f"{policy.describe()} | {_data_summary(dataset, cfg.data.seq_len)} | "
@@ -159,6 +161,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
            f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})" if dims.pp > 1 else
            f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation")
     )
+    logger.describe_run({"layout": dims.describe(), "world_size": runtime.world_size, "family": adapter.family,
+                         "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len})
     peak = device_peak_flops(runtime.device)
     flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
     result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
@@ -214,7 +218,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
             guard.finish(step)
         trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
         logger.message(
-            f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl)"
+            f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl); "
+            f"see the curves with: meshtron plot {output_dir}"
         )
     finally:
         inputs.close()

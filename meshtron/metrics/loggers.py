@@ -1,0 +1,81 @@
+"""Where logged steps go besides ``metrics.jsonl``: TensorBoard and Weights & Biases (``run.loggers``).
+
+Only rank 0 logs. Each logger gets the rows ``metrics.jsonl`` gets (every number in them, under ``train/``, at the
+row's step) and, once at the start, the resolved config and the layout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import numbers
+from pathlib import Path
+
+from meshtron.config import Config, to_dict, to_toml
+from meshtron.errors import ConfigError, MeshtronError
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""run.loggers entry -> the package it needs (and the meshtron extra that installs it)."""
+TENSORBOARD_DIR = "tensorboard"
+
+
+def check_loggers(cfg: Config) -> None:
+    """A one-line error, before any work, for a logger whose package is not installed."""
+    for name in cfg.run.loggers:
+        package = PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"run.loggers: '{name}' needs the {package} package: pip install 'meshtron[{name}]' "
+                              f"(or {package}), or remove '{name}' from run.loggers")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a metrics row (not its step), as a logger takes them."""
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)}
+
+
+class TensorBoardLogger:
+    """Event files in ``<output_dir>/tensorboard`` (``tensorboard --logdir <output_dir>``)."""
+
+    def __init__(self, output_dir: Path, cfg: Config, layout: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(output_dir) / TENSORBOARD_DIR))
+        self.writer.add_text("layout", layout, 0)
+        self.writer.add_text("config", "    " + to_toml(cfg).replace("\n", "\n    "), 0)  # markdown code block
+
+    def log(self, record: dict) -> None:
+        for key, value in scalars(record).items():
+            self.writer.add_scalar(f"train/{key}", value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run (``run.wandb_project``, ``run.wandb_mode``), named after the output directory."""
+
+    def __init__(self, output_dir: Path, cfg: Config, layout: str):
+        import wandb
+
+        try:
+            self.run = wandb.init(project=cfg.run.wandb_project, mode=cfg.run.wandb_mode, dir=str(output_dir),
+                                  name=Path(output_dir).name, config={**to_dict(cfg), "layout": layout})
+        except Exception as err:  # noqa: BLE001 - wandb raises many kinds (no key, no network, ...)
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise MeshtronError(f"run.loggers: W&B could not start ({reason}); run `wandb login` or set WANDB_API_KEY, "
+                                "or set run.wandb_mode=offline (sync later with `wandb sync`)") from None
+
+    def log(self, record: dict) -> None:
+        self.run.log({f"train/{key}": value for key, value in scalars(record).items()}, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+
+
+def build_loggers(cfg: Config, output_dir: Path, layout: str) -> list:
+    """The loggers ``run.loggers`` asks for besides jsonl (call on rank 0 only)."""
+    return [LOGGERS[name](output_dir, cfg, layout) for name in dict.fromkeys(cfg.run.loggers) if name in LOGGERS]

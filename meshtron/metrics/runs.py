@@ -1,0 +1,75 @@
+"""Reading a finished (or running) run's directory: its metrics rows, layout and sizes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshtron.errors import ConfigError
+from meshtron.metrics.logger import METRICS, RUN_INFO
+
+
+@dataclass
+class Run:
+    path: Path
+    rows: list[dict]
+    """The last row logged for each step (a restart logs some steps again), in step order."""
+    info: dict
+    """run.json: layout, world_size, family, tokens_per_step (empty for runs older than run.json)."""
+
+    @property
+    def label(self) -> str:
+        layout = self.info.get("layout")
+        return f"{self.path.name} ({layout})" if layout else self.path.name
+
+    def column(self, key: str) -> list[float | None]:
+        return [row.get(key) for row in self.rows]
+
+    @property
+    def steps(self) -> list[int]:
+        return [row["step"] for row in self.rows]
+
+    @property
+    def tokens(self) -> list[float] | None:
+        """Tokens trained on after each step (global batch x sequence length x step), when known."""
+        per_step = self.info.get("tokens_per_step")
+        return [per_step * step for step in self.steps] if per_step else None
+
+
+def _tokens_per_step_from_config(path: Path) -> int | None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        config = tomllib.loads((path / "config.toml").read_text())
+        return int(config["train"]["global_batch_size"]) * int(config["data"]["seq_len"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def read_run(path: str | Path) -> Run:
+    """The run in ``path`` (a ``run.output_dir``); a one-line error when it has no metrics."""
+    path = Path(path)
+    metrics = path / METRICS
+    if not metrics.is_file():
+        raise ConfigError(f"'{path}' has no {METRICS}; give the run.output_dir of a meshtron run")
+    by_step: dict[int, dict] = {}
+    for number, line in enumerate(metrics.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{metrics}:{number} is not a JSON row; is it a meshtron metrics file?") from None
+        if isinstance(row, dict) and "step" in row and "loss" in row:
+            by_step[int(row["step"])] = row
+    if not by_step:
+        raise ConfigError(f"{metrics} has no logged steps yet")
+    info = {}
+    if (path / RUN_INFO).is_file():
+        info = json.loads((path / RUN_INFO).read_text())
+    if "tokens_per_step" not in info:
+        info["tokens_per_step"] = _tokens_per_step_from_config(path)
+    return Run(path, [by_step[step] for step in sorted(by_step)], info)

@@ -1,0 +1,64 @@
+"""``meshtron generate CKPT_OR_EXPORT --prompt "..."``: what a run learned, sampled with transformers' ``generate``.
+
+A meshtron checkpoint (``step-N`` folder) is exported to a temporary Hugging Face directory first
+(meshtron.checkpoint.export); an exported directory, or any local Hugging Face model, is loaded as it is. The
+prompt is tokenized as training tokenized documents (no special tokens added), with the run's own tokenizer
+(``data.tokenizer`` of the checkpoint's config), the directory's, or ``--tokenizer``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from meshtron.checkpoint.integrity import META
+from meshtron.errors import ConfigError
+
+
+def _tokenizer_for(model_dir: Path, spec: str | None, trust_remote_code: bool):
+    from meshtron.data.tokenizer import load_tokenizer
+
+    if spec is None:
+        has_own = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+        spec = str(model_dir) if has_own else "byte"
+    return load_tokenizer(spec, trust_remote_code=trust_remote_code)
+
+
+def generate_text(source: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int = 0, tokenizer: str | None = None, trust_remote_code: bool = False,
+                  device: str | None = None) -> str:
+    """The prompt's continuation (greedy at ``temperature`` 0, else sampled with ``top_p``), decoded."""
+    from meshtron.checkpoint.export import export_checkpoint
+    from meshtron.config import load_config
+
+    path = Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"meshtron generate: '{source}' is not a folder; give a checkpoint (step-N) or an export")
+    if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise ConfigError("meshtron generate: needs --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    with tempfile.TemporaryDirectory(prefix="meshtron-generate-") as scratch:
+        if (path / META).is_file():  # a meshtron checkpoint: its run's tokenizer unless told otherwise
+            tokenizer = tokenizer or load_config(path / "config.toml", env={}).data.tokenizer
+            path = export_checkpoint(str(path), str(Path(scratch) / "model"), trust_remote_code=trust_remote_code)
+        tok = _tokenizer_for(path, tokenizer, trust_remote_code)
+        return _generate(path, tok, prompt, max_new_tokens, temperature, top_p, seed, trust_remote_code, device)
+
+
+def _generate(model_dir: Path, tok, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int,
+              trust_remote_code: bool, device: str | None) -> str:
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code).to(device).eval()
+    ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long, device=device).reshape(1, -1)
+    if ids.shape[1] == 0:
+        ids = torch.tensor([[tok.eos_token_id]], device=device)  # an empty prompt starts after a document's end
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else \
+        {"do_sample": False}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, top_k=None, **sampling)
+    return tok.decode(out[0, ids.shape[1]:].tolist())
