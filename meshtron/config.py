@@ -32,6 +32,8 @@ ON_NONFINITE = ("error", "skip", "rollback")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
+DATA_FORMATS = ("text", "chat")
+TRAIN_ON = ("assistant", "all")
 WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
@@ -70,6 +72,13 @@ class DataConfig:
     sources: list[str] = field(default_factory=list)
     """A weighted mixture instead of ``path``: ``["/data/web:0.7", "/data/code:0.2", "/data/math:0.1"]`` (each a
     prepared directory or any source ``path`` takes; weights are normalized). See docs/data.md."""
+    format: str = "text"
+    """``text`` (documents), or ``chat``: conversations (lists of role/content messages) rendered with the
+    tokenizer's chat template, for fine-tuning. See docs/data.md."""
+    train_on: str = "assistant"
+    """With ``format=chat``: the loss on the ``assistant``'s tokens only, or on ``all`` tokens."""
+    messages_field: str = "messages"
+    """With ``format=chat``: the field of each row that holds its messages."""
     streaming: bool = False
     """Read ``data.path`` as a stream (a hub name, or local files too large to prepare): documents in the source's
     order, tokenized while training runs, each rank only its share; checkpoints save the position. See docs/data.md."""
@@ -391,6 +400,8 @@ def validate_config(cfg: Config) -> None:
     _choice("train.router_aux_loss", t.router_aux_loss, ROUTER_AUX_LOSS)
     _choice("run.device", cfg.run.device, DEVICES)
     _choice("run.wandb_mode", cfg.run.wandb_mode, WANDB_MODES)
+    _choice("data.format", d.format, DATA_FORMATS)
+    _choice("data.train_on", d.train_on, TRAIN_ON)
     for logger in cfg.run.loggers:
         _choice("run.loggers", logger, LOGGERS)
     if t.loss_chunk_size < 0:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
 from conftest import failure_report, run_torchrun
 
 STEPS = 12
@@ -64,6 +65,7 @@ def write_short_documents(directory: Path) -> Path:
     path = directory / SHORT_DOCUMENTS
     path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     prepare_short_documents(directory, path)
+    write_chat_fixture(directory)
     write_vocab_250_model(directory)
     write_moe_aux_model(directory)
     return path
@@ -169,6 +171,10 @@ REFERENCES = {
     # The same documents streamed (data.streaming): read while training, each data-parallel rank its lanes.
     "llama-stream": ["model.preset=llama-tiny", "data.streaming=true", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
                      "data.max_documents=1000"],
+    # Chat fine-tuning (data.format=chat): the loss on the assistant's tokens only, normalized by their global count.
+    "llama-chat": [f"model.name_or_path={{cache_dir}}/{CHAT_MODEL}", f"data.tokenizer={{cache_dir}}/{CHAT_MODEL}",
+                   "data.format=chat", f"data.path={{cache_dir}}/{CHAT_DATA}", "data.mask_documents=false",
+                   "data.seq_len=128", "data.max_documents=300"],
     "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
                           "train.lr=5e-4", "data.mask_documents=false"],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
@@ -316,6 +322,10 @@ LAYOUTS["tp2_mixture"] = (2, ["parallel.tp=2"], "llama-mixture")
 LAYOUTS["ddp2_stream"] = (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "llama-stream")
 LAYOUTS["dp2_tp2_stream_accum"] = (4, ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=2"],
                                    "llama-stream")
+# Chat: masked labels; every rank counts the global batch's assistant tokens itself.
+for _name, _overrides in {"ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "fsdp2": ["parallel.dp_shard=2"],
+                          "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}.items():
+    LAYOUTS[f"{_name}_chat"] = (2, _overrides, "llama-chat")
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
 # Replication over dp_replicate with FSDP over dp_shard x cp: the (dp_replicate, dp_shard_cp) mesh of HSDP x CP.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshtron.config import DataConfig
+from meshtron.data.chat import build_chat_dataset
 from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.mixture import MixedDataset, MixtureSchedule, parse_sources
 from meshtron.data.sampler import GlobalBatchSchedule
@@ -17,6 +18,9 @@ def build_training_data(data: DataConfig, tokenizer, global_batch_size: int, *, 
     Each source is a prepared directory or any other source, prepared into ``data.cache_dir`` first; local
     rank 0 of each machine builds what is missing (the others wait outside any collective). With ``data.streaming``
     the source is read while training runs (meshtron.data.streaming)."""
+    if data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
+        dataset = build_chat_dataset(data, tokenizer)
+        return dataset, GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
     if data.streaming:
         return StreamingDataset(data, tokenizer, global_batch_size), StreamSchedule(global_batch_size, data.seed)
     if not data.sources:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshtron.checkpoint.manager import check_fixed_directory, resume_point
 from meshtron.config import BUILTIN_CORPUS, Config
+from meshtron.data.chat import check_chat_tokenizer
 from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
@@ -80,6 +81,19 @@ def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
 
 def check_data_sources(data) -> list[str]:
     """The data paths of the run (``data.path``, or each of ``data.sources``), each checked."""
+    if data.format == "chat":
+        for setting, wrong, fix in (
+            ("data.streaming", data.streaming, "set data.streaming=false"),
+            ("data.sources", bool(data.sources), "give one data.path"),
+            # Chat templates may end turns with EOS, where document masks would split a conversation.
+            ("data.mask_documents", data.mask_documents, "set data.mask_documents=false (conversations packed in one "
+                                                         "block then also attend to the ones before them)"),
+        ):
+            if wrong:
+                raise ConfigError(f"data.format=chat does not work with {setting} yet: {fix}")
+        if is_prepared(data.path):
+            raise ConfigError(f"data.path '{data.path}' is a prepared directory of text; data.format=chat reads "
+                              "conversations (.jsonl or a saved dataset)")
     if data.streaming:
         if data.sources:
             raise ConfigError("data.streaming reads one source (data.path), not a mixture (data.sources); prepare the "
@@ -111,6 +125,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
+    if cfg.data.format == "chat":
+        check_chat_tokenizer(tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
     check_expert_parallel(hf_config, dims.ep)

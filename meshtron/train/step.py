@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.config import Config
+from meshtron.data.chat import ChatDataset, chat_target_count
 from meshtron.data.prefetch import StepBlocks, StepReader
 from meshtron.data.streaming import StreamingDataset, streamed_target_count
 from meshtron.distributed.data_parallel import set_gradient_sync
@@ -125,6 +126,8 @@ def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
     if isinstance(dataset, StreamingDataset):
         dataset.own(np.concatenate(step_blocks(schedule, 0, ctx).micro_batches))
         count_targets = streamed_target_count
+    elif isinstance(dataset, ChatDataset):  # only the tokens that carry loss count
+        count_targets = chat_target_count
     return StepReader(dataset, lambda step: step_blocks(schedule, step, ctx), count_targets,
                       prefetch=ctx.cfg.data.prefetch, pin=ctx.device.type == "cuda")
 

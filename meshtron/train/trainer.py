@@ -17,6 +17,7 @@ from torch import nn
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, save_config
+from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.data_parallel import parameter_device
@@ -243,7 +244,7 @@ def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
 
 
 def _data_summary(dataset, seq_len: int) -> str:
-    if isinstance(dataset, StreamingDataset):
+    if isinstance(dataset, (StreamingDataset, ChatDataset)):
         return dataset.describe()
     return f"{len(dataset):,} sequences of {seq_len} tokens"
 

@@ -1,0 +1,166 @@
+"""Chat data for fine-tuning (``data.format=chat``): conversations rendered with the tokenizer's chat template, the
+loss on the assistant's tokens only (``data.train_on=assistant``) or on every token (``all``).
+
+A conversation is a list of ``{"role", "content"}`` messages: ``data.messages_field`` of each JSON line, or of each
+row of a saved ``datasets`` folder. Its assistant tokens are found from the template itself: for the i-th message,
+an assistant's, the text rendered for the messages before it with the generation prompt ends where its tokens
+start, and the text rendered through it ends where they stop (its end-of-turn token included). Tokens are mapped
+to those characters with the fast tokenizer's offsets.
+
+Packing never cuts a conversation: conversations (each followed by EOS) fill blocks of ``seq_len + 1`` tokens in
+order; one that does not fit in what is left of a block starts the next, and the rest of the block is EOS padding
+with no loss. A conversation longer than a block is cut to one block. The blocks are built in memory at the start,
+on every rank (fine-tuning sets; nothing is cached).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from meshtron.config import DataConfig
+from meshtron.data.sources import _is_saved_dataset, _load_saved
+from meshtron.errors import ConfigError, MeshtronError
+from meshtron.train.loss import IGNORE_INDEX
+
+
+def check_chat_tokenizer(tokenizer) -> None:
+    """A chat run needs a Hugging Face fast tokenizer with a chat template."""
+    tok = getattr(tokenizer, "tok", None)
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ConfigError("data.format=chat renders conversations with the tokenizer's chat template: set "
+                          "data.tokenizer to a Hugging Face tokenizer folder that has one (tokenizer_config.json "
+                          "'chat_template')")
+    if not tok.is_fast:
+        raise ConfigError(f"data.format=chat needs a fast tokenizer (tokenizer.json) in '{tokenizer.name}'")
+
+
+def iter_conversations(path: str, field: str, max_documents: int | None = None) -> Iterator[list[dict]]:
+    """The conversations of a ``.jsonl`` file or a saved ``datasets`` folder, in order."""
+    local = Path(path).expanduser()
+    if _is_saved_dataset(local):
+        rows = ((f"{local}[{i}]", row) for i, row in enumerate(_load_saved(local)))
+    elif local.is_file():
+        rows = _json_rows(local)
+    else:
+        raise ConfigError(f"data.path: '{path}' is not a .jsonl file or a saved dataset; data.format=chat reads those")
+    count = 0
+    for where, row in rows:
+        if max_documents is not None and count >= max_documents:
+            return
+        if not isinstance(row, dict) or field not in row:
+            raise ConfigError(f"data.messages_field: '{field}' is not in {where}; set data.messages_field")
+        messages = row[field]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ConfigError(f"{where}: '{field}' must be a list of {{\"role\": ..., \"content\": ...}} messages")
+        if messages:
+            count += 1
+            yield messages
+
+
+def _json_rows(path: Path):
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    yield f"{path}:{number}", json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"data.path: {path}:{number} is not valid JSON ({err})") from None
+
+
+def render(tokenizer, messages: list[dict], train_on: str) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, which of them carry loss) of one conversation, EOS appended (never trained on)."""
+    tok = tokenizer.tok
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = tok.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+        stop = tok.apply_chat_template(messages[:index + 1], tokenize=False)
+        if not (text.startswith(start) and text.startswith(stop)):
+            raise MeshtronError("the chat template does not render a conversation's beginning as the beginning of "
+                                "the whole; data.train_on=assistant cannot find the assistant's tokens (use "
+                                "data.train_on=all)")
+        spans.append((len(start), len(stop)))
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+    starts = np.asarray([offset[0] for offset in encoded["offset_mapping"]], dtype=np.int64).reshape(-1)
+    if train_on == "all":
+        trained = np.ones(ids.size, dtype=bool)
+    else:
+        trained = np.zeros(ids.size, dtype=bool)
+        for low, high in spans:
+            trained |= (starts >= low) & (starts < high)
+    return np.append(ids, tokenizer.eos_token_id), np.append(trained, False)
+
+
+def pack(conversations: list[tuple[np.ndarray, np.ndarray]], width: int, eos: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens, trained) blocks of ``width`` tokens, conversations never split (see the module docstring), and how
+    many conversations were cut to one block."""
+    blocks, masks, cut = [], [], 0
+    tokens, trained = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool)
+    used = 0
+    for ids, mask in conversations:
+        if ids.size > width:
+            ids, mask, cut = ids[:width], mask[:width], cut + 1
+        if used + ids.size > width:
+            blocks.append(tokens), masks.append(trained)
+            tokens, trained, used = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool), 0
+        tokens[used:used + ids.size], trained[used:used + ids.size] = ids, mask
+        used += ids.size
+    if used:
+        blocks.append(tokens), masks.append(trained)
+    if not blocks:
+        return np.zeros((0, width), dtype=np.int64), np.zeros((0, width), dtype=bool), cut
+    return np.stack(blocks), np.stack(masks), cut
+
+
+class ChatDataset:
+    """Packed conversations: ``rows`` gives the tokens, ``batch`` the inputs and the labels, IGNORE_INDEX where a
+    token carries no loss (padding, and with ``train_on=assistant`` all but the assistant's tokens)."""
+
+    def __init__(self, tokens: np.ndarray, trained: np.ndarray, conversations: int = 0, cut: int = 0):
+        self.tokens, self.trained = tokens, trained
+        self.seq_len = tokens.shape[1] - 1
+        self.conversations, self.cut = conversations, cut
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, indices) -> np.ndarray:
+        return self.tokens[np.asarray(indices, dtype=np.int64).reshape(-1)]
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        rows, trained = self.tokens[indices], self.trained[indices]
+        labels = np.where(trained[:, 1:], rows[:, 1:], IGNORE_INDEX)
+        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(labels)
+
+    def target_count(self, indices) -> int:
+        """Tokens that carry loss in the blocks ``indices`` (the global batch: every rank counts it itself)."""
+        return int(self.trained[np.asarray(indices, dtype=np.int64).reshape(-1), 1:].sum())
+
+    def describe(self) -> str:
+        cut = f", {self.cut:,} cut to one block" if self.cut else ""
+        return (f"{len(self):,} sequences of {self.seq_len} tokens packed from {self.conversations:,} conversations"
+                f"{cut}; {int(self.trained[:, 1:].sum()):,} tokens carry loss")
+
+
+def build_chat_dataset(data: DataConfig, tokenizer) -> ChatDataset:
+    conversations = [render(tokenizer, messages, data.train_on)
+                     for messages in iter_conversations(data.path, data.messages_field, data.max_documents)]
+    tokens, trained, cut = pack(conversations, data.seq_len + 1, tokenizer.eos_token_id)
+    if len(tokens) == 0:
+        raise MeshtronError(f"data.path '{data.path}' has no conversations; check data.messages_field")
+    return ChatDataset(tokens, trained, len(conversations), cut)
+
+
+def chat_target_count(dataset: ChatDataset, indices) -> int:
+    return max(1, dataset.target_count(indices))

@@ -1,0 +1,108 @@
+"""Chat fine-tuning data (data.format=chat): the assistant-token mask, packing without cutting conversations, the
+first step's loss against a cross-entropy by hand, and the settings. Parity under DDP2 / FSDP2 / TP2 / PP2 / CP2 is
+in test_parity.py (the llama-chat reference)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
+from meshtron.config import DataConfig, load_config
+from meshtron.data.chat import ChatDataset, pack, render
+from meshtron.data.tokenizer import load_tokenizer
+from meshtron.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("chat")
+    write_chat_fixture(directory)
+    return directory
+
+
+def test_only_the_assistants_tokens_and_their_end_of_turn_carry_loss(chat_dir):
+    tokenizer = load_tokenizer(str(chat_dir / CHAT_MODEL))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"},
+                {"role": "assistant", "content": "yes"}, {"role": "user", "content": "how"},
+                {"role": "assistant", "content": "no red"}]
+    ids, trained = render(tokenizer, messages, "assistant")
+    assert tokenizer.decode(ids) == "<system>be brief</s><user>why?</s><assistant>yes</s><user>how</s><assistant>no red</s></s>"
+    assert tokenizer.decode(ids[trained]) == "yes</s>no red</s>"
+    ids_all, trained_all = render(tokenizer, messages, "all")
+    assert np.array_equal(ids_all, ids) and trained_all[:-1].all() and not trained_all[-1]  # the separator EOS
+
+
+def test_packing_never_cuts_a_conversation_and_pads_without_loss():
+    eos = 9
+    convs = [(np.array([1, 2, 3, eos]), np.array([0, 1, 1, 0], bool)),
+             (np.array([4, 5, eos]), np.array([0, 1, 0], bool)),
+             (np.array([6, 7, 8, 6, 7, 8, 6, eos]), np.ones(8, bool))]
+    tokens, trained, cut = pack(convs, 6, eos)
+    assert tokens.tolist() == [[1, 2, 3, eos, eos, eos], [4, 5, eos, eos, eos, eos], [6, 7, 8, 6, 7, 8]]
+    assert trained.tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]] and cut == 1
+    inputs, labels = ChatDataset(tokens, trained).batch([0])
+    assert inputs.tolist() == [[1, 2, 3, eos, eos]] and labels.tolist() == [[2, 3, -100, -100, -100]]
+
+
+def chat_overrides(chat_dir, out, *extra) -> list[str]:
+    return [f"model.name_or_path={chat_dir / CHAT_MODEL}", f"data.tokenizer={chat_dir / CHAT_MODEL}",
+            "data.format=chat", f"data.path={chat_dir / CHAT_DATA}", "data.mask_documents=false", "data.seq_len=128",
+            "train.global_batch_size=8", "train.steps=1", "run.progress=false", f"run.output_dir={out}", *extra]
+
+
+def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat_dir, tmp_path):
+    """One training step in one process; by hand: plain transformers' logits on the same blocks, cross-entropy
+    summed over the assistant positions and divided by their count. The all-token loss is another number."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.data.sampler import GlobalBatchSchedule
+    from meshtron.data.chat import build_chat_dataset
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    cfg = load_config(None, chat_overrides(chat_dir, tmp_path / "run"), env={})
+    result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    dataset = build_chat_dataset(cfg.data, load_tokenizer(cfg.data.tokenizer))
+    batch = GlobalBatchSchedule(len(dataset), 8, cfg.data.shuffle, cfg.data.seed).global_batch(0)
+    rows, trained = dataset.tokens[batch], dataset.trained[batch]
+    model = AutoModelForCausalLM.from_pretrained(chat_dir / CHAT_MODEL, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(rows[:, :-1])).logits.double()
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(rows[:, 1:]).reshape(-1),
+                             reduction="none")
+    assistant = torch.from_numpy(trained[:, 1:]).reshape(-1)
+    by_hand = (losses[assistant].sum() / assistant.sum()).item()
+    assert result.losses[0] == pytest.approx(by_hand, rel=1e-5)
+    assert abs(losses.mean().item() - by_hand) > 100 * 1e-5 * by_hand  # the all-token loss differs, far beyond that
+    log = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert log["loss"] == result.losses[0]
+
+
+def test_chat_settings_are_checked(chat_dir, tmp_path):
+    from meshtron.train.preflight import preflight
+
+    def check(*extra):
+        preflight(load_config(None, chat_overrides(chat_dir, tmp_path / "x", *extra), env={}), 1, "cpu")
+
+    check()
+    with pytest.raises(ConfigError, match="data.mask_documents=false"):
+        check("data.mask_documents=true")
+    with pytest.raises(ConfigError, match="chat template"):
+        check("data.tokenizer=byte", "model.name_or_path=", "model.preset=llama-tiny")
+    with pytest.raises(ConfigError, match="data.streaming=false"):
+        check("data.streaming=true")
+    with pytest.raises(ConfigError, match="'data.train_on: 'some' is not one of|data.train_on"):
+        check("data.train_on=some")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": "hello"}) + "\n")
+    from meshtron.data.chat import iter_conversations
+
+    with pytest.raises(ConfigError, match="must be a list of"):
+        list(iter_conversations(str(bad), "messages"))
+    with pytest.raises(ConfigError, match="data.messages_field: 'turns' is not in"):
+        list(iter_conversations(str(chat_dir / CHAT_DATA), "turns"))
