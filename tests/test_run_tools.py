@@ -104,6 +104,11 @@ def test_a_logger_without_its_package_is_a_one_line_error(monkeypatch):
     cfg = load_config(None, ["run.loggers=jsonl,wandb"], env={})
     with pytest.raises(ConfigError, match=r"pip install 'meshtron\[wandb\]'"):
         check_loggers(cfg)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    online = load_config(None, ["run.loggers=jsonl,wandb", "run.wandb_mode=online"], env={})
+    with pytest.raises(ConfigError, match="needs a W&B API key"):
+        check_loggers(online, env={"NETRC": "/nonexistent"})
+    check_loggers(online, env={"WANDB_API_KEY": "x" * 40})
     with pytest.raises(ConfigError, match="run.loggers: 'neptune' is not one of"):
         load_config(None, ["run.loggers=neptune"], env={})
 

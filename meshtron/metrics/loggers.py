@@ -7,8 +7,11 @@ row's step) and, once at the start, the resolved config and the layout.
 from __future__ import annotations
 
 import importlib.util
+import netrc
 import numbers
+import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 from meshtron.config import Config, to_dict, to_toml
 from meshtron.errors import ConfigError, MeshtronError
@@ -18,13 +21,28 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 TENSORBOARD_DIR = "tensorboard"
 
 
-def check_loggers(cfg: Config) -> None:
-    """A one-line error, before any work, for a logger whose package is not installed."""
+def check_loggers(cfg: Config, env=os.environ) -> None:
+    """A one-line error, before any work (on every rank), for a logger whose package is not installed, or W&B
+    online without an API key."""
     for name in cfg.run.loggers:
         package = PACKAGES.get(name)
         if package is not None and importlib.util.find_spec(package) is None:
             raise ConfigError(f"run.loggers: '{name}' needs the {package} package: pip install 'meshtron[{name}]' "
                               f"(or {package}), or remove '{name}' from run.loggers")
+    if "wandb" in cfg.run.loggers and cfg.run.wandb_mode == "online" and not _wandb_api_key(env):
+        raise ConfigError("run.wandb_mode=online needs a W&B API key: run `wandb login` or set WANDB_API_KEY, or set "
+                          "run.wandb_mode=offline (upload later with `wandb sync`)")
+
+
+def _wandb_api_key(env) -> bool:
+    """Whether W&B will find an API key: WANDB_API_KEY, or the ~/.netrc entry that `wandb login` writes."""
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(env.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def scalars(record: dict) -> dict[str, float]:
