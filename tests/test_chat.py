@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
 from meshtron.config import DataConfig, load_config
-from meshtron.data.chat import ChatDataset, pack, render
+from meshtron.data.chat import ChatDataset, choose_separator, pack, render
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.errors import ConfigError
 
@@ -31,17 +31,22 @@ def test_only_the_assistants_tokens_and_their_end_of_turn_carry_loss(chat_dir):
                 {"role": "assistant", "content": "yes"}, {"role": "user", "content": "how"},
                 {"role": "assistant", "content": "no red"}]
     ids, trained = render(tokenizer, messages, "assistant")
-    assert tokenizer.decode(ids) == "<system>be brief</s><user>why?</s><assistant>yes</s><user>how</s><assistant>no red</s></s>"
+    assert tokenizer.decode(ids) == "<system>be brief</s><user>why?</s><assistant>yes</s><user>how</s><assistant>no red</s>"
     assert tokenizer.decode(ids[trained]) == "yes</s>no red</s>"
     ids_all, trained_all = render(tokenizer, messages, "all")
-    assert np.array_equal(ids_all, ids) and trained_all[:-1].all() and not trained_all[-1]  # the separator EOS
+    assert np.array_equal(ids_all, ids) and trained_all.all()
+    # The template ends turns with EOS, so EOS cannot separate conversations: the highest id none of them uses does.
+    conversations = [(ids, trained)]
+    assert choose_separator(tokenizer, conversations) == tokenizer.vocab_size - 1  # "~"
+    no_eos = [(ids[ids != tokenizer.eos_token_id], trained[ids != tokenizer.eos_token_id])]
+    assert choose_separator(tokenizer, no_eos) == tokenizer.eos_token_id
 
 
 def test_packing_never_cuts_a_conversation_and_pads_without_loss():
-    eos = 9
-    convs = [(np.array([1, 2, 3, eos]), np.array([0, 1, 1, 0], bool)),
-             (np.array([4, 5, eos]), np.array([0, 1, 0], bool)),
-             (np.array([6, 7, 8, 6, 7, 8, 6, eos]), np.ones(8, bool))]
+    eos = 9  # the separator
+    convs = [(np.array([1, 2, 3]), np.array([0, 1, 1], bool)),
+             (np.array([4, 5]), np.array([0, 1], bool)),
+             (np.array([6, 7, 8, 6, 7, 8, 6]), np.ones(7, bool))]
     tokens, trained, cut = pack(convs, 6, eos)
     assert tokens.tolist() == [[1, 2, 3, eos, eos, eos], [4, 5, eos, eos, eos, eos], [6, 7, 8, 6, 7, 8]]
     assert trained.tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]] and cut == 1
@@ -51,13 +56,15 @@ def test_packing_never_cuts_a_conversation_and_pads_without_loss():
 
 def chat_overrides(chat_dir, out, *extra) -> list[str]:
     return [f"model.name_or_path={chat_dir / CHAT_MODEL}", f"data.tokenizer={chat_dir / CHAT_MODEL}",
-            "data.format=chat", f"data.path={chat_dir / CHAT_DATA}", "data.mask_documents=false", "data.seq_len=128",
+            "data.format=chat", f"data.path={chat_dir / CHAT_DATA}", "data.seq_len=128",
             "train.global_batch_size=8", "train.steps=1", "run.progress=false", f"run.output_dir={out}", *extra]
 
 
-def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat_dir, tmp_path):
-    """One training step in one process; by hand: plain transformers' logits on the same blocks, cross-entropy
-    summed over the assistant positions and divided by their count. The all-token loss is another number."""
+@pytest.mark.parametrize("mask_documents", [True, False])
+def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat_dir, tmp_path, mask_documents):
+    """One training step in one process; by hand: plain transformers' logits (each conversation of a block on its
+    own with document masks, the whole block without), cross-entropy summed over the assistant positions and
+    divided by their count. The all-token loss is another number."""
     from transformers import AutoModelForCausalLM
 
     from meshtron.data.sampler import GlobalBatchSchedule
@@ -65,17 +72,24 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = load_config(None, chat_overrides(chat_dir, tmp_path / "run"), env={})
+    cfg = load_config(None, chat_overrides(chat_dir, tmp_path / "run", f"data.mask_documents={mask_documents}"), env={})
     result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     dataset = build_chat_dataset(cfg.data, load_tokenizer(cfg.data.tokenizer))
     batch = GlobalBatchSchedule(len(dataset), 8, cfg.data.shuffle, cfg.data.seed).global_batch(0)
     rows, trained = dataset.tokens[batch], dataset.trained[batch]
-    model = AutoModelForCausalLM.from_pretrained(chat_dir / CHAT_MODEL, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.from_numpy(rows[:, :-1])).logits.double()
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(rows[:, 1:]).reshape(-1),
-                             reduction="none")
-    assistant = torch.from_numpy(trained[:, 1:]).reshape(-1)
+    model = AutoModelForCausalLM.from_pretrained(chat_dir / CHAT_MODEL, dtype=torch.float32).eval()
+    losses, assistant = [], []
+    for row, mask in zip(rows, trained):
+        # Segments: each conversation with its separator (document masks), or the whole block.
+        ends = np.flatnonzero(row[:-1] == dataset.separator) + 1 if mask_documents else np.array([], dtype=np.int64)
+        for start, stop in zip([0, *ends], [*ends, len(row) - 1]):
+            if stop <= start:
+                continue
+            with torch.no_grad():  # positions restart at 0 in each segment, as meshtron's document masks have them
+                logits = model(torch.from_numpy(row[start:stop][None])).logits[0].double()
+            losses.append(F.cross_entropy(logits, torch.from_numpy(row[start + 1:stop + 1]), reduction="none"))
+            assistant.append(torch.from_numpy(mask[start + 1:stop + 1]))
+    losses, assistant = torch.cat(losses), torch.cat(assistant)
     by_hand = (losses[assistant].sum() / assistant.sum()).item()
     assert result.losses[0] == pytest.approx(by_hand, rel=1e-5)
     assert abs(losses.mean().item() - by_hand) > 100 * 1e-5 * by_hand  # the all-token loss differs, far beyond that
@@ -90,8 +104,6 @@ def test_chat_settings_are_checked(chat_dir, tmp_path):
         preflight(load_config(None, chat_overrides(chat_dir, tmp_path / "x", *extra), env={}), 1, "cpu")
 
     check()
-    with pytest.raises(ConfigError, match="data.mask_documents=false"):
-        check("data.mask_documents=true")
     with pytest.raises(ConfigError, match="chat template"):
         check("data.tokenizer=byte", "model.name_or_path=", "model.preset=llama-tiny")
     with pytest.raises(ConfigError, match="data.streaming=false"):

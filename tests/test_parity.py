@@ -173,8 +173,8 @@ REFERENCES = {
                      "data.max_documents=1000"],
     # Chat fine-tuning (data.format=chat): the loss on the assistant's tokens only, normalized by their global count.
     "llama-chat": [f"model.name_or_path={{cache_dir}}/{CHAT_MODEL}", f"data.tokenizer={{cache_dir}}/{CHAT_MODEL}",
-                   "data.format=chat", f"data.path={{cache_dir}}/{CHAT_DATA}", "data.mask_documents=false",
-                   "data.seq_len=128", "data.max_documents=300"],
+                   "data.format=chat", f"data.path={{cache_dir}}/{CHAT_DATA}", "data.seq_len=128",
+                   "data.max_documents=300"],
     "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
                           "train.lr=5e-4", "data.mask_documents=false"],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).

@@ -7,10 +7,12 @@ an assistant's, the text rendered for the messages before it with the generation
 start, and the text rendered through it ends where they stop (its end-of-turn token included). Tokens are mapped
 to those characters with the fast tokenizer's offsets.
 
-Packing never cuts a conversation: conversations (each followed by EOS) fill blocks of ``seq_len + 1`` tokens in
-order; one that does not fit in what is left of a block starts the next, and the rest of the block is EOS padding
-with no loss. A conversation longer than a block is cut to one block. The blocks are built in memory at the start,
-on every rank (fine-tuning sets; nothing is cached).
+Packing never cuts a conversation: conversations, each followed by a separator token, fill blocks of ``seq_len + 1``
+tokens in order; one that does not fit in what is left of a block starts the next, and the rest of the block is
+separator padding with no loss. A conversation longer than a block is cut to one block. The separator is where
+document masks (``data.mask_documents``) cut: EOS when no conversation contains it, else a token none contains
+(chat templates often end every turn with EOS, which must not cut a conversation apart). The blocks are built in
+memory at the start, on every rank (fine-tuning sets; nothing is cached).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _json_rows(path: Path):
 
 
 def render(tokenizer, messages: list[dict], train_on: str) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, which of them carry loss) of one conversation, EOS appended (never trained on)."""
+    """(token ids, which of them carry loss) of one conversation (no separator yet)."""
     tok = tokenizer.tok
     text = tok.apply_chat_template(messages, tokenize=False)
     spans = []
@@ -98,16 +100,31 @@ def render(tokenizer, messages: list[dict], train_on: str) -> tuple[np.ndarray, 
         trained = np.zeros(ids.size, dtype=bool)
         for low, high in spans:
             trained |= (starts >= low) & (starts < high)
-    return np.append(ids, tokenizer.eos_token_id), np.append(trained, False)
+    return ids, trained
+
+
+def choose_separator(tokenizer, conversations: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    """The token that ends each conversation in a block, where document masks cut: EOS when no conversation uses
+    it (templates often end turns with it), else the pad or BOS token, else the highest id none of them uses."""
+    used = set(np.unique(np.concatenate([ids for ids, _ in conversations])).tolist()) if conversations else set()
+    tok = tokenizer.tok
+    for candidate in (tokenizer.eos_token_id, tok.pad_token_id, tok.bos_token_id):
+        if candidate is not None and candidate not in used:
+            return int(candidate)
+    for candidate in range(tokenizer.vocab_size - 1, -1, -1):
+        if candidate not in used:
+            return candidate
+    raise MeshtronError("the conversations use every token of the vocabulary; no token is left to separate them")
 
 
 def pack(conversations: list[tuple[np.ndarray, np.ndarray]], width: int, eos: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens, trained) blocks of ``width`` tokens, conversations never split (see the module docstring), and how
-    many conversations were cut to one block."""
+    """(tokens, trained) blocks of ``width`` tokens, each conversation followed by ``eos`` (the separator, with no
+    loss) and never split (see the module docstring), and how many conversations were cut to one block."""
     blocks, masks, cut = [], [], 0
     tokens, trained = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool)
     used = 0
     for ids, mask in conversations:
+        ids, mask = np.append(ids, eos), np.append(mask, False)
         if ids.size > width:
             ids, mask, cut = ids[:width], mask[:width], cut + 1
         if used + ids.size > width:
@@ -126,8 +143,11 @@ class ChatDataset:
     """Packed conversations: ``rows`` gives the tokens, ``batch`` the inputs and the labels, IGNORE_INDEX where a
     token carries no loss (padding, and with ``train_on=assistant`` all but the assistant's tokens)."""
 
-    def __init__(self, tokens: np.ndarray, trained: np.ndarray, conversations: int = 0, cut: int = 0):
+    def __init__(self, tokens: np.ndarray, trained: np.ndarray, conversations: int = 0, cut: int = 0,
+                 separator: int | None = None):
         self.tokens, self.trained = tokens, trained
+        self.separator = separator
+        """The token after each conversation (and the padding): where document masks cut (see choose_separator)."""
         self.seq_len = tokens.shape[1] - 1
         self.conversations, self.cut = conversations, cut
 
@@ -150,16 +170,17 @@ class ChatDataset:
     def describe(self) -> str:
         cut = f", {self.cut:,} cut to one block" if self.cut else ""
         return (f"{len(self):,} sequences of {self.seq_len} tokens packed from {self.conversations:,} conversations"
-                f"{cut}; {int(self.trained[:, 1:].sum()):,} tokens carry loss")
+                f"{cut}, separated by token {self.separator}; {int(self.trained[:, 1:].sum()):,} tokens carry loss")
 
 
 def build_chat_dataset(data: DataConfig, tokenizer) -> ChatDataset:
     conversations = [render(tokenizer, messages, data.train_on)
                      for messages in iter_conversations(data.path, data.messages_field, data.max_documents)]
-    tokens, trained, cut = pack(conversations, data.seq_len + 1, tokenizer.eos_token_id)
-    if len(tokens) == 0:
+    if not conversations:
         raise MeshtronError(f"data.path '{data.path}' has no conversations; check data.messages_field")
-    return ChatDataset(tokens, trained, len(conversations), cut)
+    separator = choose_separator(tokenizer, conversations)
+    tokens, trained, cut = pack(conversations, data.seq_len + 1, separator)
+    return ChatDataset(tokens, trained, len(conversations), cut, separator)
 
 
 def chat_target_count(dataset: ChatDataset, indices) -> int:

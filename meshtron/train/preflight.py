@@ -85,9 +85,6 @@ def check_data_sources(data) -> list[str]:
         for setting, wrong, fix in (
             ("data.streaming", data.streaming, "set data.streaming=false"),
             ("data.sources", bool(data.sources), "give one data.path"),
-            # Chat templates may end turns with EOS, where document masks would split a conversation.
-            ("data.mask_documents", data.mask_documents, "set data.mask_documents=false (conversations packed in one "
-                                                         "block then also attend to the ones before them)"),
         ):
             if wrong:
                 raise ConfigError(f"data.format=chat does not work with {setting} yet: {fix}")

@@ -122,7 +122,9 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     )
 
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
-    split = _sequence_split(meshes, dims, cfg, plan.tokenizer.eos_token_id, plan.hf_config)
+    # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
+    separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
+    split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)
     model, adapter = build_meta_model(plan.hf_config, cfg.model)
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
