@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/meshtron train --config configs/demo.toml --nproc 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

@@ -11,9 +11,7 @@ from typing import IO
 
 import torch
 
-
-METRICS = "metrics.jsonl"
-RUN_INFO = "run.json"
+from meshtron.metrics.runs import METRICS, RUN_INFO
 
 
 def local_bytes(tensor) -> int:

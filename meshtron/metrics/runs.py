@@ -1,4 +1,5 @@
-"""Reading a finished (or running) run's directory: its metrics rows, layout and sizes."""
+"""Reading a finished (or running) run's directory: its metrics rows, layout and sizes (no torch import: the
+``meshtron`` command line loads this to build its parser)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtron.errors import ConfigError
-from meshtron.metrics.logger import METRICS, RUN_INFO
+
+METRICS = "metrics.jsonl"
+RUN_INFO = "run.json"
 
 
 @dataclass
