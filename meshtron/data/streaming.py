@@ -121,7 +121,8 @@ class DocumentReader:
                 if self.in_epoch == 0:
                     raise MeshtronError(f"data.path '{self.where}' gave no documents to stream; check data.path and "
                                         "data.text_field")
-                self.epoch, self.in_epoch, self._stream_state, self._dataset, self._rows = self.epoch + 1, 0, None, None, None
+                self.epoch, self.in_epoch = self.epoch + 1, 0
+                self._stream_state, self._dataset, self._rows = None, None, None
                 continue
             text = row[self.field]
             if text is None or text == "":
@@ -155,6 +156,7 @@ class Lane:
         """The next block this lane gives."""
         self.start, self.offset = document, offset  # where it begins: its first document at or after ``start``
         self.queue: deque = deque()  # (index, text) dealt to it and not yet tokenized
+        self.ready: deque = deque()  # (index, tokens) tokenized and not yet cut
         self.current: int | None = None  # the index of the document in ``tokens``
         self.tokens, self.position = np.zeros(0, dtype=np.int64), 0
         self.history: dict[int, tuple[int, int]] = {}  # block -> state before it
@@ -176,15 +178,13 @@ class Lane:
         parts, need = [], width
         while need:
             if self.position >= len(self.tokens):
-                while not self.queue:
-                    deal_one()
-                if isinstance(self.queue[0][1], str):  # tokenize what is queued in one call
-                    items = list(self.queue)
-                    texts = [(k, text) for k, (_, text) in enumerate(items) if isinstance(text, str)]
-                    for (k, _), tokens in zip(texts, tokenize([text for _, text in texts])):
-                        items[k] = (items[k][0], tokens)
-                    self.queue = deque(items)
-                self.current, self.tokens = self.queue.popleft()
+                if not self.ready:  # tokenize everything queued in one call
+                    while not self.queue:
+                        deal_one()
+                    indices, texts = zip(*self.queue)
+                    self.queue.clear()
+                    self.ready.extend(zip(indices, tokenize(list(texts))))
+                self.current, self.tokens = self.ready.popleft()
                 self.position, self.offset = self.offset, 0  # the saved offset is into the first document
                 continue
             take = min(need, len(self.tokens) - self.position)
@@ -202,17 +202,14 @@ class StreamingDataset:
     skips ahead, or goes back up to KEEP_BLOCKS blocks). Thread-safe: the prefetch thread reads while the main
     thread saves or restores."""
 
-    def __init__(self, data: DataConfig, tokenizer, global_batch_size: int, open: Callable | None = None):
+    def __init__(self, data: DataConfig, tokenizer, global_batch_size: int):
         self.path, self.seq_len, self.lane_count = data.path, data.seq_len, global_batch_size
         self.tokenizer_name, self.eos = tokenizer.name, tokenizer.eos_token_id
         self.shuffle = data.shuffle
         self._encode = tokenizer.encode_batch
-        if open is None:
-            field = open_stream(data.path, data.text_field)[1]  # checks the source and its column once, up front
-            open = lambda: open_stream(data.path, data.text_field)[0]  # noqa: E731
-        else:
-            field = data.text_field
-        self.reader = DocumentReader(open, field, global_batch_size, data.max_documents, data.path)
+        field = open_stream(data.path, data.text_field)[1]  # checks the source and its column once, up front
+        self.reader = DocumentReader(lambda: open_stream(data.path, data.text_field)[0], field, global_batch_size,
+                                     data.max_documents, data.path)
         self.lanes: dict[int, Lane] = {}
         self.tokenized_documents = 0
         self._lock = threading.Lock()
