@@ -182,6 +182,3 @@ def build_chat_dataset(data: DataConfig, tokenizer) -> ChatDataset:
     tokens, trained, cut = pack(conversations, data.seq_len + 1, separator)
     return ChatDataset(tokens, trained, len(conversations), cut, separator)
 
-
-def chat_target_count(dataset: ChatDataset, indices) -> int:
-    return max(1, dataset.target_count(indices))

@@ -256,6 +256,11 @@ class StreamingDataset:
     def batch(self, indices):
         return inputs_and_labels(self.rows(indices))
 
+    def target_count(self, indices) -> int:
+        """Labelled tokens of blocks ``indices``: every token after a block's first (text has no masked labels), so
+        any rank counts the whole global batch without reading the lanes of others."""
+        return len(indices) * self.seq_len
+
     def _lane_state(self, lane: Lane, block: int) -> list[int]:
         """[block, document, offset]: the lane's state before ``block``, or before its next one if that is earlier."""
         if lane.block <= block:
@@ -316,11 +321,6 @@ class StreamSchedule(GlobalBatchSchedule):
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         return np.arange(start, start + count, dtype=np.int64)
-
-
-def streamed_target_count(dataset, indices) -> int:
-    """Labelled tokens of streamed blocks: every token after a block's first (text has no masked labels)."""
-    return max(1, len(indices) * dataset.seq_len)
 
 
 def save_stream_state(dataset: StreamingDataset, block: int, rank: int) -> dict[str, str]:

@@ -41,15 +41,16 @@ class Run:
 
 
 def _tokens_per_step_from_config(path: Path) -> int | None:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        config = tomllib.loads((path / "config.toml").read_text())
-        return int(config["train"]["global_batch_size"]) * int(config["data"]["seq_len"])
-    except (OSError, KeyError, ValueError, TypeError):
+    from meshtron.config import load_config
+    from meshtron.errors import MeshtronError
+
+    if not (path / "config.toml").is_file():
         return None
+    try:
+        cfg = load_config(path / "config.toml", env={})
+    except MeshtronError:  # a config this version no longer reads: plot against steps only
+        return None
+    return cfg.train.global_batch_size * cfg.data.seq_len
 
 
 def read_run(path: str | Path) -> Run:

@@ -18,9 +18,8 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.config import Config
-from meshtron.data.chat import ChatDataset, chat_target_count
 from meshtron.data.prefetch import StepBlocks, StepReader
-from meshtron.data.streaming import StreamingDataset, streamed_target_count
+from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
@@ -122,13 +121,9 @@ def step_blocks(schedule, step: int, ctx: StepContext) -> StepBlocks:
 def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
     """The run's StepReader (``data.prefetch``: the next step's batches read while a step trains). A stream is
     told which of its lanes this rank reads (create the reader before restoring a checkpoint)."""
-    count_targets = global_target_count
     if isinstance(dataset, StreamingDataset):
         dataset.own(np.concatenate(step_blocks(schedule, 0, ctx).micro_batches))
-        count_targets = streamed_target_count
-    elif isinstance(dataset, ChatDataset):  # only the tokens that carry loss count
-        count_targets = chat_target_count
-    return StepReader(dataset, lambda step: step_blocks(schedule, step, ctx), count_targets,
+    return StepReader(dataset, lambda step: step_blocks(schedule, step, ctx), global_target_count,
                       prefetch=ctx.cfg.data.prefetch, pin=ctx.device.type == "cuda")
 
 

@@ -22,8 +22,13 @@ def global_target_count(dataset, indices: np.ndarray) -> int:
     """Labelled tokens (labels != IGNORE_INDEX) of the blocks ``indices`` of ``dataset``, at least 1.
 
     Counted the way ``PackedDataset.batch`` cuts labels (each block's tokens after the first). Reads
-    the label tokens of the blocks (4 bytes a token), no collective: every rank gets the same count.
+    the label tokens of the blocks (4 bytes a token), no collective: every rank gets the same count. A dataset
+    whose labels are not every next token of rows it holds (chat's masked labels; a stream, which holds only this
+    rank's lanes) counts them itself with ``target_count(indices)``.
     """
+    own_count = getattr(dataset, "target_count", None)
+    if own_count is not None:
+        return max(1, int(own_count(indices)))
     rows = dataset.rows(np.sort(np.asarray(indices, dtype=np.int64)))
     return max(1, int(np.count_nonzero(rows[:, 1:] != IGNORE_INDEX)))
 
