@@ -31,7 +31,8 @@ own experts forward) and ep>1 only changes where the experts live and how tokens
   whose experts got the most rows), for the slowest and the fastest rank; split into the count exchange
   (a blocking host sync) and the token all-to-alls;
 * the other collectives: ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` (what FSDP2
-  calls for parameters and gradients) and ``all_reduce`` (loss, gradient norm), wrapped the same way and
+  calls for parameters and gradients on torch 2.13; ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+  on torch 2.11) and ``all_reduce`` (loss, gradient norm), those of them the installed torch has, wrapped and
   converted to ring estimates of the bytes a rank sends (all-gather and reduce-scatter (n-1)/n x the full
   tensor, all-reduce 2(n-1)/n; ``--no-collective-count`` leaves them unwrapped): at ep=1 FSDP gathers every
   expert on every rank, under EP only over the ``efsdp`` ranks holding the same experts.
@@ -63,6 +64,16 @@ from data_parallel import other_tasks, wait_for_idle  # bench/data_parallel.py
 from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
 
 PRESET = "qwen3moe-epbench"
+
+OTHER_COLLECTIVES = {
+    # name: (its parameter holding the full tensor, the ring share of that tensor's bytes a rank sends, n ranks)
+    "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather_into_tensor": ("output_tensor", lambda n: (n - 1) / n),
+    "reduce_scatter_single": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
+    "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
+}
+"""The ``torch.distributed`` collectives besides all-to-all that the worker counts, where torch has them."""
 
 
 def preset_settings(args) -> dict:
@@ -180,25 +191,33 @@ class AllToAllCounter:
         dist.all_to_all_single = counted_plain
         funcol.all_to_all_single_autograd = counted_autograd
         if count_others:
-            for name, factor in (("all_gather_single", lambda n: (n - 1) / n), ("reduce_scatter_single", lambda n: (n - 1) / n),
-                                 ("all_reduce", lambda n: 2 * (n - 1) / n)):
-                setattr(dist, name, self.counted_other(getattr(dist, name), name, factor))
+            # Only the names this torch has are wrapped: FSDP2 calls all_gather_single / reduce_scatter_single on
+            # torch 2.13, all_gather_into_tensor / reduce_scatter_tensor on torch 2.11 (which has no *_single).
+            # On 2.13 the old names call the new ones inside distributed_c10d, past these wrappers: no call counts
+            # twice. Collectives of torch.ops._c10d_functional (DTensor redistribution, compiled graphs) are not
+            # counted.
+            for name in OTHER_COLLECTIVES:
+                if hasattr(dist, name):
+                    setattr(dist, name, self.counted_other(getattr(dist, name), name))
         torch.nn.modules.module.register_module_forward_pre_hook(capture_routing)
         register_optimizer_step_post_hook(lambda *_: setattr(counter, "step", counter.step + 1))
 
-    def counted_other(self, function, name: str, factor):
-        """``function`` (a ``torch.distributed`` collective), counting the ring estimate of the bytes this rank
-        sends in ``steps[step]["other_ring_bytes"]``: ``factor(n) x S``, S the full (gathered, or to be
-        scattered, or reduced) tensor's bytes, n the group size."""
+    def counted_other(self, function, name: str):
+        """``function`` (the ``torch.distributed`` collective ``name``), counting the ring estimate of the bytes
+        this rank sends in ``steps[step]["other_ring_bytes"]``: ``factor(n) x S``, S the full (gathered, or to be
+        scattered, or reduced) tensor's bytes, n the group size (``OTHER_COLLECTIVES``)."""
+        import inspect
+
         import torch.distributed as dist
 
         counter = self
+        full_tensor, factor = OTHER_COLLECTIVES[name]
+        signature = inspect.signature(function)
 
         def counted(*args, **kwargs):
-            tensor = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor"))
-            if name == "reduce_scatter_single":
-                tensor = args[1] if len(args) > 1 else kwargs["input"]
-            n = dist.get_world_size(kwargs.get("group"))
+            call = signature.bind(*args, **kwargs).arguments
+            tensor = call[full_tensor]
+            n = dist.get_world_size(call.get("group"))
             entry = counter.steps[counter.step]
             entry["other_calls"] += 1
             entry["other_ring_bytes"] += factor(n) * tensor.numel() * tensor.element_size()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -70,6 +71,16 @@ class Setup:
         torch.manual_seed(0)
         with torch.device(device):
             return AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="sdpa", dtype=dtype)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``name`` as a device; a CUDA one always with an index (LOCAL_RANK, else the current device), since
+    ``torch.cuda.set_device(torch.device("cuda"))`` raises on torch 2.11."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        index = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(index) if index is not None else torch.cuda.current_device())
+    return device
 
 
 def sync(device: torch.device) -> None:
@@ -153,7 +164,7 @@ def hf_trainer(setup: Setup, args, device: torch.device, name: str) -> dict:
     return {"seconds": marks[args.steps] - marks[args.warmup], "losses": torch.stack(losses).float().tolist()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runner", choices=sorted(PEERS))
     parser.add_argument("--preset", required=True)
@@ -166,8 +177,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    device = torch.device(args.device)
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     setup = Setup(args)

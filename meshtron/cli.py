@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="build one rank's sharded model on the meta device with a fake process group of --nproc "
                             "ranks and print its parameter / gradient / optimizer bytes; trains nothing")
     train.add_argument("--dry-run-rank", type=int, default=0, help="the rank --dry-run builds (default 0)")
+    train.add_argument("--rehearse", action="store_true",
+                       help="train one rank of an --nproc N layout alone, on this machine's device at its real "
+                            "shapes, with a fake process group (collectives move no data); write rehearsal.json "
+                            "(measured vs planned memory and step time) to run.output_dir")
+    train.add_argument("--rank", type=int, default=0, help="the rank --rehearse trains (default 0)")
+    train.add_argument("--rehearse-steps", type=int, default=None,
+                       help="steps --rehearse trains (default 4: warm-up, activations, timing)")
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
     export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
@@ -101,12 +108,18 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     check_torch_version()
     cfg = load_config(args.config, _overrides(extra))
+    if not args.rehearse and (args.rank or args.rehearse_steps is not None):
+        raise ConfigError("--rank and --rehearse-steps go with --rehearse (meshtron train --rehearse --nproc N --rank R)")
+    if args.rehearse and args.dry_run:
+        raise ConfigError("--rehearse and --dry-run are two ways to look at one rank; give one of them")
     if args.dry_run:
         if args.nproc is None:
             raise ConfigError("--dry-run needs --nproc N: the world size to shard the model for")
         from meshtron.plan.cli import run_dry_run
 
         return run_dry_run(cfg, args.nproc, args.dry_run_rank)
+    if args.rehearse:
+        return _rehearse(args, cfg)
     if _under_torchrun():
         if args.nproc:
             raise ConfigError("--nproc cannot be used under torchrun; torchrun already started the processes")
@@ -127,6 +140,17 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if world_size == 1 and launched_world_size() == 1 and not args.max_restarts:
         return _run_worker(cfg)
     return _self_launch(args, extra, cfg, world_size, nodes)
+
+
+def _rehearse(args: argparse.Namespace, cfg) -> int:
+    from meshtron.plan.rehearsal import DEFAULT_STEPS, format_rehearsal, rehearse
+
+    if args.nproc is None:
+        raise ConfigError("--rehearse needs --nproc N: the world size of the layout whose rank it trains")
+    if _under_torchrun():
+        raise ConfigError("--rehearse runs one process; start it without torchrun")
+    print(format_rehearsal(rehearse(cfg, args.nproc, args.rank, args.rehearse_steps or DEFAULT_STEPS)), flush=True)
+    return 0
 
 
 def _nodes(args: argparse.Namespace):

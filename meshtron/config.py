@@ -39,6 +39,7 @@ COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
 CP_METHODS = ("ring", "allgather")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BUILTIN_CORPUS = "builtin:python-stdlib"
 
 
@@ -123,6 +124,10 @@ class TrainConfig:
     chunk is recomputed in backward. 0 computes all logits at once."""
     float8: bool = False
     """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; see docs/precision.md)."""
+    float8_recipe: str = "tensorwise"
+    """With ``float8``: torchao's scaling recipe. ``tensorwise`` (one scale per tensor, float8 FSDP all-gather),
+    ``rowwise`` (one scale per row, more accurate with outliers, high-precision all-gathers) or
+    ``rowwise_with_gw_hp`` (rowwise, weight gradients in high precision); see docs/precision.md."""
     on_nonfinite: str = "error"
     """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step's update,
     ``rollback`` reloads the last checkpoint and leaves the step's global batch out from then on."""
@@ -394,6 +399,7 @@ def validate_config(cfg: Config) -> None:
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.mixed_precision", t.mixed_precision, MIXED_PRECISION)
+    _choice("train.float8_recipe", t.float8_recipe, FLOAT8_RECIPES)
     t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
     _choice("train.compile", t.compile, COMPILE)
     t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())

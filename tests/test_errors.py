@@ -68,6 +68,13 @@ def causal_lm_dir(tmp_path):
         (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"],
          "data.seq_len 18 is not divisible by parallel.tp=4"),
         (["--run.collective_timeout_s=0"], "run.collective_timeout_s: must be > 0 seconds, got 0.0"),
+        (["--rehearse"], "--rehearse needs --nproc N"),
+        (["--rehearse", "--nproc", "2", "--rank", "2", "--parallel.dp_shard=2"], "--rank 2 is not a rank of a world of 2"),
+        (["--rehearse", "--nproc", "2", "--rehearse-steps", "1", "--parallel.dp_shard=2"],
+         "--rehearse-steps must be at least 2"),
+        (["--rehearse", "--nproc", "3", "--parallel.dp_shard=2"], "world size 3 != product of the parallel degrees"),
+        (["--nproc", "2", "--rank", "1", "--parallel.dp_shard=2"], "--rank and --rehearse-steps go with --rehearse"),
+        (["--rehearse", "--dry-run", "--nproc", "2", "--parallel.dp_shard=2"], "give one of them"),
     ],
 )
 def test_error_is_one_clear_line(capsys, args, expected):

@@ -30,8 +30,10 @@ GRAD_NORM_RTOL = 1e-4
 # Adam steps that grows to a few 1e-6 relative, and an element whose gradient is ~0 can move by a few
 # 1e-5, because Adam divides by sqrt(v). A real bug (a wrong shard, a missing or doubled reduction,
 # a wrong loss scale) moves whole rows or tensors by orders of magnitude more, and one lr-sized step
-# (1e-3) of a single element is still 10x over the element bound.
-WEIGHT_REL_L2 = 1e-5
+# (1e-3) of a single element is still 10x over the element bound. The worst case is the embedding of
+# tp4_mini (a vocabulary split 4 ways, rare tokens' rows moved by Adam on ~0 gradients): 1.06e-5 on the 2-core
+# CI machine before issue 28's fused loss (so 1e-5 was already at the noise floor there), 1.37e-5 with it.
+WEIGHT_REL_L2 = 2e-5
 WEIGHT_MAX_ABS = 1e-4
 # A key bias adds the same q.b_k to every score of a query, which softmax ignores: its true gradient
 # is exactly 0, so what it receives is rounding noise that Adam turns into lr-sized steps. Those
@@ -420,8 +422,9 @@ BF16_GRAD_NORM_RTOL = 2e-2
 BF16_WEIGHT_REL_L2 = 2e-2
 BF16_MIN_DISTANCE_FROM_FP32 = 1e-4
 
-# The chunked head + cross-entropy against the same layout unchunked (None: the 1-process run), in fp32:
-# 48-token chunks of 256-token micro-batches, the last chunk shorter.
+# The fused chunked head + cross-entropy (meshtron.train.fused_loss) in 48-token chunks of 256-token micro-batches,
+# the last chunk shorter, against the same layout with the default chunk (None: the 1-process run), which is the
+# fused loss too (one chunk: every layout above trains through it), in fp32.
 CHUNK = "train.loss_chunk_size=48"
 CHUNKED_LAYOUTS = {
     "single_chunked": (1, [], "llama-tiny", None),
@@ -433,6 +436,13 @@ CHUNKED_LAYOUTS = {
     "pp2_chunked_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1F1B"], "llama-deep", "pp2_1f1b"),
 }
 CHUNKED_RTOL = 1e-6
+# ... and against F.cross_entropy (train.loss_chunk_size=0: all logits at once, DTensor's loss parallel under TP).
+UNFUSED_LAYOUTS = {
+    "single_unfused": (1, ["train.loss_chunk_size=0"], "llama-tiny"),
+    "tp2_unfused_llama": (2, ["parallel.tp=2", "train.loss_chunk_size=0"], "llama-tiny"),
+}
+FUSED_VS_UNFUSED = {"llama-tiny": "single_unfused", "single_chunked": "single_unfused",
+                    "tp2_llama": "tp2_unfused_llama", "tp2_chunked_llama": "tp2_unfused_llama"}
 
 # Float8 (torchao, emulated on CPU) under FSDP (float8 all-gather) and TP, against 1-process float8. Input
 # scales come from each micro-batch, so the reference uses the layouts' micro-batch of 4. The first steps
@@ -455,6 +465,7 @@ ALL_LAYOUTS = {
     **PRECISION_LAYOUTS,
     **FLOAT8_LAYOUTS,
     **{name: (world, overrides + [CHUNK], ref) for name, (world, overrides, ref, _) in CHUNKED_LAYOUTS.items()},
+    **UNFUSED_LAYOUTS,
 }
 # While developing: PARITY_LAYOUTS=tp2_phi3,pp2_gemma3 runs only those layouts (and their references);
 # select their tests with -k. CI never sets it.
@@ -578,6 +589,52 @@ STATE_RTOL = 0.05
 ACTIVATION_RTOL = 0.25
 
 
+# meshtron train --rehearse: ranks of these layouts trained alone on a fake process group, against the real launches.
+# Pipeline layouts rehearse the first rank of each stage (the launches record the largest figure of any rank).
+REHEARSED = {"ddp2": [0], "hsdp2x2": [0], "tp2_llama": [0], "cp2_ring": [0], "pp2_1f1b": [0, 1],
+             "ep2_moe_aux": [0, 1], "pp2_dp2_tp2": [0, 4]}
+REHEARSAL_STEPS = 2  # the launches measure activations in their second step too
+
+
+@pytest.fixture(scope="module")
+def rehearsals(tmp_path_factory, cache_dir, parity_runs):
+    import subprocess
+    import sys
+
+    from conftest import REPO, worker_env
+
+    out = tmp_path_factory.mktemp("rehearsals")
+    cases = [
+        {"name": name, "world": ALL_LAYOUTS[name][0], "rank": rank, "steps": REHEARSAL_STEPS,
+         "overrides": base_overrides(cache_dir) + reference_overrides(ALL_LAYOUTS[name][2], cache_dir)
+         + ALL_LAYOUTS[name][1] + [f"run.output_dir={out / f'{name}-{rank}'}", "run.device=cpu"]}
+        for name, ranks in REHEARSED.items() if name in ALL_LAYOUTS for rank in ranks
+    ]
+    (out / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "tests/rehearsal_worker.py", str(out / "cases.json"), str(out / "got.json")],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, failure_report(proc)
+    return json.loads((out / "got.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in REHEARSED if name in ALL_LAYOUTS])
+def test_rehearsed_rank_holds_what_the_real_run_holds(layout, rehearsals, parity_runs):
+    """One rank trained alone at its real shapes (fake process group) holds the same parameter, gradient and
+    optimizer bytes and keeps the same activations for backward as that rank of the real multi-process run. Expert
+    parallelism's activations depend on the routing (balanced in a rehearsal, learned in the real run): 10%."""
+    got = [rehearsals[f"{layout}:{rank}"] for rank in REHEARSED[layout]]
+    real = json.loads((parity_runs / f"{layout}.json").read_text())
+    state = max(g["measured"]["state_bytes"] for g in got)
+    activations = max(g["measured"]["activation_bytes"] for g in got)
+    print(f"{layout}: state {state:,} B vs {real['state_bytes']:,} B real; activations {activations:,} B vs "
+          f"{real['activation_bytes']:,} B real; step {[round(g['measured']['step_s'], 4) for g in got]} s")
+    assert state == real["state_bytes"]
+    tolerance = 0.10 if "moe" in layout else 0.0
+    assert abs(activations - real["activation_bytes"]) <= tolerance * real["activation_bytes"]
+    assert all(g["measured"]["step_s"] > 0 and g["planned"]["state_bytes"] > 0 for g in got)
+
+
 @pytest.mark.slow
 def test_planner_memory_matches_every_measured_layout(parity_runs, references, cache_dir):
     """meshtron plan's per-rank parameter + gradient + AdamW bytes (within 5%) and activation bytes (within
@@ -669,7 +726,8 @@ def test_fp16_skips_overflowing_steps_and_matches_single_process(parity_runs, re
     losses, norms, weights = _layout_run("fsdp2_fp16", parity_runs, references)
     ref_losses, ref_norms, _ = _layout_run("deep-fp16", parity_runs, references)
     skipped = [step for step, norm in enumerate(ref_norms, start=1) if not math.isfinite(norm)]
-    assert skipped == [1, 2], f"expected the first two steps to overflow, got {skipped}"
+    # How many depends on where the largest scaled gradient forms (today steps 1 and 2: scales 2^18 and 2^17).
+    assert skipped and skipped == list(range(1, len(skipped) + 1)), f"expected the first steps to overflow, got {skipped}"
     assert [not math.isfinite(n) for n in norms] == [not math.isfinite(n) for n in ref_norms]
     assert max(_relative(losses, ref_losses)) <= BF16_LOSS_RTOL
     assert losses[-1] < losses[0] - 0.1, "fp16 training did not go on after the skipped steps"
@@ -685,6 +743,18 @@ def test_chunked_loss_matches_unchunked(layout, parity_runs, references):
     ref_losses, ref_norms, _ = _layout_run(unchunked or ref, parity_runs, references)
     loss_diff, norm_diff = max(_relative(losses, ref_losses)), max(_relative(norms, ref_norms))
     print(f"{layout}: losses {loss_diff:.1e}, gradient norms {norm_diff:.1e} from unchunked")
+    assert loss_diff <= CHUNKED_RTOL and norm_diff <= CHUNKED_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(FUSED_VS_UNFUSED))
+def test_fused_loss_matches_cross_entropy(layout, parity_runs, references):
+    """The fused loss (one chunk or 48-token chunks; 1 process and TP(2) with loss parallel) against the same
+    layout computing all logits at once through F.cross_entropy: the same losses and gradient norms."""
+    losses, norms, _ = _layout_run(layout, parity_runs, references)
+    ref_losses, ref_norms, _ = _layout_run(FUSED_VS_UNFUSED[layout], parity_runs, references)
+    loss_diff, norm_diff = max(_relative(losses, ref_losses)), max(_relative(norms, ref_norms))
+    print(f"{layout}: losses {loss_diff:.1e}, gradient norms {norm_diff:.1e} from F.cross_entropy")
     assert loss_diff <= CHUNKED_RTOL and norm_diff <= CHUNKED_RTOL
 
 

@@ -221,25 +221,28 @@ def test_workload_from_config_resolves_mixed_precision_per_device():
     assert Workload.from_config(half).mixed_precision == "none"  # auto keeps half-precision weights' own dtype
 
 
-def test_chunked_loss_memory_at_llama_1b():
-    """The chunked loss keeps no fp32 log-softmax for backward and holds one chunk's logits at a time:
-    llama-1b (128,256 vocabulary), seq 2048, micro batch 4 (8,192 tokens, two 4,096-token chunks)."""
+def test_fused_loss_memory_at_llama_1b():
+    """The fused chunked loss keeps no fp32 log-softmax for backward but its fp32 head-weight gradient, and holds
+    one chunk's logits at a time: llama-1b (128,256 vocabulary, hidden 2,048), seq 2048, micro batch 4 (8,192
+    tokens, two 4,096-token chunks), against the unfused loss (train.loss_chunk_size=0)."""
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import activation_bytes, estimate_memory
 
     _, shape = _llama_1b()
     layout = Layout(micro_batch=4)
-    chunked = Workload(seq_len=2048, global_batch=4)
+    fused = Workload(seq_len=2048, global_batch=4)
     whole = Workload(seq_len=2048, global_batch=4, loss_chunk_size=0)
-    saved = activation_bytes(shape, layout, whole)[0] - activation_bytes(shape, layout, chunked)[0]
-    transient = estimate_memory(shape, layout, whole).temporaries - estimate_memory(shape, layout, chunked).temporaries
-    print(f"llama-1b, seq 2048 x micro batch 4: the chunked loss saves {saved / 1e9:.2f} GB of activations "
+    saved = activation_bytes(shape, layout, whole)[0] - activation_bytes(shape, layout, fused)[0]
+    transient = estimate_memory(shape, layout, whole).temporaries - estimate_memory(shape, layout, fused).temporaries
+    print(f"llama-1b, seq 2048 x micro batch 4: the fused loss saves {saved / 1e9:.2f} GB of activations "
           f"({saved:,.0f} B) and {transient / 1e9:.2f} GB of transient logits ({transient:,} B)")
-    tokens, vocab = 4 * 2048, 128256
-    assert saved == tokens * vocab * 4  # the fp32 log-softmax
-    assert transient == (tokens - 4096) * vocab * (2 + 4 + 4)  # bf16 logits, fp32 copy, gradient: one chunk
-    short = Layout(micro_batch=1)  # 2,048 tokens: one chunk, nothing recomputed, same estimate
-    assert estimate_memory(shape, short, chunked) == estimate_memory(shape, short, whole)
+    tokens, vocab, hidden = 4 * 2048, 128256, 2048
+    assert saved == tokens * vocab * 4 - vocab * hidden * 4  # the fp32 log-softmax, less the fp32 weight gradient
+    # unfused: bf16 logits, fp32 copy and fp32 gradient of every token; fused: one chunk's bf16 logits, fp32 copy
+    # and bf16 gradient
+    assert transient == tokens * vocab * (2 + 4 + 4) - 4096 * vocab * (2 + 4 + 2)
+    short = Layout(micro_batch=1)  # 2,048 tokens: one chunk of 2,048
+    assert estimate_memory(shape, short, fused).temporaries == 2048 * vocab * (2 + 4 + 2)
 
 
 def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
@@ -482,3 +485,22 @@ def test_expert_parallel_memory():
     assert experts and fewer == experts * 3 // 4 * (2 * 2 + 4)  # 3 of 4 experts fewer: two bf16 blocks, one fp32 gradient
     extra = block_activation_per_token(shape, ep, workload) - block_activation_per_token(shape, plain, workload)
     assert extra == shape.experts_per_token * (2 * shape.hidden + 8)  # a bf16 hidden row and an int64 per pair
+
+
+def test_rehearse_prints_measured_next_to_planned_and_writes_rehearsal_json(tmp_path, cache_dir):
+    """``meshtron train --rehearse``: rank 1 of a tp 2 layout, trained alone on CPU, side by side with the plan."""
+    from conftest import run_cli
+
+    out = tmp_path / "rehearsal"
+    proc = run_cli(["train", "--rehearse", "--nproc", "2", "--rank", "1", "--parallel.tp=2", "--model.preset=llama-tiny",
+                    "--data.seq_len=32", "--data.max_documents=40", f"--data.cache_dir={cache_dir}",
+                    "--train.global_batch_size=4", f"--run.output_dir={out}", "--run.device=cpu"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "meshtron rehearsal: rank 1 of 2 (tp=2) on cpu" in proc.stdout
+    assert "measured" in proc.stdout and "planned" in proc.stdout
+    got = json.loads((out / "rehearsal.json").read_text())
+    assert (got["rank"], got["world_size"]) == (1, 2)
+    assert set(got["measured"]) == {"state_bytes", "activation_bytes", "peak_bytes", "step_s"}
+    assert got["measured"]["state_bytes"] > 0 and got["measured"]["activation_bytes"] > 0 and got["measured"]["step_s"] > 0
+    # the planner's state for a rank of this layout is exact (no FSDP padding): parameters, gradients, two moments
+    assert got["planned"]["state_bytes"] == got["measured"]["state_bytes"]

@@ -10,10 +10,12 @@ from conftest import run_cli
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
 from meshtron.train.precision import (
+    COMPUTE_WEIGHTS_ATTRIBUTE,
     LossScaler,
     PrecisionPolicy,
     apply_compute_casts,
     precision_policy,
+    release_compute_weights,
     resolve_mixed_precision,
 )
 from meshtron.train.runtime import check_torch_version, resolve_device_type
@@ -134,31 +136,90 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
     assert restored.scale == 1024.0 and restored.clean_steps == 0
 
 
-def test_a_decoder_block_compiles_as_one_graph_with_document_masks_and_bf16_casts():
-    """What train.compile compiles: a decoder block with meshtron's document-masked attention and the
-    mixed-precision cast hooks. fullgraph=True fails on any graph break; the result equals eager."""
+def test_weight_copies_are_made_once_per_optimizer_step():
+    """Every micro-batch of a step computes with the same compute-dtype copies (no cast per forward); the
+    optimizer's update makes new ones; a forward without autograd never hands its copies to training."""
+    torch.manual_seed(0)
+    model = _Model()
+    reference = _Model()
+    reference.load_state_dict(model.state_dict())
+    apply_compute_casts(model, _Adapter(), PrecisionPolicy(torch.bfloat16, torch.float32, "bf16"))
+    weights = getattr(model, COMPUTE_WEIGHTS_ATTRIBUTE)
+    ids = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]
+    with torch.no_grad():
+        model(ids[0])
+    copies = []
+    for micro_batch in ids:
+        model(micro_batch).float().sum().backward()
+        copies.append({id(copy) for _, _, copy in weights._copies.values()})
+    assert copies[0] == copies[1] and len(copies[0]) == 5  # embed/head (tied), two blocks' weights and biases
+    # Gradients: the two micro-batches' gradients of a bf16 model (cast by hand), added in fp32.
+    reference.bfloat16()
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for micro_batch in ids:
+        grads = torch.autograd.grad(reference(micro_batch).float().sum(), list(reference.parameters()))
+        expected = [total + grad.float() for total, grad in zip(expected, grads)]
+    for param, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(param.grad, want, rtol=0, atol=0)
+    release_compute_weights(model)
+    assert not weights._copies
+    model(ids[0])
+    before = {id(copy) for _, _, copy in weights._copies.values()}
+    with torch.no_grad():
+        model.layers[0].linear.weight.add_(1.0)  # what an optimizer step does
+    model(ids[0])
+    after = {id(copy) for _, _, copy in weights._copies.values()}
+    assert len(before - after) == 1  # only the updated weight was cast again
+
+
+def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
+    """What train.compile compiles (meshtron's own parallelize_model on 8 decoder blocks, bf16 compute casts,
+    document-masked attention, float8 linears, full activation checkpointing), over three optimizer steps of two
+    micro-batches: dynamo compiles one graph for the blocks (not one per block, which is what guarding on a
+    parameter does until the recompile limit) plus the fused loss's two chunk shapes, with no graph break;
+    the losses equal the same model's uncompiled ones."""
+    from torch._dynamo.utils import counters
+
     from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.attention import register_attention
+    from meshtron.distributed.parallelize import parallelize_model
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.train.batch import SequenceSplit, sequence_inputs
+    from meshtron.train.loss import head_loss_sum
+    from meshtron.train.preflight import preflight
 
-    cfg = load_config(None, ["model.preset=llama-tiny", "train.mixed_precision=bf16"], env={})
     tokenizer = load_tokenizer("byte")
-    model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
-    materialize(model, adapter, torch.device("cpu"), seed=0)
-    adapter.use_attention(model, register_attention())
-    apply_compute_casts(model, adapter, precision_policy(cfg, "cpu"))
-    input_ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
-    input_ids[:, [5, 20]] = tokenizer.eos_token_id  # three documents per row
-    inputs = sequence_inputs(input_ids, SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id))
-    hidden = model.model.embed_tokens(inputs["input_ids"]).bfloat16()
-    kwargs = dict(
-        attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
-        position_embeddings=model.model.rotary_emb(hidden, inputs["position_ids"]),
-        sequence_layout=inputs["sequence_layout"],
-    )
-    block = model.model.layers[0]
-    eager = block(hidden, **kwargs)
-    compiled = torch.compile(block, fullgraph=True)(hidden, **kwargs)
-    assert compiled.dtype == torch.bfloat16
-    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    input_ids = torch.randint(0, 250, (2, 64), generator=torch.Generator().manual_seed(0))
+    input_ids[:, [5, 40]] = tokenizer.eos_token_id  # three documents per row
+    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id)
+
+    def losses(compile_setting: str) -> list[float]:
+        cfg = load_config(None, [
+            "model.preset=llama-deep", "train.mixed_precision=bf16", f"train.compile={compile_setting}",
+            "train.float8=true", "train.activation_checkpointing=full", "data.mask_documents=true",
+        ], env={})
+        model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
+        adapter.return_hidden_states(model)
+        parallelize_model(model, adapter, preflight(cfg, 1, "cpu").dims, None, cfg, "cpu")
+        materialize(model, adapter, torch.device("cpu"), seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        trajectory = []
+        for _ in range(3):
+            for micro_batch in (input_ids[:1], input_ids[1:]):
+                hidden = model(**sequence_inputs(micro_batch, split))
+                weight, bias = adapter.head_parameters(model)
+                loss = head_loss_sum(hidden, micro_batch, weight, bias, compute_dtype=torch.bfloat16, chunk_size=48,
+                                     compiled=compile_setting == "true")
+                loss.backward()
+            release_compute_weights(model)
+            trajectory.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return trajectory
+
+    torch._dynamo.reset()  # forget what other tests compiled
+    counters.clear()
+    compiled = losses("true")
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])  # blocks, 48-token chunk, 16-token chunk
+    assert counters["frames"]["total"] == 3, dict(counters["frames"])
+    torch.testing.assert_close(compiled, losses("false"), rtol=2e-2, atol=0)

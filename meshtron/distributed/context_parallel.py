@@ -96,6 +96,8 @@ def _peer(layout: SequenceLayout, offset: int) -> int:
 def _exchange(send: torch.Tensor, layout: SequenceLayout) -> tuple[torch.Tensor, list]:
     """Start sending ``send`` to the next rank and receiving the previous rank's into a new buffer."""
     received = torch.empty_like(send)
+    if dist.get_backend(layout.group) == "fake":  # a rehearsal (meshtron.plan.rehearsal): nothing will arrive,
+        received.copy_(send)  # so "receive" this rank's own keys and values, as the fake all-gather hands them back
     ops = [
         dist.P2POp(dist.isend, send, _peer(layout, 1), layout.group),
         dist.P2POp(dist.irecv, received, _peer(layout, -1), layout.group),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -95,6 +96,15 @@ def replicate_whole_model(model: nn.Module, dp_mesh) -> None:
         init_sync=False,
         gradient_as_bucket_view=True,
     )
+    if dist.get_backend(dp_mesh.get_group(0)) == "fake":  # a rehearsal (meshtron.plan.rehearsal)
+        model.register_comm_hook(None, _keep_local_gradients)
+
+
+def _keep_local_gradients(state, bucket):
+    """DDP's communication hook on a fake process group, whose all-reduce hands back no tensor: this rank's own."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def set_gradient_sync(model: nn.Module, last_micro_batch: bool, accumulate_unsharded: bool = False) -> None:

@@ -84,9 +84,14 @@ def compile_enabled(setting: str, device_type: str) -> bool:
 
 
 def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
-    """Compile each decoder block in place (parameter names unchanged)."""
+    """Compile each decoder block's forward in place (parameter names unchanged).
+
+    Only ``forward`` is compiled, as torchtitan compiles a block before FSDP wraps it: the block's hooks (FSDP's
+    all-gathers, meshtron's compute casts) run outside the compiled code, so dynamo never guards on one
+    block's parameters and every block reuses the first one's graph.
+    """
     for _, block in adapter.named_blocks(model):
-        block.compile()
+        block.forward = torch.compile(block.forward)
 
 
 def parallelize(
@@ -125,7 +130,8 @@ def parallelize_model(
     """
     device_type = device_type or _device_type(meshes, cfg)
     if cfg.train.float8:
-        apply_float8(model, adapter, device_type=device_type, fsdp_enabled=dims.fsdp_enabled, tp=dims.tp)
+        apply_float8(model, adapter, device_type=device_type, fsdp_enabled=dims.fsdp_enabled, tp=dims.tp,
+                     recipe=cfg.train.float8_recipe)
     if dims.ep > 1:  # before TP, whose replicated MoE block then leaves the (already sharded) experts alone
         apply_expert_parallel_to_model(model, meshes["ep"])
     if dims.tp > 1:
@@ -140,12 +146,13 @@ def parallelize_model(
     if uses_meshtron_attention(dims.cp, cfg.data.mask_documents, dims.pp):
         adapter.use_attention(model, register_attention())
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
-    if compile_enabled(cfg.train.compile, device_type):
+    compiled = compile_enabled(cfg.train.compile, device_type)
+    if compiled:
         apply_compile(model, adapter)
     precision = precision_policy(cfg, device_type)
     if dims.fsdp_enabled:
         apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, precision.fsdp_policy(), pipelined=dims.pp > 1,
                    expert_mesh=meshes.get("expert_fsdp"))
     else:  # the same mixed-precision casts FSDP would do, at the same places
-        apply_compute_casts(model, adapter, precision)
+        apply_compute_casts(model, adapter, precision, compiled=compiled)
     return model

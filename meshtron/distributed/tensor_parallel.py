@@ -23,9 +23,9 @@ keeps the KV head its query heads use. Their gradient (and that of per-head norm
 sequence-parallel norms) is a partial sum per rank; FSDP reduces it, and ``reduce_partial_gradients``
 does when there is no FSDP.
 
-Float8 (``train.float8``, on CUDA): the blocks' float8 linears use torchao's float8 styles, which cast
-to float8 before the sequence all-gather (once per attention / MLP input) and cast output gradients in
-backward.
+Float8 (``train.float8``, on CUDA, tensorwise recipe): the blocks' float8 linears use torchao's float8
+styles, which cast to float8 before the sequence all-gather (once per attention / MLP input) and cast
+output gradients in backward. Rowwise float8 linears keep the ordinary styles (high-precision collectives).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.families import check_family
-from meshtron.train.float8 import float8_linear_paths
+from meshtron.train.float8 import float8_tp_paths
 
 
 def check_tensor_parallel(
@@ -305,12 +305,13 @@ def apply_tensor_parallel(
 
     ``float8``: the blocks were converted by ``meshtron.train.float8.apply_float8``; their float8 linears
     get torchao's float8 styles, which all-gather in float8 (NCCL only: gloo cannot send float8; without
-    them float8 linears still multiply in float8 and all-gather in high precision).
+    them float8 linears still multiply in float8 and all-gather in high precision). Tensorwise recipe
+    only: those styles cast per tensor, so rowwise float8 linears keep the ordinary styles.
     """
     tp = tp_mesh.size()
     shape = adapter.attention_shape(model.config)
     for _, block in adapter.named_blocks(model):
-        float8_paths = float8_linear_paths(block) if float8 else frozenset()
+        float8_paths = float8_tp_paths(block) if float8 else frozenset()
         styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel, float8_paths)
         parallelize_module(block, tp_mesh, styles, src_data_rank=None)
     parallelize_module(model, tp_mesh, _top_styles(adapter.top_tp_roles(model), sequence_parallel, loss_parallel),

@@ -32,6 +32,8 @@ def add_plan_parser(sub) -> None:
                       help="train.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)")
     plan.add_argument("--loss-chunk-size", type=int, default=TrainConfig.loss_chunk_size,
                       help=f"train.loss_chunk_size: tokens per loss chunk, 0 for none (default {TrainConfig.loss_chunk_size})")
+    plan.add_argument("--no-compile", action="store_true",
+                      help="plan for train.compile=false (eager blocks; default: compiled, as auto does on GPUs)")
     plan.add_argument("--accumulate-unsharded", action="store_true",
                       help="fsdp.accumulate_unsharded: hold full gradients between accumulated micro-batches, "
                       "one reduce-scatter per step (default: a reduce-scatter per micro-batch)")
@@ -69,9 +71,9 @@ def _count(n: int) -> str:
 
 def _describe_precision(workload) -> str:
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    chunks = f"loss chunks of {workload.loss_chunk_size} tokens" if workload.loss_chunk_size else "unchunked loss"
+    chunks = f"fused loss in chunks of {workload.loss_chunk_size} tokens" if workload.loss_chunk_size else "unfused loss"
     return (f"{short[workload.model_dtype]} weights + AdamW, {short[workload.compute_dtype]} compute in every layout, "
-            f"{chunks}")
+            f"{chunks}, {'compiled' if workload.compiled else 'eager'} blocks")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -103,7 +105,7 @@ def run_plan(args: argparse.Namespace) -> int:
     workload = Workload(
         seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents,
         compute_dtype=MIXED_PRECISION_DTYPES.get(args.mixed_precision, "float32"), loss_chunk_size=args.loss_chunk_size,
-        accumulate_unsharded=args.accumulate_unsharded,
+        accumulate_unsharded=args.accumulate_unsharded, compiled=not args.no_compile,
     )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
@@ -126,7 +128,8 @@ def run_plan(args: argparse.Namespace) -> int:
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
             f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
-            f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}\n"
+            f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}"
+            f"{' --no-compile' * args.no_compile}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
         )

@@ -32,6 +32,9 @@ class Hardware:
     """Fraction of peak a training step's model FLOPs run at, before communication: meshtron measured
     32.1% MFU on one H100 (llama-1b, bf16, BENCHMARKS.md); torchtitan's eager Llama-3-8B FSDP runs
     report 33-39%. Fused-kernel stacks (NeMo / Transformer Engine) reach 50-60%."""
+    compiled_matmul_efficiency: float = 0.41
+    """The same with ``train.compile`` on: meshtron-compile measured 40.9% MFU on one H100 (llama-1b, batch 8,
+    seq 2048, document masks; issue 28's table, before its fused loss and once-per-step casts)."""
     link_efficiency: float = 0.8
     """Fraction of link bandwidth NCCL collectives reach (bus bandwidth / line rate)."""
     nvlink_latency_us: float = 5.0

@@ -46,6 +46,9 @@ class Workload:
     accumulate_unsharded: bool = False
     """``fsdp.accumulate_unsharded``: FSDP holds full gradients between accumulated micro-batches and
     reduce-scatters once per step (False: a reduce-scatter per micro-batch, only shards held)."""
+    compiled: bool = True
+    """``train.compile``: compiled decoder blocks (``auto`` compiles on CUDA): matmul-heavy steps run at
+    ``Hardware.compiled_matmul_efficiency`` instead of ``matmul_efficiency``."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -62,6 +65,8 @@ class Workload:
     @classmethod
     def from_config(cls, cfg: Config, device: str = "cuda") -> "Workload":
         """The workload of ``cfg`` run on ``device`` (``cpu`` to compare with the test suite's CPU runs)."""
+        from meshtron.distributed.parallelize import compile_enabled
+
         return cls(
             seq_len=cfg.data.seq_len,
             global_batch=cfg.train.global_batch_size,
@@ -71,6 +76,7 @@ class Workload:
             loss_chunk_size=cfg.train.loss_chunk_size,
             device=device,
             accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
+            compiled=compile_enabled(cfg.train.compile, device),
         )
 
 

@@ -99,8 +99,25 @@ def head_tokens(layout: Layout, workload: Workload) -> int:
 
 
 def loss_chunked(layout: Layout, workload: Workload) -> bool:
-    """Whether the loss cuts the head's tokens into recomputed chunks (``train.loss_chunk_size``)."""
+    """Whether the loss cuts the head's tokens into chunks (``train.loss_chunk_size``)."""
     return 0 < workload.loss_chunk_size < head_tokens(layout, workload)
+
+
+def fused_loss(workload: Workload) -> bool:
+    """Whether the loss is meshtron's fused head + cross-entropy (``train.loss_chunk_size`` > 0, one chunk or many):
+    each chunk's gradients are written in the forward pass and kept until backward, nothing is recomputed."""
+    return workload.loss_chunk_size > 0
+
+
+def fused_loss_vocab(shape: ModelShape, layout: Layout) -> int:
+    """Vocabulary entries of the fused loss's logits on the busiest rank: the head's own tensor-parallel slice
+    (the fused loss reduces its statistics over the split, with or without loss parallel)."""
+    return -(-shape.vocab // layout.tp)
+
+
+def fused_loss_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> int:
+    """The fused loss's float32 head-weight gradient, kept from its forward to its backward."""
+    return FP32 * fused_loss_vocab(shape, layout) * shape.hidden if fused_loss(workload) else 0
 
 
 def _local_numel(specs, layout: Layout, shape: ModelShape) -> int:
@@ -159,8 +176,8 @@ def dense_document_mask(layout: Layout, workload: Workload) -> bool:
 
 
 def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, first: bool, last: bool) -> float:
-    """Bytes per token kept outside the blocks: token ids; the final norm, the head's input and labels;
-    without loss chunking the fp32 log-softmax too (a chunked loss recomputes it in backward)."""
+    """Bytes per token kept outside the blocks: token ids; the final norm, the head's input (the fused loss's
+    hidden-state gradient instead, the same size) and labels; without the fused loss the fp32 log-softmax too."""
     e, tp = compute_bytes(workload), layout.tp
     stream_split = tp if tp > 1 and layout.sequence_parallel else 1
     total = 0.0
@@ -168,7 +185,7 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         total += INDEX  # token ids for the embedding's backward
     if last:
         total += _norm(shape.hidden, e) / stream_split + e * shape.hidden + INDEX  # final norm, head input, labels
-        if not loss_chunked(layout, workload):
+        if not fused_loss(workload):
             total += FP32 * loss_vocab(shape, layout) * (1 + shape.logit_softcap)  # log-softmax output, capped logits
     return total
 
@@ -226,6 +243,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
     for rank, stages in enumerate(stage_layout(shape, layout, workload)):
         per_chunk = [tokens * (layers * per_block + outer_activation_per_token(shape, layout, workload, first, last))
                      + weight_copy_bytes(shape, layout, workload, layers, last)
+                     + (fused_loss_gradient_bytes(shape, layout, workload) if last else 0)
                      for layers, first, last in stages]
         average = sum(per_chunk) / len(per_chunk)
         peaks.append(max(max(per_chunk), average * chunks_in_flight(layout, workload, rank)))
@@ -278,22 +296,32 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
 
 
 def logits_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """One loss chunk's logits, their fp32 copy (log-softmax) and gradient, on the rank with the head."""
+    """The loss's transient logits on the rank with the head. Fused: one chunk's compute-dtype logits, their fp32
+    copy (exponentiated in place; soft-capping keeps one more) and their compute-dtype gradient. Unfused: all
+    tokens' logits, their fp32 copy and fp32 gradient."""
     tokens = head_tokens(layout, workload)
-    if loss_chunked(layout, workload):
-        tokens = workload.loss_chunk_size
-    return tokens * loss_vocab(shape, layout) * (compute_bytes(workload) + 2 * FP32)
+    e = compute_bytes(workload)
+    if fused_loss(workload):
+        chunk = min(tokens, workload.loss_chunk_size)
+        return chunk * fused_loss_vocab(shape, layout) * (2 * e + FP32 * (1 + shape.logit_softcap))
+    return tokens * loss_vocab(shape, layout) * (e + 2 * FP32)
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Memory of the busiest rank of ``layout`` (the pipeline rank with the most bytes)."""
+    return max(memory_per_pipeline_rank(shape, layout, workload), key=lambda m: m.total)
+
+
+def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Workload) -> list[MemoryEstimate]:
+    """Memory of a rank of each pipeline rank of ``layout`` (one entry without pipeline parallelism)."""
     state_bytes = DTYPE_BYTES[workload.model_dtype]
     tokens = head_tokens(layout, workload)
     temporaries = 0.0
-    if layout.activation_checkpointing != "none":  # one block recomputed (with its weight copies)
+    if layout.activation_checkpointing != "none":  # one block recomputed
         temporaries += tokens * block_activation_per_token(shape, layout, workload)
-        if casts_weights(layout, workload):
-            temporaries += _local_numel(shape.block, layout, shape) * compute_bytes(workload)
+    casts_per_step = casts_weights(layout, workload) and layout.activation_checkpointing != "none"
+    # Without FSDP the compute-dtype weight copies are made once per optimizer step and held through it
+    # (meshtron.train.precision.ComputeWeights); autograd keeps them anyway unless blocks are checkpointed.
     if layout.ep > 1:  # one MoE layer's dispatch: the rows sent and the rows received before regrouping
         temporaries += 2 * tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
     if layout.cp > 1:
@@ -312,12 +340,13 @@ def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> Me
                    activation_bytes(shape, layout, workload), held_gradient_bytes(shape, layout, workload))
     for stages, numel, acts, held_grads in per_rank:
         holds_head = any(last for _, _, last in stages)
+        copies = sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
         estimates.append(MemoryEstimate(
             params=numel * state_bytes, grads=int(max(numel * state_bytes, held_grads)), optimizer=2 * numel * state_bytes,
             activations=int(acts), gathered=int(gathered_bytes(shape, layout, workload, stages)),
-            temporaries=int(temporaries + (logits if holds_head else 0)),
+            temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
         ))
-    return max(estimates, key=lambda m: m.total)
+    return estimates
 
 
 def config_view(cfg, world_size: int, device: str = "cuda") -> tuple[ModelShape, Layout, Workload]:

@@ -79,6 +79,7 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> 
     cfg.train.micro_batch_size = layout.micro_batch
     cfg.train.mixed_precision = workload.mixed_precision
     cfg.train.loss_chunk_size = workload.loss_chunk_size
+    cfg.train.compile = "auto" if workload.compiled else "false"
     cfg.fsdp.accumulate_unsharded = workload.accumulate_unsharded
     cfg.parallel = layout.parallel_config()  # no parallel.pp_microbatches: train.micro_batch_size says it
     return cfg

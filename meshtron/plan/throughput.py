@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from meshtron.metrics.flops import flops_per_token
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import Layout, Workload
-from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, loss_chunked, stage_layout, state_numel
+from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, stage_layout, state_numel
 from meshtron.plan.model_shape import ModelShape
 
 
@@ -97,16 +97,15 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     recompute = {"none": 1.0, "selective": 1.05, "full": 4 / 3}[layout.activation_checkpointing]
     e = compute_bytes(workload)  # every layout computes in the compute dtype (train.mixed_precision)
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
-    compute = model_flops * recompute / (peak * hw.matmul_efficiency)
-    if loss_chunked(layout, workload):  # each loss chunk's head matmul runs again in backward
-        compute += 2 * shape.vocab * shape.hidden * tokens / world / (peak * hw.matmul_efficiency)
+    efficiency = hw.compiled_matmul_efficiency if workload.compiled else hw.matmul_efficiency
+    compute = model_flops * recompute / (peak * efficiency)
     # meshtron's context-parallel attention runs fused sub-block kernels on CUDA (flash, FlexAttention): the
     # compute-dtype rate, as without cp (the one extra forward of document-masked sub-blocks in backward is
     # left out, as is document sparsity). Elsewhere its masked sub-blocks are plain fp32 matmuls: the fp32 rate.
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world
     attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
     if layout.cp > 1:
-        compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / hw.matmul_efficiency
+        compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
     compute *= 1 + bubble_fraction(layout, workload)
 
     forwards = layout.microbatches(workload)
@@ -126,7 +125,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     kv_bytes = local_tokens * 2 * max(shape.kv_heads // layout.tp, 1) * shape.head_dim * e
     cp_span = layout.cp * layout.tp
     cp_comm = _collective_s(kv_bytes * layout.cp, layout.cp, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
-    cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * hw.matmul_efficiency))
+    cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * efficiency))
 
     # Expert parallel: the all-to-alls of the token dispatch and combine, on the critical path.
     a2a_s = expert_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)

@@ -1,7 +1,9 @@
 """Float8 training (``train.float8``): the decoder blocks' linear layers multiply in float8 with torchao.
 
-Each matmul input (activation, weight, output gradient) is scaled by its own max-abs value and cast to
-float8 (tensorwise dynamic scaling); weights, gradients and optimizer state stay in high precision.
+Each matmul input (activation, weight, output gradient) is scaled by its max-abs value and cast to float8
+(dynamic scaling), per tensor or per row (``train.float8_recipe``, torchao's recipes: ``tensorwise``,
+``rowwise``, ``rowwise_with_gw_hp``); weights, gradients and optimizer state stay in high precision.
+Only ``tensorwise`` weights are all-gathered by FSDP, and inputs all-gathered by TP, in float8.
 Embeddings and the head are not converted, nor linears with a dimension (per tensor-parallel rank) that
 is not a multiple of 16. Float8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada,
 Hopper); elsewhere (CPU) they are emulated: the same rounding, no speed-up.
@@ -10,11 +12,13 @@ Hopper); elsewhere (CPU) they are emulated: the same rounding, no speed-up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
 from torch import nn
 
+from meshtron.config import FLOAT8_RECIPES  # torchao's Float8LinearRecipeName values
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 
@@ -60,13 +64,50 @@ def check_capability(capability: tuple[int, int], gpu: str = "this GPU") -> None
         )
 
 
+def float8_config(recipe: str, *, device_type: str, fsdp_enabled: bool):
+    """torchao's ``Float8LinearConfig`` for ``recipe`` (``train.float8_recipe``).
+
+    ``fsdp_enabled``: FSDP all-gathers the weights in float8, which torchao only does with tensorwise
+    weight scales; the rowwise recipes all-gather them in high precision. Off CUDA, matmuls are emulated.
+    """
+    float8 = import_torchao_float8()
+    if recipe not in FLOAT8_RECIPES:
+        raise ConfigError(f"train.float8_recipe: '{recipe}' is not one of {', '.join(FLOAT8_RECIPES)}")
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(
+        config, enable_fsdp_float8_all_gather=fsdp_enabled and recipe == "tensorwise", emulate=device_type != "cuda"
+    )
+
+
 def check_float8(cfg, device_type: str) -> None:
     """The checks of ``train.float8`` that need no process group (run in preflight, on every rank)."""
     if not cfg.train.float8:
         return
-    import_torchao_float8()
+    recipe = cfg.train.float8_recipe
+    float8_config(recipe, device_type=device_type, fsdp_enabled=False)  # torchao present, recipe known
     if device_type == "cuda":
         check_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+        if recipe != "tensorwise":
+            check_rowwise_dtype(recipe, _compute_dtype(cfg, device_type))
+
+
+def _compute_dtype(cfg, device_type: str) -> torch.dtype:
+    """The dtype the blocks' linears multiply in (the mixed-precision dtype, else the weights')."""
+    from meshtron.models.build import torch_dtype
+    from meshtron.train.precision import precision_policy
+
+    return precision_policy(cfg, device_type).compute_dtype or torch_dtype(cfg.model.dtype)
+
+
+def check_rowwise_dtype(recipe: str, dtype: torch.dtype) -> None:
+    """Rowwise-scaled float8 matmuls on GPUs output bf16 (torch's CUTLASS kernel; fp32 only on some H100
+    cuBLAS versions): refuse another compute dtype before the first step fails."""
+    if dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"train.float8_recipe={recipe} needs bf16 compute on GPUs, got {name}; set "
+            f"train.mixed_precision=bf16 or train.float8_recipe=tensorwise"
+        )
 
 
 def _converts(linear: nn.Linear, role: str | None, tp: int) -> bool:
@@ -82,18 +123,21 @@ def _converts(linear: nn.Linear, role: str | None, tp: int) -> bool:
 
 
 def apply_float8(
-    model: nn.Module, adapter: DecoderAdapter, *, device_type: str, fsdp_enabled: bool, tp: int = 1
+    model: nn.Module, adapter: DecoderAdapter, *, device_type: str, fsdp_enabled: bool, tp: int = 1,
+    recipe: str = "tensorwise",
 ) -> list[str]:
     """Swap the decoder blocks' ``nn.Linear`` layers for torchao ``Float8Linear`` (on the meta device,
     before tensor parallelism and FSDP). Returns the converted paths, relative to the blocks.
 
-    ``fsdp_enabled``: FSDP all-gathers the converted weights in float8 (cast before the gather).
+    ``fsdp_enabled``: FSDP all-gathers the converted weights in float8 (cast before the gather; tensorwise
+    recipe only, the others all-gather in high precision).
     ``tp``: the tensor-parallel degree, so that each rank's share of a split dimension is checked.
+    ``recipe``: ``train.float8_recipe``.
     """
     float8 = import_torchao_float8()
+    config = float8_config(recipe, device_type=device_type, fsdp_enabled=fsdp_enabled)
     if device_type == "cuda":
         check_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
-    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_enabled, emulate=device_type != "cuda")
     converted: list[str] = []
     for name, block in adapter.named_blocks(model):
         roles = adapter.block_tp_roles(block)
@@ -116,10 +160,27 @@ def float8_linear_paths(block: nn.Module) -> frozenset[str]:
     return frozenset(path for path, sub in block.named_modules() if isinstance(sub, Float8Linear))
 
 
+def float8_tp_paths(block: nn.Module) -> frozenset[str]:
+    """The float8 linears of ``block`` that tensor parallelism may hand float8 inputs and output gradients
+    (torchao's float8 TP styles, which cast per tensor): those of the tensorwise recipe. Rowwise ones
+    keep the ordinary TP styles (high-precision collectives) and cast per row themselves."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    def tensorwise(config) -> bool:
+        casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output,
+                 config.cast_config_input_for_grad_weight, config.cast_config_weight_for_grad_input,
+                 config.cast_config_grad_output_for_grad_weight)
+        return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+                   for c in casts)
+
+    return frozenset(path for path in float8_linear_paths(block) if tensorwise(block.get_submodule(path).config))
+
+
 def refresh_float8_scales(model_parts: nn.Module | list[nn.Module]) -> None:
     """Compute the float8 scales of every FSDP-sharded float8 weight from the whole weight, in one all-reduce.
 
-    Only for FSDP's float8 all-gather (a no-op otherwise). Call it once before the first step (after
+    Only for FSDP's float8 all-gather (a no-op otherwise, as for the rowwise recipes, whose weights FSDP
+    all-gathers in high precision). Call it once before the first step (after
     the weights are initialized or loaded) and after every ``optimizer.step()``: the scales are kept
     until the next call. Without it FSDP computes each weight's scale at its all-gather with its own
     all-reduce, over the FSDP ranks only: under tensor parallelism each tp rank then scales its shard
@@ -127,5 +188,8 @@ def refresh_float8_scales(model_parts: nn.Module | list[nn.Module]) -> None:
     """
     parts = model_parts if isinstance(model_parts, (list, tuple)) else [model_parts]
     float8 = import_torchao_float8()
+    from torchao.float8.float8_linear import Float8Linear
+
     for part in parts:
-        float8.precompute_float8_dynamic_scale_for_fsdp(part)
+        if any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in part.modules()):
+            float8.precompute_float8_dynamic_scale_for_fsdp(part)

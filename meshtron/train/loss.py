@@ -1,16 +1,16 @@
-"""The loss: the head and cross-entropy over the final hidden states, chunk by chunk.
+"""The loss: the head and cross-entropy over the final hidden states.
 
 ``head_loss_sum`` is the one loss function of every layout (pipeline last stages included). It
-applies the head itself instead of taking the model's logits, so that the full ``tokens x vocab``
-logits, their float32 copy and softmax never exist at once: the tokens are cut into chunks of
-``chunk_size``; each chunk's logits are computed, turned into a summed cross-entropy in float32 and
-dropped, and recomputed in backward (activation checkpointing per chunk). What autograd keeps is the
-hidden states (already kept by the final norm) and the head weight. The result is exact: the same
-sums as one big cross-entropy, in another order.
+applies the head itself instead of taking the model's logits. With ``train.loss_chunk_size`` > 0 (the
+default) it is meshtron.train.fused_loss: the tokens are cut into chunks, each chunk's logits are
+turned into its loss and its gradients at once and dropped, so the full ``tokens x vocab`` logits,
+their float32 copy and softmax never exist and nothing is recomputed in backward. With 0 it is one
+``F.linear`` + ``F.cross_entropy`` over all tokens.
 
-Under tensor parallelism the head weight is vocab-sharded; with loss parallel the cross-entropy runs
-on vocab-sharded logits (inside ``torch.distributed.tensor.parallel.loss_parallel``, which the
-caller holds around forward and backward), otherwise each chunk's logits are gathered first.
+Under tensor parallelism the head weight is vocab-sharded. The fused loss reduces its statistics over
+the vocabulary split itself; the unchunked one, with loss parallel, runs on vocab-sharded logits (inside
+``torch.distributed.tensor.parallel.loss_parallel``, which the caller holds around forward and
+backward), otherwise on logits gathered first.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
-"""Label value that carries no loss."""
+from meshtron.train.fused_loss import IGNORE_INDEX, fused_head_loss_sum
+
+__all__ = ["IGNORE_INDEX", "head_loss_sum"]  # IGNORE_INDEX (-100): the label value that carries no loss
 
 
 def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias, loss_parallel: bool, softcap=None):
@@ -54,26 +54,21 @@ def head_loss_sum(
     chunk_size: int = 0,
     loss_parallel: bool = False,
     softcap: float | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Summed cross-entropy (float32) of ``hidden @ weight.T (+ bias)`` against ``labels`` (B, S).
 
     ``compute_dtype``: the head computes in this dtype (mixed precision), gradients reach ``weight``
-    in its own dtype. ``chunk_size``: tokens per chunk (0: one chunk, nothing recomputed).
+    in its own dtype. ``chunk_size``: tokens per chunk of the fused loss (0: all logits at once).
     ``softcap``: logits become ``softcap * tanh(logits / softcap)`` first (``adapter.logit_softcap``).
+    ``compiled``: compile the fused loss's chunk (``train.compile``).
     """
+    hidden = _replicated(hidden, weight).flatten(0, 1)
+    labels = labels.flatten()
+    if chunk_size > 0:
+        return fused_head_loss_sum(hidden, labels, weight, bias, chunk_size=chunk_size, compute_dtype=compute_dtype,
+                                   softcap=softcap, compiled=compiled)
     if compute_dtype is not None:
         weight = weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None
-    hidden = _replicated(hidden, weight).flatten(0, 1)
-    labels = labels.flatten()
-    tokens = labels.shape[0]
-    if chunk_size <= 0 or tokens <= chunk_size:
-        return _chunk_loss(hidden, labels, weight, bias, loss_parallel, softcap)
-    total = None
-    for start in range(0, tokens, chunk_size):
-        part = checkpoint(
-            _chunk_loss, hidden[start:start + chunk_size], labels[start:start + chunk_size], weight, bias,
-            loss_parallel, softcap, use_reentrant=False,
-        )
-        total = part if total is None else total + part
-    return total
+    return _chunk_loss(hidden, labels, weight, bias, loss_parallel, softcap)

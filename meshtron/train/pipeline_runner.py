@@ -10,11 +10,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
 from meshtron.distributed.tensor_parallel import local_value
 from meshtron.models.moe import num_experts
 from meshtron.train.batch import sequence_inputs
 from meshtron.train.loss import head_loss_sum
+from meshtron.train.pipeline_rehearsal import RehearsalStage, stage_shapes
+from meshtron.train.precision import release_compute_weights
 from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
 from meshtron.train.router_loss import router_coef, router_loss_enabled
 
@@ -31,6 +34,8 @@ class PipelineRunner:
     """A callable giving the last stage's (head weight, bias) as they are at loss time."""
     compute_dtype: torch.dtype | None = None
     loss_chunk_size: int = 0
+    compiled_loss: bool = False
+    """Compile the fused loss's chunks (``train.compile``)."""
     softcap: float | None = None
     """The model's final logit soft-capping (Gemma 2), applied by the loss as without pipelining."""
     scale: float = 1.0
@@ -43,6 +48,8 @@ class PipelineRunner:
     microbatches: int = 1
     pp_group: object = None
     lm_losses: list = field(default_factory=list)
+    modules: list = field(default_factory=list)
+    """This rank's stage modules."""
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's,
@@ -51,7 +58,7 @@ class PipelineRunner:
         weight, bias = self.head()
         loss = head_loss_sum(
             hidden, labels, weight, bias, compute_dtype=self.compute_dtype, chunk_size=self.loss_chunk_size,
-            loss_parallel=self.loss_parallel, softcap=self.softcap,
+            loss_parallel=self.loss_parallel, softcap=self.softcap, compiled=self.compiled_loss,
         )
         self.lm_losses.append(local_value(loss.detach()))
         loss = loss * self.scale
@@ -70,6 +77,7 @@ class PipelineRunner:
         # Loss parallel's context must cover the backward too, which the schedule runs inside step().
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             self.schedule.step(*args, **kwargs)
+        release_compute_weights(*self.modules)  # the compute-dtype weight copies of this step
         if self.tied_gradients is not None:
             self.tied_gradients()
         # torch >= 2.13 may have called loss_fn once more first, on uninitialized tensors (shape inference).
@@ -86,10 +94,12 @@ class PipelineRunner:
 
 
 def build_pipeline_runner(
-    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None, moe_layers=()
+    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None, moe_layers=(), rehearsal=False
 ) -> tuple[nn.ModuleList, PipelineRunner]:
     """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
     ``moe_layers``: the whole model's decoder layers with a router (for the router load-balancing loss).
+    ``rehearsal``: one rank on a fake process group (``meshtron.train.pipeline_rehearsal``): shapes given, not
+    learned from the neighbours.
 
     Returns the stages as one module (for the optimizer and metrics) and the runner.
     """
@@ -105,6 +115,16 @@ def build_pipeline_runner(
         first, last = stage_id == 0, stage_id == num_stages - 1
         routing = StageRouting(module, hf_config, hf_config.num_hidden_layers, num_experts(hf_config)) if routes else None
         set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh, routing)
+        if rehearsal:
+            inputs, outputs = stage_shapes(
+                first, last, micro_batch=plan.micro_batch_size // plan.pp_microbatches, seq_len=cfg.data.seq_len,
+                local_seq_len=cfg.data.seq_len // dims.cp // (dims.tp if tp_mesh is not None else 1),
+                hidden_size=hf_config.hidden_size, dtype=compute_dtype or next(module.parameters()).dtype,
+                carry_shape=(hf_config.num_hidden_layers, 2 * num_experts(hf_config) + 1) if routes else None,
+            )
+            pipeline_stages.append(RehearsalStage(module, stage_id, num_stages, device, input_args=inputs,
+                                                  output_args=outputs, group=pp_mesh.get_group()))
+            continue
         pipeline_stages.append(PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group()))
     stage_ids = [stage_id for stage_id, _ in stages]
     last_module = dict(stages).get(num_stages - 1)
@@ -116,9 +136,11 @@ def build_pipeline_runner(
         head=partial(adapter.head_parameters, last_module) if last_module is not None else None,
         compute_dtype=compute_dtype,
         loss_chunk_size=cfg.train.loss_chunk_size,
+        compiled_loss=compile_enabled(cfg.train.compile, device.type),
         softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
         microbatches=plan.pp_microbatches,
         pp_group=pp_mesh.get_group(),
+        modules=[module for _, module in stages],
     )
     if routes:
         dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None

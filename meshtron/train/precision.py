@@ -6,9 +6,9 @@ compute in the chosen dtype; gradients are reduced in ``fsdp.reduce_dtype`` (flo
 * With FSDP / HSDP (also meshtron's DDP-style replication, which is ``fully_shard`` on a 1-wide shard
   mesh) it is FSDP's own ``MixedPrecisionPolicy``: parameters are cast when they are gathered.
 * Without FSDP (one process, TP-only, PP-only, PP x TP) ``apply_compute_casts`` does what FSDP does,
-  at the same places: before each decoder block's forward and the root's, parameters are cast to the
-  compute dtype (a differentiable cast, so their gradients arrive in the master dtype) and floating
-  inputs are cast too. Every layout therefore runs the same arithmetic, which is what lets the
+  at the same places: before each decoder block's forward and the root's, parameters are swapped for
+  compute-dtype copies (a differentiable cast, so their gradients arrive in the master dtype; made once
+  per optimizer step and reused by every micro-batch and recomputation) and floating inputs are cast too. Every layout therefore runs the same arithmetic, which is what lets the
   parity tests compare them with each other and with one process.
 * fp16 adds dynamic loss scaling (``LossScaler``): the loss is multiplied by the scale before
   backward; a step whose global gradient norm is not finite is skipped and the scale halved. The
@@ -90,29 +90,58 @@ def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
     return PrecisionPolicy(compute, reduce_dtype, name)
 
 
-class _CastHooks:
-    """Forward hooks that let ``module`` compute with ``dtype`` copies of its own parameters (those not
-    inside ``skip``, which get hooks of their own), as FSDP's param_dtype does. Parameters are looked up
-    at every call: materializing the model after this replaces them."""
+class ComputeWeights:
+    """The compute-dtype copies of master weights, made once per optimizer step.
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, skip: list[nn.Module]):
+    A copy is a differentiable cast (its gradient reaches the master weight in the master dtype), made at
+    the first use after the weight last changed (``param._version``: the optimizer step, a checkpoint load
+    or a rollback bump it) and reused by every later micro-batch and by activation-checkpoint recomputation.
+    ``release`` drops them (after each step's backward), so they do not sit in memory through the
+    optimizer step. Copies made without autograd (evaluation) are never handed to a forward that trains.
+    """
+
+    def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def copy_of(self, param: torch.Tensor) -> torch.Tensor:
+        trains = torch.is_grad_enabled() and param.requires_grad
+        entry = self._copies.get(id(param))
+        if entry is not None and entry[0] is param and entry[1] == param._version and entry[2].requires_grad == trains:
+            return entry[2]
+        copy = param.to(self.dtype)
+        self._copies[id(param)] = (param, param._version, copy)
+        return copy
+
+    def release(self) -> None:
+        self._copies.clear()
+
+
+COMPUTE_WEIGHTS_ATTRIBUTE = "_meshtron_compute_weights"
+"""The attribute of a model (or pipeline stage) that holds its ComputeWeights (see release_compute_weights)."""
+
+
+class _CastHooks:
+    """Forward hooks that let ``module`` compute with compute-dtype copies of its own parameters (those not
+    inside ``skip``, which get hooks of their own), as FSDP's param_dtype does, and cast floating inputs.
+    Parameters are looked up at every call: materializing the model after this replaces them."""
+
+    def __init__(self, module: nn.Module, weights: ComputeWeights, skip: list[nn.Module]):
+        self.weights = weights
         skipped = {id(inner) for outer in skip for inner in outer.modules()}
         self.owners = [owner for owner in module.modules() if id(owner) not in skipped]
         self.originals: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def before(self, module, args, kwargs):
-        copies: dict[int, torch.Tensor] = {}
+        dtype = self.weights.dtype
         self.originals = []
         for owner in self.owners:
             for name, param in list(owner._parameters.items()):
-                if param is None or not param.is_floating_point() or param.dtype == self.dtype:
+                if param is None or not param.is_floating_point() or param.dtype == dtype:
                     continue
-                if id(param) not in copies:  # tied weights: one copy, both uses
-                    copies[id(param)] = param.to(self.dtype)
                 self.originals.append((owner, name, param))
-                owner._parameters[name] = copies[id(param)]
-        cast = lambda t: t.to(self.dtype) if t.is_floating_point() else t  # noqa: E731
+                owner._parameters[name] = self.weights.copy_of(param)  # tied weights: one copy, both uses
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
         return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
     def after(self, module, args, kwargs, output):
@@ -123,23 +152,40 @@ class _CastHooks:
 
 
 def _innermost(block: nn.Module) -> nn.Module:
-    """The block inside activation-checkpointing / compile wrappers (so a recompute casts again)."""
+    """The block inside an activation-checkpointing wrapper (whose eager recomputation must swap again)."""
     while True:
-        inner = getattr(block, "_checkpoint_wrapped_module", None) or getattr(block, "_orig_mod", None)
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is None:
             return block
         block = inner
 
 
-def apply_compute_casts(model: nn.Module, adapter: DecoderAdapter, policy: PrecisionPolicy) -> None:
-    """FSDP's mixed-precision casts without FSDP: per decoder block, then the root for the rest."""
+def apply_compute_casts(model: nn.Module, adapter: DecoderAdapter, policy: PrecisionPolicy, compiled: bool = False) -> None:
+    """FSDP's mixed-precision casts without FSDP: per decoder block, then the root for the rest.
+
+    The hooks run outside compiled code (``compiled``: the blocks' forwards are compiled, see
+    meshtron.distributed.parallelize.apply_compile), so they never make dynamo guard on or recompile for
+    a parameter. A compiled checkpointed block recomputes from the copies its compiled forward was given;
+    an eager one runs its inner block again, whose hooks swap the same copies in again.
+    """
     if policy.compute_dtype is None:
         return
-    blocks = [_innermost(block) for _, block in adapter.named_blocks(model)]
+    weights = ComputeWeights(policy.compute_dtype)
+    object.__setattr__(model, COMPUTE_WEIGHTS_ATTRIBUTE, weights)  # not a submodule, not in the state dict
+    blocks = [block if compiled else _innermost(block) for _, block in adapter.named_blocks(model)]
     for module, skip in [(block, []) for block in blocks] + [(model, blocks)]:
-        hooks = _CastHooks(module, policy.compute_dtype, skip)
+        hooks = _CastHooks(module, weights, skip)
         module.register_forward_pre_hook(hooks.before, with_kwargs=True)
         module.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+
+
+def release_compute_weights(*models: nn.Module) -> None:
+    """Drop the compute-dtype weight copies of ``models`` (after a step's last backward)."""
+    for model in models:
+        for module in model.modules():
+            weights = module.__dict__.get(COMPUTE_WEIGHTS_ATTRIBUTE)
+            if weights is not None:
+                weights.release()
 
 
 class LossScaler:

@@ -21,6 +21,9 @@ class Runtime:
     local_rank: int
     world_size: int
     device: torch.device
+    rehearsal: bool = False
+    """One rank of a larger layout on a fake process group (``meshtron train --rehearse``): collectives
+    move no data, so nothing may be learned from another rank (objects are not shared)."""
 
     @property
     def distributed(self) -> bool:

@@ -23,6 +23,7 @@ from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
@@ -31,7 +32,7 @@ from meshtron.metrics.logger import model_state_bytes
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
 from meshtron.train.float8 import refresh_float8_scales
 from meshtron.train.loss import head_loss_sum
-from meshtron.train.precision import LossScaler, PrecisionPolicy, unscale_gradients
+from meshtron.train.precision import LossScaler, PrecisionPolicy, release_compute_weights, unscale_gradients
 from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
@@ -93,6 +94,7 @@ def _forward_backward(
             loss_sum = head_loss_sum(
                 hidden, labels, weight, bias, compute_dtype=compute_dtype, chunk_size=ctx.cfg.train.loss_chunk_size,
                 loss_parallel=ctx.loss_parallel, softcap=ctx.adapter.logit_softcap(model),
+                compiled=compile_enabled(ctx.cfg.train.compile, ctx.device.type),
             )
             if aux is None:
                 (loss_sum * scale).backward()
@@ -104,6 +106,7 @@ def _forward_backward(
             shard_replicated_gradients(model.parameters())
         if held_grads is not None and not last:
             held_grads.append(held_gradient_bytes(model))
+    release_compute_weights(model)
     return local_loss_sum
 
 

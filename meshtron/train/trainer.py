@@ -49,6 +49,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    """Wall time of each optimizer step of this start (after the device finished it)."""
     output_dir: Path | None = None
     model: nn.Module | None = None
     """The model; under pipeline parallelism an ``nn.ModuleList`` of this rank's stages (see model_parts)."""
@@ -69,6 +71,7 @@ class TrainResult:
     def rewind(self, steps_kept: int) -> None:
         """Forget the steps after the first ``steps_kept`` of this start (a rollback trains them again)."""
         del self.losses[steps_kept:], self.grad_norms[steps_kept:], self.tokens_per_s[steps_kept:]
+        del self.step_seconds[steps_kept:]
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
@@ -76,7 +79,7 @@ def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
     chosen = [cfg.run.output_dir, uuid.uuid4().hex]
     if runtime.is_main and chosen[0] is None:
         chosen[0] = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if runtime.distributed:
+    if runtime.distributed and not runtime.rehearsal:
         dist.broadcast_object_list(chosen, src=0)
     cfg.run.output_dir = chosen[0]
     return Path(chosen[0]), chosen[1]
@@ -141,7 +144,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     runner = None
     if dims.pp > 1:
         model, runner = build_pipeline_runner(
-            stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype, moe_layers
+            stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype, moe_layers,
+            rehearsal=runtime.rehearsal,
         )
         # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
         attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
@@ -198,7 +202,9 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
                 scheduler.step()
                 if runtime.device.type == "cuda":
                     torch.cuda.synchronize(runtime.device)
-                tokens_per_s = tokens / (time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                tokens_per_s = tokens / elapsed
+                result.step_seconds.append(elapsed)
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
                 result.tokens_per_s.append(tokens_per_s)

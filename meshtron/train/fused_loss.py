@@ -1,0 +1,169 @@
+"""The chunked head + cross-entropy with its gradients written in the forward pass (fused linear cross-entropy).
+
+For each chunk of tokens: the chunk's logits (``hidden @ weight.T``, compute dtype), their float32
+log-sum-exp, the summed loss, and at once the gradient of that sum with respect to the logits
+(``softmax - one_hot``), turned into the chunk's hidden-state gradient and added into a float32
+weight-gradient accumulator. The chunk's logits are then dropped. Backward only multiplies the stored
+gradients by the incoming scalar. Compared with checkpointing each chunk and recomputing it in backward
+(what meshtron did before), the head costs three matmuls instead of four and no softmax runs twice; the
+peak is one chunk's logits plus the two gradient buffers (``tokens x hidden`` and ``vocab x hidden``).
+This is the approach of Liger-Kernel's fused linear cross-entropy, written in plain PyTorch so that it
+runs on CPU and under DTensor tensor parallelism; ``compiled`` hands each chunk to ``torch.compile``,
+which fuses the elementwise passes into a few kernels.
+
+Under tensor parallelism the head weight is split over the vocabulary (``Shard(0)``): each rank computes
+its vocabulary slice's logits; the row maxima, exponential sums and target logits are all-reduced over
+the tensor-parallel group, so every rank holds the whole loss, and the hidden-state gradient leaves as a
+partial sum (DTensor reduces it), whether or not ``parallel.loss_parallel`` is on: the arithmetic is the
+loss-parallel one in both cases.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+IGNORE_INDEX = -100
+"""Label value that carries no loss."""
+
+
+def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_grads: bool):
+    """Summed loss of one chunk and, with ``with_grads``, the gradient of that sum with respect to the
+    chunk's logits (compute dtype); ``group``: the vocabulary-split ranks to reduce statistics over."""
+    logits = F.linear(hidden, weight, bias).float()
+    capped = None
+    if softcap:  # the model's final logit soft-capping (adapter.logit_softcap)
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    valid = labels != IGNORE_INDEX
+    local = labels - vocab_start
+    owned = valid & (local >= 0) & (local < logits.shape[1])
+    index = torch.where(owned, local, 0).unsqueeze(1)
+    target = logits.gather(1, index).squeeze(1) * owned
+    row_max = logits.detach().amax(1)
+    if group is not None:
+        dist.all_reduce(row_max, dist.ReduceOp.MAX, group=group)
+    probs = logits.sub_(row_max.unsqueeze(1)).exp_()  # in place: the float32 logits are not needed again
+    sums = torch.stack([probs.sum(1), target])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    sum_exp, target = sums[0], sums[1]
+    loss = ((row_max + sum_exp.log() - target) * valid).sum()
+    if not with_grads:
+        return loss, None
+    probs.div_(sum_exp.unsqueeze(1))
+    probs.scatter_add_(1, index, -owned.unsqueeze(1).to(probs.dtype))  # softmax - one_hot (where owned)
+    probs.mul_(valid.unsqueeze(1))
+    if capped is not None:
+        probs.mul_(1 - capped * capped)
+    return loss, probs.to(weight.dtype)
+
+
+@functools.cache
+def _compiled_chunk():
+    """``_chunk`` compiled (made on first use: importing dynamo costs seconds that an uncompiled run need not pay)."""
+    return torch.compile(_chunk, dynamic=False)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, compute_dtype, vocab_start, softcap, group, compiled):
+        compute = compute_dtype or weight.dtype
+        w = weight.to(compute)
+        b = bias.to(compute) if bias is not None else None
+        h = hidden.to(compute)
+        chunk_fn = _compiled_chunk() if compiled and group is None else _chunk
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(h) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, labels.shape[0], chunk_size):
+            part = slice(start, start + chunk_size)
+            loss, grad_logits = chunk_fn(h[part], w, b, labels[part], vocab_start, softcap, group, True)
+            total += loss
+            if grad_hidden is not None:
+                torch.matmul(grad_logits, w, out=grad_hidden[part])
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ h[part]
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del grad_logits
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.compute = compute
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        # Not in place: zero-bubble pipeline schedules call this twice (input gradients, then weight gradients).
+        # Each gradient is rounded to the compute dtype once, as FSDP's compute-dtype head parameters round theirs,
+        # so that every layout (FSDP or meshtron's own casts) rounds the same and an fp16 overflow happens in all.
+        wanted = ctx.needs_input_grad
+        scaled = [
+            None if grad is None or not want else (grad * grad_loss).to(ctx.compute).to(dtype)
+            for grad, dtype, want in ((grad_hidden, hidden_dtype, wanted[0]), (grad_weight, weight_dtype, wanted[1]),
+                                      (grad_bias, bias_dtype, wanted[2]))
+        ]
+        return (*scaled, None, None, None, None, None, None, None)
+
+
+def _vocabulary_split(weight: torch.Tensor):
+    """(mesh dim, process group, first vocabulary row of this rank) of a ``Shard(0)`` DTensor head weight."""
+    shard_dims = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    if len(shard_dims) != 1 or weight.placements[shard_dims[0]].dim != 0 or any(
+            not isinstance(p, (Shard, Replicate)) for p in weight.placements):
+        raise ValueError(f"the fused loss needs a head weight split over the vocabulary only, got {weight.placements}")
+    dim = shard_dims[0]
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return dim, weight.device_mesh.get_group(dim), offset[0]
+
+
+def fused_head_loss_sum(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    chunk_size: int,
+    compute_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Summed float32 cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, chunk by chunk.
+
+    ``hidden``: (tokens, hidden), a plain tensor or (next to a vocab-sharded DTensor ``weight``) a replicated
+    DTensor; ``labels``: (tokens,). The result is a plain tensor, the whole loss on every rank. Without
+    autograd (evaluation) only the loss is computed.
+    """
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        dim, group, vocab_start = _vocabulary_split(weight)
+        mesh = weight.device_mesh
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        # Each rank's hidden-state gradient is its vocabulary slice's share: a partial sum over the split.
+        hidden = hidden.to_local(grad_placements=[Partial() if i == dim else Replicate() for i in range(mesh.ndim)])
+        weight = weight.to_local()
+        bias = bias.to_local() if isinstance(bias, DTensor) else bias
+    chunk_size = chunk_size if chunk_size > 0 else max(labels.shape[0], 1)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if needs_grad:
+        return _FusedLinearCrossEntropy.apply(
+            hidden, weight, bias, labels, chunk_size, compute_dtype, vocab_start, softcap, group, compiled)
+    compute = compute_dtype or weight.dtype
+    w, h = weight.to(compute), hidden.to(compute)
+    b = bias.to(compute) if bias is not None else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, labels.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        total += _chunk(h[part], w, b, labels[part], vocab_start, softcap, group, False)[0]
+    return total

@@ -1,0 +1,61 @@
+"""Pipeline stages for ``meshtron train --rehearse`` (one rank of a larger layout on a fake process group).
+
+torch's pipeline stages learn the shapes they receive from their neighbours: a vote over point-to-point
+sends, then the metadata as pickled objects. On a fake process group nothing arrives, so a rehearsed stage
+is given its shapes instead (torch's static mode: ``input_args`` / ``output_args``), computed from the
+layout as meshtron's stage forward (``set_stage_forward``) sends them, and skips the vote.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+
+
+TOKEN_IDS_INDEX = 1
+"""Where a non-first stage's inputs hold the micro-batch's token ids (see ``stage_shapes``)."""
+
+
+class RehearsalStage(PipelineStage):
+    """A ``PipelineStage`` with static shapes whose warm-up vote needs no neighbour (all stages are static).
+
+    What it "receives" is whatever its buffers held: it fills them itself, activations with unit normal values
+    (so that routers spread tokens over experts as real hidden states do) and token ids and gradients with
+    zeros (valid ids, finite updates), so that a rehearsed step never turns non-finite and skips its update.
+    """
+
+    def _warmup_forward_vote(self, has_backward, received_acc=None):  # torch >= 2.13
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _warmup_backward_result(self, received_result=None):  # torch >= 2.13
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        activations = super()._retrieve_recv_activations(fwd_chunk_id)
+        with torch.no_grad():
+            for index, activation in enumerate(activations):
+                local = activation.to_local() if hasattr(activation, "to_local") else activation
+                local.zero_() if index == TOKEN_IDS_INDEX else local.normal_()
+        return activations
+
+    def _retrieve_recv_grads(self, bwd_chunk_id):
+        grads = super()._retrieve_recv_grads(bwd_chunk_id)
+        with torch.no_grad():
+            for grad in grads:
+                if grad is not None:
+                    (grad.to_local() if hasattr(grad, "to_local") else grad).zero_()
+        return grads
+
+
+def stage_shapes(first: bool, last: bool, *, micro_batch: int, seq_len: int, local_seq_len: int, hidden_size: int,
+                 dtype: torch.dtype, carry_shape: tuple[int, int] | None) -> tuple[tuple, tuple]:
+    """(inputs, outputs) of one stage as meta tensors, in ``set_stage_forward``'s order: a first stage takes the
+    micro-batch's token ids; the others take (hidden shard, token ids as float32[, routing carry]); every stage
+    but the last returns the same three, the last its hidden states (the loss applies the head) and carry."""
+    meta = torch.device("meta")
+    hidden = torch.empty(micro_batch, local_seq_len, hidden_size, dtype=dtype, device=meta, requires_grad=True)
+    token_ids = torch.empty(micro_batch, seq_len, dtype=torch.float32, device=meta, requires_grad=True)
+    carry = (torch.empty(*carry_shape, device=meta, requires_grad=True),) if carry_shape else ()
+    inputs = (torch.empty(micro_batch, seq_len, dtype=torch.long, device=meta),) if first else (hidden, token_ids, *carry)
+    outputs = (hidden, *carry) if last else (hidden, token_ids, *carry)
+    return inputs, outputs
