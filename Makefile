@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshtron-installed
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test lint bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/meshtron train --config configs/demo.toml --nproc 2
+
+# The layer contract of CONTRIBUTING.md ([tool.importlinter] in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15

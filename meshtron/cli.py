@@ -1,7 +1,7 @@
 """``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``,
 ``meshtron plan ...`` (see meshtron.plan.cli), ``meshtron data prepare ...`` (meshtron.data.cli) and
 ``meshtron export CHECKPOINT OUT_DIR``, ``meshtron plot RUN_DIR ...``, ``meshtron compare RUN_A RUN_B``
-(meshtron.metrics.cli) and ``meshtron generate CKPT_OR_EXPORT --prompt TEXT`` (meshtron.models.generate).
+(meshtron.metrics.cli) and ``meshtron generate CKPT_OR_EXPORT --prompt TEXT`` (meshtron.checkpoint.generate).
 
 Under ``torchrun`` each process trains its rank. Started by hand, ``--nproc N`` re-launches itself
 through torch's elastic launcher on this machine; without it, one process trains alone.
@@ -20,21 +20,6 @@ from meshtron.errors import ConfigError, MeshtronError
 from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
-
-
-def _overrides(extra: list[str]) -> list[str]:
-    """Accept both ``--a.b=v`` and ``--a.b v``."""
-    result, index = [], 0
-    while index < len(extra):
-        item = extra[index]
-        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument '{item}'; settings look like --section.key=value ({USAGE})")
-        if "=" not in item and index + 1 < len(extra) and not extra[index + 1].startswith("--"):
-            item = f"{item}={extra[index + 1]}"
-            index += 1
-        result.append(item[2:])
-        index += 1
-    return result
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,11 +88,11 @@ def _print_error(err: MeshtronError) -> None:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    from meshtron.config import load_config
+    from meshtron.config import load_config, parse_overrides
     from meshtron.train.runtime import check_torch_version, launched_world_size
 
     check_torch_version()
-    cfg = load_config(args.config, _overrides(extra))
+    cfg = load_config(args.config, parse_overrides(extra, USAGE))
     if not args.rehearse and (args.rank or args.rehearse_steps is not None):
         raise ConfigError("--rank and --rehearse-steps go with --rehearse (meshtron train --rehearse --nproc N --rank R)")
     if args.rehearse and args.dry_run:
@@ -182,7 +167,7 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> in
     from torch.distributed.run import get_args_parser, run
 
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
-    from meshtron.train.runtime import resolve_device_type
+    from meshtron.distributed.devices import resolve_device_type
     from meshtron.train.preflight import preflight
 
     preflight(cfg, world_size, resolve_device_type(cfg.run.device, world_size))
@@ -260,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             if extra:
                 raise ConfigError(f"unexpected arguments {extra}; see meshtron generate --help")
-            from meshtron.models.generate import generate_text
+            from meshtron.checkpoint.generate import generate_text
 
             text = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed,

@@ -341,6 +341,22 @@ def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
     setattr(section, key, _coerce(dotted, value, types_[key], from_text))
 
 
+def parse_overrides(extra: list[str], usage: str) -> list[str]:
+    """Command-line settings as ``section.key=value`` items: ``--a.b=v`` and ``--a.b v`` are both accepted.
+    ``usage``: the command's usage line, for the error about anything else."""
+    result, index = [], 0
+    while index < len(extra):
+        item = extra[index]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument '{item}'; settings look like --section.key=value ({usage})")
+        if "=" not in item and index + 1 < len(extra) and not extra[index + 1].startswith("--"):
+            item = f"{item}={extra[index + 1]}"
+            index += 1
+        result.append(item[2:])
+        index += 1
+    return result
+
+
 def load_config(
     toml_path: str | os.PathLike | None = None,
     overrides: list[str] | None = None,

@@ -188,3 +188,32 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
     (saved / "meshtron.json").write_text("{ broken")
     code, err = run_main(capsys, [*common, f"--checkpoint.resume={saved}", f"--run.output_dir={tmp_path / 'c'}"])
     assert code != 0 and "meshtron.json is unreadable" in error_lines(err)[0], err
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["data", "prepare", "--data.path={missing}", "--out", "{tmp}/prepared"], "data.path: '{missing}' does not exist"),
+    (["generate", "{missing}", "--prompt", "hi"], "'{missing}' is not a folder"),
+    (["generate", "{tmp}", "--prompt", "hi"], "is neither a meshtron checkpoint (step-N) nor a Hugging Face model folder"),
+    (["generate", "{not_a_model}", "--prompt", "hi"], "cannot load a causal LM from"),
+    (["export", "{tmp}", "{tmp}/out"], "meshtron export: '{tmp}' is not a whole meshtron checkpoint"),
+    (["plot", "{tmp}"], "'{tmp}' has no metrics.jsonl"),
+    (["compare", "{tmp}", "{missing}"], "has no metrics.jsonl"),
+    (["plan", "--model", "nope", "--gpus", "8", "--seq-len", "128", "--global-batch", "8"], "--model: 'nope' is neither"),
+    (["plan", "--model", "llama-1b", "--gpus", "0", "--seq-len", "128", "--global-batch", "8"], "--gpus must be"),
+])
+def test_every_command_ends_bad_input_with_one_line(capsys, tmp_path, command, expected):
+    """Each command other than train, given a path or value that cannot work: one error line naming it, exit 2,
+    no traceback."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"foo": 1}))  # no model_type
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    paths = {"missing": str(tmp_path / "no-such"), "tmp": str(tmp_path), "not_a_model": str(tmp_path / "model")}
+    args = [arg.format(**paths) for arg in command]
+    if command[0] == "generate" and "{not_a_model}" in command:
+        args += ["--tokenizer", "byte"]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert expected.format(**paths) in lines[0], lines[0]

@@ -15,7 +15,7 @@ from meshtron.config import ModelConfig, load_config
 from meshtron.distributed.tensor_parallel import _block_styles
 from meshtron.errors import ConfigError
 from meshtron.models.build import build_meta_model, load_hf_config
-from meshtron.train.float8 import apply_float8, check_capability, check_float8, refresh_float8_scales
+from meshtron.distributed.float8 import apply_float8, check_capability, check_float8, refresh_float8_scales
 from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
@@ -241,7 +241,7 @@ def test_tensorwise_recipe_alone_gets_float8_all_gathers(monkeypatch):
     pytest.importorskip("torchao.float8")
     import torchao.float8
 
-    from meshtron.train.float8 import float8_tp_paths
+    from meshtron.distributed.float8 import float8_tp_paths
 
     calls = []
     monkeypatch.setattr(torchao.float8, "precompute_float8_dynamic_scale_for_fsdp", calls.append)

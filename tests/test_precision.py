@@ -9,16 +9,17 @@ from torch import nn
 from conftest import run_cli
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
-from meshtron.train.precision import (
+from meshtron.distributed.precision import (
     COMPUTE_WEIGHTS_ATTRIBUTE,
-    LossScaler,
     PrecisionPolicy,
     apply_compute_casts,
     precision_policy,
     release_compute_weights,
     resolve_mixed_precision,
 )
-from meshtron.train.runtime import check_torch_version, resolve_device_type
+from meshtron.train.precision import LossScaler
+from meshtron.distributed.devices import resolve_device_type
+from meshtron.train.runtime import check_torch_version
 
 
 def test_device_choice(monkeypatch):

@@ -168,7 +168,7 @@ def test_generate_continues_a_prompt_from_a_checkpoint_and_from_its_export(runs,
     from meshtron.checkpoint.export import export_checkpoint
     from meshtron.cli import main
     from meshtron.data.tokenizer import ByteTokenizer
-    from meshtron.models.generate import generate_text
+    from meshtron.checkpoint.generate import generate_text
 
     checkpoint = runs / "logged" / "checkpoints" / f"step-{STEPS:08d}"
     export = export_checkpoint(str(checkpoint), str(tmp_path / "export"))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from meshtron.checkpoint.integrity import damage
 from meshtron.checkpoint.manager import quiet_single_process, read_meta
 from meshtron.errors import ConfigError
 
@@ -35,6 +36,10 @@ def export_checkpoint(
     from meshtron.models.build import build_meta_model, load_hf_config
 
     source, target = Path(checkpoint), Path(out_dir)
+    reason = damage(source)
+    if reason is not None:
+        raise ConfigError(f"meshtron export: '{source}' is not a whole meshtron checkpoint ({reason}); give a step-N "
+                          "folder from a run's checkpoints/ directory")
     read_meta(source)
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"export directory '{target}' is not empty; choose a new directory (nothing was written)")

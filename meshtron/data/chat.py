@@ -27,7 +27,7 @@ import torch
 from meshtron.config import DataConfig
 from meshtron.data.sources import _is_saved_dataset, _load_saved
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.train.loss import IGNORE_INDEX
+from meshtron.data.labels import IGNORE_INDEX
 
 
 def check_chat_tokenizer(tokenizer) -> None:

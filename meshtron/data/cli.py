@@ -45,13 +45,12 @@ def _own_peak_mb() -> float:
 
 
 def run_data(args, extra: list[str]) -> int:
-    from meshtron.cli import _overrides
-    from meshtron.config import load_config
+    from meshtron.config import load_config, parse_overrides
     from meshtron.data.prepare import prepare_corpus
     from meshtron.data.shards import is_prepared
     from meshtron.data.sources import check_data_path
 
-    overrides = _overrides(extra)
+    overrides = parse_overrides(extra, DATA_USAGE)
     if any(not item.startswith(("data.", "model.trust_remote_code")) for item in overrides):
         raise ConfigError(f"data prepare takes data.* settings only, got {overrides}; usage: {DATA_USAGE}")
     if args.shard_mb <= 0:

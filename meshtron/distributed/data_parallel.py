@@ -24,7 +24,7 @@ def apply_fsdp(
     ``dp_mesh`` is ``dp_shard x cp`` flattened (context-parallel ranks hold the same parameters), with
     ``dp_replicate`` in front for HSDP. When that sharding dim has size 1 every rank holds the whole
     model: that is DDP, and plain replication (``replicate_whole_model``) runs it (see ``replicates_only``).
-    ``policy``: the run's mixed precision (meshtron.train.precision). ``expert_mesh``: under expert
+    ``policy``: the run's mixed precision (meshtron.distributed.precision). ``expert_mesh``: under expert
     parallelism, the mesh the experts of each MoE block are sharded over instead (``expert_fsdp``: the ranks
     holding the same experts), their gradients divided as the others' (``expert_parallel.shard_experts``).
     """

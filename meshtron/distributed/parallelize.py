@@ -22,8 +22,8 @@ from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import register_attention, uses_meshtron_attention
-from meshtron.train.float8 import apply_float8
-from meshtron.train.precision import apply_compute_casts, precision_policy
+from meshtron.distributed.float8 import apply_float8
+from meshtron.distributed.precision import apply_compute_casts, precision_policy
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
 _SAVED_OPS = {
@@ -111,7 +111,7 @@ def _device_type(meshes, cfg: Config) -> str:
     """The mesh's device type, or in a single process the one ``run.device`` resolves to."""
     if meshes is not None:
         return meshes["world"].device_type
-    from meshtron.train.runtime import resolve_device_type
+    from meshtron.distributed.devices import resolve_device_type
 
     return resolve_device_type(cfg.run.device, 1)
 

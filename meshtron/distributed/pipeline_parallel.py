@@ -28,7 +28,7 @@ from meshtron.config import PP_SCHEDULES as SCHEDULES
 from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
-from meshtron.train.runtime import torch_release
+from meshtron.distributed.devices import torch_release
 
 MAX_EXACT_TOKEN_ID = 2**24
 """Token ids travel between stages as float32, which holds integers exactly up to here."""

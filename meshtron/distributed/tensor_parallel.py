@@ -51,7 +51,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.families import check_family
-from meshtron.train.float8 import float8_tp_paths
+from meshtron.distributed.float8 import float8_tp_paths
 
 
 def check_tensor_parallel(
@@ -303,7 +303,7 @@ def apply_tensor_parallel(
 ) -> None:
     """Split ``model`` (on the meta device) over the 1-D ``tp_mesh``, block by block, then the outer parts.
 
-    ``float8``: the blocks were converted by ``meshtron.train.float8.apply_float8``; their float8 linears
+    ``float8``: the blocks were converted by ``meshtron.distributed.float8.apply_float8``; their float8 linears
     get torchao's float8 styles, which all-gather in float8 (NCCL only: gloo cannot send float8; without
     them float8 linears still multiply in float8 and all-gather in high precision). Tensorwise recipe
     only: those styles cast per tensor, so rowwise float8 linears keep the ordinary styles.

@@ -15,9 +15,9 @@ MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 def config_compute_dtype(cfg: Config, device: str = "cuda") -> str:
     """The dtype a run of ``cfg`` on ``device`` computes in (``train.mixed_precision`` resolved as
-    ``meshtron.train.precision`` resolves it; ``auto`` on CUDA assumes a GPU with bf16, as every
+    ``meshtron.distributed.precision`` resolves it; ``auto`` on CUDA assumes a GPU with bf16, as every
     planner GPU has)."""
-    from meshtron.train.precision import resolve_mixed_precision
+    from meshtron.distributed.precision import resolve_mixed_precision
 
     setting = cfg.train.mixed_precision
     name = resolve_mixed_precision(setting, device, bf16_supported=True)

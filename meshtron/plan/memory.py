@@ -321,7 +321,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         temporaries += tokens * block_activation_per_token(shape, layout, workload)
     casts_per_step = casts_weights(layout, workload) and layout.activation_checkpointing != "none"
     # Without FSDP the compute-dtype weight copies are made once per optimizer step and held through it
-    # (meshtron.train.precision.ComputeWeights); autograd keeps them anyway unless blocks are checkpointed.
+    # (meshtron.distributed.precision.ComputeWeights); autograd keeps them anyway unless blocks are checkpointed.
     if layout.ep > 1:  # one MoE layer's dispatch: the rows sent and the rows received before regrouping
         temporaries += 2 * tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
     if layout.cp > 1:

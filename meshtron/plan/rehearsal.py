@@ -75,7 +75,7 @@ def rehearsal_config(cfg: Config, steps: int) -> Config:
 
 
 def _device(setting: str) -> torch.device:
-    from meshtron.train.runtime import resolve_device_type
+    from meshtron.distributed.devices import resolve_device_type
 
     if resolve_device_type(setting, 1) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-IGNORE_INDEX = -100
-"""Label value that carries no loss."""
+from meshtron.data.labels import IGNORE_INDEX
+
 
 
 def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_grads: bool):

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshtron.train.fused_loss import IGNORE_INDEX, fused_head_loss_sum
+from meshtron.data.labels import IGNORE_INDEX
+from meshtron.train.fused_loss import fused_head_loss_sum
 
 __all__ = ["IGNORE_INDEX", "head_loss_sum"]  # IGNORE_INDEX (-100): the label value that carries no loss
 

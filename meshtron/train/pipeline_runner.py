@@ -17,7 +17,7 @@ from meshtron.models.moe import num_experts
 from meshtron.train.batch import sequence_inputs
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.pipeline_rehearsal import RehearsalStage, stage_shapes
-from meshtron.train.precision import release_compute_weights
+from meshtron.distributed.precision import release_compute_weights
 from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
 from meshtron.train.router_loss import router_coef, router_loss_enabled
 

@@ -26,8 +26,8 @@ from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.models.families import check_family
-from meshtron.train.float8 import check_float8
-from meshtron.train.precision import PrecisionPolicy, precision_policy
+from meshtron.distributed.float8 import check_float8
+from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.resilience.restart import restart_count
 from meshtron.train.runtime import launched_by_torchrun
 

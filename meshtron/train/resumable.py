@@ -76,7 +76,7 @@ class Resumable:
         if self.stream is not None:
             self.stream.restore(load_stream_states(path))
         if self.cfg.train.float8:
-            from meshtron.train.float8 import refresh_float8_scales
+            from meshtron.distributed.float8 import refresh_float8_scales
 
             refresh_float8_scales(self.parts)
         return meta

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtron.distributed.devices import resolve_device_type, torch_release
 from meshtron.errors import ConfigError
 
 MIN_TORCH = (2, 11)
@@ -38,12 +39,6 @@ class Runtime:
             dist.barrier()
 
 
-def torch_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string such as ``2.11.0+cu128``."""
-    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
-    return major, minor
-
-
 def check_torch_version(version: str | None = None) -> None:
     """Refuse a PyTorch older than MIN_TORCH with one line naming the minimum."""
     version = version or torch.__version__
@@ -65,27 +60,6 @@ def launched_by_torchrun() -> bool:
 def local_world_size(default: int = 1) -> int:
     """Processes on this machine (torchrun's LOCAL_WORLD_SIZE), ``default`` outside torchrun."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
-
-
-def resolve_device_type(setting: str, local_processes: int) -> str:
-    """``cuda`` or ``cpu`` for ``run.device`` (auto | cpu | cuda); a ConfigError when the GPUs do not suffice.
-
-    Called before any process-group work, so every rank refuses the same way.
-    """
-    if setting == "cpu":
-        return "cpu"
-    available = torch.cuda.is_available()
-    if not available:
-        if setting == "cuda":
-            raise ConfigError("run.device=cuda but no CUDA GPU is visible; use --run.device=cpu")
-        return "cpu"
-    gpus = torch.cuda.device_count()
-    if local_processes > gpus:
-        raise ConfigError(
-            f"{local_processes} processes on this machine but only {gpus} GPU(s) visible (one GPU per process); "
-            f"use --nproc {gpus} (or torchrun --nproc-per-node {gpus}) or --run.device=cpu"
-        )
-    return "cuda"
 
 
 def process_group_backend(device_type: str, host_collectives: bool = False) -> str:

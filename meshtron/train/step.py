@@ -30,9 +30,10 @@ from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.logger import model_state_bytes
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
-from meshtron.train.float8 import refresh_float8_scales
+from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.train.loss import head_loss_sum
-from meshtron.train.precision import LossScaler, PrecisionPolicy, release_compute_weights, unscale_gradients
+from meshtron.distributed.precision import PrecisionPolicy, release_compute_weights
+from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.distributed.grad_norm import local_grad_square_sum
-from meshtron.train.loss import IGNORE_INDEX
+from meshtron.data.labels import IGNORE_INDEX
 
 
 def global_target_count(dataset, indices: np.ndarray) -> int:

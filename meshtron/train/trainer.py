@@ -33,7 +33,8 @@ from meshtron.models.build import build_meta_model, materialize
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.optim import build_optimizer, build_scheduler
-from meshtron.train.precision import loss_scaler, precision_policy
+from meshtron.distributed.precision import precision_policy
+from meshtron.train.precision import loss_scaler
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.resumable import Resumable
 from meshtron.train.router_loss import build_router_loss
@@ -240,7 +241,7 @@ def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
     """Restore the checkpoint the run continues from, if any, and say so; the step it starts after."""
     if not plan.resume_from:
         if resumable.cfg.train.float8:
-            from meshtron.train.float8 import refresh_float8_scales
+            from meshtron.distributed.float8 import refresh_float8_scales
 
             refresh_float8_scales(resumable.parts)  # FSDP's float8 all-gather: weight scales from the initial weights
         return 0

@@ -94,7 +94,7 @@ def check_float8(cfg, device_type: str) -> None:
 def _compute_dtype(cfg, device_type: str) -> torch.dtype:
     """The dtype the blocks' linears multiply in (the mixed-precision dtype, else the weights')."""
     from meshtron.models.build import torch_dtype
-    from meshtron.train.precision import precision_policy
+    from meshtron.distributed.precision import precision_policy
 
     return precision_policy(cfg, device_type).compute_dtype or torch_dtype(cfg.model.dtype)
 

@@ -42,6 +42,9 @@ def generate_text(source: str, prompt: str, *, max_new_tokens: int = 64, tempera
         if (path / META).is_file():  # a meshtron checkpoint: its run's tokenizer unless told otherwise
             tokenizer = tokenizer or load_config(path / "config.toml", env={}).data.tokenizer
             path = export_checkpoint(str(path), str(Path(scratch) / "model"), trust_remote_code=trust_remote_code)
+        elif not (path / "config.json").is_file():
+            raise ConfigError(f"meshtron generate: '{source}' is neither a meshtron checkpoint (step-N) nor a Hugging "
+                              "Face model folder (config.json); give one of them")
         tok = _tokenizer_for(path, tokenizer, trust_remote_code)
         return _generate(path, tok, prompt, max_new_tokens, temperature, top_p, seed, trust_remote_code, device)
 
@@ -51,7 +54,12 @@ def _generate(model_dir: Path, tok, prompt: str, max_new_tokens: int, temperatur
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"meshtron generate: cannot load a causal LM from '{model_dir}': {first_line}") from None
+    model = model.to(device).eval()
     ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long, device=device).reshape(1, -1)
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.eos_token_id]], device=device)  # an empty prompt starts after a document's end

@@ -1,0 +1,187 @@
+"""Mixed precision in every layout, from one setting (``train.mixed_precision``): the policy and the casts.
+
+Master weights and AdamW state stay in ``model.dtype`` (float32 by default); the forward and backward
+compute in the chosen dtype; gradients are reduced in ``fsdp.reduce_dtype`` (float32 by default).
+
+* With FSDP / HSDP (also meshtron's DDP-style replication, which is ``fully_shard`` on a 1-wide shard
+  mesh) it is FSDP's own ``MixedPrecisionPolicy``: parameters are cast when they are gathered.
+* Without FSDP (one process, TP-only, PP-only, PP x TP) ``apply_compute_casts`` does what FSDP does,
+  at the same places: before each decoder block's forward and the root's, parameters are swapped for
+  compute-dtype copies (a differentiable cast, so their gradients arrive in the master dtype; made once
+  per optimizer step and reused by every micro-batch and recomputation) and floating inputs are cast too.
+  Every layout therefore runs the same arithmetic, which is what lets the parity tests compare them with
+  each other and with one process.
+
+fp16's loss scaling is a training-loop matter: ``meshtron.train.precision``. CPU runs use ``none`` under
+``auto``; bf16 (and fp16) also run on CPU, which is how the tests check this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.utils import _apply_to_tensors
+
+from meshtron.config import Config
+from meshtron.errors import ConfigError
+from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.build import torch_dtype
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """``compute_dtype`` None means: compute in the parameters' own dtype (no mixed precision)."""
+
+    compute_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    name: str = "none"
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    def fsdp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+
+    def describe(self) -> str:
+        return "no mixed precision" if self.compute_dtype is None else f"{self.name} compute"
+
+
+def resolve_mixed_precision(setting: str, device_type: str, bf16_supported: bool | None = None) -> str:
+    """``bf16``, ``fp16`` or ``none`` for ``train.mixed_precision`` on ``device_type`` (auto resolved)."""
+    if setting != "auto":
+        return setting
+    if device_type != "cuda":
+        return "none"
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    return "bf16" if bf16_supported else "fp16"
+
+
+def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
+    """The run's policy; a ConfigError for a combination that cannot work."""
+    if cfg.model.dtype == "float16":
+        # AdamW's eps (1e-8) is 0 in fp16: rows without gradient get 0/0 and the run diverges at step 2.
+        raise ConfigError(
+            "model.dtype=float16 stores the weights and AdamW state in fp16, where AdamW's eps underflows and "
+            "training diverges; use model.dtype=float32 with train.mixed_precision=fp16 (fp16 compute, fp32 "
+            "master weights, loss scaling) or model.dtype=bfloat16"
+        )
+    name = resolve_mixed_precision(cfg.train.mixed_precision, device_type)
+    reduce_dtype = torch_dtype(cfg.fsdp.reduce_dtype) if cfg.fsdp.reduce_dtype else None
+    if name == "none":
+        return PrecisionPolicy(None, reduce_dtype, name)
+    compute = _COMPUTE_DTYPES[name]
+    master = torch_dtype(cfg.model.dtype)
+    if master == compute or (master != torch.float32 and cfg.train.mixed_precision == "auto"):
+        return PrecisionPolicy(None, reduce_dtype, "none")  # compute in the weights' own (half) dtype
+    if master != torch.float32:
+        raise ConfigError(
+            f"train.mixed_precision={name} with model.dtype={cfg.model.dtype}: master weights must be float32 "
+            f"(or already {name}); set model.dtype=float32"
+        )
+    return PrecisionPolicy(compute, reduce_dtype, name)
+
+
+class ComputeWeights:
+    """The compute-dtype copies of master weights, made once per optimizer step.
+
+    A copy is a differentiable cast (its gradient reaches the master weight in the master dtype), made at
+    the first use after the weight last changed (``param._version``: the optimizer step, a checkpoint load
+    or a rollback bump it) and reused by every later micro-batch and by activation-checkpoint recomputation.
+    ``release`` drops them (after each step's backward), so they do not sit in memory through the
+    optimizer step. Copies made without autograd (evaluation) are never handed to a forward that trains.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def copy_of(self, param: torch.Tensor) -> torch.Tensor:
+        trains = torch.is_grad_enabled() and param.requires_grad
+        entry = self._copies.get(id(param))
+        if entry is not None and entry[0] is param and entry[1] == param._version and entry[2].requires_grad == trains:
+            return entry[2]
+        copy = param.to(self.dtype)
+        self._copies[id(param)] = (param, param._version, copy)
+        return copy
+
+    def release(self) -> None:
+        self._copies.clear()
+
+
+COMPUTE_WEIGHTS_ATTRIBUTE = "_meshtron_compute_weights"
+"""The attribute of a model (or pipeline stage) that holds its ComputeWeights (see release_compute_weights)."""
+
+
+class _CastHooks:
+    """Forward hooks that let ``module`` compute with compute-dtype copies of its own parameters (those not
+    inside ``skip``, which get hooks of their own), as FSDP's param_dtype does, and cast floating inputs.
+    Parameters are looked up at every call: materializing the model after this replaces them."""
+
+    def __init__(self, module: nn.Module, weights: ComputeWeights, skip: list[nn.Module]):
+        self.weights = weights
+        skipped = {id(inner) for outer in skip for inner in outer.modules()}
+        self.owners = [owner for owner in module.modules() if id(owner) not in skipped]
+        self.originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def before(self, module, args, kwargs):
+        dtype = self.weights.dtype
+        self.originals = []
+        for owner in self.owners:
+            for name, param in list(owner._parameters.items()):
+                if param is None or not param.is_floating_point() or param.dtype == dtype:
+                    continue
+                self.originals.append((owner, name, param))
+                owner._parameters[name] = self.weights.copy_of(param)  # tied weights: one copy, both uses
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    def after(self, module, args, kwargs, output):
+        for owner, name, param in self.originals:
+            owner._parameters[name] = param
+        self.originals = []
+        return output
+
+
+def _innermost(block: nn.Module) -> nn.Module:
+    """The block inside an activation-checkpointing wrapper (whose eager recomputation must swap again)."""
+    while True:
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        if inner is None:
+            return block
+        block = inner
+
+
+def apply_compute_casts(model: nn.Module, adapter: DecoderAdapter, policy: PrecisionPolicy, compiled: bool = False) -> None:
+    """FSDP's mixed-precision casts without FSDP: per decoder block, then the root for the rest.
+
+    The hooks run outside compiled code (``compiled``: the blocks' forwards are compiled, see
+    meshtron.distributed.parallelize.apply_compile), so they never make dynamo guard on or recompile for
+    a parameter. A compiled checkpointed block recomputes from the copies its compiled forward was given;
+    an eager one runs its inner block again, whose hooks swap the same copies in again.
+    """
+    if policy.compute_dtype is None:
+        return
+    weights = ComputeWeights(policy.compute_dtype)
+    object.__setattr__(model, COMPUTE_WEIGHTS_ATTRIBUTE, weights)  # not a submodule, not in the state dict
+    blocks = [block if compiled else _innermost(block) for _, block in adapter.named_blocks(model)]
+    for module, skip in [(block, []) for block in blocks] + [(model, blocks)]:
+        hooks = _CastHooks(module, weights, skip)
+        module.register_forward_pre_hook(hooks.before, with_kwargs=True)
+        module.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+
+
+def release_compute_weights(*models: nn.Module) -> None:
+    """Drop the compute-dtype weight copies of ``models`` (after a step's last backward)."""
+    for model in models:
+        for module in model.modules():
+            weights = module.__dict__.get(COMPUTE_WEIGHTS_ATTRIBUTE)
+            if weights is not None:
+                weights.release()
