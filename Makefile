@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/meshtron train --config configs/demo.toml --nproc 2
 
-# The layer contract of CONTRIBUTING.md ([tool.importlinter] in pyproject.toml).
+# ruff (lint, import order, format; [tool.ruff] in pyproject.toml) and the layer contract of CONTRIBUTING.md
+# ([tool.importlinter]). `$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .` repairs most of what ruff finds.
 lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
 test: $(STAMP)

@@ -81,7 +81,8 @@ def check(q, k, v, docs, scale, dtype) -> bool:
     grad_out = torch.randn(q.shape, device=device, generator=torch.Generator(device).manual_seed(1)).to(dtype)
     reference = forward_backward(
         lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa"),
-        [t.float() for t in (q, k, v)], grad_out.float(),
+        [t.float() for t in (q, k, v)],
+        grad_out.float(),
     )
     sdpa = forward_backward(lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa"), (q, k, v), grad_out)
     if device.type == "cuda":
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
                 out.backward(grad_out)
                 for t in leaves:
                     t.grad = None
+
         return run
 
     flex_backward = device.type == "cuda"

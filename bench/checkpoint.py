@@ -58,11 +58,19 @@ class Timed:
 
 
 def run(args, workdir: Path, name: str, extra: list[str]) -> dict:
-    overrides = [
-        f"model.preset={args.preset}", f"data.max_documents={args.documents}", f"data.seq_len={args.seq_len}",
-        f"train.global_batch_size={args.batch}", "run.progress=false", f"run.output_dir={workdir / name}",
-        f"checkpoint.dir={workdir / 'checkpoints' / name}",
-    ] + extra + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
+    overrides = (
+        [
+            f"model.preset={args.preset}",
+            f"data.max_documents={args.documents}",
+            f"data.seq_len={args.seq_len}",
+            f"train.global_batch_size={args.batch}",
+            "run.progress=false",
+            f"run.output_dir={workdir / name}",
+            f"checkpoint.dir={workdir / 'checkpoints' / name}",
+        ]
+        + extra
+        + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
+    )
     cfg = load_config(None, overrides, env={})
     with Timed() as timed:
         started = time.perf_counter()
@@ -86,18 +94,33 @@ def main() -> None:
     common = [f"train.steps={args.steps}", f"checkpoint.interval={args.interval}"]
     results = {}
     for mode in ("sync", "async"):
-        results[mode] = run(args, workdir, mode, common + [f"checkpoint.async={'true' if mode == 'async' else 'false'}"])
-    loaded = run(args, workdir, "resume", [f"train.steps={args.steps}", "checkpoint.interval=0",
-                                          f"checkpoint.resume={workdir / 'checkpoints' / 'sync' / f'step-{args.steps:08d}'}"])
-    print(f"model {args.preset}: parameters + gradients + AdamW state {results['sync']['state_mb']:.1f} MB; "
-          f"{args.steps} steps, a save every {args.interval}")
+        results[mode] = run(
+            args, workdir, mode, common + [f"checkpoint.async={'true' if mode == 'async' else 'false'}"]
+        )
+    loaded = run(
+        args,
+        workdir,
+        "resume",
+        [
+            f"train.steps={args.steps}",
+            "checkpoint.interval=0",
+            f"checkpoint.resume={workdir / 'checkpoints' / 'sync' / f'step-{args.steps:08d}'}",
+        ],
+    )
+    print(
+        f"model {args.preset}: parameters + gradients + AdamW state {results['sync']['state_mb']:.1f} MB; "
+        f"{args.steps} steps, a save every {args.interval}"
+    )
     print("| mode | saves | stall per save ms (median) | run wall s |")
     print("|---|---:|---:|---:|")
     for mode, r in results.items():
         saves = r["calls"]["save"]  # save() includes waiting for the previous async save
         print(f"| {mode} | {len(saves)} | {statistics.median(saves) * 1e3:.1f} | {r['wall_s']:.2f} |")
     print(f"load (model + optimizer): {loaded['calls']['load'][0] * 1e3:.1f} ms")
-    print(f"final wait for the last async save at the end of the run: {results['async']['calls']['wait'][-1] * 1e3:.1f} ms")
+    print(
+        "final wait for the last async save at the end of the run: "
+        f"{results['async']['calls']['wait'][-1] * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from attention_kernels import packed_document_ids, relative_error, time_ms  # bench/attention_kernels.py
 from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
+from torch import nn
 
 BLOCK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 """Largest relative error of meshtron's sub-block kernels against the fp32 plain kernel that passes."""
@@ -79,8 +78,8 @@ def worker(args) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from meshtron.config import load_config
-    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.preflight import preflight
+    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
     runtime = init_runtime()
@@ -88,10 +87,17 @@ def worker(args) -> None:
     rows = []
     for seq_len in args.seq_len:
         overrides = [
-            f"model.preset={args.preset}", f"data.seq_len={seq_len}", f"data.max_documents={args.documents}",
-            "train.steps=1", "train.global_batch_size=1", "train.warmup_steps=0", f"parallel.cp={cp}",
-            "parallel.dp_shard=1", f"parallel.cp_method={args.method}",
-            f"data.mask_documents={str(args.mask_documents).lower()}", "run.progress=false",
+            f"model.preset={args.preset}",
+            f"data.seq_len={seq_len}",
+            f"data.max_documents={args.documents}",
+            "train.steps=1",
+            "train.global_batch_size=1",
+            "train.warmup_steps=0",
+            f"parallel.cp={cp}",
+            "parallel.dp_shard=1",
+            f"parallel.cp_method={args.method}",
+            f"data.mask_documents={str(args.mask_documents).lower()}",
+            "run.progress=false",
             f"run.output_dir={args.run_dir / f'run{seq_len}'}",
         ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
         cfg = load_config(None, overrides, env={})
@@ -104,12 +110,23 @@ def worker(args) -> None:
         finally:
             hook.remove()
         mine = torch.tensor(
-            [saved.per_step[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, seq_len / result.tokens_per_s[0]],
+            [
+                saved.per_step[0],
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                seq_len / result.tokens_per_s[0],
+            ],
             dtype=torch.float64,
         )
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        rows.append({"seq_len": seq_len, "activation_bytes": int(mine[0]), "peak_rss_bytes": int(mine[1]),
-                     "step_s": float(mine[2]), "loss": result.losses[0]})
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "activation_bytes": int(mine[0]),
+                "peak_rss_bytes": int(mine[1]),
+                "step_s": float(mine[2]),
+                "loss": result.losses[0],
+            }
+        )
         del result
     if runtime.is_main:
         (args.run_dir / "result.json").write_text(json.dumps({"cp": cp, "rows": rows}, indent=2))
@@ -149,8 +166,11 @@ def block_cases(args, device: torch.device):
     docs = docs.to(device)
     dense = sub_blocks.dense_chunk_mask(docs, docs, True)
     fused = sub_blocks.chunk_block_mask(docs, docs, True) if sub_blocks.mask_kind(device, "auto") == "flex" else dense
-    return [("causal (diagonal)", "causal", "causal", True), ("full (off-diagonal)", None, None, False),
-            (f"{args.block_documents} documents (diagonal)", fused, dense, True)]
+    return [
+        ("causal (diagonal)", "causal", "causal", True),
+        ("full (off-diagonal)", None, None, False),
+        (f"{args.block_documents} documents (diagonal)", fused, dense, True),
+    ]
 
 
 def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
@@ -161,16 +181,19 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
 
     dtype = getattr(torch, args.block_dtype)
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(args.block_batch, heads, args.block_len, args.head_dim, device=device, generator=gen).to(dtype)
-               for heads in (args.heads, args.kv_heads, args.kv_heads))
+    q, k, v = (
+        torch.randn(args.block_batch, heads, args.block_len, args.head_dim, device=device, generator=gen).to(dtype)
+        for heads in (args.heads, args.kv_heads, args.kv_heads)
+    )
     grad_out = torch.randn(q.shape, device=device, generator=gen).to(dtype)
-    scale = args.head_dim ** -0.5
+    scale = args.head_dim**-0.5
     flash = device.type == "cuda" and dtype != torch.float32
 
     def meshtron(mask, kernel):
         def run():
             out, lse = block_forward(q, k, v, mask, scale, kernel)
             return (out, *block_backward(q, k, v, mask, scale, out, lse, grad_out, kernel))
+
         return run
 
     def sdpa(causal):
@@ -180,6 +203,7 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
                 out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
             out.backward(grad_out)
             return (out, *(t.grad for t in leaves))
+
         return run
 
     rows, ok = [], True
@@ -187,16 +211,25 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
         reference = [t.float() for t in meshtron(plain_mask, "math")()]  # the fp32 plain kernel (inputs as given)
         documents = "documents" in case
         sdpa_name = f"SDPA {'flash' if flash else 'default'}" + (" (causal, no documents)" if documents else "")
-        kernels = [("meshtron (auto)", meshtron(fused_mask, "auto"), True),
-                   ("meshtron math (fp32, the reference)", meshtron(plain_mask, "math"), False),
-                   (sdpa_name, sdpa(causal), not documents)]
+        kernels = [
+            ("meshtron (auto)", meshtron(fused_mask, "auto"), True),
+            ("meshtron math (fp32, the reference)", meshtron(plain_mask, "math"), False),
+            (sdpa_name, sdpa(causal), not documents),
+        ]
         for name, run, comparable in kernels:
             error = max(relative_error(got, want) for got, want in zip(run(), reference)) if comparable else None
             if name == "meshtron (auto)":
                 ok &= error <= BLOCK_TOLERANCE[dtype]
             seconds = time_ms(run, args.iters, args.warmup, device)
-            rows.append({"block": case, "kernel": name, "fwd_bwd_ms": seconds, "peak_bytes": _peak_bytes(run, device),
-                         "rel_error": error})
+            rows.append(
+                {
+                    "block": case,
+                    "kernel": name,
+                    "fwd_bwd_ms": seconds,
+                    "peak_bytes": _peak_bytes(run, device),
+                    "rel_error": error,
+                }
+            )
     return rows, ok
 
 
@@ -224,8 +257,11 @@ def blocks_table(rows: list[dict]) -> str:
 def run_blocks(args) -> tuple[dict, bool]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings say nothing about a GPU)"
-    print(f"sub-block {args.block_len} x {args.block_len}, batch {args.block_batch}, heads {args.heads}/{args.kv_heads}, "
-          f"head dim {args.head_dim}, {args.block_dtype}, on {name}, torch {torch.__version__}", flush=True)
+    print(
+        f"sub-block {args.block_len} x {args.block_len}, batch {args.block_batch}, heads {args.heads}/{args.kv_heads}, "
+        f"head dim {args.head_dim}, {args.block_dtype}, on {name}, torch {torch.__version__}",
+        flush=True,
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         rows, ok = block_figures(args, device)
@@ -255,8 +291,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     blocks.add_argument("--kv-heads", type=int, default=8 if cuda else 2)
     blocks.add_argument("--head-dim", type=int, default=128 if cuda else 16)
     blocks.add_argument("--block-documents", type=int, default=8, help="documents per row of the masked block")
-    blocks.add_argument("--block-dtype", choices=["bfloat16", "float16", "float32"],
-                        default="bfloat16" if cuda else "float32")
+    blocks.add_argument(
+        "--block-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16" if cuda else "float32"
+    )
     blocks.add_argument("--iters", type=int, default=20 if cuda else 3)
     blocks.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -284,8 +321,13 @@ def main() -> int:
         print(f"cp={cp}: launching {cp} process(es) for seq_len {args.seq_len}", flush=True)
         results.append(launch_workers(__file__, cp, workdir / f"cp{cp}"))
     print(markdown_table(results))
-    summary = {"preset": args.preset, "method": args.method, "mask_documents": args.mask_documents,
-               "cpu_cores": os.cpu_count(), "results": results}
+    summary = {
+        "preset": args.preset,
+        "method": args.method,
+        "mask_documents": args.mask_documents,
+        "cpu_cores": os.cpu_count(),
+        "results": results,
+    }
     if block_summary is not None:
         summary["blocks"] = block_summary
     if args.budget_mb:

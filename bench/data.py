@@ -49,10 +49,23 @@ def train_bpe(corpus: Path, out: Path, vocab_size: int = 8000) -> Path:
 
 def prepare(source: Path, out: Path, tokenizer: str, workers: int, shard_mb: float) -> dict:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "meshtron", "data", "prepare", f"--data.path={source}",
-                           f"--data.tokenizer={tokenizer}", f"--out={out}", f"--workers={workers}",
-                           f"--shard-mb={shard_mb}"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron",
+            "data",
+            "prepare",
+            f"--data.path={source}",
+            f"--data.tokenizer={tokenizer}",
+            f"--out={out}",
+            f"--workers={workers}",
+            f"--shard-mb={shard_mb}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(proc.stdout + proc.stderr)
@@ -64,10 +77,25 @@ def prepare(source: Path, out: Path, tokenizer: str, workers: int, shard_mb: flo
 def first_step_seconds(data_path: Path, tokenizer: str, cache_dir: Path, out: Path) -> float:
     """Wall seconds of a one-step training run (start-up, data, one step) in one process."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model.preset=llama-tiny", "--train.steps=1",
-                           f"--data.path={data_path}", f"--data.tokenizer={tokenizer}", f"--data.cache_dir={cache_dir}",
-                           "--data.seq_len=256",
-                           "--run.progress=false", f"--run.output_dir={out}"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron",
+            "train",
+            "--model.preset=llama-tiny",
+            "--train.steps=1",
+            f"--data.path={data_path}",
+            f"--data.tokenizer={tokenizer}",
+            f"--data.cache_dir={cache_dir}",
+            "--data.seq_len=256",
+            "--run.progress=false",
+            f"--run.output_dir={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise SystemExit(proc.stdout + proc.stderr)
     return time.perf_counter() - started
@@ -76,17 +104,33 @@ def first_step_seconds(data_path: Path, tokenizer: str, cache_dir: Path, out: Pa
 def first_step_streaming_seconds(data_path: Path, tokenizer: str, out: Path) -> float:
     """Wall seconds of a one-step training run that streams ``data_path`` (data.streaming)."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "meshtron", "train", "--model.preset=llama-tiny", "--train.steps=1",
-                           f"--data.path={data_path}", f"--data.tokenizer={tokenizer}", "--data.streaming=true",
-                           "--data.seq_len=256", "--run.progress=false", f"--run.output_dir={out}"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron",
+            "train",
+            "--model.preset=llama-tiny",
+            "--train.steps=1",
+            f"--data.path={data_path}",
+            f"--data.tokenizer={tokenizer}",
+            "--data.streaming=true",
+            "--data.seq_len=256",
+            "--run.progress=false",
+            f"--run.output_dir={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise SystemExit(proc.stdout + proc.stderr)
     return time.perf_counter() - started
 
 
-def streamed_tokens_per_s(source: Path, tokenizer: str, ranks: int, batches: int = 40, global_batch: int = 64,
-                          seq_len: int = 1024) -> float:
+def streamed_tokens_per_s(
+    source: Path, tokenizer: str, ranks: int, batches: int = 40, global_batch: int = 64, seq_len: int = 1024
+) -> float:
     """Tokens/s that one of ``ranks`` data-parallel ranks gets from a stream (its lanes of each global batch)."""
     from meshtron.config import DataConfig
     from meshtron.data.streaming import StreamingDataset
@@ -114,8 +158,10 @@ def streaming_tables(corpus: Path, bpe_corpus: Path, bpe: Path, work: Path) -> N
     print("| tokenizer | seconds |")
     print("|---|---|")
     for name, source, tokenizer in (("byte", corpus, "byte"), ("BPE", bpe_corpus, str(bpe))):
-        print(f"| {name} | {first_step_streaming_seconds(source, tokenizer, work / f'run-{name}-stream'):.1f} |",
-              flush=True)
+        print(
+            f"| {name} | {first_step_streaming_seconds(source, tokenizer, work / f'run-{name}-stream'):.1f} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -126,7 +172,10 @@ def main() -> None:
     parser.add_argument("--streaming-only", action="store_true", help="measure data.streaming only")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="meshtron-bench-data-"))
-    corpus, bpe_corpus = generate_corpus(work / "corpus.jsonl", args.mb), generate_corpus(work / "bpe.jsonl", args.bpe_mb, 1)
+    corpus, bpe_corpus = (
+        generate_corpus(work / "corpus.jsonl", args.mb),
+        generate_corpus(work / "bpe.jsonl", args.bpe_mb, 1),
+    )
     bpe = train_bpe(bpe_corpus, work / "bpe-tokenizer")
     if args.streaming_only:
         streaming_tables(corpus, bpe_corpus, bpe, work)
@@ -134,15 +183,24 @@ def main() -> None:
     print(f"--shard-mb {args.shard_mb:g}\n")
     print("| tokenizer | corpus MB | workers | tokens | seconds | tokens/s | peak MB (main / largest worker) |")
     print("|---|---|---|---|---|---|---|")
-    for name, source, tokenizer, megabytes in (("byte", corpus, "byte", args.mb), ("BPE 8k", bpe_corpus, str(bpe), args.bpe_mb)):
+    for name, source, tokenizer, megabytes in (
+        ("byte", corpus, "byte", args.mb),
+        ("BPE 8k", bpe_corpus, str(bpe), args.bpe_mb),
+    ):
         for workers in (1, 2):
             got = prepare(source, work / f"{name.split()[0]}-{workers}", tokenizer, workers, args.shard_mb)
-            print(f"| {name} | {megabytes:g} | {workers} | {got['tokens']:,} | {got['seconds']:.1f} | "
-                  f"{got['tokens'] / got['seconds']:,.0f} | {got['main_mb']} / {got['worker_mb']} |", flush=True)
-    print(f"\nOne-step training run (llama-tiny, seq_len 256, 1 process), seconds from start to finish:\n")
+            print(
+                f"| {name} | {megabytes:g} | {workers} | {got['tokens']:,} | {got['seconds']:.1f} | "
+                f"{got['tokens'] / got['seconds']:,.0f} | {got['main_mb']} / {got['worker_mb']} |",
+                flush=True,
+            )
+    print("\nOne-step training run (llama-tiny, seq_len 256, 1 process), seconds from start to finish:\n")
     print("| data | tokenizer | prepared | on the fly, first run (tokenizes into the cache) | on the fly, cache warm |")
     print("|---|---|---|---|---|")
-    for name, source, tokenizer, megabytes in (("byte", corpus, "byte", args.mb), ("BPE", bpe_corpus, str(bpe), args.bpe_mb)):
+    for name, source, tokenizer, megabytes in (
+        ("byte", corpus, "byte", args.mb),
+        ("BPE", bpe_corpus, str(bpe), args.bpe_mb),
+    ):
         key = name.split()[0]
         prepared = first_step_seconds(work / f"{key}-1", tokenizer, work / "unused-cache", work / f"run-{key}-prepared")
         cold = first_step_seconds(source, tokenizer, work / f"cache-{key}", work / f"run-{key}-cold")

@@ -43,11 +43,19 @@ ACCELERATE_MISSING = "accelerate is not installed (pip install accelerate); skip
 
 
 def common_overrides(args) -> list[str]:
-    return [
-        f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"data.max_documents={args.documents}",
-        f"data.mask_documents={str(args.mask_documents).lower()}", f"train.steps={args.steps}",
-        f"train.global_batch_size={args.batch}", "train.warmup_steps=2",
-    ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else []) + cpu_override()
+    return (
+        [
+            f"model.preset={args.preset}",
+            f"data.seq_len={args.seq_len}",
+            f"data.max_documents={args.documents}",
+            f"data.mask_documents={str(args.mask_documents).lower()}",
+            f"train.steps={args.steps}",
+            f"train.global_batch_size={args.batch}",
+            "train.warmup_steps=2",
+        ]
+        + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
+        + cpu_override()
+    )
 
 
 def cpu_override() -> list[str]:
@@ -87,7 +95,10 @@ def run_meshtron(args, layout: list[str]) -> list[float]:
     from meshtron.cli import main as meshtron_main
 
     output = args.run_dir / "meshtron"
-    overrides = [f"--{o}" for o in common_overrides(args) + layout] + ["--run.progress=false", f"--run.output_dir={output}"]
+    overrides = [f"--{o}" for o in common_overrides(args) + layout] + [
+        "--run.progress=false",
+        f"--run.output_dir={output}",
+    ]
     if meshtron_main(["train", *overrides]) != 0:
         raise RuntimeError("meshtron train failed")
     if os.environ.get("RANK", "0") != "0":
@@ -118,7 +129,9 @@ def run_loop(args, use_accelerate: bool) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = load_run_config(args)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    dataset = build_packed_dataset(cfg.data, tokenizer, is_builder=int(os.environ["LOCAL_RANK"]) == 0, barrier=dist.barrier)
+    dataset = build_packed_dataset(
+        cfg.data, tokenizer, is_builder=int(os.environ["LOCAL_RANK"]) == 0, barrier=dist.barrier
+    )
     schedule = GlobalBatchSchedule(len(dataset), cfg.train.global_batch_size, cfg.data.shuffle, cfg.data.seed)
     model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
     materialize(model, adapter, torch.device("cpu"), seed=cfg.train.seed)
@@ -167,8 +180,12 @@ def worker(args) -> None:
     else:
         losses = run_loop(args, use_accelerate=args.peer == "accelerate")
     if os.environ.get("RANK", "0") == "0":
-        result = {"first_forward": clock.first_forward, "step_ends": clock.step_ends, "losses": losses,
-                  "threads": torch.get_num_threads()}
+        result = {
+            "first_forward": clock.first_forward,
+            "step_ends": clock.step_ends,
+            "losses": losses,
+            "threads": torch.get_num_threads(),
+        }
         args.run_dir.mkdir(parents=True, exist_ok=True)
         (args.run_dir / "result.json").write_text(json.dumps(result))
     sys.stdout.flush()
@@ -199,8 +216,10 @@ def markdown_table(medians: dict[str, dict], per_round: dict[str, list[dict]]) -
         rounds = " / ".join(f"{r['tokens_per_s']:,.0f}" for r in per_round[name])
         vs_ddp = f"{rate / ddp:.2f}" if ddp else "-"
         vs_acc = f"{rate / acc:.2f}" if acc else "-"
-        lines.append(f"| {name} | {rate:,.0f} | {vs_ddp} | {vs_acc} | {m['first_step_s']:.2f} | {m['startup_s']:.1f} | "
-                     f"{m['final_loss']:.4f} | {rounds} |")
+        lines.append(
+            f"| {name} | {rate:,.0f} | {vs_ddp} | {vs_acc} | {m['first_step_s']:.2f} | {m['startup_s']:.1f} | "
+            f"{m['final_loss']:.4f} | {rounds} |"
+        )
     return "\n".join(lines)
 
 
@@ -250,8 +269,13 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=600)
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
     parser.add_argument("--mask-documents", action="store_true", help="meshtron with its default document masks")
-    parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
-                        help="before each run, wait up to this long for other processes to leave the CPUs")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for other processes to leave the CPUs",
+    )
     parser.add_argument("--cache-dir", help="tokenized-data cache (default ~/.cache/meshtron)")
     parser.add_argument("--out", type=Path, help="write the JSON results here (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -278,18 +302,35 @@ def main() -> None:
             run_dir = workdir / f"round{index + 1}-{name}"
             waited, busy = wait_for_idle(args.wait_idle) if args.wait_idle else (0.0, other_tasks())
             launched = time.time()
-            raw = launch_workers(__file__, args.nproc, run_dir, ["--peer", name], log=workdir / f"round{index + 1}-{name}.log")
+            raw = launch_workers(
+                __file__, args.nproc, run_dir, ["--peer", name], log=workdir / f"round{index + 1}-{name}.log"
+            )
             r = measure(raw, launched, args.batch * args.seq_len, args.warmup)
             per_round[name].append(r)
             loads.append(os.getloadavg()[0])
-            print(f"round {index + 1} {name:>13}: {r['tokens_per_s']:8,.0f} tok/s | first step {r['first_step_s']:.2f}s | "
-                  f"start-up {r['startup_s']:.1f}s | final loss {r['final_loss']:.4f} | other tasks before "
-                  f"{'-' if busy is None else f'{busy:.1f}'} (waited {waited:.0f}s), load after {loads[-1]:.1f}", flush=True)
-    medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in per_round.items()}
+            print(
+                f"round {index + 1} {name:>13}: {r['tokens_per_s']:8,.0f} tok/s | first step "
+                f"{r['first_step_s']:.2f}s | "
+                f"start-up {r['startup_s']:.1f}s | final loss {r['final_loss']:.4f} | other tasks before "
+                f"{'-' if busy is None else f'{busy:.1f}'} (waited {waited:.0f}s), load after {loads[-1]:.1f}",
+                flush=True,
+            )
+    medians = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in per_round.items()
+    }
     summary = {
-        "preset": args.preset, "seq_len": args.seq_len, "global_batch": args.batch, "steps": args.steps,
-        "warmup": args.warmup, "rounds": args.rounds, "nproc": args.nproc, "mask_documents": args.mask_documents,
-        "cpu_cores": os.cpu_count(), "load_average_1min": loads, "medians": medians, "per_round": per_round,
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "global_batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "nproc": args.nproc,
+        "mask_documents": args.mask_documents,
+        "cpu_cores": os.cpu_count(),
+        "load_average_1min": loads,
+        "medians": medians,
+        "per_round": per_round,
     }
     print(markdown_table(medians, per_round))
     print(f"1-minute load average during the rounds: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores")

@@ -36,9 +36,20 @@ NUMBER = r"([0-9.]+) GB"
 
 def run_case(preset: str, world: int, overrides: list[str], rank: int, out: Path) -> dict:
     command = [
-        sys.executable, "-m", "meshtron", "train", "--dry-run", "--nproc", str(world), "--dry-run-rank", str(rank),
-        f"--model.preset={preset}", "--data.seq_len=8192", f"--train.global_batch_size={world * 2}",
-        f"--run.output_dir={out / f'{preset}-{world}'}", *overrides,
+        sys.executable,
+        "-m",
+        "meshtron",
+        "train",
+        "--dry-run",
+        "--nproc",
+        str(world),
+        "--dry-run-rank",
+        str(rank),
+        f"--model.preset={preset}",
+        "--data.seq_len=8192",
+        f"--train.global_batch_size={world * 2}",
+        f"--run.output_dir={out / f'{preset}-{world}'}",
+        *overrides,
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     started = time.perf_counter()
@@ -50,8 +61,16 @@ def run_case(preset: str, world: int, overrides: list[str], rank: int, out: Path
     total = float(re.search(r"total " + NUMBER, proc.stdout).group(1))
     planned = float(re.search(r"for this rank: parameters " + NUMBER, proc.stdout).group(1))
     layout = re.search(r"\(([^)]*)\), pipeline", proc.stdout).group(1)
-    return {"preset": preset, "world": world, "rank": rank, "layout": layout, "params_gb": measured,
-            "state_gb": total, "planned_gb": planned, "seconds": seconds}
+    return {
+        "preset": preset,
+        "world": world,
+        "rank": rank,
+        "layout": layout,
+        "params_gb": measured,
+        "state_gb": total,
+        "planned_gb": planned,
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -67,8 +86,10 @@ def main() -> None:
     print("\n| model | ranks | layout | rank | params GB/rank | params+grads+AdamW GB | planner params GB | wall s |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['preset']} | {r['world']} | {r['layout']} | {r['rank']} | {r['params_gb']:.3f} | "
-              f"{r['state_gb']:.3f} | {r['planned_gb']:.3f} | {r['seconds']:.1f} |")
+        print(
+            f"| {r['preset']} | {r['world']} | {r['layout']} | {r['rank']} | {r['params_gb']:.3f} | "
+            f"{r['state_gb']:.3f} | {r['planned_gb']:.3f} | {r['seconds']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

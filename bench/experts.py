@@ -82,19 +82,34 @@ def preset_settings(args) -> dict:
 
     heads = max(args.hidden // 32, 1)
     return dict(
-        PRESETS["qwen3moe-tiny"], hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate,
-        intermediate_size=2 * args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
-        head_dim=args.hidden // heads, max_position_embeddings=max(2048, args.seq_len),
+        PRESETS["qwen3moe-tiny"],
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.moe_intermediate,
+        intermediate_size=2 * args.hidden,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        head_dim=args.hidden // heads,
+        max_position_embeddings=max(2048, args.seq_len),
     )
 
 
 def overrides(args, nproc: int, ep: int, output_dir: Path) -> list[str]:
     return [
-        f"model.preset={PRESET}", f"data.seq_len={args.seq_len}", f"data.max_documents={args.documents}",
-        f"train.steps={args.steps}", f"train.global_batch_size={args.batch}", "train.warmup_steps=2",
-        f"train.mixed_precision={args.mixed_precision}", f"train.compile={args.compile}",
-        f"parallel.dp_shard={nproc}", f"parallel.ep={ep}", f"run.device={args.device}", "run.progress=false",
+        f"model.preset={PRESET}",
+        f"data.seq_len={args.seq_len}",
+        f"data.max_documents={args.documents}",
+        f"train.steps={args.steps}",
+        f"train.global_batch_size={args.batch}",
+        "train.warmup_steps=2",
+        f"train.mixed_precision={args.mixed_precision}",
+        f"train.compile={args.compile}",
+        f"parallel.dp_shard={nproc}",
+        f"parallel.ep={ep}",
+        f"run.device={args.device}",
+        "run.progress=false",
         f"run.output_dir={output_dir}",
     ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
 
@@ -249,7 +264,9 @@ def worker(args) -> None:
         raise RuntimeError("meshtron train failed")
     counted = range(args.warmup, args.steps)  # optimizer steps after warm-up (0-based)
     mine = {
-        "rank": rank, "ep_ranks": counter.ep_ranks, "group_sizes": sorted(counter.group_sizes),
+        "rank": rank,
+        "ep_ranks": counter.ep_ranks,
+        "group_sizes": sorted(counter.group_sizes),
         "steps": {step: dict(counter.steps.get(step, {})) for step in counted},
         "calls_by_step": [counter.steps.get(step, {}).get("calls", 0) for step in range(args.steps)],
     }
@@ -272,7 +289,7 @@ def analyse(args, nproc: int, ep: int, run_dir: Path, raw: dict, wall_s: float) 
     from meshtron.distributed.expert_parallel import all_to_all_traffic
 
     metrics = raw["metrics"]
-    rates = [m["tokens_per_s"] for m in metrics[args.warmup:]]
+    rates = [m["tokens_per_s"] for m in metrics[args.warmup :]]
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
     routing = [torch.load(run_dir / f"routing{r}.pt") for r in range(nproc)]
     counted = list(range(args.warmup, args.steps))
@@ -281,9 +298,20 @@ def analyse(args, nproc: int, ep: int, run_dir: Path, raw: dict, wall_s: float) 
     pairs_total = off_rank_rows = 0
     for r in range(nproc):
         steps = ranks[r]["steps"]
-        mean = {key: statistics.mean(steps[str(s)].get(key, 0.0) for s in counted)
-                for key in ("calls", "count_bytes", "tensor_bytes", "fwd_off_rank_bytes", "bwd_off_rank_bytes",
-                            "count_seconds", "token_seconds", "other_calls", "other_ring_bytes")}
+        mean = {
+            key: statistics.mean(steps[str(s)].get(key, 0.0) for s in counted)
+            for key in (
+                "calls",
+                "count_bytes",
+                "tensor_bytes",
+                "fwd_off_rank_bytes",
+                "bwd_off_rank_bytes",
+                "count_seconds",
+                "token_seconds",
+                "other_calls",
+                "other_ring_bytes",
+            )
+        }
         predicted, shares = [], []
         if ep > 1:
             group = ranks[r]["ep_ranks"]
@@ -292,8 +320,9 @@ def analyse(args, nproc: int, ep: int, run_dir: Path, raw: dict, wall_s: float) 
                 layers = len(routing[r][s])
                 total = 0
                 for layer in range(layers):
-                    traffic = all_to_all_traffic([routing[g][s][layer] for g in group], args.experts, args.hidden,
-                                                 args.element_size)
+                    traffic = all_to_all_traffic(
+                        [routing[g][s][layer] for g in group], args.experts, args.hidden, args.element_size
+                    )
                     total += traffic.sent_bytes(me)
                     off_rank_rows += sum(n for dst, n in enumerate(traffic.rows[me]) if dst != me)
                     pairs_total += sum(traffic.rows[me])
@@ -309,10 +338,15 @@ def analyse(args, nproc: int, ep: int, run_dir: Path, raw: dict, wall_s: float) 
         per_rank.append(mean)
     layers_seen = len(routing[0][counted[0]])
     return {
-        "nproc": nproc, "ep": ep, "experts_per_rank": args.experts // ep, "launch_wall_s": wall_s,
-        "tokens_per_s_median": statistics.median(rates), "tokens_per_s": rates,
+        "nproc": nproc,
+        "ep": ep,
+        "experts_per_rank": args.experts // ep,
+        "launch_wall_s": wall_s,
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s": rates,
         "step_s_median": statistics.median(args.batch * args.seq_len / rate for rate in rates),
-        "losses": [m["loss"] for m in metrics], "max_memory_gb_rank0": metrics[-1].get("max_memory_gb"),
+        "losses": [m["loss"] for m in metrics],
+        "max_memory_gb_rank0": metrics[-1].get("max_memory_gb"),
         "moe_layer_calls_per_step": layers_seen,
         "calls_per_step_max": max(p["calls"] for p in per_rank),
         "off_rank_bytes_per_step_max": max(p["off_rank_bytes"] for p in per_rank),
@@ -327,10 +361,13 @@ def analyse(args, nproc: int, ep: int, run_dir: Path, raw: dict, wall_s: float) 
         "a2a_seconds_per_step_min": min(p["seconds"] for p in per_rank),
         "count_seconds_per_step_max": max(p["count_seconds"] for p in per_rank),
         "token_seconds_per_step_max": max(p["token_seconds"] for p in per_rank),
-        "other_collective_bytes_per_step_max": (max(p["other_ring_bytes"] for p in per_rank)
-                                                if args.count_collectives else None),
+        "other_collective_bytes_per_step_max": (
+            max(p["other_ring_bytes"] for p in per_rank) if args.count_collectives else None
+        ),
         "other_collective_calls_per_step_max": max(p["other_calls"] for p in per_rank),
-        "per_rank": per_rank, "calls_by_step_rank0": ranks[0]["calls_by_step"], "group_sizes": ranks[0]["group_sizes"],
+        "per_rank": per_rank,
+        "calls_by_step_rank0": ranks[0]["calls_by_step"],
+        "group_sizes": ranks[0]["group_sizes"],
     }
 
 
@@ -338,18 +375,23 @@ def markdown_table(results: list[dict], cores: int) -> str:
     lines = [
         "| N procs | ep | experts/rank | tok/s (median) | step s | a2a calls/step/rank | a2a MB off-rank/step/rank "
         "(measured, max rank) | predicted MB (`all_to_all_traffic`) | measured / predicted | off-rank share of "
-        "routed rows | busiest rank's share of its EP group's expert rows | a2a s/step, max rank (counts + tokens) | a2a s/step, min rank | other collectives MB/step/rank (ring est.) | "
+        "routed rows | busiest rank's share of its EP group's expert rows | a2a s/step, max rank (counts + tokens) "
+        "| a2a s/step, min rank | other collectives MB/step/rank (ring est.) | "
         "final loss | tok/s per round |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         over = " (oversubscribed)" if r["nproc"] > cores else ""
         ratio = r["measured_over_predicted"]
-        ratio_s = "-" if ratio is None else (f"{ratio[0]:.4f}" if ratio[0] == ratio[1] else f"{ratio[0]:.4f}-{ratio[1]:.4f}")
+        ratio_s = (
+            "-" if ratio is None else (f"{ratio[0]:.4f}" if ratio[0] == ratio[1] else f"{ratio[0]:.4f}-{ratio[1]:.4f}")
+        )
         ep1 = r["ep"] == 1
         other = r["other_collective_bytes_per_step_max"]
-        seconds = (f"{r['a2a_seconds_per_step_max']:.3f} ({r['count_seconds_per_step_max']:.3f} + "
-                   f"{r['token_seconds_per_step_max']:.3f})")
+        seconds = (
+            f"{r['a2a_seconds_per_step_max']:.3f} ({r['count_seconds_per_step_max']:.3f} + "
+            f"{r['token_seconds_per_step_max']:.3f})"
+        )
         lines.append(
             f"| {r['nproc']}{over} | {r['ep']} | {r['experts_per_rank']} | {r['tokens_per_s_median']:,.0f} | "
             f"{r['step_s_median']:.3f} | {r['calls_per_step_max']:g} | "
@@ -359,7 +401,8 @@ def markdown_table(results: list[dict], cores: int) -> str:
             f"{'-' if ep1 else format(r['expert_rows_share_max'], '.3f')} | {'-' if ep1 else seconds} | "
             f"{'-' if ep1 else format(r['a2a_seconds_per_step_min'], '.3f')} | "
             f"{'-' if other is None else format(other / 1e6, '.2f')} | {r['losses'][-1]:.4f} | "
-            + " / ".join(f"{x['tokens_per_s_median']:,.0f}" for x in r.get("rounds", [r])) + " |"
+            + " / ".join(f"{x['tokens_per_s_median']:,.0f}" for x in r.get("rounds", [r]))
+            + " |"
         )
     return "\n".join(lines)
 
@@ -376,8 +419,13 @@ def prepare_data(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, nargs="+", default=[2, 4],
-                        help="world sizes N, each a dp_shard=N launch (not --nproc: torchrun would take it)")
+    parser.add_argument(
+        "--world",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="world sizes N, each a dp_shard=N launch (not --nproc: torchrun would take it)",
+    )
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4], help="ep degrees (those dividing N run)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
@@ -393,10 +441,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="run.device (cuda: NCCL)")
     parser.add_argument("--mixed-precision", default="none", help="train.mixed_precision: none, bf16, fp16")
     parser.add_argument("--compile", default="false", help="train.compile (EP's host sync breaks the graph)")
-    parser.add_argument("--no-collective-count", dest="count_collectives", action="store_false",
-                        help="do not wrap FSDP's all-gather / reduce-scatter and all-reduce to count their bytes")
-    parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
-                        help="before each launch, wait up to this long for other processes to leave the CPUs")
+    parser.add_argument(
+        "--no-collective-count",
+        dest="count_collectives",
+        action="store_false",
+        help="do not wrap FSDP's all-gather / reduce-scatter and all-reduce to count their bytes",
+    )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each launch, wait up to this long for other processes to leave the CPUs",
+    )
     parser.add_argument("--cache-dir", help="tokenized-data cache (default ~/.cache/meshtron)")
     parser.add_argument("--out", type=Path, help="write the JSON results here (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -425,31 +482,63 @@ def main() -> None:
             name = f"round{index + 1}-n{n}-ep{ep}"
             waited, busy = wait_for_idle(args.wait_idle) if args.wait_idle else (0.0, other_tasks())
             started = time.time()
-            raw = launch_workers(__file__, n, workdir / name, ["--worker-nproc", str(n), "--worker-ep", str(ep)],
-                                 log=workdir / f"{name}.log")
+            raw = launch_workers(
+                __file__,
+                n,
+                workdir / name,
+                ["--worker-nproc", str(n), "--worker-ep", str(ep)],
+                log=workdir / f"{name}.log",
+            )
             r = analyse(args, n, ep, workdir / name, raw, time.time() - started)
             r["other_tasks_before"], r["waited_s"] = busy, waited
             runs[(n, ep)].append(r)
-            print(f"round {index + 1} N={n} ep={ep}: {r['tokens_per_s_median']:,.0f} tok/s, step {r['step_s_median']:.3f}s, "
-                  f"all-to-all {r['off_rank_bytes_per_step_max'] / 1e6:.3f} MB off-rank/step/rank (predicted "
-                  f"{r['predicted_bytes_per_step_max'] / 1e6:.3f}), {r['a2a_seconds_per_step_max']:.3f} s/step, "
-                  f"launch {r['launch_wall_s']:.0f}s, other tasks before {'-' if busy is None else f'{busy:.1f}'} "
-                  f"(waited {waited:.0f}s), load after {os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f"round {index + 1} N={n} ep={ep}: {r['tokens_per_s_median']:,.0f} tok/s, "
+                f"step {r['step_s_median']:.3f}s, "
+                f"all-to-all {r['off_rank_bytes_per_step_max'] / 1e6:.3f} MB off-rank/step/rank (predicted "
+                f"{r['predicted_bytes_per_step_max'] / 1e6:.3f}), {r['a2a_seconds_per_step_max']:.3f} s/step, "
+                f"launch {r['launch_wall_s']:.0f}s, other tasks before {'-' if busy is None else f'{busy:.1f}'} "
+                f"(waited {waited:.0f}s), load after {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     results = []
     for rounds in runs.values():
         merged = dict(rounds[0])  # bytes and losses are the same in every round (same data, seeds, routing)
-        for key in ("tokens_per_s_median", "step_s_median", "a2a_seconds_per_step_max", "a2a_seconds_per_step_min",
-                    "count_seconds_per_step_max",
-                    "token_seconds_per_step_max"):
+        for key in (
+            "tokens_per_s_median",
+            "step_s_median",
+            "a2a_seconds_per_step_max",
+            "a2a_seconds_per_step_min",
+            "count_seconds_per_step_max",
+            "token_seconds_per_step_max",
+        ):
             merged[key] = statistics.median(r[key] for r in rounds)
-        merged["rounds"] = [{key: r[key] for key in ("tokens_per_s_median", "step_s_median", "a2a_seconds_per_step_max",
-                                                      "off_rank_bytes_per_step_max", "launch_wall_s", "other_tasks_before")}
-                            for r in rounds]
+        merged["rounds"] = [
+            {
+                key: r[key]
+                for key in (
+                    "tokens_per_s_median",
+                    "step_s_median",
+                    "a2a_seconds_per_step_max",
+                    "off_rank_bytes_per_step_max",
+                    "launch_wall_s",
+                    "other_tasks_before",
+                )
+            }
+            for r in rounds
+        ]
         results.append(merged)
     summary = {
-        "model": dict(preset_settings(args), derived_from="qwen3moe-tiny"), "seq_len": args.seq_len,
-        "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "device": args.device,
-        "mixed_precision": args.mixed_precision, "cpu_cores": cores, "element_size": args.element_size,
+        "model": dict(preset_settings(args), derived_from="qwen3moe-tiny"),
+        "seq_len": args.seq_len,
+        "global_batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "device": args.device,
+        "mixed_precision": args.mixed_precision,
+        "cpu_cores": cores,
+        "element_size": args.element_size,
         "results": results,
     }
     print(markdown_table(results, cores))

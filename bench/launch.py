@@ -21,13 +21,31 @@ def launch_workers(script: str, nproc: int, run_dir: Path, extra_args: list[str]
     ``nproc`` processes (one thread each) and return the ``result.json`` that rank 0 wrote into ``run_dir``.
 
     ``log``: write the workers' output there instead of the console."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "--worker",
-        "--run-dir", str(run_dir),
-    ] + [a for a in sys.argv[1:] if a != "--worker"] + list(extra_args)
+    command = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--nnodes",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            script,
+            "--worker",
+            "--run-dir",
+            str(run_dir),
+        ]
+        + [a for a in sys.argv[1:] if a != "--worker"]
+        + list(extra_args)
+    )
     repo = str(Path(script).resolve().parent.parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     if log is None:
         subprocess.run(command, env=env, check=True)

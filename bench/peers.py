@@ -152,11 +152,24 @@ def hf_trainer(setup: Setup, args, device: torch.device, name: str) -> dict:
                 marks[state.global_step] = time.perf_counter()
 
     training_args = TrainingArguments(
-        output_dir=str(args.workdir / "hf"), max_steps=args.steps, per_device_train_batch_size=args.batch,
-        learning_rate=3e-4, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="constant",
-        bf16=True, optim="adamw_torch_fused", torch_compile=name.endswith("-compile"),
-        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
-        remove_unused_columns=False, use_cpu=device.type == "cpu", seed=0,
+        output_dir=str(args.workdir / "hf"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=3e-4,
+        weight_decay=0.1,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        bf16=True,
+        optim="adamw_torch_fused",
+        torch_compile=name.endswith("-compile"),
+        logging_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        use_cpu=device.type == "cpu",
+        seed=0,
     )
     model = setup.model(device, torch.float32)
     trainer = InOrder(model=model, args=training_args, train_dataset=Blocks(), callbacks=[Clock()])

@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
+from torch import nn
 
 
 class TimedWork(torch.autograd.Function):
@@ -106,8 +105,16 @@ def worker(args) -> None:
                     fractions.append(1 - sum(busy) / wall)
             mine = torch.tensor([sum(fractions) / len(fractions)], dtype=torch.float64)
             dist.all_reduce(mine)
-            rows.append({"schedule": schedule_name, "p": p, "m": m, "stages_per_rank": v,
-                         "idle_measured": float(mine) / p, "idle_theory": theory(p, m, v)})
+            rows.append(
+                {
+                    "schedule": schedule_name,
+                    "p": p,
+                    "m": m,
+                    "stages_per_rank": v,
+                    "idle_measured": float(mine) / p,
+                    "idle_theory": theory(p, m, v),
+                }
+            )
     if rank == 0:
         (args.run_dir / "result.json").write_text(json.dumps({"rows": rows}, indent=2))
     dist.destroy_process_group()
@@ -132,10 +139,15 @@ def main() -> None:
     for p in args.pp:
         print(f"pp={p}: launching {p} processes", flush=True)
         rows += launch_workers(__file__, p, workdir / f"pp{p}")["rows"]
-    lines = ["| schedule | p | m | stages/rank | idle measured | theory | difference |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| schedule | p | m | stages/rank | idle measured | theory | difference |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['schedule']} | {r['p']} | {r['m']} | {r['stages_per_rank']} | {r['idle_measured']:.3f} | "
-                     f"{r['idle_theory']:.3f} | {r['idle_measured'] - r['idle_theory']:+.3f} |")
+        lines.append(
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['stages_per_rank']} | {r['idle_measured']:.3f} | "
+            f"{r['idle_theory']:.3f} | {r['idle_measured'] - r['idle_theory']:+.3f} |"
+        )
     print("\n".join(lines))
     out = args.out or workdir / "pipeline_bubble.json"
     out.write_text(json.dumps({"forward_ms": args.forward_ms, "cpu_cores": os.cpu_count(), "rows": rows}, indent=2))

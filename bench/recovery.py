@@ -39,14 +39,33 @@ CASES = {  # name -> (processes, parallel settings)
 
 def train(args, out: Path, nproc: int, layout: list[str], fault: str | None) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "meshtron", "train", "--nproc", str(nproc), "--max-restarts", "1",
-        f"--model.preset={args.preset}", "--data.max_documents=200", f"--data.seq_len={args.seq_len}",
-        f"--data.cache_dir={out.parent / 'cache'}", f"--train.steps={args.steps}", "--train.global_batch_size=8",
-        "--train.warmup_steps=2", "--run.progress=false", f"--checkpoint.interval={args.interval}",
-        f"--run.output_dir={out}", *layout,
+        sys.executable,
+        "-m",
+        "meshtron",
+        "train",
+        "--nproc",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        f"--model.preset={args.preset}",
+        "--data.max_documents=200",
+        f"--data.seq_len={args.seq_len}",
+        f"--data.cache_dir={out.parent / 'cache'}",
+        f"--train.steps={args.steps}",
+        "--train.global_batch_size=8",
+        "--train.warmup_steps=2",
+        "--run.progress=false",
+        f"--checkpoint.interval={args.interval}",
+        f"--run.output_dir={out}",
+        *layout,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     if fault:
         env["MESHTRON_FAULT"] = fault
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
@@ -78,9 +97,14 @@ def measure(args, workdir: Path, name: str, kill_step: int) -> dict:
     back = after[0]["time"] - after[0]["elapsed_s"]  # elapsed_s counts from the restarted logger's start
     new_step = next(row for row in after if row["step"] >= kill_step)
     return {
-        "case": name, "ranks": nproc, "killed at step": kill_step, "steps lost": lost,
-        "workers back s": back - died, "load + re-train s": new_step["time"] - back,
-        "death -> new step s": new_step["time"] - died, "step s (uninterrupted)": step_s,
+        "case": name,
+        "ranks": nproc,
+        "killed at step": kill_step,
+        "steps lost": lost,
+        "workers back s": back - died,
+        "load + re-train s": new_step["time"] - back,
+        "death -> new step s": new_step["time"] - died,
+        "step s (uninterrupted)": step_s,
         "losses equal": last_losses(rows(out)) == last_losses(straight_rows),
     }
 
@@ -105,8 +129,10 @@ def main() -> None:
     print("|" + "---|" * len(columns))
     for result in results:
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in result.values()) + " |")
-    print(f"\n{args.preset}, seq_len {args.seq_len}, checkpoint every {args.interval} steps; "
-          f"bench ran {time.perf_counter() - started:.0f} s")
+    print(
+        f"\n{args.preset}, seq_len {args.seq_len}, checkpoint every {args.interval} steps; "
+        f"bench ran {time.perf_counter() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ KINDS = [  # first match wins; patterns are matched against lower-cased kernel /
     ("optimizer", r"adam|foreach|multi_tensor_apply|_fused_"),
     ("softmax + cross-entropy", r"softmax|log_softmax|nll_loss|cross_entropy|logsumexp"),
     ("attention", r"flex_attention|flash|fmha|attention|sdpa|triton_tem_fused"),
-    ("matmul", r"gemm|cutlass|sm90_xmma|sm80_xmma|ampere|hopper|\bmm\b|aten::mm|aten::addmm|aten::bmm|matmul|_scaled_mm|wgmma"),
+    (
+        "matmul",
+        r"gemm|cutlass|sm90_xmma|sm80_xmma|ampere|hopper|\bmm\b|aten::mm|aten::addmm|aten::bmm|matmul|_scaled_mm|wgmma",
+    ),
     ("copies and casts", r"copy|to_copy|direct_copy|convert|cast|_to_bf16|bfloat16|elementwise_kernel_with_index"),
 ]
 
@@ -62,24 +65,36 @@ def breakdown(events, device_type: str, steps: int) -> dict[str, float]:
 
 
 def run(args) -> dict:
+    from peers import data_overrides
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from meshtron.config import load_config
     from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
-    from peers import data_overrides
 
     output_dir = Path(tempfile.mkdtemp(prefix="meshtron-profile-"))
-    cfg = load_config(None, data_overrides(args.preset, args.seq_len, args.documents) + [
-        f"train.steps={args.warmup + args.steps}", f"train.global_batch_size={args.batch}", "model.dtype=float32",
-        "train.mixed_precision=bf16", f"run.device={args.device}", f"run.output_dir={output_dir}",
-        "run.progress=false", f"data.mask_documents={str(args.mask_documents).lower()}",
-    ] + args.set, env={})
+    cfg = load_config(
+        None,
+        data_overrides(args.preset, args.seq_len, args.documents)
+        + [
+            f"train.steps={args.warmup + args.steps}",
+            f"train.global_batch_size={args.batch}",
+            "model.dtype=float32",
+            "train.mixed_precision=bf16",
+            f"run.device={args.device}",
+            f"run.output_dir={output_dir}",
+            "run.progress=false",
+            f"data.mask_documents={str(args.mask_documents).lower()}",
+        ]
+        + args.set,
+        env={},
+    )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     profiler = torch.profiler.profile(
-        activities=activities, schedule=torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.steps),
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.steps),
     )
     handle = register_optimizer_step_post_hook(lambda *_: profiler.step())
     runtime = init_runtime(device=args.device)
@@ -90,18 +105,28 @@ def run(args) -> dict:
         handle.remove()
         shutdown_runtime()
     kinds = breakdown(profiler.key_averages(), args.device, args.steps)
-    measured = result.tokens_per_s[args.warmup:]
+    measured = result.tokens_per_s[args.warmup :]
     step_ms = 1000 * args.batch * args.seq_len / (sum(measured) / len(measured)) if measured else None
-    return {"device": args.device, "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch,
-            "overrides": args.set, "step_ms": step_ms, "kinds_ms_per_step": kinds}
+    return {
+        "device": args.device,
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "overrides": args.set,
+        "step_ms": step_ms,
+        "kinds_ms_per_step": kinds,
+    }
 
 
 def table(report: dict) -> str:
     total = sum(report["kinds_ms_per_step"].values())
     step = report["step_ms"]
     basis = "device" if report["device"] == "cuda" else "CPU operator"
-    rows = [f"step: {step:.1f} ms (wall, profiled steps, profiler on); {basis} time per step: {total:.1f} ms",
-            "| kind | ms per step | share of the step |", "| --- | ---: | ---: |"]
+    rows = [
+        f"step: {step:.1f} ms (wall, profiled steps, profiler on); {basis} time per step: {total:.1f} ms",
+        "| kind | ms per step | share of the step |",
+        "| --- | ---: | ---: |",
+    ]
     for kind, ms in report["kinds_ms_per_step"].items():
         rows.append(f"| {kind} | {ms:.1f} | {ms / step:.1%} |")
     return "\n".join(rows)

@@ -33,15 +33,19 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
-
 SKIPPED_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # not collectives
 INPUT_ARGS = ("input", "inputs", "input_tensor", "input_tensors", "input_list", "tensors")
-KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
-         "alltoall": "all_to_all", "broadcast": "broadcast"}
+KINDS = {
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "reducescatter": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "broadcast": "broadcast",
+}
 
 
 def collective_kind(name: str) -> str:
@@ -61,8 +65,13 @@ def tensor_bytes(value) -> int:
 def ring_bytes(kind: str, input_bytes: int, n: int) -> tuple[int, float]:
     """(the op's tensor size S as in the module docstring, estimated bytes one rank sends)."""
     size = input_bytes * n if kind == "all_gather" else input_bytes
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_to_all": (n - 1) / n, "broadcast": float(n > 1)}.get(kind, 0.0)
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": float(n > 1),
+    }.get(kind, 0.0)
     return size, factor * size
 
 
@@ -115,8 +124,13 @@ class CollectiveCounter(TorchDispatchMode):
             for name, values in self.counts.get(step, {}).items():
                 ops[name] = [total + value for total, value in zip(ops[name], values)]
         by_op = {
-            name: {"kind": collective_kind(name.split(".", 1)[1]), "group_sizes": sorted(self.group_sizes[name]),
-                   "count_per_step": c / steps, "tensor_bytes_per_step": s / steps, "ring_bytes_sent_per_step": r / steps}
+            name: {
+                "kind": collective_kind(name.split(".", 1)[1]),
+                "group_sizes": sorted(self.group_sizes[name]),
+                "count_per_step": c / steps,
+                "tensor_bytes_per_step": s / steps,
+                "ring_bytes_sent_per_step": r / steps,
+            }
             for name, (c, s, r) in sorted(ops.items())
         }
         return {
@@ -133,17 +147,24 @@ def worker(args) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from meshtron.config import load_config
-    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.preflight import preflight
+    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
     runtime = init_runtime()
     tp = runtime.world_size
     overrides = [
-        f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"data.max_documents={args.documents}",
-        f"train.steps={args.steps}", f"train.global_batch_size={args.batch}", "train.warmup_steps=1",
-        f"parallel.tp={tp}", "parallel.dp_shard=1", f"parallel.sequence_parallel={str(args.sequence_parallel).lower()}",
-        f"parallel.loss_parallel={str(args.loss_parallel).lower()}", "run.progress=false",
+        f"model.preset={args.preset}",
+        f"data.seq_len={args.seq_len}",
+        f"data.max_documents={args.documents}",
+        f"train.steps={args.steps}",
+        f"train.global_batch_size={args.batch}",
+        "train.warmup_steps=1",
+        f"parallel.tp={tp}",
+        "parallel.dp_shard=1",
+        f"parallel.sequence_parallel={str(args.sequence_parallel).lower()}",
+        f"parallel.loss_parallel={str(args.loss_parallel).lower()}",
+        "run.progress=false",
         f"run.output_dir={args.run_dir / 'run'}",
     ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
     cfg = load_config(None, overrides, env={})
@@ -174,8 +195,13 @@ def worker(args) -> None:
             for key in ("collectives_per_step", "ring_bytes_sent_per_step"):
                 comm[key] = max(r["comm"][key] for r in ranks)
         out = {
-            "tp": tp, "step_seconds": seconds, "median_step_s": statistics.median(seconds[args.warmup:]),
-            "losses": result.losses, "state_bytes_max": state_max, "comm": comm, "ranks": ranks,
+            "tp": tp,
+            "step_seconds": seconds,
+            "median_step_s": statistics.median(seconds[args.warmup :]),
+            "losses": result.losses,
+            "state_bytes_max": state_max,
+            "comm": comm,
+            "ranks": ranks,
         }
         (args.run_dir / "result.json").write_text(json.dumps(out, indent=2))
     shutdown_runtime()
@@ -197,7 +223,9 @@ def markdown_table(results: list[dict]) -> str:
         mb = f"{comm['ring_bytes_sent_per_step'] / 1e6:.2f}" if comm else "-"
         calls = f"{comm['collectives_per_step']:g}" if comm else "-"
         ratio = f"{r['state_bytes_max'] / base:.3f}" if base else "-"
-        lines.append(f"| {r['tp']} | {r['median_step_s']:.3f} | {mb} | {calls} | {r['state_bytes_max'] / 1e6:.2f} | {ratio} |")
+        lines.append(
+            f"| {r['tp']} | {r['median_step_s']:.3f} | {mb} | {calls} | {r['state_bytes_max'] / 1e6:.2f} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -212,7 +240,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     parser.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
-    parser.add_argument("--no-comm-count", dest="comm_count", action="store_false", help="time without the counting mode")
+    parser.add_argument(
+        "--no-comm-count", dest="comm_count", action="store_false", help="time without the counting mode"
+    )
     parser.add_argument("--cache-dir", help="tokenized-data cache (default ~/.cache/meshtron)")
     parser.add_argument("--out", type=Path, help="write the JSON results here (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -230,8 +260,14 @@ def main() -> None:
         comm = results[-1]["comm"] or {"by_op": {}}
         print(f"tp={tp}: median step {results[-1]['median_step_s']:.3f}s, ops {sorted(comm['by_op'])}", flush=True)
     summary = {
-        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-        "sequence_parallel": args.sequence_parallel, "loss_parallel": args.loss_parallel, "cpu_cores": os.cpu_count(),
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "sequence_parallel": args.sequence_parallel,
+        "loss_parallel": args.loss_parallel,
+        "cpu_cores": os.cpu_count(),
         "comm_method": "TorchDispatchMode on every rank; collectives attributed to optimizer steps by a global "
         "optimizer-step post-hook; averaged over steps after warmup; bytes are ring estimates sent per rank",
         "results": results,

@@ -64,8 +64,9 @@ def run_logged(command: list[str], workdir: Path, timeout: float) -> str | None:
     env = subprocess_env()
     try:
         with open(log, "w") as out:
-            code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout, cwd=BENCH.parent).returncode
+            code = subprocess.run(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=BENCH.parent
+            ).returncode
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
     finally:
@@ -81,17 +82,21 @@ def run_logged(command: list[str], workdir: Path, timeout: float) -> str | None:
 
 def run_meshtron(name: str, args, batch: int, workdir: Path) -> dict:
     """``meshtron train`` through its command line; tokens/s and memory from its metrics.jsonl."""
-    overrides = data_overrides(args.preset, args.seq_len, args.documents) + [
-        f"data.mask_documents={str(args.mask_documents).lower()}",
-        f"train.steps={args.steps}",
-        f"train.global_batch_size={batch}",
-        "model.dtype=float32",
-        "train.mixed_precision=bf16",
-        f"train.compile={'true' if name == 'meshtron-compile' else 'false'}",
-        f"run.device={args.device}",
-        f"run.output_dir={workdir / 'run'}",
-        "run.progress=false",
-    ] + args.meshtron_set
+    overrides = (
+        data_overrides(args.preset, args.seq_len, args.documents)
+        + [
+            f"data.mask_documents={str(args.mask_documents).lower()}",
+            f"train.steps={args.steps}",
+            f"train.global_batch_size={batch}",
+            "model.dtype=float32",
+            "train.mixed_precision=bf16",
+            f"train.compile={'true' if name == 'meshtron-compile' else 'false'}",
+            f"run.device={args.device}",
+            f"run.output_dir={workdir / 'run'}",
+            "run.progress=false",
+        ]
+        + args.meshtron_set
+    )
     command = [sys.executable, "-m", "meshtron", "train"] + [f"--{item}" for item in overrides]
     error = run_logged(command, workdir, args.timeout)
     metrics = workdir / "run" / "metrics.jsonl"
@@ -114,9 +119,27 @@ def run_peer(name: str, args, batch: int, workdir: Path) -> dict:
         return {"skipped": f"install {missing}"}
     out = workdir / "result.json"
     command = [
-        sys.executable, str(BENCH / "peers.py"), name, "--preset", args.preset, "--seq-len", str(args.seq_len),
-        "--batch", str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--documents", str(args.documents), "--device", args.device, "--workdir", str(workdir), "--out", str(out),
+        sys.executable,
+        str(BENCH / "peers.py"),
+        name,
+        "--preset",
+        args.preset,
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--documents",
+        str(args.documents),
+        "--device",
+        args.device,
+        "--workdir",
+        str(workdir),
+        "--out",
+        str(out),
         "--mask-documents" if args.mask_documents else "--no-mask-documents",
     ]
     error = run_logged(command, workdir, args.timeout)
@@ -134,8 +157,11 @@ def measure(name: str, args, batch: int, workdir: Path) -> dict:
     result = {"runner": name, "batch": batch, **run(name, args, batch, workdir)}
     result["wall_s"] = round(time.perf_counter() - started, 1)
     if "tokens_per_s" in result:
-        print(f"{name} batch {batch}: {result['tokens_per_s']:,.0f} tokens/s, {result['peak_memory_gb']:.2f} GB, "
-              f"{result['wall_s']:.0f} s", flush=True)
+        print(
+            f"{name} batch {batch}: {result['tokens_per_s']:,.0f} tokens/s, {result['peak_memory_gb']:.2f} GB, "
+            f"{result['wall_s']:.0f} s",
+            flush=True,
+        )
     else:
         status = f"skipped: {result['skipped']}" if "skipped" in result else f"failed: {result['error']}"
         print(f"{name} batch {batch}: {status}", flush=True)
@@ -185,11 +211,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5 if cuda else 3, help="steps left out of tokens/s")
     parser.add_argument("--documents", type=int, default=400, help="data.max_documents of the builtin corpus")
     parser.add_argument("--mask-documents", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--runners", nargs="+", choices=RUNNERS,
-                        help="default: all on CUDA; on CPU all but the compiled ones (compiling is slow there)")
+    parser.add_argument(
+        "--runners",
+        nargs="+",
+        choices=RUNNERS,
+        help="default: all on CUDA; on CPU all but the compiled ones (compiling is slow there)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda else "cpu")
-    parser.add_argument("--meshtron-set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra meshtron settings, e.g. train.loss_chunk_size=0")
+    parser.add_argument(
+        "--meshtron-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra meshtron settings, e.g. train.loss_chunk_size=0",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per runner")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", type=Path, help="keep each runner's log and meshtron run folder under this folder")
@@ -205,14 +240,25 @@ def main() -> None:
     import transformers
 
     meta = {
-        "device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
-        "preset": args.preset, "parameters": params, "seq_len": args.seq_len, "steps": args.steps,
-        "warmup": args.warmup, "mask_documents": args.mask_documents, "flops_per_token": flops_tok,
-        "peak_flops": peak, "meshtron_set": args.meshtron_set,
+        "device": device_name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "preset": args.preset,
+        "parameters": params,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "mask_documents": args.mask_documents,
+        "flops_per_token": flops_tok,
+        "peak_flops": peak,
+        "meshtron_set": args.meshtron_set,
     }
-    print(f"{device_name}, torch {torch.__version__}, transformers {transformers.__version__} | {args.preset} "
-          f"({params / 1e6:,.1f}M parameters), seq {args.seq_len}, {args.steps} steps ({args.warmup} warm-up), "
-          f"document masks {'on' if args.mask_documents else 'off'}", flush=True)
+    print(
+        f"{device_name}, torch {torch.__version__}, transformers {transformers.__version__} | {args.preset} "
+        f"({params / 1e6:,.1f}M parameters), seq {args.seq_len}, {args.steps} steps ({args.warmup} warm-up), "
+        f"document masks {'on' if args.mask_documents else 'off'}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="meshtron-throughput-") as tmp:
         for batch in args.batch:
@@ -231,8 +277,10 @@ def main() -> None:
     for name in runners:
         print(f"- {name}: {MESHTRON.get(name) or PEERS[name]}")
     if args.mask_documents:
-        print("- document masks: meshtron's own block-causal SDPA mask; the peers pass position ids restarting at "
-              "every document, from which transformers builds the same mask for sdpa (no flash-attention varlen)")
+        print(
+            "- document masks: meshtron's own block-causal SDPA mask; the peers pass position ids restarting at "
+            "every document, from which transformers builds the same mask for sdpa (no flash-attention varlen)"
+        )
 
 
 if __name__ == "__main__":

@@ -29,31 +29,52 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file")
     train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
-    train.add_argument("--max-restarts", type=int, default=0,
-                       help="with --nproc: restart all workers up to this many times after any of them fails; the "
-                            "run resumes from its latest checkpoint (docs/faults.md)")
-    train.add_argument("--nnodes", type=int, help="with --nproc: machines that each start --nproc workers (each runs "
-                                                    "this command; read from SLURM under srun)")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: restart all workers up to this many times after any of them fails; the "
+        "run resumes from its latest checkpoint (docs/faults.md)",
+    )
+    train.add_argument(
+        "--nnodes",
+        type=int,
+        help="with --nproc: machines that each start --nproc workers (each runs "
+        "this command; read from SLURM under srun)",
+    )
     train.add_argument("--node-rank", type=int, help="this machine's index among --nnodes (default 0)")
     train.add_argument("--rdzv-endpoint", help="with --nnodes: HOST:PORT of the first machine, the same on every one")
     train.add_argument("--rdzv-id", help="with --nnodes: a name of this job, the same on every machine")
-    train.add_argument("--dry-run", action="store_true",
-                       help="build one rank's sharded model on the meta device with a fake process group of --nproc "
-                            "ranks and print its parameter / gradient / optimizer bytes; trains nothing")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build one rank's sharded model on the meta device with a fake process group of --nproc "
+        "ranks and print its parameter / gradient / optimizer bytes; trains nothing",
+    )
     train.add_argument("--dry-run-rank", type=int, default=0, help="the rank --dry-run builds (default 0)")
-    train.add_argument("--rehearse", action="store_true",
-                       help="train one rank of an --nproc N layout alone, on this machine's device at its real "
-                            "shapes, with a fake process group (collectives move no data); write rehearsal.json "
-                            "(measured vs planned memory and step time) to run.output_dir")
+    train.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="train one rank of an --nproc N layout alone, on this machine's device at its real "
+        "shapes, with a fake process group (collectives move no data); write rehearsal.json "
+        "(measured vs planned memory and step time) to run.output_dir",
+    )
     train.add_argument("--rank", type=int, default=0, help="the rank --rehearse trains (default 0)")
-    train.add_argument("--rehearse-steps", type=int, default=None,
-                       help="steps --rehearse trains (default 4: warm-up, activations, timing)")
+    train.add_argument(
+        "--rehearse-steps",
+        type=int,
+        default=None,
+        help="steps --rehearse trains (default 4: warm-up, activations, timing)",
+    )
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
     export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
     export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
-    export.add_argument("--trust-remote-code", action="store_true",
-                        help="run the model's and tokenizer's own Python code (never taken from the checkpoint)")
+    export.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model's and tokenizer's own Python code (never taken from the checkpoint)",
+    )
     generate = sub.add_parser("generate", help="sample text from a checkpoint or an exported model")
     generate.add_argument("model", help="a checkpoint folder (step-N) or a Hugging Face model directory")
     generate.add_argument("--prompt", default="", help="the text to continue (default: start a new document)")
@@ -65,9 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     generate.add_argument("--trust-remote-code", action="store_true", help="run the model's own Python code")
     from meshtron.data.cli import add_data_parser
-    from meshtron.plan.cli import add_plan_parser
-
     from meshtron.metrics.cli import add_runs_parsers
+    from meshtron.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
     add_data_parser(sub)
@@ -94,7 +114,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     check_torch_version()
     cfg = load_config(args.config, parse_overrides(extra, USAGE))
     if not args.rehearse and (args.rank or args.rehearse_steps is not None):
-        raise ConfigError("--rank and --rehearse-steps go with --rehearse (meshtron train --rehearse --nproc N --rank R)")
+        raise ConfigError(
+            "--rank and --rehearse-steps go with --rehearse (meshtron train --rehearse --nproc N --rank R)"
+        )
     if args.rehearse and args.dry_run:
         raise ConfigError("--rehearse and --dry-run are two ways to look at one rank; give one of them")
     if args.dry_run:
@@ -142,8 +164,9 @@ def _nodes(args: argparse.Namespace):
     """The machines of a multi-node launch: the command line's, or SLURM's under srun; None on one machine."""
     from meshtron.cluster import command_line_nodes, slurm_nodes
 
-    return (command_line_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
-            or (slurm_nodes(os.environ, args.master_port) if args.nnodes is None else None))
+    return command_line_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id) or (
+        slurm_nodes(os.environ, args.master_port) if args.nnodes is None else None
+    )
 
 
 def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
@@ -166,15 +189,17 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
     from meshtron.distributed.devices import resolve_device_type
+    from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
     from meshtron.train.preflight import preflight
 
     preflight(cfg, world_size, resolve_device_type(cfg.run.device, world_size))
     if cfg.run.output_dir is None:
         if nodes is not None and not nodes.job_id.startswith("slurm-"):
-            raise ConfigError("a launch over several nodes needs run.output_dir: a folder every node shares (each "
-                              "machine would pick its own runs/<timestamp>)")
+            raise ConfigError(
+                "a launch over several nodes needs run.output_dir: a folder every node shares (each "
+                "machine would pick its own runs/<timestamp>)"
+            )
         name = nodes.job_id if nodes is not None else datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.run.output_dir = str(Path("runs") / name)
         extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]
@@ -200,17 +225,22 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> in
 
 
 def _run_worker(cfg) -> int:
-    from meshtron.train.runtime import (
-        init_runtime, launched_world_size, local_world_size, resolve_device_type, shutdown_runtime,
-    )
     from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
     from meshtron.train.preflight import preflight
+    from meshtron.train.runtime import (
+        init_runtime,
+        launched_world_size,
+        local_world_size,
+        resolve_device_type,
+        shutdown_runtime,
+    )
     from meshtron.train.trainer import train
 
     plan = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))
     runtime = init_runtime(  # collectives wait a little longer than the hang watchdog, which names the laggards
-        timeout_s=cfg.run.collective_timeout_s + COLLECTIVE_GRACE_S, device=cfg.run.device,
+        timeout_s=cfg.run.collective_timeout_s + COLLECTIVE_GRACE_S,
+        device=cfg.run.device,
         host_collectives=cfg.fsdp.cpu_offload,
     )
     try:
@@ -247,9 +277,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"unexpected arguments {extra}; see meshtron generate --help")
             from meshtron.checkpoint.generate import generate_text
 
-            text = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                 tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, device=args.device)
+            text = generate_text(
+                args.model,
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                tokenizer=args.tokenizer,
+                trust_remote_code=args.trust_remote_code,
+                device=args.device,
+            )
             print(args.prompt + text)
             return 0
         if args.command in ("plot", "compare"):

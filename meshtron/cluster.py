@@ -68,8 +68,14 @@ class Nodes:
     """GPUs (or tasks) per node that the environment gives, when it does."""
 
     def launcher_args(self, nproc: int) -> list[str]:
-        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", f"--nproc-per-node={nproc}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.job_id}"]
+        return [
+            f"--nnodes={self.count}",
+            f"--node-rank={self.rank}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.job_id}",
+        ]
 
 
 def slurm_nodes(env: Mapping[str, str], port: int | None = None) -> Nodes | None:
@@ -78,8 +84,10 @@ def slurm_nodes(env: Mapping[str, str], port: int | None = None) -> Nodes | None
         return None
     missing = [key for key in ("SLURM_JOB_NODELIST", "SLURM_NODEID") if key not in env]
     if missing:
-        raise ConfigError(f"this SLURM job has several nodes but {', '.join(missing)} is not set: start meshtron "
-                          "with srun (one task per node), or pass --nnodes and --rdzv-endpoint yourself")
+        raise ConfigError(
+            f"this SLURM job has several nodes but {', '.join(missing)} is not set: start meshtron "
+            "with srun (one task per node), or pass --nnodes and --rdzv-endpoint yourself"
+        )
     hosts = expand_hostlist(env["SLURM_JOB_NODELIST"])
     count = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", len(hosts))))
     job_id = env["SLURM_JOB_ID"]
@@ -90,8 +98,9 @@ def slurm_nodes(env: Mapping[str, str], port: int | None = None) -> Nodes | None
     return Nodes(count, int(env["SLURM_NODEID"]), f"{hosts[0]}:{port}", f"slurm-{job_id}", per_node)
 
 
-def command_line_nodes(nnodes: int | None, node_rank: int | None, endpoint: str | None,
-                       rdzv_id: str | None) -> Nodes | None:
+def command_line_nodes(
+    nnodes: int | None, node_rank: int | None, endpoint: str | None, rdzv_id: str | None
+) -> Nodes | None:
     """The nodes given by ``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint`` / ``--rdzv-id``, or None."""
     if nnodes is None or nnodes == 1:
         if endpoint or node_rank:
@@ -100,6 +109,8 @@ def command_line_nodes(nnodes: int | None, node_rank: int | None, endpoint: str 
     if nnodes < 1:
         raise ConfigError(f"--nnodes must be at least 1, got {nnodes}")
     if not endpoint or ":" not in endpoint:
-        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address and a free port, "
-                          "the same on every node)")
+        raise ConfigError(
+            "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address and a free port, "
+            "the same on every node)"
+        )
     return Nodes(nnodes, node_rank or 0, endpoint, rdzv_id or "meshtron")

@@ -11,8 +11,10 @@ import torch
 
 CHAT_MODEL = "chat-llama"
 CHAT_DATA = "chat.jsonl"
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 WORDS = "the a cat dog sat ran on under mat log big red blue green fast slow yes no why how".split()
 
 
@@ -30,8 +32,15 @@ def write_chat_fixture(directory: Path) -> None:
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(target)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, vocab_size=len(tokens), tie_word_embeddings=False, initializer_range=0.02,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        vocab_size=len(tokens),
+        tie_word_embeddings=False,
+        initializer_range=0.02,
     )
     with torch.random.fork_rng():
         torch.manual_seed(0)

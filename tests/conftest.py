@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,11 +25,16 @@ def free_port() -> int:
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     for var in ("DP_SIZE", "TP_SIZE", "CP_SIZE", "PP_SIZE"):
         env.pop(var, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               CUDA_VISIBLE_DEVICES="")
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES=""
+    )
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -37,10 +43,27 @@ def worker_env(**extra: str) -> dict[str, str]:
 def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path | None = None, env=None):
     """Run ``torchrun --nproc-per-node nproc ARGS`` on this machine; returns the CompletedProcess."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        *args,
     ]
-    return subprocess.run(cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_layouts(world: int, base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900):
+    """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes forked by
+    tests/parity_worker.py (results in ``out``); returns the CompletedProcess, which prints each layout's time."""
+    spec = out / f"spec{world}-{len(list(out.glob('spec*.json')))}.json"
+    spec.write_text(json.dumps({"base": base, "layouts": layouts}))
+    cmd = [sys.executable, str(REPO / "tests" / "parity_worker.py"), str(world), str(spec), str(out)]
+    return subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def failure_report(proc, tail: int = 4000) -> str:
@@ -54,7 +77,9 @@ def failure_report(proc, tail: int = 4000) -> str:
 def run_cli(args: list[str], *, timeout: float = 300, cwd: Path | None = None, env=None):
     """Run ``python -m meshtron ARGS`` in a fresh process."""
     cmd = [sys.executable, "-m", "meshtron", *args]
-    return subprocess.run(cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd or REPO, env=env or worker_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")

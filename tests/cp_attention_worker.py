@@ -53,7 +53,7 @@ def run_case(cp, method, masked, kernel, group, rank, window=None) -> dict:
     v = torch.randn(BATCH, KV_HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
     weight = torch.randn(BATCH, HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
     docs = document_ids(random_tokens(generator), EOS) if masked else None
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out = reference(*ref_inputs, docs, scale, window)
     (ref_out * weight).sum().backward()

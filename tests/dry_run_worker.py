@@ -18,9 +18,19 @@ def main() -> None:
         cfg = load_config(None, case["overrides"], env={})
         report = dry_run(cfg, case["world"], case["rank"])
         planned = param_bytes_of_rank(*config_view(cfg, case["world"]), case["rank"])
-        print(json.dumps({"name": case["name"], "params": report.params, "grads": report.grads,
-                          "optimizer": report.optimizer, "planned_params": planned, "seconds": report.seconds}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "name": case["name"],
+                    "params": report.params,
+                    "grads": report.grads,
+                    "optimizer": report.optimizer,
+                    "planned_params": planned,
+                    "seconds": report.seconds,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -25,12 +25,12 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from meshtron.distributed.expert_parallel import all_to_all_traffic, apply_expert_parallel, expert_meshes, shard_experts
 from meshtron.distributed.grad_norm import global_grad_norm
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
+from meshtron.tensors import local_tensor
 
 WORLD = 4
 HIDDEN = 16
@@ -43,8 +43,9 @@ def build_block(family: str):
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-        cfg = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2,
-                             norm_topk_prob=True)
+        cfg = Qwen3MoeConfig(
+            hidden_size=HIDDEN, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+        )
         cls = Qwen3MoeSparseMoeBlock
     else:
         from transformers import MixtralConfig
@@ -101,10 +102,6 @@ def max_over_ranks(value: float) -> float:
     return float(tensor)
 
 
-def local(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def check_ep(family: str, ep_mesh, use_grouped_mm, checks: dict, name: str) -> None:
     """EP alone: this rank against one process over its EP group's tokens."""
     rank = dist.get_rank()
@@ -125,9 +122,11 @@ def check_ep(family: str, ep_mesh, use_grouped_mm, checks: dict, name: str) -> N
         "out": rel(out.detach(), want["out"][rank]),
         "x_grad": rel(x.grad, want["x_grad"][rank]),
         "router_grad": rel(router_grad, want["router"]),
-        "gate_up_grad": rel(local(block.experts.gate_up_proj.grad), want["gate_up_proj"][rows]),
-        "down_grad": rel(local(block.experts.down_proj.grad), want["down_proj"][rows]),
-        "grad_is_shard": float(tuple(local(block.experts.down_proj.grad).shape) != tuple(want["down_proj"][rows].shape)),
+        "gate_up_grad": rel(local_tensor(block.experts.gate_up_proj.grad), want["gate_up_proj"][rows]),
+        "down_grad": rel(local_tensor(block.experts.down_proj.grad), want["down_proj"][rows]),
+        "grad_is_shard": float(
+            tuple(local_tensor(block.experts.down_proj.grad).shape) != tuple(want["down_proj"][rows].shape)
+        ),
     }
     for key, value in errors.items():
         checks[f"{family} {name} {key}"] = max_over_ranks(value)
@@ -139,17 +138,19 @@ def check_ep(family: str, ep_mesh, use_grouped_mm, checks: dict, name: str) -> N
             routing.append(block.gate(rank_data(r)[0])[2])
     traffic = all_to_all_traffic(routing, block.experts.num_global_experts, HIDDEN, 4)
     send, recv = block.experts.last_dispatch
-    mismatch = float(send != traffic.rows[ep_rank] or recv != [traffic.rows[src][ep_rank] for src in range(len(routing))])
+    mismatch = float(
+        send != traffic.rows[ep_rank] or recv != [traffic.rows[src][ep_rank] for src in range(len(routing))]
+    )
     checks[f"{family} {name} dispatch splits vs traffic"] = max_over_ranks(mismatch)
     if rank == 0:
         checks[f"{family} {name} traffic"] = {
-            "rows": traffic.rows, "sent_bytes": [traffic.sent_bytes(r) for r in range(len(routing))],
+            "rows": traffic.rows,
+            "sent_bytes": [traffic.sent_bytes(r) for r in range(len(routing))],
             "max_sent_bytes": traffic.max_sent_bytes(),
         }
 
 
-def check_fsdp_ep(family: str, meshes: dict, dims: ParallelDims, ep: int, checks: dict, name: str,
-                  policy=None) -> None:
+def check_fsdp_ep(family: str, meshes: dict, dims: ParallelDims, ep: int, checks: dict, name: str, policy=None) -> None:
     """FSDP (or HSDP) x EP with meshtron's loss convention: full gradients equal one process's."""
     rank = dist.get_rank()
     want = reference(family, list(range(WORLD)))
@@ -209,8 +210,12 @@ def main() -> None:
     hsdp_ep2 = expert_meshes(hsdp_meshes, 2)
 
     mesh_ranks = {}
-    for label, sub in (("dp_shard4 ep2", ep2), ("dp_shard4 ep4", ep4), ("dp_shard2 cp2 ep2", cp_ep2),
-                       ("dp_replicate2 dp_shard2 ep2", hsdp_ep2)):
+    for label, sub in (
+        ("dp_shard4 ep2", ep2),
+        ("dp_shard4 ep4", ep4),
+        ("dp_shard2 cp2 ep2", cp_ep2),
+        ("dp_replicate2 dp_shard2 ep2", hsdp_ep2),
+    ):
         for key in ("ep", "efsdp", "expert_fsdp"):
             mesh_ranks[f"{label} {key}"] = sub[key].mesh.tolist()
     gathered = [None] * WORLD

@@ -1,16 +1,28 @@
-"""Runs several training layouts in one torchrun launch (one transformers import per process).
+"""Runs training layouts one after another, each on WORLD processes forked from this one.
 
-Usage: torchrun --nproc-per-node N tests/parity_worker.py SPEC.json OUT_DIR
+Usage: python tests/parity_worker.py WORLD SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}; an override ``env:VAR=VALUE`` sets an
 environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``). For each layout, rank 0 writes
 OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter + gradient + optimizer
 bytes of any rank, the largest activation peak and the largest gradient bytes held between accumulated
-micro-batches) and OUT_DIR/<name>.pt (full final weights).
+micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may resume from an
+earlier one's checkpoint); the first that fails ends the launch with its name and exit codes.
+
+Why forks rather than one torchrun launch for all layouts: the imports (transformers' is ~5 s of CPU) happen once,
+here, and every layout starts from fresh processes. Layouts that shared processes slowed each other down (each
+left its process groups and their gloo threads behind, ~2x by the 40th layout), and torch keeps caches keyed by
+device mesh (DTensor's sharding propagation) that would hand a destroyed group to the next layout of an equal mesh,
+so the groups could not simply be destroyed. Launching through torchrun is covered by the CLI and recovery tests.
 """
 
 import json
+import multiprocessing
 import os
+import socket
 import sys
+import time
+import traceback
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -18,9 +30,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshtron.config import load_config
-from meshtron.train.runtime import init_runtime, shutdown_runtime
 from meshtron.metrics.logger import local_bytes
 from meshtron.train.preflight import preflight
+from meshtron.train.runtime import init_runtime, shutdown_runtime
 from meshtron.train.trainer import train
 
 
@@ -32,55 +44,143 @@ def expert_state_bytes(result) -> tuple[torch.Tensor, int]:
         for name, param in part.named_parameters():
             if ".experts." not in name:
                 continue
-            tensors = [param] + [v for v in result.optimizer.state.get(param, {}).values()
-                                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+            tensors = [param] + [
+                v for v in result.optimizer.state.get(param, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
             local += sum(local_bytes(t) for t in tensors)
             full += len(tensors) * param.numel() * param.element_size()
     return torch.tensor([local], dtype=torch.int64), full
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    runtime = init_runtime()
+def run_rank(rank: int, world: int, port: int, name: str, overrides: list[str], base: list[str], out: Path) -> None:
+    """One rank of one layout, in a forked process: join a fresh process group, train, write the results."""
+    env = dict(item[len("env:") :].split("=", 1) for item in overrides if item.startswith("env:"))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **env,
+    )
+    overrides = [item for item in overrides if not item.startswith("env:")]
     try:
-        for name, overrides in spec["layouts"].items():
-            env = dict(item[len("env:"):].split("=", 1) for item in overrides if item.startswith("env:"))
-            overrides = [item for item in overrides if not item.startswith("env:")]
-            cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
-            plan = preflight(cfg, runtime.world_size, runtime.device.type)
-            os.environ.update(env)
-            try:
-                result = train(cfg, runtime, plan)
-            finally:
-                for var in env:
-                    os.environ.pop(var)
-            measured = torch.tensor(
-                [sum(result.state_bytes.values()), result.activation_bytes, result.accumulation_grad_bytes],
-                dtype=torch.int64,
+        runtime = init_runtime()
+        try:
+            cfg = load_config(None, base + overrides + [f"run.output_dir={out / name}"], env={})
+            train_and_record(name, cfg, runtime, out)
+        finally:
+            shutdown_runtime()
+    except BaseException:
+        print(f"[rank{rank}] layout {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def train_and_record(name: str, cfg, runtime, out: Path) -> None:
+    plan = preflight(cfg, runtime.world_size, runtime.device.type)
+    result = train(cfg, runtime, plan)
+    measured = torch.tensor(
+        [sum(result.state_bytes.values()), result.activation_bytes, result.accumulation_grad_bytes],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    expert_local, expert_full = expert_state_bytes(result)
+    dist.all_reduce(expert_local, op=dist.ReduceOp.MAX)
+    options = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
+    state = {}
+    for part in result.model_parts:  # pipeline stages: each holds some of the parameters, names unchanged
+        state.update(get_model_state_dict(part, options=options))
+    if plan.dims.pp > 1:
+        pieces = [None] * runtime.world_size
+        dist.all_gather_object(pieces, state)
+        state = {key: tensor for piece in pieces for key, tensor in piece.items()}
+    if runtime.is_main:
+        torch.save(state, out / f"{name}.pt")
+        (out / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "losses": result.losses,
+                    "grad_norms": result.grad_norms,
+                    "state_bytes": int(measured[0]),
+                    "activation_bytes": int(measured[1]),
+                    "accumulation_grad_bytes": int(measured[2]),
+                    "expert_state_bytes": [int(expert_local), expert_full],
+                }
             )
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-            expert_local, expert_full = expert_state_bytes(result)
-            dist.all_reduce(expert_local, op=dist.ReduceOp.MAX)
-            options = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it on rank 0 only)
-            state = {}
-            for part in result.model_parts:  # pipeline stages: each holds some of the parameters, names unchanged
-                state.update(get_model_state_dict(part, options=options))
-            if plan.dims.pp > 1:
-                pieces = [None] * runtime.world_size
-                dist.all_gather_object(pieces, state)
-                state = {name: tensor for piece in pieces for name, tensor in piece.items()}
-            if runtime.is_main:
-                torch.save(state, out / f"{name}.pt")
-                (out / f"{name}.json").write_text(json.dumps(
-                    {"losses": result.losses, "grad_norms": result.grad_norms, "state_bytes": int(measured[0]),
-                     "activation_bytes": int(measured[1]),
-                     "accumulation_grad_bytes": int(measured[2]),
-                     "expert_state_bytes": [int(expert_local), expert_full]}
-                ))
-            del result, state
-    finally:
-        shutdown_runtime()
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_layout(
+    context, world: int, name: str, overrides: list[str], base: list[str], out: Path, timeout_s: float
+) -> None:
+    """Fork the layout's ranks and wait for them; the first rank that fails (or the timeout) stops them all."""
+    port = free_port()
+    ranks = [
+        context.Process(target=run_rank, args=(rank, world, port, name, overrides, base, out)) for rank in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    running = list(ranks)
+    while running:
+        wait([process.sentinel for process in running], timeout=max(0.0, deadline - time.monotonic()))
+        running = [process for process in ranks if process.exitcode is None]
+        failed = [process for process in ranks if process.exitcode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for process in running:
+                process.kill()
+            for process in ranks:
+                process.join()
+            why = (
+                f"timed out after {timeout_s:.0f} s" if not failed else "exit codes " + str([p.exitcode for p in ranks])
+            )
+            sys.exit(f"layout {name} on {world} processes failed: {why}")
+
+
+def import_before_forking() -> None:
+    """Import here, once, what every rank would otherwise import again: transformers' lazily loaded modules (the
+    model classes of every family meshtron knows, modeling_utils with its quantizers) and torch's parallel APIs.
+    Nothing here starts a thread or touches a tensor (a fork keeps neither safely)."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from meshtron.models.families import FAMILIES
+
+    for module in (
+        "transformers.modeling_utils",
+        "torch.distributed.pipelining",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor.parallel",
+        "torch.distributed.checkpoint.state_dict",
+        "torch._dynamo",
+    ):
+        importlib.import_module(module)
+    for model_type in FAMILIES:
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    try:
+        importlib.import_module("torchao.float8")
+    except ImportError:  # float8 layouts need it; the others do not
+        pass
+
+
+def main() -> None:
+    world, spec, out = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
+    import_before_forking()
+    context = multiprocessing.get_context("fork")
+    for name, overrides in spec["layouts"].items():
+        started = time.perf_counter()
+        run_layout(context, world, name, overrides, spec["base"], out, spec.get("timeout_s", 600))
+        print(f"layout {name}: {world} processes, {time.perf_counter() - started:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Rehearse ranks of layouts (meshtron.plan.rehearsal), each in a process forked from this one; write what each measured.
+"""Rehearse ranks of layouts (meshtron.plan.rehearsal), each in a process forked from this one; write what each
+measured.
 
 Usage: python tests/rehearsal_worker.py CASES.json OUT.json, CASES a list of {name, world, rank, steps, overrides}.
 A fork per rehearsal, as ``meshtron train --rehearse`` runs one per process: torch keeps caches keyed by device
@@ -10,6 +11,8 @@ import json
 import multiprocessing
 import sys
 from pathlib import Path
+
+from parity_worker import import_before_forking
 
 import meshtron.train.trainer  # noqa: F401  (imported once, before the forks)
 from meshtron.config import load_config
@@ -23,6 +26,7 @@ def run_case(case: dict) -> dict:
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
+    import_before_forking()
     with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
         reports = pool.map(run_case, cases, chunksize=1)
     results = {f"{case['name']}:{case['rank']}": report for case, report in zip(cases, reports)}

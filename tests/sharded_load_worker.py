@@ -16,10 +16,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import load_config
-from meshtron.models import build
 from meshtron.distributed.parallelize import parallelize_model
-from meshtron.train.runtime import init_runtime, shutdown_runtime
+from meshtron.models import build
 from meshtron.train.preflight import preflight
+from meshtron.train.runtime import init_runtime, shutdown_runtime
 
 
 def main() -> None:
@@ -65,8 +65,12 @@ def check_load(model_dir: str, out_json: str, overrides: list[str], runtime) -> 
     if runtime.is_main:
         ref = reference.state_dict()
         diffs = {name: (full[name] - ref[name]).abs().max().item() for name in ref}
-        result = {"weight_diffs": diffs, "logits_diff": logits_diff, "max_read_fraction": fraction.item(),
-                  "same_keys": sorted(full) == sorted(ref)}
+        result = {
+            "weight_diffs": diffs,
+            "logits_diff": logits_diff,
+            "max_read_fraction": fraction.item(),
+            "same_keys": sorted(full) == sorted(ref),
+        }
         with open(out_json, "w") as handle:
             json.dump(result, handle)
 

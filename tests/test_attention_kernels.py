@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from conftest import full_blocks, reference_attention
 from meshtron.config import ModelConfig
 from meshtron.distributed.context_parallel import SequenceLayout
 from meshtron.models import attention_kernels as kernels

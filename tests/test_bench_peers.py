@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import REPO
 
 TINY = dict(preset="llama-tiny", seq_len=32, batch=2, documents=20, mask_documents=True)
@@ -64,9 +63,27 @@ def test_peer_trains_on_cpu(peers, first_loss, runner, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "compile", aot_eager_compile)
     out = tmp_path / "result.json"
-    argv = [runner, "--preset", TINY["preset"], "--seq-len", str(TINY["seq_len"]), "--batch", str(TINY["batch"]),
-            "--steps", "2", "--warmup", "1", "--documents", str(TINY["documents"]), "--device", "cpu",
-            "--workdir", str(tmp_path), "--out", str(out)]
+    argv = [
+        runner,
+        "--preset",
+        TINY["preset"],
+        "--seq-len",
+        str(TINY["seq_len"]),
+        "--batch",
+        str(TINY["batch"]),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--documents",
+        str(TINY["documents"]),
+        "--device",
+        "cpu",
+        "--workdir",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
     try:
         peers.main(argv)
     finally:

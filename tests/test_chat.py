@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
-from meshtron.config import DataConfig, load_config
+
+from meshtron.config import load_config
 from meshtron.data.chat import ChatDataset, choose_separator, pack, render
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.errors import ConfigError
@@ -27,11 +27,18 @@ def chat_dir(tmp_path_factory):
 
 def test_only_the_assistants_tokens_and_their_end_of_turn_carry_loss(chat_dir):
     tokenizer = load_tokenizer(str(chat_dir / CHAT_MODEL))
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"},
-                {"role": "assistant", "content": "yes"}, {"role": "user", "content": "how"},
-                {"role": "assistant", "content": "no red"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "why?"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "how"},
+        {"role": "assistant", "content": "no red"},
+    ]
     ids, trained = render(tokenizer, messages, "assistant")
-    assert tokenizer.decode(ids) == "<system>be brief</s><user>why?</s><assistant>yes</s><user>how</s><assistant>no red</s>"
+    assert (
+        tokenizer.decode(ids)
+        == "<system>be brief</s><user>why?</s><assistant>yes</s><user>how</s><assistant>no red</s>"
+    )
     assert tokenizer.decode(ids[trained]) == "yes</s>no red</s>"
     ids_all, trained_all = render(tokenizer, messages, "all")
     assert np.array_equal(ids_all, ids) and trained_all.all()
@@ -44,9 +51,11 @@ def test_only_the_assistants_tokens_and_their_end_of_turn_carry_loss(chat_dir):
 
 def test_packing_never_cuts_a_conversation_and_pads_without_loss():
     eos = 9  # the separator
-    convs = [(np.array([1, 2, 3]), np.array([0, 1, 1], bool)),
-             (np.array([4, 5]), np.array([0, 1], bool)),
-             (np.array([6, 7, 8, 6, 7, 8, 6]), np.ones(7, bool))]
+    convs = [
+        (np.array([1, 2, 3]), np.array([0, 1, 1], bool)),
+        (np.array([4, 5]), np.array([0, 1], bool)),
+        (np.array([6, 7, 8, 6, 7, 8, 6]), np.ones(7, bool)),
+    ]
     tokens, trained, cut = pack(convs, 6, eos)
     assert tokens.tolist() == [[1, 2, 3, eos, eos, eos], [4, 5, eos, eos, eos, eos], [6, 7, 8, 6, 7, 8]]
     assert trained.tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]] and cut == 1
@@ -55,9 +64,18 @@ def test_packing_never_cuts_a_conversation_and_pads_without_loss():
 
 
 def chat_overrides(chat_dir, out, *extra) -> list[str]:
-    return [f"model.name_or_path={chat_dir / CHAT_MODEL}", f"data.tokenizer={chat_dir / CHAT_MODEL}",
-            "data.format=chat", f"data.path={chat_dir / CHAT_DATA}", "data.seq_len=128",
-            "train.global_batch_size=8", "train.steps=1", "run.progress=false", f"run.output_dir={out}", *extra]
+    return [
+        f"model.name_or_path={chat_dir / CHAT_MODEL}",
+        f"data.tokenizer={chat_dir / CHAT_MODEL}",
+        "data.format=chat",
+        f"data.path={chat_dir / CHAT_DATA}",
+        "data.seq_len=128",
+        "train.global_batch_size=8",
+        "train.steps=1",
+        "run.progress=false",
+        f"run.output_dir={out}",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("mask_documents", [True, False])
@@ -67,8 +85,8 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
     divided by their count. The all-token loss is another number."""
     from transformers import AutoModelForCausalLM
 
-    from meshtron.data.sampler import GlobalBatchSchedule
     from meshtron.data.chat import build_chat_dataset
+    from meshtron.data.sampler import GlobalBatchSchedule
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
@@ -87,8 +105,8 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
                 continue
             with torch.no_grad():  # positions restart at 0 in each segment, as meshtron's document masks have them
                 logits = model(torch.from_numpy(row[start:stop][None])).logits[0].double()
-            losses.append(F.cross_entropy(logits, torch.from_numpy(row[start + 1:stop + 1]), reduction="none"))
-            assistant.append(torch.from_numpy(mask[start + 1:stop + 1]))
+            losses.append(F.cross_entropy(logits, torch.from_numpy(row[start + 1 : stop + 1]), reduction="none"))
+            assistant.append(torch.from_numpy(mask[start + 1 : stop + 1]))
     losses, assistant = torch.cat(losses), torch.cat(assistant)
     by_hand = (losses[assistant].sum() / assistant.sum()).item()
     assert result.losses[0] == pytest.approx(by_hand, rel=1e-5)

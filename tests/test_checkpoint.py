@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import REPO, assert_same_tensors, run_cli, run_torchrun, worker_env
+from conftest import REPO, assert_same_tensors, failure_report, run_cli, run_layouts, run_torchrun, worker_env
 
 STEPS, HALF = 8, 4
 LOSS_RTOL = 1e-5
@@ -22,9 +21,17 @@ LOSS_RTOL = 1e-5
 
 def base(cache_dir) -> list[str]:
     return [
-        "model.preset=llama-deep", "data.max_documents=40", "data.seq_len=32", f"data.cache_dir={cache_dir}",
-        f"train.steps={STEPS}", "train.global_batch_size=8", "train.lr=1e-3", "train.warmup_steps=2",
-        "train.seed=7", "run.progress=false", f"checkpoint.interval={HALF}",
+        "model.preset=llama-deep",
+        "data.max_documents=40",
+        "data.seq_len=32",
+        f"data.cache_dir={cache_dir}",
+        f"train.steps={STEPS}",
+        "train.global_batch_size=8",
+        "train.lr=1e-3",
+        "train.warmup_steps=2",
+        "train.seed=7",
+        "run.progress=false",
+        f"checkpoint.interval={HALF}",
     ]
 
 
@@ -57,10 +64,8 @@ def from_half(out: Path, name: str) -> str:
 
 
 def launch(world: int, layouts: dict, out: Path, cache_dir) -> None:
-    spec = out / f"spec{world}.json"
-    spec.write_text(json.dumps({"base": base(cache_dir), "layouts": layouts}))
-    proc = run_torchrun(world, ["tests/parity_worker.py", str(spec), str(out)], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_layouts(world, base(cache_dir), layouts, out)
+    assert proc.returncode == 0, failure_report(proc)
 
 
 def in_process(name: str, overrides: list[str], out: Path, cache_dir):
@@ -81,55 +86,105 @@ def runs(tmp_path_factory, cache_dir):
     """Uninterrupted runs that save at step 4 and 8, and runs resumed from their step-4 checkpoint."""
     out = tmp_path_factory.mktemp("checkpoint")
     write_mixture_documents(cache_dir)
-    launch(4, {
-        "fsdp4": ["parallel.dp_shard=4"],
-        "fsdp4_resumed": ["parallel.dp_shard=4", from_half(out, "fsdp4")],
-        "dp2_tp2_from_fsdp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "fsdp4")],
-        "pp2_tp2": ["parallel.pp=2", "parallel.tp=2"],
-        "pp2_tp2_resumed": ["parallel.pp=2", "parallel.tp=2", from_half(out, "pp2_tp2")],
-        # train.on_nonfinite=rollback across ranks: step 6 made NaN, back to step 4 without batch 6.
-        "pp2_tp2_rollback": ["parallel.pp=2", "parallel.tp=2", "train.on_nonfinite=rollback",
-                             "env:MESHTRON_FAULT=nan:step=6"],
-        "pp2_tp2_skip_batch_6": ["parallel.pp=2", "parallel.tp=2", "data.skip_batches=6"],
-        # A mixture's order is a function of the seed, weights and step: FSDP4 -> DP2 x TP2 continues it.
-        "fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=4"],
-        "dp2_tp2_mixture_from_fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=2", "parallel.tp=2",
-                                               from_half(out, "fsdp4_mixture")],
-        # A stream's position: each rank saves its lanes'; FSDP4 -> FSDP4 and -> DP2 x TP2 (other lane owners).
-        "fsdp4_stream": [*streamed(cache_dir), "parallel.dp_shard=4"],
-        "fsdp4_stream_resumed": [*streamed(cache_dir), "parallel.dp_shard=4", from_half(out, "fsdp4_stream")],
-        "dp2_tp2_stream_from_fsdp4_stream": [*streamed(cache_dir), "parallel.dp_shard=2", "parallel.tp=2",
-                                             from_half(out, "fsdp4_stream")],
-        # A rollback rewinds the lanes (the step read ahead included) to the checkpoint's position.
-        "pp2_dp2_stream_rollback": [*streamed(cache_dir), "parallel.pp=2", "parallel.dp_shard=2",
-                                    "train.on_nonfinite=rollback", "env:MESHTRON_FAULT=nan:step=6"],
-        "pp2_dp2_stream_skip_batch_6": [*streamed(cache_dir), "parallel.pp=2", "parallel.dp_shard=2",
-                                        "data.skip_batches=6"],
-        "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
-        "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
-        "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
-        # Mixed precision: fp32 master weights on disk; fp16's loss scale (two overflows first) resumes too.
-        "fsdp4_bf16": ["parallel.dp_shard=4", "train.mixed_precision=bf16"],
-        "fsdp4_bf16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=bf16", from_half(out, "fsdp4_bf16")],
-        "fsdp4_fp16": ["parallel.dp_shard=4", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144",
-                       "train.fp16_growth_interval=3"],
-        "fsdp4_fp16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144",
-                               "train.fp16_growth_interval=3", from_half(out, "fsdp4_fp16")],
-        # Tied embeddings: under pp the last stage's head is a copy of the embeddings, saved under both model
-        # names and with the embeddings' optimizer state; pp1 -> pp2, pp2 -> pp2 and pp2 -> FSDP (-> 1 below).
-        "fsdp4_tied": [TIED, "parallel.dp_shard=4"],
-        "pp2_dp2_tied": [TIED, "parallel.pp=2", "parallel.dp_shard=2"],
-        "pp2_dp2_tied_resumed": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "pp2_dp2_tied")],
-        "pp2_dp2_tied_from_fsdp4_tied": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "fsdp4_tied")],
-        "fsdp4_tied_from_pp2_dp2_tied": [TIED, "parallel.dp_shard=4", from_half(out, "pp2_dp2_tied")],
-        # Expert parallelism: experts sharded over ep (and FSDP over what remains); checkpoints hold whole experts.
-        "ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", "parallel.ep=2"],
-        "ep2_fsdp4_moe_resumed": [MOE, "parallel.dp_shard=4", "parallel.ep=2", from_half(out, "ep2_fsdp4_moe")],
-        "ep4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", "parallel.ep=4", from_half(out, "ep2_fsdp4_moe")],
-        "fsdp4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", from_half(out, "ep2_fsdp4_moe")],
-        "ep2_pp2_moe_from_ep2_fsdp4_moe": [MOE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2",
-                                           from_half(out, "ep2_fsdp4_moe")],
-    }, out, cache_dir)
+    launch(
+        4,
+        {
+            "fsdp4": ["parallel.dp_shard=4"],
+            "fsdp4_resumed": ["parallel.dp_shard=4", from_half(out, "fsdp4")],
+            "dp2_tp2_from_fsdp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "fsdp4")],
+            "pp2_tp2": ["parallel.pp=2", "parallel.tp=2"],
+            "pp2_tp2_resumed": ["parallel.pp=2", "parallel.tp=2", from_half(out, "pp2_tp2")],
+            # train.on_nonfinite=rollback across ranks: step 6 made NaN, back to step 4 without batch 6.
+            "pp2_tp2_rollback": [
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "train.on_nonfinite=rollback",
+                "env:MESHTRON_FAULT=nan:step=6",
+            ],
+            "pp2_tp2_skip_batch_6": ["parallel.pp=2", "parallel.tp=2", "data.skip_batches=6"],
+            # A mixture's order is a function of the seed, weights and step: FSDP4 -> DP2 x TP2 continues it.
+            "fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=4"],
+            "dp2_tp2_mixture_from_fsdp4_mixture": [
+                mixture(cache_dir),
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "fsdp4_mixture"),
+            ],
+            # A stream's position: each rank saves its lanes'; FSDP4 -> FSDP4 and -> DP2 x TP2 (other lane owners).
+            "fsdp4_stream": [*streamed(cache_dir), "parallel.dp_shard=4"],
+            "fsdp4_stream_resumed": [*streamed(cache_dir), "parallel.dp_shard=4", from_half(out, "fsdp4_stream")],
+            "dp2_tp2_stream_from_fsdp4_stream": [
+                *streamed(cache_dir),
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "fsdp4_stream"),
+            ],
+            # A rollback rewinds the lanes (the step read ahead included) to the checkpoint's position.
+            "pp2_dp2_stream_rollback": [
+                *streamed(cache_dir),
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                "train.on_nonfinite=rollback",
+                "env:MESHTRON_FAULT=nan:step=6",
+            ],
+            "pp2_dp2_stream_skip_batch_6": [
+                *streamed(cache_dir),
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                "data.skip_batches=6",
+            ],
+            "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
+            "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
+            "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
+            # Mixed precision: fp32 master weights on disk; fp16's loss scale (two overflows first) resumes too.
+            "fsdp4_bf16": ["parallel.dp_shard=4", "train.mixed_precision=bf16"],
+            "fsdp4_bf16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=bf16", from_half(out, "fsdp4_bf16")],
+            "fsdp4_fp16": [
+                "parallel.dp_shard=4",
+                "train.mixed_precision=fp16",
+                "train.fp16_initial_loss_scale=262144",
+                "train.fp16_growth_interval=3",
+            ],
+            "fsdp4_fp16_resumed": [
+                "parallel.dp_shard=4",
+                "train.mixed_precision=fp16",
+                "train.fp16_initial_loss_scale=262144",
+                "train.fp16_growth_interval=3",
+                from_half(out, "fsdp4_fp16"),
+            ],
+            # Tied embeddings: under pp the last stage's head is a copy of the embeddings, saved under both model
+            # names and with the embeddings' optimizer state; pp1 -> pp2, pp2 -> pp2 and pp2 -> FSDP (-> 1 below).
+            "fsdp4_tied": [TIED, "parallel.dp_shard=4"],
+            "pp2_dp2_tied": [TIED, "parallel.pp=2", "parallel.dp_shard=2"],
+            "pp2_dp2_tied_resumed": [TIED, "parallel.pp=2", "parallel.dp_shard=2", from_half(out, "pp2_dp2_tied")],
+            "pp2_dp2_tied_from_fsdp4_tied": [
+                TIED,
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                from_half(out, "fsdp4_tied"),
+            ],
+            "fsdp4_tied_from_pp2_dp2_tied": [TIED, "parallel.dp_shard=4", from_half(out, "pp2_dp2_tied")],
+            # Expert parallelism: experts sharded over ep (and FSDP over what remains); checkpoints hold whole experts.
+            "ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", "parallel.ep=2"],
+            "ep2_fsdp4_moe_resumed": [MOE, "parallel.dp_shard=4", "parallel.ep=2", from_half(out, "ep2_fsdp4_moe")],
+            "ep4_moe_from_ep2_fsdp4_moe": [
+                MOE,
+                "parallel.dp_shard=4",
+                "parallel.ep=4",
+                from_half(out, "ep2_fsdp4_moe"),
+            ],
+            "fsdp4_moe_from_ep2_fsdp4_moe": [MOE, "parallel.dp_shard=4", from_half(out, "ep2_fsdp4_moe")],
+            "ep2_pp2_moe_from_ep2_fsdp4_moe": [
+                MOE,
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                "parallel.ep=2",
+                from_half(out, "ep2_fsdp4_moe"),
+            ],
+        },
+        out,
+        cache_dir,
+    )
     in_process("single", [], out, cache_dir)
     in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
     in_process("single_from_fsdp4", [from_half(out, "fsdp4")], out, cache_dir)
@@ -159,13 +214,28 @@ def test_a_streamed_run_rolls_back_as_a_run_that_skipped_the_batch(runs):
     """pp2 x dp2 streaming: the rollback to step 4 rewinds the lanes (and drops the step read ahead), batch 6 is
     skipped, and the trajectory and weights are those of data.skip_batches=[6]."""
     assert losses(runs, "pp2_dp2_stream_rollback") == losses(runs, "pp2_dp2_stream_skip_batch_6")
-    rolled, skipped = torch.load(runs / "pp2_dp2_stream_rollback.pt"), torch.load(runs / "pp2_dp2_stream_skip_batch_6.pt")
+    rolled, skipped = (
+        torch.load(runs / "pp2_dp2_stream_rollback.pt"),
+        torch.load(runs / "pp2_dp2_stream_skip_batch_6.pt"),
+    )
     assert all(torch.equal(rolled[k], skipped[k]) for k in skipped)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("straight", ["single", "fsdp4", "fsdp4_stream", "pp2_tp2", "dp2_cp2_async", "fsdp4_bf16", "fsdp4_fp16",
-                                      "pp2_dp2_tied", "ep2_fsdp4_moe"])
+@pytest.mark.parametrize(
+    "straight",
+    [
+        "single",
+        "fsdp4",
+        "fsdp4_stream",
+        "pp2_tp2",
+        "dp2_cp2_async",
+        "fsdp4_bf16",
+        "fsdp4_fp16",
+        "pp2_dp2_tied",
+        "ep2_fsdp4_moe",
+    ],
+)
 def test_resume_is_exact(runs, straight):
     """N steps, stop, resume for N more: the same losses and weights, bit for bit, as 2N straight."""
     full, resumed = losses(runs, straight), losses(runs, f"{straight}_resumed")
@@ -177,20 +247,26 @@ def test_resume_is_exact(runs, straight):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resumed, straight", [
-    ("dp2_tp2_from_fsdp4", "fsdp4"),     # FSDP4 -> DP2 x TP2, same world size
-    ("single_from_fsdp4", "fsdp4"),      # 4 processes -> 1
-    ("dp2_cp2_from_pp2_tp2", "pp2_tp2"), # PP2 x TP2 -> DP2 x CP2
-    ("dp2_tp2_mixture_from_fsdp4_mixture", "fsdp4_mixture"),  # a mixture of two sources: FSDP4 -> DP2 x TP2
-    ("dp2_tp2_stream_from_fsdp4_stream", "fsdp4_stream"),  # a stream: 4 ranks' lanes -> 2 ranks'
-    ("pp2_dp2_tied_from_fsdp4_tied", "fsdp4_tied"),  # tied: FSDP4 -> PP2 x DP2 (the head copy gets the embeddings' moments)
-    ("fsdp4_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> FSDP4
-    ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process
-    ("ep4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP4
-    ("fsdp4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> no EP
-    ("ep2_pp2_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP2 x PP2
-    ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
-])
+@pytest.mark.parametrize(
+    "resumed, straight",
+    [
+        ("dp2_tp2_from_fsdp4", "fsdp4"),  # FSDP4 -> DP2 x TP2, same world size
+        ("single_from_fsdp4", "fsdp4"),  # 4 processes -> 1
+        ("dp2_cp2_from_pp2_tp2", "pp2_tp2"),  # PP2 x TP2 -> DP2 x CP2
+        ("dp2_tp2_mixture_from_fsdp4_mixture", "fsdp4_mixture"),  # a mixture of two sources: FSDP4 -> DP2 x TP2
+        ("dp2_tp2_stream_from_fsdp4_stream", "fsdp4_stream"),  # a stream: 4 ranks' lanes -> 2 ranks'
+        (
+            "pp2_dp2_tied_from_fsdp4_tied",
+            "fsdp4_tied",
+        ),  # tied: FSDP4 -> PP2 x DP2 (the head copy gets the embeddings' moments)
+        ("fsdp4_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> FSDP4
+        ("single_tied_from_pp2_dp2_tied", "pp2_dp2_tied"),  # tied: PP2 x DP2 -> 1 process
+        ("ep4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP4
+        ("fsdp4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> no EP
+        ("ep2_pp2_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP2 x PP2
+        ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
+    ],
+)
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
     full, continued = losses(runs, straight), losses(runs, resumed)
     assert len(continued) == STEPS - HALF
@@ -239,22 +315,34 @@ def test_killed_ranks_restart_the_run_which_continues_exactly(runs, tmp_path, ca
     rank. The workers restart and resume by themselves; the last metrics row of every step and the final
     checkpoint equal the uninterrupted run's, bit for bit (the 2-rank kills are in test_recovery.py)."""
     out = tmp_path / "restarted"
-    args = ["train", "--nproc", "4", "--max-restarts", "3", *[f"--{item}" for item in base(cache_dir)],
-            "--parallel.pp=2", "--parallel.tp=2", f"--run.output_dir={out}"]
+    args = [
+        "train",
+        "--nproc",
+        "4",
+        "--max-restarts",
+        "3",
+        *[f"--{item}" for item in base(cache_dir)],
+        "--parallel.pp=2",
+        "--parallel.tp=2",
+        f"--run.output_dir={out}",
+    ]
     faults = "kill:step=3:rank=1,kill:step=5:rank=2:attempt=1,kill:step=7:rank=3:attempt=2"
     proc = run_cli(args, env=worker_env(MESHTRON_FAULT=faults), timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for line in ("restart 1 of this run after a failure: no checkpoint yet: starting over; 2 step(s)",
-                 "restart 2 of this run after a failure: resumed from step-00000004 (step 4); 0 step(s)",
-                 "restart 3 of this run after a failure: resumed from step-00000004 (step 4); 2 step(s)"):
+    for line in (
+        "restart 1 of this run after a failure: no checkpoint yet: starting over; 2 step(s)",
+        "restart 2 of this run after a failure: resumed from step-00000004 (step 4); 0 step(s)",
+        "restart 3 of this run after a failure: resumed from step-00000004 (step 4); 2 step(s)",
+    ):
         assert line in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
     assert [row.get("restart", 0) for row in rows] == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3]
     last = {row["step"]: row["loss"] for row in rows}
     assert [last[step] for step in range(1, STEPS + 1)] == losses(runs, "pp2_tp2")
-    assert_same_tensors(out / f"checkpoints/step-{STEPS:08d}", runs / "pp2_tp2" / f"checkpoints/step-{STEPS:08d}",
-                        tmp_path)
+    assert_same_tensors(
+        out / f"checkpoints/step-{STEPS:08d}", runs / "pp2_tp2" / f"checkpoints/step-{STEPS:08d}", tmp_path
+    )
 
 
 def damage_free(path: Path) -> bool:
@@ -292,7 +380,9 @@ def test_export_loads_in_plain_transformers(runs, tmp_path):
         f"other = AutoModelForCausalLM.from_pretrained({str(sharded)!r}).eval()\n"
         "assert torch.equal(other(ids).logits, model(ids).logits)\n"
     )
-    loaded = subprocess.run([sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120)
+    loaded = subprocess.run(
+        [sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120
+    )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
 
     run_cfg = load_config(checkpoint / "config.toml", env={})
@@ -337,10 +427,23 @@ def test_tied_pipeline_checkpoint_keeps_one_weight_and_exports_a_tied_model(runs
 @pytest.mark.slow
 def test_killed_during_save_resumes_from_the_last_complete_checkpoint(tmp_path, cache_dir):
     out = tmp_path / "run"
-    args = ["train", *[f"--{o}" for o in base(cache_dir)], "--checkpoint.interval=1", "--train.steps=400",
-            "--checkpoint.keep_last=2", f"--run.output_dir={out}", "--model.preset=llama-small"]
-    proc = subprocess.Popen([sys.executable, "-m", "meshtron", *args], cwd=REPO, env=worker_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    args = [
+        "train",
+        *[f"--{o}" for o in base(cache_dir)],
+        "--checkpoint.interval=1",
+        "--train.steps=400",
+        "--checkpoint.keep_last=2",
+        f"--run.output_dir={out}",
+        "--model.preset=llama-small",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtron", *args],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     checkpoints = out / "checkpoints"
     deadline, caught = time.time() + 240, False
     while time.time() < deadline and proc.poll() is None:
@@ -368,8 +471,11 @@ def test_mixed_precision_checkpoints_and_exports_hold_float32(runs, tmp_path):
 
     checkpoint = runs / "fsdp4_bf16" / "checkpoints" / f"step-{STEPS:08d}"
     metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    dtypes = {meta.properties.dtype for key, meta in metadata.state_dict_metadata.items()
-              if key.startswith("model") and hasattr(meta, "properties")}
+    dtypes = {
+        meta.properties.dtype
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model") and hasattr(meta, "properties")
+    }
     assert dtypes == {torch.float32}, dtypes
     exported = tmp_path / "hf-bf16"
     proc = run_cli(["export", str(checkpoint), str(exported)])
@@ -394,10 +500,20 @@ def test_checkpoint_dir_not_shared_by_all_ranks_is_refused_at_start(tmp_path, ca
     worker.write_text(NODE_WORKER)
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
-    args = ["train", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
-            f"--data.cache_dir={cache_dir}",
-            "--train.steps=2", "--train.global_batch_size=4", "--run.progress=false", "--parallel.dp_shard=2",
-            f"--run.output_dir={tmp_path / 'run'}", "--checkpoint.interval=1", "--checkpoint.dir=checkpoints"]
+    args = [
+        "train",
+        "--model.preset=tiny",
+        "--data.max_documents=30",
+        "--data.seq_len=32",
+        f"--data.cache_dir={cache_dir}",
+        "--train.steps=2",
+        "--train.global_batch_size=4",
+        "--run.progress=false",
+        "--parallel.dp_shard=2",
+        f"--run.output_dir={tmp_path / 'run'}",
+        "--checkpoint.interval=1",
+        "--checkpoint.dir=checkpoints",
+    ]
     proc = run_torchrun(2, [str(worker), str(tmp_path), *args], timeout=180)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("meshtron: error")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
@@ -451,8 +567,11 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_loada
 
     monkeypatch.setattr(manager.dcp, "save", failing)
     reason = rf"\[Errno {error.errno}\] {error.strerror}"
-    with pytest.raises(MeshtronError, match=rf"saving checkpoint step-00000002.partial failed \({reason}\); free disk "
-                       r"space, make checkpoint.dir writable or change it"):
+    with pytest.raises(
+        MeshtronError,
+        match=rf"saving checkpoint step-00000002.partial failed \({reason}\); free disk "
+        r"space, make checkpoint.dir writable or change it",
+    ):
         saver.save(2, State(2.0), {"step": 2}, "")
     directory = tmp_path / "ckpt"
     assert (directory / "latest").read_text() == "step-00000001" and not (directory / "step-00000002").exists()
@@ -507,13 +626,16 @@ def vocab_250_runs(tmp_path_factory, cache_dir):
     assert model_dir == cache_dir / VOCAB_250
     vocab_base = [o for o in base(cache_dir) if not o.startswith("model.preset=")]
     vocab_base += [f"model.name_or_path={model_dir}", f"data.tokenizer={model_dir}"]
-    spec = out / "spec4.json"
-    spec.write_text(json.dumps({"base": vocab_base, "layouts": {
-        "tp4": ["parallel.tp=4"],
-        "dp2_tp2_from_tp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "tp4")],
-    }}))
-    proc = run_torchrun(4, ["tests/parity_worker.py", str(spec), str(out)], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_layouts(
+        4,
+        vocab_base,
+        {
+            "tp4": ["parallel.tp=4"],
+            "dp2_tp2_from_tp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "tp4")],
+        },
+        out,
+    )
+    assert proc.returncode == 0, failure_report(proc)
     return out
 
 
@@ -550,5 +672,7 @@ def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(vocab_
         "assert set(final) <= set(state), sorted(set(final) - set(state))\n"
         "assert all(torch.equal(state[k], v) for k, v in final.items())\n"
     )
-    loaded = subprocess.run([sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120)
+    loaded = subprocess.run(
+        [sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120
+    )
     assert loaded.returncode == 0, loaded.stderr[-3000:]

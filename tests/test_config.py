@@ -34,7 +34,10 @@ def test_precedence_toml_env_cli(tmp_path):
         ("train.steps=abc", "train.steps: expected int"),
         ("train.compile=maybe", "train.compile: 'maybe' is not one of auto, true, false"),
         ("train.mixed_precision=fp8", "train.mixed_precision: 'fp8' is not one of"),
-        ("train.float8_recipe=blockwise", "train.float8_recipe: 'blockwise' is not one of tensorwise, rowwise, rowwise_with_gw_hp"),
+        (
+            "train.float8_recipe=blockwise",
+            "train.float8_recipe: 'blockwise' is not one of tensorwise, rowwise, rowwise_with_gw_hp",
+        ),
         ("run.device=tpu", "run.device: 'tpu' is not one of auto, cpu, cuda"),
         ("fsdp.param_dtype=bfloat16", "fsdp.param_dtype is no longer a setting; use train.mixed_precision"),
         ("train.lr=fast", "train.lr: expected float"),

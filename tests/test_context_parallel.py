@@ -11,14 +11,18 @@ import warnings
 
 import pytest
 import torch
+from conftest import REPO, full_blocks, run_torchrun
 from torch.nn.attention.flex_attention import create_mask
 
-from conftest import REPO, full_blocks, run_torchrun
 from meshtron.distributed import attention_blocks as blocks
 from meshtron.distributed import fused_blocks as fused
 from meshtron.distributed import sub_blocks as plans
 from meshtron.distributed.context_parallel import (
-    SequenceLayout, chunk_ids, context_parallel_attention, local_token_index, shard_sequence,
+    SequenceLayout,
+    chunk_ids,
+    context_parallel_attention,
+    local_token_index,
+    shard_sequence,
 )
 from meshtron.models.attention import document_ids, document_positions
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -52,7 +56,10 @@ def test_document_ids_and_positions_restart_after_each_eos():
     eos = 0
     tokens = torch.tensor([[5, 0, 7, 8, 0, 0, 9, 9], [0, 1, 2, 3, 4, 5, 6, 0]])
     assert document_ids(tokens, eos).tolist() == [[0, 0, 1, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
-    assert document_positions(document_ids(tokens, eos)).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
+    assert document_positions(document_ids(tokens, eos)).tolist() == [
+        [0, 1, 0, 1, 2, 0, 0, 1],
+        [0, 0, 1, 2, 3, 4, 5, 6],
+    ]
 
 
 def test_sub_blocks_are_classified_from_the_chunks_document_ranges():
@@ -102,8 +109,9 @@ def test_kernel_choice_per_device_dtype_and_mask():
     assert choose("cuda", torch.bfloat16, 12, None, capability=h100) == "math"  # no fused kernel for head dim 12
     assert choose("cuda", torch.bfloat16, 128, block_mask, capability=h100) == "flex"
     assert choose("cuda", torch.bfloat16, 128, None, kernel="math", capability=h100) == "math"
-    assert [plans.mask_kind(d, k) for d, k in [("cuda", "auto"), ("cpu", "auto"), ("cuda", "math"), ("cpu", "flex")]] == [
-        "flex", "dense", "dense", "flex"]
+    assert [
+        plans.mask_kind(d, k) for d, k in [("cuda", "auto"), ("cpu", "auto"), ("cuda", "math"), ("cpu", "flex")]
+    ] == ["flex", "dense", "dense", "flex"]
     with pytest.raises(ValueError, match="not one of"):
         plans.mask_kind("cpu", "sdpa")
 
@@ -172,8 +180,9 @@ def test_recomputed_backward_through_the_log_sum_exp_gives_each_block_its_share(
     _, k1, v1 = (t.double() for t in qkv(18, seed=2))
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k0, v0, k1, v1)]
-    merged = blocks.merge_partial(*blocks.math_forward(*leaves[:3], masks[0], 0.3),
-                                  *blocks.math_forward(leaves[0], *leaves[3:], masks[1], 0.3))
+    merged = blocks.merge_partial(
+        *blocks.math_forward(*leaves[:3], masks[0], 0.3), *blocks.math_forward(leaves[0], *leaves[3:], masks[1], 0.3)
+    )
     merged[0].backward(grad_out)
     out, lse = (t.detach() for t in merged)
     shares = [
@@ -240,8 +249,11 @@ def test_planner_charges_fused_sub_blocks_on_cuda_and_fp32_ones_elsewhere():
     shape, hw = ModelShape.from_hf_config(hf_config), hardware("h100")
     cp2, fsdp2 = Layout(cp=2), Layout(dp_shard=2)
     runs = {d: Workload(seq_len=8192, global_batch=8, loss_chunk_size=0, device=d) for d in ("cuda", "cpu")}
-    compute = {(d, name): estimate_step(shape, layout, w, hw, hf_config).compute_s
-               for d, w in runs.items() for name, layout in (("cp2", cp2), ("fsdp2", fsdp2))}
+    compute = {
+        (d, name): estimate_step(shape, layout, w, hw, hf_config).compute_s
+        for d, w in runs.items()
+        for name, layout in (("cp2", cp2), ("fsdp2", fsdp2))
+    }
     assert compute["cuda", "cp2"] == pytest.approx(compute["cuda", "fsdp2"], rel=1e-12)
     assert compute["cpu", "cp2"] > 1.5 * compute["cpu", "fsdp2"]  # attention FLOPs at the fp32 rate
     chunk, rows = 8192 // 4, 1 * shape.heads * 8192 // 4
@@ -255,14 +267,18 @@ def test_sub_block_benchmark_runs_every_kernel(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     try:
         bench = importlib.import_module("context_parallel")
-        args = bench.parse_args(["--blocks", "--block-len", "48", "--block-documents", "3", "--iters", "1",
-                                 "--warmup", "0"])
+        args = bench.parse_args(
+            ["--blocks", "--block-len", "48", "--block-documents", "3", "--iters", "1", "--warmup", "0"]
+        )
         rows, ok = bench.block_figures(args, torch.device("cpu"))
     finally:  # the benchmark's modules are top-level names: leave none behind
         for name in ("context_parallel", "attention_kernels", "launch"):
             sys.modules.pop(name, None)
-    assert ok and len(rows) == 9 and {r["block"] for r in rows} == {"causal (diagonal)", "full (off-diagonal)",
-                                                                   "3 documents (diagonal)"}
+    assert (
+        ok
+        and len(rows) == 9
+        and {r["block"] for r in rows} == {"causal (diagonal)", "full (off-diagonal)", "3 documents (diagonal)"}
+    )
     assert all(r["rel_error"] < 1e-5 for r in rows if r["rel_error"] is not None)
     assert "| 3 documents (diagonal) | meshtron (auto) |" in bench.blocks_table(rows)
 
@@ -278,7 +294,8 @@ def test_context_parallel_attention_matches_single_device(tmp_path):
     results = json.loads(out.read_text())
     assert len(results) == 20
     assert {len(errs) for name, errs in results.items()} == {4, 1} and all(
-        len(errs) == 1 for name, errs in results.items() if name.endswith("-flex"))
+        len(errs) == 1 for name, errs in results.items() if name.endswith("-flex")
+    )
     failures = {case: errs for case, errs in results.items() if max(errs.values()) > OP_TOLERANCE}
     print("worst relative error:", max(max(e.values()) for e in results.values()))
     assert not failures, failures

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -15,8 +14,8 @@ from meshtron.config import BUILTIN_CORPUS, DataConfig
 from meshtron.data import dataset as dataset_mod
 from meshtron.data.dataset import PackedDataset, build_packed_dataset, cache_path
 from meshtron.data.prepare import write_shard
-from meshtron.data.shards import MANIFEST, TokenCorpus
 from meshtron.data.sampler import GlobalBatchSchedule
+from meshtron.data.shards import MANIFEST, TokenCorpus
 from meshtron.data.sources import check_data_path, iter_documents, source_fingerprint
 from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from meshtron.errors import ConfigError, MeshtronError
@@ -50,7 +49,7 @@ def corpus_of(tmp_path, docs, shard_sizes) -> TokenCorpus:
     """A prepared directory whose shards hold ``shard_sizes`` documents each, with a minimal manifest."""
     shards, start = [], 0
     for index, size in enumerate(shard_sizes):
-        shards.append(write_shard(tmp_path, index, start, docs[start:start + size], ListTokenizer()))
+        shards.append(write_shard(tmp_path, index, start, docs[start : start + size], ListTokenizer()))
         start += size
     (tmp_path / MANIFEST).write_text(json.dumps({"dtype": "uint16", "shards": shards}))
     return TokenCorpus(tmp_path)
@@ -254,11 +253,7 @@ def test_schedule_slices_match_global_batch():
         assert full.shape == (8,)
         for dp in (1, 2, 4):
             for micro in [m for m in range(1, 8 // dp + 1) if (8 // dp) % m == 0]:
-                parts = [
-                    mb
-                    for rank in range(dp)
-                    for mb in sched.local_micro_batches(step, rank, dp, micro)
-                ]
+                parts = [mb for rank in range(dp) for mb in sched.local_micro_batches(step, rank, dp, micro)]
                 assert all(len(mb) == micro for mb in parts)
                 assert len(parts) == 8 // micro
                 np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.sort(full))
@@ -285,7 +280,7 @@ def test_schedule_global_micro_batches_do_not_depend_on_the_layout():
                 for i in range(accumulation):
                     together = np.concatenate([per_rank[rank][i] for rank in range(dp)])
                     np.testing.assert_array_equal(together, one_process[i])
-                    np.testing.assert_array_equal(together, full[i * dp * micro:(i + 1) * dp * micro])
+                    np.testing.assert_array_equal(together, full[i * dp * micro : (i + 1) * dp * micro])
     # Without accumulation rank r's micro-batch is its contiguous r-th slice, as before.
     np.testing.assert_array_equal(sched.local_micro_batches(0, 1, 4, 4)[0], sched.global_batch(0)[4:8])
     # With it, rank 1 of 2 with micro-batches of 2 takes positions 2-3, 6-7, 10-11, 14-15.
@@ -384,8 +379,15 @@ def test_non_builders_wait_for_the_file_outside_any_collective(tmp_path, monkeyp
     cfg = DataConfig(path=str(_corpus(tmp_path, 999)), seq_len=64, cache_dir=str(tmp_path / "cache"))
     started = _slow_build(monkeypatch, 0.5)
     built = []
-    builders = [threading.Thread(target=lambda: built.append(len(build_packed_dataset(
-        cfg, ByteTokenizer(), is_builder=True, run_id="run-1"))), daemon=True) for _ in range(2)]
+    builders = [
+        threading.Thread(
+            target=lambda: built.append(
+                len(build_packed_dataset(cfg, ByteTokenizer(), is_builder=True, run_id="run-1"))
+            ),
+            daemon=True,
+        )
+        for _ in range(2)
+    ]
     for builder in builders:
         builder.start()
     assert started.wait(10)
@@ -437,13 +439,15 @@ def test_step_reader_gives_the_same_inputs_with_and_without_read_ahead(tmp_path)
     def reader(schedule, prefetch):
         def blocks(step):
             return StepBlocks(tuple(schedule.local_micro_batches(step, 1, 2, 1)), schedule.global_batch(step))
+
         return StepReader(dataset, blocks, global_target_count, prefetch=prefetch)
 
     ahead, plain = reader(schedules[0], True), reader(schedules[1], False)
     on_the_spot = []  # reads in the caller's thread: a step whose blocks were not read ahead
     original = ahead.read
-    ahead.read = lambda blocks: (threading.current_thread() is threading.main_thread() and on_the_spot.append(1)
-                                 or original(blocks))
+    ahead.read = lambda blocks: (
+        threading.current_thread() is threading.main_thread() and on_the_spot.append(1) or original(blocks)
+    )
     for step in (0, 1, 2, "skip", 3, 4, 1, 2):
         if step == "skip":  # after step 3's blocks were read ahead, batch 4 leaves the order
             for schedule in schedules:
@@ -476,7 +480,7 @@ def test_mixture_order_holds_the_weights_and_any_window_is_a_slice_of_it():
     counts = np.bincount(source, minlength=3)
     assert np.all(np.abs(counts - 8000 * np.array(weights)) <= 1), counts
     for start in (0, 1, 7, 777, 4321):
-        np.testing.assert_array_equal(schedule.indices(start, 40), order[start:start + 40])
+        np.testing.assert_array_equal(schedule.indices(start, 40), order[start : start + 40])
     math_samples = order[source == 2] - 1300  # source 2's 50 blocks: each epoch a permutation of them
     assert sorted(math_samples[:50]) == list(range(50)) and sorted(math_samples[50:100]) == list(range(50))
     assert not np.array_equal(math_samples[:50], math_samples[50:100])
@@ -503,5 +507,7 @@ def test_mixture_settings_are_checked(tmp_path):
     missing = load_config(None, [f"data.sources={corpus}:1,{tmp_path / 'nowhere.jsonl'}:1"], env={}).data
     with pytest.raises(ConfigError, match="nowhere.jsonl' does not exist"):
         check_data_sources(missing)
-    mixed = MixedDataset([PackedDataset(np.zeros((2, 5), dtype=np.int32)), PackedDataset(np.ones((3, 5), dtype=np.int32))])
+    mixed = MixedDataset(
+        [PackedDataset(np.zeros((2, 5), dtype=np.int32)), PackedDataset(np.ones((3, 5), dtype=np.int32))]
+    )
     assert len(mixed) == 5 and mixed.rows([4, 0, 2]).tolist() == [[1] * 5, [0] * 5, [1] * 5]

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import run_torchrun
 from torch import nn
 
-from conftest import run_torchrun
 from meshtron.config import TrainConfig
 from meshtron.data.dataset import PackedDataset
 from meshtron.data.sampler import GlobalBatchSchedule

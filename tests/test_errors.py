@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli, run_torchrun
+
 from meshtron.cli import main
 
 FAST = ["--model.preset=tiny", "--data.max_documents=5", "--data.seq_len=16", "--train.steps=1", "--run.progress=false"]
@@ -38,40 +38,66 @@ def causal_lm_dir(tmp_path):
         (["--nproc", "2", "--train.global_batch_size=8", "--train.micro_batch_size=3"], "train.micro_batch_size 3"),
         (["--train.stepz=3"], "unknown config key 'train.stepz'"),
         (["--train.steps=three"], "train.steps: expected int, got 'three'"),
-        (["--model.name_or_path=/no/such/model", "--model.preset=none"], "model.name_or_path: '/no/such/model' is not an existing directory"),
+        (
+            ["--model.name_or_path=/no/such/model", "--model.preset=none"],
+            "model.name_or_path: '/no/such/model' is not an existing directory",
+        ),
         (["--data.path=/no/such/file.txt"], "data.path"),
         (["--data.seq_len=100000"], "data.seq_len 100000 is larger than the model's max_position_embeddings"),
         (["--parallel.dp_shard=2"], "need 2 processes but meshtron was started as 1; add --nproc 2"),
         (["--data.tokenizer=/no/such/tokenizer"], "data.tokenizer"),
         (["--parallel.pp=4", "--nproc", "4"], "the model has 2 layers, fewer than the 4 pipeline stages"),
-        (["--parallel.pp=2", "--nproc", "2", "--parallel.pp_microbatches=3"],
-         "parallel.pp_microbatches=3 does not divide the 8 sequences"),
-        (["--parallel.pp_schedule=Foo"],
-         "parallel.pp_schedule: 'Foo' is not one of GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble"),
-        (["--parallel.pp=2", "--nproc", "2", "--train.micro_batch_size=2", "--parallel.pp_microbatches=2"],
-         "train.micro_batch_size=2 and parallel.pp_microbatches=2 disagree"),
-        (["--parallel.pp=2", "--nproc", "2", "--parallel.pp_stage_layers=1,2"],
-         "parallel.pp_stage_layers '1,2' must give 2 non-negative layer counts"),
-        (["--parallel.pp=2", "--nproc", "2", "--parallel.pp_schedule=GPipe", "--parallel.pp_stages_per_rank=2"],
-         "parallel.pp_schedule=GPipe runs one stage per rank"),
-        (["--parallel.cp=2", "--nproc", "2", "--data.seq_len=30"],
-         "data.seq_len 30 is not divisible by 2 x parallel.cp = 4"),
-        (["--parallel.cp=2", "--nproc", "2", "--model.attn_implementation=eager"],
-         "model.attn_implementation=eager cannot be combined with parallel.cp > 1"),
+        (
+            ["--parallel.pp=2", "--nproc", "2", "--parallel.pp_microbatches=3"],
+            "parallel.pp_microbatches=3 does not divide the 8 sequences",
+        ),
+        (
+            ["--parallel.pp_schedule=Foo"],
+            "parallel.pp_schedule: 'Foo' is not one of GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, "
+            "ZBVZeroBubble",
+        ),
+        (
+            ["--parallel.pp=2", "--nproc", "2", "--train.micro_batch_size=2", "--parallel.pp_microbatches=2"],
+            "train.micro_batch_size=2 and parallel.pp_microbatches=2 disagree",
+        ),
+        (
+            ["--parallel.pp=2", "--nproc", "2", "--parallel.pp_stage_layers=1,2"],
+            "parallel.pp_stage_layers '1,2' must give 2 non-negative layer counts",
+        ),
+        (
+            ["--parallel.pp=2", "--nproc", "2", "--parallel.pp_schedule=GPipe", "--parallel.pp_stages_per_rank=2"],
+            "parallel.pp_schedule=GPipe runs one stage per rank",
+        ),
+        (
+            ["--parallel.cp=2", "--nproc", "2", "--data.seq_len=30"],
+            "data.seq_len 30 is not divisible by 2 x parallel.cp = 4",
+        ),
+        (
+            ["--parallel.cp=2", "--nproc", "2", "--model.attn_implementation=eager"],
+            "model.attn_implementation=eager cannot be combined with parallel.cp > 1",
+        ),
         (["--model.attn_implementation=eager"], "or set data.mask_documents=false"),
         (["--parallel.cp_method=flash"], "parallel.cp_method: 'flash' is not one of ring, allgather"),
-        (["--data.seq_len=36", "--parallel.cp=2", "--parallel.tp=4", "--nproc", "8"],
-         "data.seq_len 36 / parallel.cp=2 = 18 is not divisible by parallel.tp=4"),
+        (
+            ["--data.seq_len=36", "--parallel.cp=2", "--parallel.tp=4", "--nproc", "8"],
+            "data.seq_len 36 / parallel.cp=2 = 18 is not divisible by parallel.tp=4",
+        ),
         (["--parallel.tp=3", "--nproc", "3"], "parallel.tp=3 does not divide the model's 4 attention heads"),
-        (["--model.preset=llama-small", "--parallel.tp=3", "--nproc", "3"],
-         "parallel.tp=3 and the model's 2 KV heads: one must divide the other"),
-        (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"],
-         "data.seq_len 18 is not divisible by parallel.tp=4"),
+        (
+            ["--model.preset=llama-small", "--parallel.tp=3", "--nproc", "3"],
+            "parallel.tp=3 and the model's 2 KV heads: one must divide the other",
+        ),
+        (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"], "data.seq_len 18 is not divisible by parallel.tp=4"),
         (["--run.collective_timeout_s=0"], "run.collective_timeout_s: must be > 0 seconds, got 0.0"),
         (["--rehearse"], "--rehearse needs --nproc N"),
-        (["--rehearse", "--nproc", "2", "--rank", "2", "--parallel.dp_shard=2"], "--rank 2 is not a rank of a world of 2"),
-        (["--rehearse", "--nproc", "2", "--rehearse-steps", "1", "--parallel.dp_shard=2"],
-         "--rehearse-steps must be at least 2"),
+        (
+            ["--rehearse", "--nproc", "2", "--rank", "2", "--parallel.dp_shard=2"],
+            "--rank 2 is not a rank of a world of 2",
+        ),
+        (
+            ["--rehearse", "--nproc", "2", "--rehearse-steps", "1", "--parallel.dp_shard=2"],
+            "--rehearse-steps must be at least 2",
+        ),
         (["--rehearse", "--nproc", "3", "--parallel.dp_shard=2"], "world size 3 != product of the parallel degrees"),
         (["--nproc", "2", "--rank", "1", "--parallel.dp_shard=2"], "--rank and --rehearse-steps go with --rehearse"),
         (["--rehearse", "--dry-run", "--nproc", "2", "--parallel.dp_shard=2"], "give one of them"),
@@ -126,7 +152,9 @@ def test_checkpoints_under_torchrun_need_a_fixed_directory(capsys, monkeypatch, 
 
 @pytest.mark.slow
 def test_torchrun_world_size_mismatch_fails_on_every_rank_without_hang():
-    proc = run_torchrun(2, ["-m", "meshtron", "train", *FAST, "--parallel.dp_replicate=2", "--parallel.dp_shard=2"], timeout=120)
+    proc = run_torchrun(
+        2, ["-m", "meshtron", "train", *FAST, "--parallel.dp_replicate=2", "--parallel.dp_shard=2"], timeout=120
+    )
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "world size 2 != product of the parallel degrees" in lines[0], proc.stderr[-2000:]
@@ -137,8 +165,19 @@ def test_self_launch_reports_worker_error_once(tmp_path):
     """A data error found inside the workers (after the launcher's checks pass) still ends cleanly."""
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("too short")
-    proc = run_cli(["train", "--nproc", "2", *FAST, f"--data.path={tiny}", "--data.seq_len=64",
-                    f"--data.cache_dir={tmp_path / 'cache'}", f"--run.output_dir={tmp_path / 'run'}"], timeout=180)
+    proc = run_cli(
+        [
+            "train",
+            "--nproc",
+            "2",
+            *FAST,
+            f"--data.path={tiny}",
+            "--data.seq_len=64",
+            f"--data.cache_dir={tmp_path / 'cache'}",
+            f"--run.output_dir={tmp_path / 'run'}",
+        ],
+        timeout=180,
+    )
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "data.seq_len" in lines[0], proc.stderr[-3000:]
@@ -148,7 +187,10 @@ def test_self_launch_reports_worker_error_once(tmp_path):
     "changes, expected",
     [
         ({"intermediate_size": 162}, "does not divide the model's intermediate_size 162"),
-        ({"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 16}, "does not divide the model's 6 attention heads"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 16},
+            "does not divide the model's 6 attention heads",
+        ),
     ],
 )
 def test_tensor_parallel_divisibility(changes, expected):
@@ -158,8 +200,15 @@ def test_tensor_parallel_divisibility(changes, expected):
     from meshtron.errors import ConfigError
     from meshtron.models.adapter import adapter_for
 
-    good = dict(model_type="llama", hidden_size=64, intermediate_size=160, vocab_size=320,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    good = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=160,
+        vocab_size=320,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     adapter = adapter_for(SimpleNamespace(**good))
     check_tensor_parallel(SimpleNamespace(**good), adapter, 4, 32, True)  # the unchanged config passes
     bad = SimpleNamespace(**{**good, **changes})
@@ -176,10 +225,14 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
     saved = tmp_path / "a" / "checkpoints" / "step-00000001"
     cases = [
         (["--checkpoint.resume=/no/such/checkpoint"], "checkpoint '/no/such/checkpoint' is missing or incomplete"),
-        ([f"--checkpoint.resume={saved}", "--model.preset=llama-deep"],
-         "is of another model: num_hidden_layers 2 (checkpoint) vs 8 (this run)"),
-        ([f"--checkpoint.resume={saved}", "--train.global_batch_size=4"],
-         "was saved with train.global_batch_size=8 but this run has 4"),
+        (
+            [f"--checkpoint.resume={saved}", "--model.preset=llama-deep"],
+            "is of another model: num_hidden_layers 2 (checkpoint) vs 8 (this run)",
+        ),
+        (
+            [f"--checkpoint.resume={saved}", "--train.global_batch_size=4"],
+            "was saved with train.global_batch_size=8 but this run has 4",
+        ),
     ]
     for index, (args, expected) in enumerate(cases):
         code, err = run_main(capsys, [*common, *args, f"--run.output_dir={tmp_path / f'b{index}'}"])
@@ -190,17 +243,29 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
     assert code != 0 and "meshtron.json is unreadable" in error_lines(err)[0], err
 
 
-@pytest.mark.parametrize("command, expected", [
-    (["data", "prepare", "--data.path={missing}", "--out", "{tmp}/prepared"], "data.path: '{missing}' does not exist"),
-    (["generate", "{missing}", "--prompt", "hi"], "'{missing}' is not a folder"),
-    (["generate", "{tmp}", "--prompt", "hi"], "is neither a meshtron checkpoint (step-N) nor a Hugging Face model folder"),
-    (["generate", "{not_a_model}", "--prompt", "hi"], "cannot load a causal LM from"),
-    (["export", "{tmp}", "{tmp}/out"], "meshtron export: '{tmp}' is not a whole meshtron checkpoint"),
-    (["plot", "{tmp}"], "'{tmp}' has no metrics.jsonl"),
-    (["compare", "{tmp}", "{missing}"], "has no metrics.jsonl"),
-    (["plan", "--model", "nope", "--gpus", "8", "--seq-len", "128", "--global-batch", "8"], "--model: 'nope' is neither"),
-    (["plan", "--model", "llama-1b", "--gpus", "0", "--seq-len", "128", "--global-batch", "8"], "--gpus must be"),
-])
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        (
+            ["data", "prepare", "--data.path={missing}", "--out", "{tmp}/prepared"],
+            "data.path: '{missing}' does not exist",
+        ),
+        (["generate", "{missing}", "--prompt", "hi"], "'{missing}' is not a folder"),
+        (
+            ["generate", "{tmp}", "--prompt", "hi"],
+            "is neither a meshtron checkpoint (step-N) nor a Hugging Face model folder",
+        ),
+        (["generate", "{not_a_model}", "--prompt", "hi"], "cannot load a causal LM from"),
+        (["export", "{tmp}", "{tmp}/out"], "meshtron export: '{tmp}' is not a whole meshtron checkpoint"),
+        (["plot", "{tmp}"], "'{tmp}' has no metrics.jsonl"),
+        (["compare", "{tmp}", "{missing}"], "has no metrics.jsonl"),
+        (
+            ["plan", "--model", "nope", "--gpus", "8", "--seq-len", "128", "--global-batch", "8"],
+            "--model: 'nope' is neither",
+        ),
+        (["plan", "--model", "llama-1b", "--gpus", "0", "--seq-len", "128", "--global-batch", "8"], "--gpus must be"),
+    ],
+)
 def test_every_command_ends_bad_input_with_one_line(capsys, tmp_path, command, expected):
     """Each command other than train, given a path or value that cannot work: one error line naming it, exit 2,
     no traceback."""

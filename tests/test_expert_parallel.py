@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import failure_report, run_torchrun
+
 from meshtron.distributed.expert_parallel import all_to_all_traffic, local_experts_forward, sort_by_expert
 
 TOLERANCE = 1e-6
@@ -20,8 +20,9 @@ def tiny_block(family: str, implementation: str = "eager"):
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-        cfg = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2,
-                             norm_topk_prob=True)
+        cfg = Qwen3MoeConfig(
+            hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+        )
         cls = Qwen3MoeSparseMoeBlock
     else:
         from transformers import MixtralConfig
@@ -115,7 +116,12 @@ def test_expert_parallel_matches_one_process_on_4_ranks(tmp_path):
     assert [m["dp_shard4 ep2 efsdp"] for m in meshes] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [m["dp_shard4 ep4 efsdp"] for m in meshes] == [[0], [1], [2], [3]]
     assert [m["dp_shard2 cp2 ep2 ep"] for m in meshes] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [m["dp_replicate2 dp_shard2 ep2 expert_fsdp"] for m in meshes] == [[[0], [2]], [[1], [3]], [[0], [2]], [[1], [3]]]
+    assert [m["dp_replicate2 dp_shard2 ep2 expert_fsdp"] for m in meshes] == [
+        [[0], [2]],
+        [[1], [3]],
+        [[0], [2]],
+        [[1], [3]],
+    ]
     assert checks["qwen3_moe hsdp_ep2 expert placements"][0] == "('dp_replicate', 'efsdp', 'ep')"
 
     assert "parallel.ep=4" in checks["indivisible error"] and "num_experts=6" in checks["indivisible error"]

@@ -66,8 +66,9 @@ def _watchdog(rank, world, store, lines, codes, **kwargs):
     from meshtron.resilience.watchdog import HangWatchdog
 
     stream = io.StringIO()
-    watchdog = HangWatchdog(rank, world, 0.3, store, poll_s=0.05, report_wait_s=0.5, exit=codes.append, stream=stream,
-                            **kwargs)
+    watchdog = HangWatchdog(
+        rank, world, 0.3, store, poll_s=0.05, report_wait_s=0.5, exit=codes.append, stream=stream, **kwargs
+    )
     lines.append(stream)
     return watchdog
 
@@ -191,7 +192,9 @@ def test_skipped_batches_shift_the_data_order_and_are_settings():
         load_config(None, ["data.skip_batches=five"], env={})
     with pytest.raises(ConfigError, match="numbered from 1"):
         load_config(None, ["data.skip_batches=0"], env={})
-    with pytest.raises(ConfigError, match="train.on_nonfinite=rollback reloads the last checkpoint: set checkpoint.interval"):
+    with pytest.raises(
+        ConfigError, match="train.on_nonfinite=rollback reloads the last checkpoint: set checkpoint.interval"
+    ):
         load_config(None, ["train.on_nonfinite=rollback"], env={})
 
 
@@ -202,9 +205,20 @@ def _train(tmp_path, cache_dir, name: str, overrides: list[str]):
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    base = ["model.preset=llama-deep", "data.max_documents=40", "data.seq_len=32", f"data.cache_dir={cache_dir}",
-            "train.steps=8", "train.global_batch_size=8", "train.lr=1e-3", "train.warmup_steps=2", "train.seed=7",
-            "run.progress=false", "checkpoint.interval=4", f"run.output_dir={tmp_path / name}"]
+    base = [
+        "model.preset=llama-deep",
+        "data.max_documents=40",
+        "data.seq_len=32",
+        f"data.cache_dir={cache_dir}",
+        "train.steps=8",
+        "train.global_batch_size=8",
+        "train.lr=1e-3",
+        "train.warmup_steps=2",
+        "train.seed=7",
+        "run.progress=false",
+        "checkpoint.interval=4",
+        f"run.output_dir={tmp_path / name}",
+    ]
     cfg = load_config(None, base + overrides, env={})
     return train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
 
@@ -232,7 +246,9 @@ def test_rollbacks_in_a_row_or_before_any_checkpoint_stop_the_run(tmp_path, cach
     from meshtron.errors import MeshtronError
 
     monkeypatch.setenv("MESHTRON_FAULT", "nan:step=5,nan:step=6")  # no checkpoint between the two
-    with pytest.raises(MeshtronError, match=r"step 6: loss is nan .* after 1 rollback\(s\) in a row \(train.max_rollbacks=1\)"):
+    with pytest.raises(
+        MeshtronError, match=r"step 6: loss is nan .* after 1 rollback\(s\) in a row \(train.max_rollbacks=1\)"
+    ):
         _train(tmp_path, cache_dir, "twice", ["train.on_nonfinite=rollback", "train.max_rollbacks=1"])
     monkeypatch.setenv("MESHTRON_FAULT", "nan:step=2")
     with pytest.raises(MeshtronError, match="has no checkpoint to go back to yet"):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from meshtron.config import ModelConfig, load_config
+from meshtron.distributed.float8 import apply_float8, check_capability, check_float8, refresh_float8_scales
 from meshtron.distributed.tensor_parallel import _block_styles
 from meshtron.errors import ConfigError
 from meshtron.models.build import build_meta_model, load_hf_config
-from meshtron.distributed.float8 import apply_float8, check_capability, check_float8, refresh_float8_scales
 from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
@@ -27,9 +27,17 @@ def float8_config(tmp_path, cache_dir, *extra: str):
     return load_config(
         None,
         [
-            "model.preset=llama-tiny", "data.max_documents=30", "data.seq_len=32", f"data.cache_dir={cache_dir}",
-            "train.steps=6", "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=2",
-            "run.progress=false", f"run.output_dir={tmp_path / 'run'}", *extra,
+            "model.preset=llama-tiny",
+            "data.max_documents=30",
+            "data.seq_len=32",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=6",
+            "train.global_batch_size=4",
+            "train.lr=3e-3",
+            "train.warmup_steps=2",
+            "run.progress=false",
+            f"run.output_dir={tmp_path / 'run'}",
+            *extra,
         ],
         env={},
     )
@@ -113,18 +121,23 @@ def test_float8_tp_styles_run_through_the_blocks(monkeypatch):
     pytest.importorskip("torchao.float8")
     import torch.distributed as dist
     import torch.nn.functional as F
+    from conftest import free_port
     from torch.distributed.device_mesh import init_device_mesh
     from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
 
-    from conftest import free_port
-    from meshtron.distributed.tensor_parallel import apply_tensor_parallel, local_value, loss_context
+    from meshtron.distributed.tensor_parallel import apply_tensor_parallel, loss_context
     from meshtron.models.build import materialize
+    from meshtron.tensors import local_tensor
 
     prepared = []
     original = PrepareFloat8ModuleInput._prepare_input_arg
-    monkeypatch.setattr(PrepareFloat8ModuleInput, "_prepare_input_arg",
-                        lambda self, x, mesh, layout, desired: prepared.append(layout is not None)
-                        or original(self, x, mesh, layout, desired))
+    monkeypatch.setattr(
+        PrepareFloat8ModuleInput,
+        "_prepare_input_arg",
+        lambda self, x, mesh, layout, desired: (
+            prepared.append(layout is not None) or original(self, x, mesh, layout, desired)
+        ),
+    )
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def loss_and_grad(tp_mesh):
@@ -138,7 +151,7 @@ def test_float8_tp_styles_run_through_the_blocks(monkeypatch):
             loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
             loss.backward()
         grad = model.model.layers[0].mlp.down_proj.weight.grad
-        return local_value(loss).item(), local_value(grad)
+        return local_tensor(loss).item(), local_tensor(grad)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -33,7 +33,11 @@ def test_tiny_presets_build_and_run(preset):
 
 
 def test_init_depends_on_seed_and_name_only():
-    a, b, c = build(ModelConfig(preset="tiny"), seed=1), build(ModelConfig(preset="tiny"), seed=1), build(ModelConfig(preset="tiny"), seed=2)
+    a, b, c = (
+        build(ModelConfig(preset="tiny"), seed=1),
+        build(ModelConfig(preset="tiny"), seed=1),
+        build(ModelConfig(preset="tiny"), seed=2),
+    )
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         if pa.ndim == 2:
@@ -151,8 +155,15 @@ def test_materialize_puts_buffers_on_the_compute_device_and_parameters_where_ask
 def _vocab_50257_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=50257, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=50257,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.mark.parametrize("tp, rows", [(2, [25129, 25128]), (4, [12565, 12565, 12565, 12562])])
@@ -212,8 +223,20 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
     config.vocab_size = 50257
     config.save_pretrained(tmp_path)
     capsys.readouterr()
-    status = main(["plan", "--model", str(tmp_path / "config.json"), "--gpus", "8", "--seq-len", "2048",
-                   "--global-batch", "16", "--json"])
+    status = main(
+        [
+            "plan",
+            "--model",
+            str(tmp_path / "config.json"),
+            "--gpus",
+            "8",
+            "--seq-len",
+            "2048",
+            "--global-batch",
+            "16",
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     assert status == 0, err[-2000:]
     candidates = json.loads(out[: out.rindex("}") + 1])["candidates"]
@@ -224,8 +247,16 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
 
 
 # More decoder families (meshtron.models.families): the tiny presets built from each family's config class.
-NEW_FAMILIES = ["granite-tiny", "olmo2-tiny", "phi3-tiny", "cohere-tiny", "starcoder2-tiny", "gptneox-tiny", "gemma2-tiny",
-                "gemma3-tiny"]
+NEW_FAMILIES = [
+    "granite-tiny",
+    "olmo2-tiny",
+    "phi3-tiny",
+    "cohere-tiny",
+    "starcoder2-tiny",
+    "gptneox-tiny",
+    "gemma2-tiny",
+    "gemma3-tiny",
+]
 
 
 def _family_cfg(preset: str) -> ModelConfig:
@@ -276,19 +307,37 @@ def test_phi3_trains_its_fused_projections_split_and_exports_them_fused(tmp_path
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
 
-    cfg = load_config(None, [f"model.name_or_path={tmp_path / 'phi3'}", "data.seq_len=16", "data.max_documents=20",
-                             f"data.cache_dir={cache_dir}", "train.steps=2", "train.global_batch_size=2",
-                             "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}", "run.progress=false"], env={})
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tmp_path / 'phi3'}",
+            "data.seq_len=16",
+            "data.max_documents=20",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=2",
+            "train.global_batch_size=2",
+            "checkpoint.interval=2",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.progress=false",
+        ],
+        env={},
+    )
     trained = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU)).model.state_dict()
     export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert set(exported) == set(original.state_dict())
     block = "model.layers.0."
-    assert torch.equal(exported[block + "self_attn.qkv_proj.weight"], torch.cat(
-        [trained[block + f"self_attn.{name}.weight"] for name in ("q_proj", "k_proj", "v_proj")]))
-    assert torch.equal(exported[block + "mlp.gate_up_proj.weight"], torch.cat(
-        [trained[block + f"mlp.{name}.weight"] for name in ("gate_proj", "up_proj")]))
-    assert not torch.equal(exported[block + "mlp.gate_up_proj.weight"], original.state_dict()[block + "mlp.gate_up_proj.weight"])
+    assert torch.equal(
+        exported[block + "self_attn.qkv_proj.weight"],
+        torch.cat([trained[block + f"self_attn.{name}.weight"] for name in ("q_proj", "k_proj", "v_proj")]),
+    )
+    assert torch.equal(
+        exported[block + "mlp.gate_up_proj.weight"],
+        torch.cat([trained[block + f"mlp.{name}.weight"] for name in ("gate_proj", "up_proj")]),
+    )
+    assert not torch.equal(
+        exported[block + "mlp.gate_up_proj.weight"], original.state_dict()[block + "mlp.gate_up_proj.weight"]
+    )
 
 
 def test_gemma_norm_weights_start_at_zero():
@@ -310,15 +359,34 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
     """A decoder family meshtron does not map gets one line naming the ones it does, in preflight."""
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
-        "vocab_size": 320,
-    }))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "vocab_size": 320,
+            }
+        )
+    )
     with pytest.raises(ConfigError) as err:
         _preflight([f"model.name_or_path={tmp_path}"])
     message = str(err.value)
     assert "model family 'gpt2' is not supported" in message and "\n" not in message
-    for family in ("llama", "qwen3", "granite", "olmo2", "phi3", "cohere", "starcoder2", "gpt_neox", "gemma2", "gemma3_text"):
+    for family in (
+        "llama",
+        "qwen3",
+        "granite",
+        "olmo2",
+        "phi3",
+        "cohere",
+        "starcoder2",
+        "gpt_neox",
+        "gemma2",
+        "gemma3_text",
+    ):
         assert family in message
 
 
@@ -326,17 +394,33 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
     "overrides, world, expected",
     [
         (["parallel.ep=2"], 2, "parallel.ep=2 needs a mixture-of-experts model, and model family llama has no experts"),
-        (["model.preset=qwen3moe-tiny", "parallel.ep=3", "train.global_batch_size=6"], 3,
-         "parallel.ep=3 must divide the model's 4 experts"),
-        (["model.preset=qwen3moe-tiny", "parallel.ep=2", "parallel.tp=2", "parallel.dp_shard=1"], 2,
-         "parallel.ep=2 must divide parallel.dp_shard.cp = 1 .expert parallelism borrows its ranks"),
-        (["model.preset=olmo2-tiny", "parallel.tp=4"], 4,
-         "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes"),
-        (["model.preset=gemma2-tiny", "data.mask_documents=false"], 1,
-         "model family gemma2 cannot use model.attn_implementation=sdpa"),
-        (["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.seq_len=16"], 1,
-         "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for data.mask_documents); "
-         "set data.mask_documents=false"),
+        (
+            ["model.preset=qwen3moe-tiny", "parallel.ep=3", "train.global_batch_size=6"],
+            3,
+            "parallel.ep=3 must divide the model's 4 experts",
+        ),
+        (
+            ["model.preset=qwen3moe-tiny", "parallel.ep=2", "parallel.tp=2", "parallel.dp_shard=1"],
+            2,
+            "parallel.ep=2 must divide parallel.dp_shard.cp = 1 .expert parallelism borrows its ranks",
+        ),
+        (
+            ["model.preset=olmo2-tiny", "parallel.tp=4"],
+            4,
+            "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes",
+        ),
+        (
+            ["model.preset=gemma2-tiny", "data.mask_documents=false"],
+            1,
+            "model family gemma2 cannot use model.attn_implementation=sdpa",
+        ),
+        (
+            ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.seq_len=16"],
+            1,
+            "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for "
+            "data.mask_documents); "
+            "set data.mask_documents=false",
+        ),
     ],
 )
 def test_family_refusals_name_the_setting(overrides, world, expected):
@@ -348,16 +432,28 @@ def test_supported_family_settings_pass_preflight():
     _preflight(["model.preset=gemma3-tiny", "data.mask_documents=false", "parallel.tp=2"], 2)
     _preflight(["model.preset=gemma3-tiny"], 1)  # document masks with its sliding window (16 < 32 tokens)
     _preflight(["model.preset=gemma3-tiny", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2"], 8)
-    _preflight(["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false",
-                "parallel.pp=2"], 2)
-    _preflight(["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false",
-                "parallel.tp=2"], 2)
+    _preflight(
+        ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false", "parallel.pp=2"], 2
+    )
+    _preflight(
+        ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false", "parallel.tp=2"], 2
+    )
     _preflight(["model.preset=phi3-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=phi3-tiny", "parallel.tp=4"], 4)  # 2 KV heads: k_proj / v_proj replicated
     _preflight(["model.preset=gptneox-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=olmo2-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
-    _preflight(["model.preset=qwen3moe-tiny", "train.router_aux_loss=true", "parallel.pp=2", "parallel.ep=2",
-                "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2"], 16)
+    _preflight(
+        [
+            "model.preset=qwen3moe-tiny",
+            "train.router_aux_loss=true",
+            "parallel.pp=2",
+            "parallel.ep=2",
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.cp=2",
+        ],
+        16,
+    )
     _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen3moe-tiny", "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen2moe-tiny", "parallel.tp=4"], 4)  # the MoE block whole on every tp rank
@@ -365,16 +461,22 @@ def test_supported_family_settings_pass_preflight():
 
 @pytest.mark.parametrize("preset", NEW_FAMILIES)
 def test_planner_maps_each_family_and_offers_only_the_parallelisms_it_supports(preset):
+    from meshtron.plan.hardware import GPUS, hardware
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.search import candidate_layouts
-    from meshtron.plan.hardware import GPUS, hardware
 
     config = make_preset_config(preset, 257)
     shape = ModelShape.from_hf_config(config)
     model = build(_family_cfg(preset))
     assert shape.total_params == sum(p.numel() for p in model.parameters())
-    layouts = candidate_layouts(shape, config, Workload(seq_len=256, global_batch=16, mask_documents=not preset.startswith("gemma")), 4, hardware(next(iter(GPUS))))
+    layouts = candidate_layouts(
+        shape,
+        config,
+        Workload(seq_len=256, global_batch=16, mask_documents=not preset.startswith("gemma")),
+        4,
+        hardware(next(iter(GPUS))),
+    )
     tps = {layout.tp for layout in layouts}
     assert tps == {"olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
 
@@ -385,9 +487,8 @@ def sharded_loads(tmp_path_factory):
     and compares it with one process; results by preset."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
     from conftest import failure_report, run_torchrun
+    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("sharded-load")
     jobs = []
@@ -406,7 +507,9 @@ def sharded_loads(tmp_path_factory):
     spec.write_text(json.dumps(jobs))
     proc = run_torchrun(4, ["tests/sharded_load_worker.py", str(spec)], timeout=600)
     assert proc.returncode == 0, failure_report(proc)
-    return {job["out"].rsplit("/", 1)[1].removesuffix(".json"): json.loads(Path(job["out"]).read_text()) for job in jobs}
+    return {
+        job["out"].rsplit("/", 1)[1].removesuffix(".json"): json.loads(Path(job["out"]).read_text()) for job in jobs
+    }
 
 
 @pytest.mark.slow
@@ -431,7 +534,9 @@ def _fused_expert_checkpoint(original, directory: Path) -> None:
 
     directory.mkdir()
     original.config.save_pretrained(directory)
-    save_file({name: tensor.contiguous() for name, tensor in original.state_dict().items()}, directory / "model.safetensors")
+    save_file(
+        {name: tensor.contiguous() for name, tensor in original.state_dict().items()}, directory / "model.safetensors"
+    )
 
 
 @pytest.mark.parametrize("preset", MOE_FAMILIES)
@@ -448,8 +553,11 @@ def test_moe_checkpoint_with_experts_one_by_one_or_fused_loads_exactly(tmp_path,
     original.save_pretrained(tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as handle:
         saved = set(handle.keys())
-    expert = "model.layers.1.block_sparse_moe.experts.3.w3.weight" if preset == "mixtral-tiny" else \
-        "model.layers.1.mlp.experts.3.up_proj.weight"
+    expert = (
+        "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+        if preset == "mixtral-tiny"
+        else "model.layers.1.mlp.experts.3.up_proj.weight"
+    )
     assert expert in saved and not any(name.endswith("gate_up_proj") for name in saved)
     _fused_expert_checkpoint(original, tmp_path / "fused")
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -481,7 +589,9 @@ def test_moe_expert_region_reads_only_its_rows(tmp_path):
     region = (slice(1, 3), slice(16, 48), slice(8, 40))
     part = read_experts("model.layers.0.mlp.experts.gate_up_proj", tuple(fused.shape), reader, region, "qwen3_moe")
     assert torch.equal(part, fused[region])
-    assert sorted(reads) == [f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (1, 2) for p in ("gate_proj", "up_proj")]
+    assert sorted(reads) == [
+        f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (1, 2) for p in ("gate_proj", "up_proj")
+    ]
     assert read_experts("model.layers.0.mlp.gate.weight", (4, 64), reader, None, "qwen3_moe") is None
 
 
@@ -496,8 +606,12 @@ def test_moe_block_is_one_replicated_tensor_parallel_role():
         assert roles["mlp"] == "replicated_block"
         assert not [path for path in roles if path.startswith("mlp.")], roles
         assert roles["self_attn.q_proj"] == "colwise"
-    assert adapter_for(make_preset_config("llama-tiny", 257)).block_tp_roles(
-        build(ModelConfig(preset="llama-tiny")).model.layers[0])["mlp.gate_proj"] == "colwise"
+    assert (
+        adapter_for(make_preset_config("llama-tiny", 257)).block_tp_roles(
+            build(ModelConfig(preset="llama-tiny")).model.layers[0]
+        )["mlp.gate_proj"]
+        == "colwise"
+    )
 
 
 @pytest.mark.parametrize("preset", MOE_FAMILIES)
@@ -544,9 +658,21 @@ def test_moe_trains_and_exports_its_experts_one_by_one(tmp_path, cache_dir, pres
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = load_config(None, [f"model.preset={preset}", "data.seq_len=16", "data.max_documents=20",
-                             f"data.cache_dir={cache_dir}", "train.steps=2", "train.global_batch_size=2",
-                             "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}", "run.progress=false"], env={})
+    cfg = load_config(
+        None,
+        [
+            f"model.preset={preset}",
+            "data.seq_len=16",
+            "data.max_documents=20",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=2",
+            "train.global_batch_size=2",
+            "checkpoint.interval=2",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.progress=false",
+        ],
+        env={},
+    )
     trained = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU)).model.state_dict()
     export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "hf"))
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as handle:
@@ -559,8 +685,9 @@ def test_moe_trains_and_exports_its_experts_one_by_one(tmp_path, cache_dir, pres
     for name, tensor in trained.items():
         assert torch.equal(exported[name], tensor), name
     initial = build(ModelConfig(preset=preset)).state_dict()
-    assert not torch.equal(exported["model.layers.0.mlp.experts.gate_up_proj"],
-                           initial["model.layers.0.mlp.experts.gate_up_proj"])
+    assert not torch.equal(
+        exported["model.layers.0.mlp.experts.gate_up_proj"], initial["model.layers.0.mlp.experts.gate_up_proj"]
+    )
 
 
 def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
@@ -575,8 +702,10 @@ def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
     args = ["plan", "--model", str(tmp_path / "config.json"), "--gpus", "4", "--seq-len", "256", "--global-batch", "16"]
     capsys.readouterr()
     assert main(args) != 0
-    assert ("the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for "
-            "data.mask_documents); set data.mask_documents=false") in capsys.readouterr().err
+    assert (
+        "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for "
+        "data.mask_documents); set data.mask_documents=false"
+    ) in capsys.readouterr().err
     assert main([*args, "--no-mask-documents", "--json"]) == 0
     out = capsys.readouterr().out
     layouts = [c["layout"] for c in json.loads(out[: out.rindex("}") + 1])["candidates"]]

@@ -4,7 +4,7 @@ Per-step losses and gradient norms (12 steps, fp32, CPU) and final weights of DD
 activation checkpointing, tensor parallelism (with and without sequence / loss parallel, alone
 and under FSDP / HSDP) and context parallelism (ring and all-gather, with document masks, alone and
 with FSDP / HSDP / TP) are compared with a plain single-process run of the same config. All layouts
-of one world size run in one torchrun launch.
+of one world size run from one launcher, each on fresh forked processes (tests/parity_worker.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
-from conftest import failure_report, run_torchrun
+from conftest import failure_report, run_layouts
 
 STEPS = 12
 LOSS_RTOL = 1e-5
@@ -105,8 +104,15 @@ def write_vocab_250_model(directory: Path) -> Path:
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>").save_pretrained(target)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, vocab_size=250, tie_word_embeddings=False, initializer_range=0.02,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        vocab_size=250,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
     )
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -128,8 +134,11 @@ def write_moe_aux_model(directory: Path) -> None:
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.presets import make_preset_config
 
-    for name, preset, layers in ((MOE_AUX, "qwen3moe-tiny", 2), (MOE4_AUX, "qwen3moe-tiny", 4),
-                                 (MIXTRAL_AUX, "mixtral-tiny", 2)):
+    for name, preset, layers in (
+        (MOE_AUX, "qwen3moe-tiny", 2),
+        (MOE4_AUX, "qwen3moe-tiny", 4),
+        (MIXTRAL_AUX, "mixtral-tiny", 2),
+    ):
         config = make_preset_config(preset, load_tokenizer("byte").vocab_size)
         config.router_aux_loss_coef, config.num_hidden_layers = 0.1, layers
         with torch.random.fork_rng():
@@ -163,25 +172,54 @@ REFERENCES = {
     # Many short documents per block: document masking and position restarts matter on every step.
     # Layer 1's v_proj is the tensor most sensitive to rounding here (about 5x the others, under FSDP
     # too); at lr 1e-3 CP's reordered attention sums put it at 9e-6, too near the bound, so lr is halved.
-    "llama-docs": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"],
+    "llama-docs": [
+        "model.preset=llama-tiny",
+        f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+        "data.max_documents=1000",
+        "train.lr=5e-4",
+    ],
     # The same documents from a prepared directory: the same losses as read on the fly (exactly), under layouts too.
-    "llama-docs-prepared": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}",
-                            "train.lr=5e-4"],
+    "llama-docs-prepared": [
+        "model.preset=llama-tiny",
+        f"data.path={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}",
+        "train.lr=5e-4",
+    ],
     # A weighted mixture (data.sources) of the prepared short documents and the stdlib sources read on the fly.
-    "llama-mixture": ["model.preset=llama-tiny",
-                      f"data.sources={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}:0.7,builtin:python-stdlib:0.3"],
+    "llama-mixture": [
+        "model.preset=llama-tiny",
+        f"data.sources={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}:0.7,builtin:python-stdlib:0.3",
+    ],
     # The same documents streamed (data.streaming): read while training, each data-parallel rank its lanes.
-    "llama-stream": ["model.preset=llama-tiny", "data.streaming=true", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
-                     "data.max_documents=1000"],
+    "llama-stream": [
+        "model.preset=llama-tiny",
+        "data.streaming=true",
+        f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+        "data.max_documents=1000",
+    ],
     # Chat fine-tuning (data.format=chat): the loss on the assistant's tokens only, normalized by their global count.
-    "llama-chat": [f"model.name_or_path={{cache_dir}}/{CHAT_MODEL}", f"data.tokenizer={{cache_dir}}/{CHAT_MODEL}",
-                   "data.format=chat", f"data.path={{cache_dir}}/{CHAT_DATA}", "data.seq_len=128",
-                   "data.max_documents=300"],
-    "llama-docs-causal": ["model.preset=llama-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000",
-                          "train.lr=5e-4", "data.mask_documents=false"],
+    "llama-chat": [
+        f"model.name_or_path={{cache_dir}}/{CHAT_MODEL}",
+        f"data.tokenizer={{cache_dir}}/{CHAT_MODEL}",
+        "data.format=chat",
+        f"data.path={{cache_dir}}/{CHAT_DATA}",
+        "data.seq_len=128",
+        "data.max_documents=300",
+    ],
+    "llama-docs-causal": [
+        "model.preset=llama-tiny",
+        f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+        "data.max_documents=1000",
+        "train.lr=5e-4",
+        "data.mask_documents=false",
+    ],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
     "llama-deep": ["model.preset=llama-deep"],
-    "qwen3-docs": ["model.preset=qwen3-tiny", f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"],
+    "qwen3-docs": [
+        "model.preset=qwen3-tiny",
+        f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+        "data.max_documents=1000",
+        "train.lr=5e-4",
+    ],
     # More families (meshtron.models.families). Gemma 2's soft-capping needs its own (eager) attention: no document
     # masks, cp=1. Without document masks pipeline stages build the model's own masks (sliding windows included).
     "granite-tiny": ["model.preset=granite-tiny", "train.lr=3e-3"],  # its scalings slow learning down
@@ -205,7 +243,9 @@ LAYOUTS = {
     "fsdp2": (2, ["parallel.dp_shard=2"], "llama-tiny"),
     "fsdp2_accum": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "llama-tiny"),
     "fsdp2_accum_unsharded": (
-        2, ["parallel.dp_shard=2", "train.micro_batch_size=1", "fsdp.accumulate_unsharded=true"], "llama-tiny"
+        2,
+        ["parallel.dp_shard=2", "train.micro_batch_size=1", "fsdp.accumulate_unsharded=true"],
+        "llama-tiny",
     ),
     "fsdp2_qwen2": (2, ["parallel.dp_shard=2"], "qwen2-tiny"),
     # FSDP2's CPUOffloadPolicy on CPU: the code path of fsdp.cpu_offload (GPU runs copy shards to the GPU).
@@ -215,21 +255,35 @@ LAYOUTS = {
     "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], "llama-tiny"),
     "hsdp2x2_accum_ac": (
         4,
-        ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1",
-         "train.activation_checkpointing=full"],
+        [
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=2",
+            "train.micro_batch_size=1",
+            "train.activation_checkpointing=full",
+        ],
         "llama-tiny",
     ),
     "hsdp2x2_accum_unsharded": (
         4,
-        ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1", "fsdp.accumulate_unsharded=true"],
+        [
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=2",
+            "train.micro_batch_size=1",
+            "fsdp.accumulate_unsharded=true",
+        ],
         "llama-tiny",
     ),
     "fsdp4_selective_ac": (4, ["parallel.dp_shard=4", "train.activation_checkpointing=selective"], "qwen2-tiny"),
     # Qwen2 (q/k/v biases) with accumulation and checkpointing under DP x TP without sequence parallel.
     "dp2_tp2_qwen2_accum_ac_no_sp": (
         4,
-        ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch_size=2",
-         "train.activation_checkpointing=full"],
+        [
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=false",
+            "train.micro_batch_size=2",
+            "train.activation_checkpointing=full",
+        ],
         "qwen2-tiny",
     ),
     "tp4_mini": (4, ["parallel.tp=4"], "llama-mini"),
@@ -261,12 +315,22 @@ for _family in ("llama", "qwen3"):
 
 # More families: TP, PP and CP (document masks) where the family supports them, FSDP for the tied ones (FSDP
 # itself only needs the adapter's block list, which TP, PP and CP use as well).
-FAMILY_LAYOUTS = {"fsdp2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
-for _family, _layouts in {"granite": ("tp2", "pp2", "cp2"), "olmo2": ("tp2", "pp2", "cp2"),
-                          "phi3": ("tp2", "pp2", "cp2"), "cohere": ("tp2", "pp2", "cp2"),
-                          "starcoder2": ("tp2", "pp2", "cp2"),
-                          "gptneox": ("tp2", "pp2", "cp2"), "gemma2": ("fsdp2", "tp2", "pp2"),
-                          "gemma3": ("fsdp2", "tp2", "pp2")}.items():
+FAMILY_LAYOUTS = {
+    "fsdp2": ["parallel.dp_shard=2"],
+    "tp2": ["parallel.tp=2"],
+    "pp2": ["parallel.pp=2"],
+    "cp2": ["parallel.cp=2"],
+}
+for _family, _layouts in {
+    "granite": ("tp2", "pp2", "cp2"),
+    "olmo2": ("tp2", "pp2", "cp2"),
+    "phi3": ("tp2", "pp2", "cp2"),
+    "cohere": ("tp2", "pp2", "cp2"),
+    "starcoder2": ("tp2", "pp2", "cp2"),
+    "gptneox": ("tp2", "pp2", "cp2"),
+    "gemma2": ("fsdp2", "tp2", "pp2"),
+    "gemma3": ("fsdp2", "tp2", "pp2"),
+}.items():
     for _name in _layouts:
         LAYOUTS[f"{_name}_{_family}"] = (2, FAMILY_LAYOUTS[_name], f"{_family}-tiny")
 LAYOUTS["cp2_gemma3_docs"] = (2, ["parallel.cp=2"], "gemma3-docs")
@@ -296,12 +360,26 @@ PP_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleav
 for _pp in (2, 4):
     for _short, _schedule in PP_SCHEDULE_NAMES.items():
         if _pp == 2 or _short != "gpipe":
-            LAYOUTS[f"pp{_pp}_{_short}"] = (_pp, [f"parallel.pp={_pp}", f"parallel.pp_schedule={_schedule}"], "llama-deep")
-LAYOUTS["pp2_zero_bubble_interleaved"] = (2, ["parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"], "llama-deep")
+            LAYOUTS[f"pp{_pp}_{_short}"] = (
+                _pp,
+                [f"parallel.pp={_pp}", f"parallel.pp_schedule={_schedule}"],
+                "llama-deep",
+            )
+LAYOUTS["pp2_zero_bubble_interleaved"] = (
+    2,
+    ["parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"],
+    "llama-deep",
+)
 LAYOUTS["pp2_zbv"] = (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "llama-deep")
 LAYOUTS["pp2_uneven_8_microbatches_ac"] = (
-    2, ["parallel.pp=2", "parallel.pp_first_stage_layers=3", "parallel.pp_microbatches=8",
-        "train.activation_checkpointing=full"], "llama-deep"
+    2,
+    [
+        "parallel.pp=2",
+        "parallel.pp_first_stage_layers=3",
+        "parallel.pp_microbatches=8",
+        "train.activation_checkpointing=full",
+    ],
+    "llama-deep",
 )
 # train.micro_batch_size under pp: the pipeline microbatch (8 sequences in 4 microbatches of 2).
 LAYOUTS["pp2_micro_batch_2"] = (2, ["parallel.pp=2", "train.micro_batch_size=2"], "llama-deep")
@@ -310,7 +388,8 @@ LAYOUTS["pp2_tp2"] = (4, ["parallel.pp=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_cp2"] = (4, ["parallel.pp=2", "parallel.cp=2"], "llama-deep")
 LAYOUTS["pp2_dp2_tp2"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_dp2_cp2_tp2"] = (
-    16, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
+    16,
+    ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
     "llama-deep",
 )
 # Prepared data (meshtron data prepare): each rank memory-maps the shards and cuts its blocks across them.
@@ -322,11 +401,19 @@ LAYOUTS["fsdp2_mixture"] = (2, ["parallel.dp_shard=2"], "llama-mixture")
 LAYOUTS["tp2_mixture"] = (2, ["parallel.tp=2"], "llama-mixture")
 # Streaming: each data-parallel rank tokenizes the documents of its lanes (positions) of every global batch.
 LAYOUTS["ddp2_stream"] = (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "llama-stream")
-LAYOUTS["dp2_tp2_stream_accum"] = (4, ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=2"],
-                                   "llama-stream")
+LAYOUTS["dp2_tp2_stream_accum"] = (
+    4,
+    ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=2"],
+    "llama-stream",
+)
 # Chat: masked labels; every rank counts the global batch's assistant tokens itself.
-for _name, _overrides in {"ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "fsdp2": ["parallel.dp_shard=2"],
-                          "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}.items():
+for _name, _overrides in {
+    "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "fsdp2": ["parallel.dp_shard=2"],
+    "tp2": ["parallel.tp=2"],
+    "pp2": ["parallel.pp=2"],
+    "cp2": ["parallel.cp=2"],
+}.items():
     LAYOUTS[f"{_name}_chat"] = (2, _overrides, "llama-chat")
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
@@ -337,7 +424,9 @@ LAYOUTS["ddp2_cp2"] = (4, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "pa
 LAYOUTS["fsdp2_compile"] = (2, ["parallel.dp_shard=2", "train.compile=true"], "llama-tiny")
 
 LAYOUTS["cp2_qwen3_accum_ac"] = (
-    2, ["parallel.cp=2", "train.micro_batch_size=2", "train.activation_checkpointing=full"], "qwen3-docs"
+    2,
+    ["parallel.cp=2", "train.micro_batch_size=2", "train.activation_checkpointing=full"],
+    "qwen3-docs",
 )
 
 
@@ -358,48 +447,73 @@ _MOE_AUX = [f"model.name_or_path={{cache_dir}}/{MOE_AUX}", "train.router_aux_los
 REFERENCES["moe-aux"] = _MOE_AUX
 REFERENCES["moe-aux-accum2"] = _MOE_AUX + ["train.micro_batch_size=4"]
 REFERENCES["moe-aux-accum4"] = _MOE_AUX + ["train.micro_batch_size=2"]
-REFERENCES["moe-aux-docs"] = _MOE_AUX + [f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}", "data.max_documents=1000", "train.lr=5e-4"]
+REFERENCES["moe-aux-docs"] = _MOE_AUX + [
+    f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+    "data.max_documents=1000",
+    "train.lr=5e-4",
+]
 REFERENCES["moe-aux-docs-accum2"] = REFERENCES["moe-aux-docs"] + ["train.micro_batch_size=4"]
-REFERENCES["moe4-aux-accum2"] = [f"model.name_or_path={{cache_dir}}/{MOE4_AUX}", "train.router_aux_loss=true",
-                                 "train.micro_batch_size=4"]
+REFERENCES["moe4-aux-accum2"] = [
+    f"model.name_or_path={{cache_dir}}/{MOE4_AUX}",
+    "train.router_aux_loss=true",
+    "train.micro_batch_size=4",
+]
 REFERENCES["mixtral-aux"] = [f"model.name_or_path={{cache_dir}}/{MIXTRAL_AUX}", "train.router_aux_loss=true"]
-LAYOUTS.update({
-    "fsdp2_moe_aux": (2, ["parallel.dp_shard=2"], "moe-aux"),
-    "fsdp2_accum_moe_aux": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "moe-aux-accum4"),
-    "cp2_moe_aux": (2, ["parallel.cp=2"], "moe-aux-docs"),
-    "tp2_moe_aux": (2, ["parallel.tp=2"], "moe-aux"),
-    "dp2_tp2_moe_aux": (4, ["parallel.dp_shard=2", "parallel.tp=2"], "moe-aux"),
-    "dp2_cp2_accum_moe_aux": (4, ["parallel.dp_shard=2", "parallel.cp=2", "train.micro_batch_size=2"], "moe-aux-docs-accum2"),
-    "hsdp2x2_accum_moe_aux": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1"], "moe-aux-accum2"),
-    # Expert parallelism (ep ranks borrowed from dp_shard x cp): tokens all-to-all'd to their experts' ranks.
-    "ep2_moe_aux": (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux"),
-    "ep4_moe_aux": (4, ["parallel.dp_shard=4", "parallel.ep=4"], "moe-aux"),
-    "ep2_fsdp4_moe_aux": (4, ["parallel.dp_shard=4", "parallel.ep=2"], "moe-aux"),
-    "ep2_tp2_moe_aux": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "moe-aux"),
-    "ep2_cp2_moe_aux": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"], "moe-aux-docs"),
-    "ep2_hsdp2x2_accum_moe_aux": (
-        4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"], "moe-aux-accum2"
-    ),
-    # Pipeline stages pass each microbatch's routing statistics on with the hidden states
-    # (meshtron.train.pipeline_router_loss); pipeline microbatches play the accumulation micro-batches' part.
-    "ep2_pp2_moe_aux": (
-        4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=2"], "moe-aux-accum2"
-    ),
-    "pp2_tp2_moe_aux": (4, ["parallel.pp=2", "parallel.tp=2"], "moe-aux-accum2"),
-    # V-shaped: rank 0 holds the first and the last of 4 stages (the routing carry crosses both ranks twice).
-    "pp2_zbv_moe_aux": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "moe4-aux-accum2"),
-    "ep2_mixtral_aux": (2, ["parallel.dp_shard=2", "parallel.ep=2"], "mixtral-aux"),
-    "ep4_qwen2moe": (4, ["parallel.dp_shard=4", "parallel.ep=4"], "qwen2moe-tiny"),
-    # OLMoE: q/k norms over all heads (gathered under TP) around Qwen3-MoE's sparse block.
-    "ep2_tp2_olmoe": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "olmoe-tiny"),
-})
+LAYOUTS.update(
+    {
+        "fsdp2_moe_aux": (2, ["parallel.dp_shard=2"], "moe-aux"),
+        "fsdp2_accum_moe_aux": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "moe-aux-accum4"),
+        "cp2_moe_aux": (2, ["parallel.cp=2"], "moe-aux-docs"),
+        "tp2_moe_aux": (2, ["parallel.tp=2"], "moe-aux"),
+        "dp2_tp2_moe_aux": (4, ["parallel.dp_shard=2", "parallel.tp=2"], "moe-aux"),
+        "dp2_cp2_accum_moe_aux": (
+            4,
+            ["parallel.dp_shard=2", "parallel.cp=2", "train.micro_batch_size=2"],
+            "moe-aux-docs-accum2",
+        ),
+        "hsdp2x2_accum_moe_aux": (
+            4,
+            ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1"],
+            "moe-aux-accum2",
+        ),
+        # Expert parallelism (ep ranks borrowed from dp_shard x cp): tokens all-to-all'd to their experts' ranks.
+        "ep2_moe_aux": (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux"),
+        "ep4_moe_aux": (4, ["parallel.dp_shard=4", "parallel.ep=4"], "moe-aux"),
+        "ep2_fsdp4_moe_aux": (4, ["parallel.dp_shard=4", "parallel.ep=2"], "moe-aux"),
+        "ep2_tp2_moe_aux": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "moe-aux"),
+        "ep2_cp2_moe_aux": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"], "moe-aux-docs"),
+        "ep2_hsdp2x2_accum_moe_aux": (
+            4,
+            ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"],
+            "moe-aux-accum2",
+        ),
+        # Pipeline stages pass each microbatch's routing statistics on with the hidden states
+        # (meshtron.train.pipeline_router_loss); pipeline microbatches play the accumulation micro-batches' part.
+        "ep2_pp2_moe_aux": (
+            4,
+            ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=2"],
+            "moe-aux-accum2",
+        ),
+        "pp2_tp2_moe_aux": (4, ["parallel.pp=2", "parallel.tp=2"], "moe-aux-accum2"),
+        # V-shaped: rank 0 holds the first and the last of 4 stages (the routing carry crosses both ranks twice).
+        "pp2_zbv_moe_aux": (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "moe4-aux-accum2"),
+        "ep2_mixtral_aux": (2, ["parallel.dp_shard=2", "parallel.ep=2"], "mixtral-aux"),
+        "ep4_qwen2moe": (4, ["parallel.dp_shard=4", "parallel.ep=4"], "qwen2moe-tiny"),
+        # OLMoE: q/k norms over all heads (gathered under TP) around Qwen3-MoE's sparse block.
+        "ep2_tp2_olmoe": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "olmoe-tiny"),
+    }
+)
 
 
 # Mixed precision on CPU (bf16 and fp16 run there too): each layout against the 1-process run of the same
 # precision. The references are llama-deep (untied, 8 layers), so that pipeline layouts can join.
 REFERENCES["deep-bf16"] = ["model.preset=llama-deep", "train.mixed_precision=bf16"]
 # An initial loss scale that overflows fp16's gradients: the first two steps are skipped (measured).
-REFERENCES["deep-fp16"] = ["model.preset=llama-deep", "train.mixed_precision=fp16", "train.fp16_initial_loss_scale=262144"]
+REFERENCES["deep-fp16"] = [
+    "model.preset=llama-deep",
+    "train.mixed_precision=fp16",
+    "train.fp16_initial_loss_scale=262144",
+]
 PRECISION_LAYOUTS = {
     "ddp2_bf16": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "deep-bf16"),
     "fsdp2_bf16": (2, ["parallel.dp_shard=2"], "deep-bf16"),
@@ -441,8 +555,12 @@ UNFUSED_LAYOUTS = {
     "single_unfused": (1, ["train.loss_chunk_size=0"], "llama-tiny"),
     "tp2_unfused_llama": (2, ["parallel.tp=2", "train.loss_chunk_size=0"], "llama-tiny"),
 }
-FUSED_VS_UNFUSED = {"llama-tiny": "single_unfused", "single_chunked": "single_unfused",
-                    "tp2_llama": "tp2_unfused_llama", "tp2_chunked_llama": "tp2_unfused_llama"}
+FUSED_VS_UNFUSED = {
+    "llama-tiny": "single_unfused",
+    "single_chunked": "single_unfused",
+    "tp2_llama": "tp2_unfused_llama",
+    "tp2_chunked_llama": "tp2_unfused_llama",
+}
 
 # Float8 (torchao, emulated on CPU) under FSDP (float8 all-gather) and TP, against 1-process float8. Input
 # scales come from each micro-batch, so the reference uses the layouts' micro-batch of 4. The first steps
@@ -479,19 +597,17 @@ def reference_overrides(name: str, cache_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory, cache_dir):
-    """Launch each world size once, running all of its layouts in the same processes."""
+    """Every multi-process layout, each on fresh processes forked from one launcher per world size."""
     out = tmp_path_factory.mktemp("parity")
     base = base_overrides(cache_dir)
     write_short_documents(cache_dir)
     for world in sorted({world for world, _, _ in ALL_LAYOUTS.values()} - {1}):
         layouts = {n: reference_overrides(ref, cache_dir) + o for n, (w, o, ref) in ALL_LAYOUTS.items() if w == world}
-        spec = {"base": base, "layouts": layouts}
-        spec_file = out / f"spec{world}.json"
-        spec_file.write_text(json.dumps(spec))
         started = time.perf_counter()
-        proc = run_torchrun(world, ["tests/parity_worker.py", str(spec_file), str(out)], timeout=900)
+        proc = run_layouts(world, base, layouts, out)
         assert proc.returncode == 0, failure_report(proc)
         print(f"world size {world}: {len(layouts)} layouts in {time.perf_counter() - started:.0f} s")
+        print(proc.stdout)
     return out
 
 
@@ -507,15 +623,25 @@ def references(tmp_path_factory, cache_dir):
     results = {}
     runs = {ref: reference_overrides(ref, cache_dir) for _, _, ref in ALL_LAYOUTS.values()}
     runs["fp32:llama-deep"] = reference_overrides("llama-deep", cache_dir)
-    runs.update({name: reference_overrides(ref, cache_dir) + overrides
-                 for name, (world, overrides, ref) in ALL_LAYOUTS.items() if world == 1})
+    runs.update(
+        {
+            name: reference_overrides(ref, cache_dir) + overrides
+            for name, (world, overrides, ref) in ALL_LAYOUTS.items()
+            if world == 1
+        }
+    )
     for name, run_overrides in sorted(runs.items()):
         overrides = base_overrides(cache_dir) + run_overrides + [f"run.output_dir={out / name.replace(':', '-')}"]
         cfg = load_config(None, overrides, env={})
         result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
         weights = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
-        results[name] = (result.losses, weights, sum(result.state_bytes.values()), result.grad_norms,
-                         result.activation_bytes)
+        results[name] = (
+            result.losses,
+            weights,
+            sum(result.state_bytes.values()),
+            result.grad_norms,
+            result.activation_bytes,
+        )
     return results
 
 
@@ -545,7 +671,7 @@ def test_layout_matches_single_process(layout, parity_runs, references):
     failures, worst_rel, worst_abs = [], 0.0, 0.0
     zero_centered = zero_centered_norms(LAYOUTS[layout][2])
     for name, ref in ref_weights.items():
-        diff = (weights[name].float() - ref.float())
+        diff = weights[name].float() - ref.float()
         if zero_centered and name.endswith(ZERO_CENTERED_NORM_SUFFIX):
             ref = ref.float() + 1
         if name.endswith(FUSED_QKV_BIAS_SUFFIX):  # per head [q, k, v] (gptneox-tiny's heads)
@@ -565,6 +691,7 @@ def test_layout_matches_single_process(layout, parity_runs, references):
             failures.append(f"{name}: relative L2 error {rel_l2:.2e}, max abs error {max_abs:.2e}")
     print(f"{layout}: worst relative L2 {worst_rel:.2e}, worst max abs {worst_abs:.2e}")
     assert not failures, "; ".join(failures)
+
 
 @pytest.mark.slow
 def test_tensor_parallel_4_holds_under_30_percent_of_the_model_state(parity_runs, references):
@@ -591,8 +718,15 @@ ACTIVATION_RTOL = 0.25
 
 # meshtron train --rehearse: ranks of these layouts trained alone on a fake process group, against the real launches.
 # Pipeline layouts rehearse the first rank of each stage (the launches record the largest figure of any rank).
-REHEARSED = {"ddp2": [0], "hsdp2x2": [0], "tp2_llama": [0], "cp2_ring": [0], "pp2_1f1b": [0, 1],
-             "ep2_moe_aux": [0, 1], "pp2_dp2_tp2": [0, 4]}
+REHEARSED = {
+    "ddp2": [0],
+    "hsdp2x2": [0],
+    "tp2_llama": [0],
+    "cp2_ring": [0],
+    "pp2_1f1b": [0, 1],
+    "ep2_moe_aux": [0, 1],
+    "pp2_dp2_tp2": [0, 4],
+}
 REHEARSAL_STEPS = 2  # the launches measure activations in their second step too
 
 
@@ -605,14 +739,29 @@ def rehearsals(tmp_path_factory, cache_dir, parity_runs):
 
     out = tmp_path_factory.mktemp("rehearsals")
     cases = [
-        {"name": name, "world": ALL_LAYOUTS[name][0], "rank": rank, "steps": REHEARSAL_STEPS,
-         "overrides": base_overrides(cache_dir) + reference_overrides(ALL_LAYOUTS[name][2], cache_dir)
-         + ALL_LAYOUTS[name][1] + [f"run.output_dir={out / f'{name}-{rank}'}", "run.device=cpu"]}
-        for name, ranks in REHEARSED.items() if name in ALL_LAYOUTS for rank in ranks
+        {
+            "name": name,
+            "world": ALL_LAYOUTS[name][0],
+            "rank": rank,
+            "steps": REHEARSAL_STEPS,
+            "overrides": base_overrides(cache_dir)
+            + reference_overrides(ALL_LAYOUTS[name][2], cache_dir)
+            + ALL_LAYOUTS[name][1]
+            + [f"run.output_dir={out / f'{name}-{rank}'}", "run.device=cpu"],
+        }
+        for name, ranks in REHEARSED.items()
+        if name in ALL_LAYOUTS
+        for rank in ranks
     ]
     (out / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([sys.executable, "tests/rehearsal_worker.py", str(out / "cases.json"), str(out / "got.json")],
-                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "tests/rehearsal_worker.py", str(out / "cases.json"), str(out / "got.json")],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, failure_report(proc)
     return json.loads((out / "got.json").read_text())
 
@@ -627,8 +776,10 @@ def test_rehearsed_rank_holds_what_the_real_run_holds(layout, rehearsals, parity
     real = json.loads((parity_runs / f"{layout}.json").read_text())
     state = max(g["measured"]["state_bytes"] for g in got)
     activations = max(g["measured"]["activation_bytes"] for g in got)
-    print(f"{layout}: state {state:,} B vs {real['state_bytes']:,} B real; activations {activations:,} B vs "
-          f"{real['activation_bytes']:,} B real; step {[round(g['measured']['step_s'], 4) for g in got]} s")
+    print(
+        f"{layout}: state {state:,} B vs {real['state_bytes']:,} B real; activations {activations:,} B vs "
+        f"{real['activation_bytes']:,} B real; step {[round(g['measured']['step_s'], 4) for g in got]} s"
+    )
     assert state == real["state_bytes"]
     tolerance = 0.10 if "moe" in layout else 0.0
     assert abs(activations - real["activation_bytes"]) <= tolerance * real["activation_bytes"]
@@ -665,16 +816,22 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
         planned_activations = max(activation_bytes(shape, layout, workload))
         state_ratio = planned_state / state
         activation_ratio = planned_activations / activations if activations else float("inf")
-        lines.append(f"{name:32s} state {state:>10,} B planned x{state_ratio:.4f} | activations {activations:>10,} B "
-                     f"planned x{activation_ratio:.3f}")
+        lines.append(
+            f"{name:32s} state {state:>10,} B planned x{state_ratio:.4f} | activations {activations:>10,} B "
+            f"planned x{activation_ratio:.3f}"
+        )
         if abs(state_ratio - 1) > STATE_RTOL:
             failures.append(f"{name}: planned state {planned_state:,} B vs measured {state:,} B")
         if world > 1 and layout.pp == 1 and layout.microbatches(workload) > 1:
             held, planned_held = got["accumulation_grad_bytes"], max(held_gradient_bytes(shape, layout, workload))
-            lines.append(f"{'':32s} gradients held between micro-batches {held:>10,} B planned x{planned_held / held:.4f}")
+            lines.append(
+                f"{'':32s} gradients held between micro-batches {held:>10,} B planned x{planned_held / held:.4f}"
+            )
             if abs(planned_held / held - 1) > STATE_RTOL:
-                failures.append(f"{name}: planned {planned_held:,.0f} B of gradients held between micro-batches "
-                                f"vs measured {held:,} B")
+                failures.append(
+                    f"{name}: planned {planned_held:,.0f} B of gradients held between micro-batches "
+                    f"vs measured {held:,} B"
+                )
         # Expert-parallel layouts are compared too: the planner models EP's dispatch (received rows regrouped, the
         # returned and weighted rows, the permutations; planned x0.82 to x0.96 of measured). The hooks also count
         # the local expert weights the EP forward takes with to_local() (FSDP's gathered buffers, not extra
@@ -708,9 +865,13 @@ def test_bf16_layout_matches_single_process_bf16(layout, parity_runs, references
     assert len(losses) == STEPS
     loss_diffs, norm_diffs = _relative(losses, ref_losses), _relative(norms, ref_norms)
     from_fp32 = max(_relative(losses, fp32_losses))
-    worst_weight = max(((weights[k].float() - w.float()).norm() / w.float().norm()).item() for k, w in ref_weights.items())
-    print(f"{layout}: step-1 loss {loss_diffs[0]:.1e}, losses {max(loss_diffs):.1e}, grad norms {max(norm_diffs):.1e}, "
-          f"weights {worst_weight:.1e} from 1-process bf16; {from_fp32:.1e} from fp32")
+    worst_weight = max(
+        ((weights[k].float() - w.float()).norm() / w.float().norm()).item() for k, w in ref_weights.items()
+    )
+    print(
+        f"{layout}: step-1 loss {loss_diffs[0]:.1e}, losses {max(loss_diffs):.1e}, grad norms {max(norm_diffs):.1e}, "
+        f"weights {worst_weight:.1e} from 1-process bf16; {from_fp32:.1e} from fp32"
+    )
     assert loss_diffs[0] <= BF16_FIRST_STEP_RTOL, f"step 1: {losses[0]} vs 1-process bf16 {ref_losses[0]}"
     assert max(loss_diffs) <= BF16_LOSS_RTOL, f"losses {losses} vs 1-process bf16 {ref_losses}"
     assert max(norm_diffs) <= BF16_GRAD_NORM_RTOL, f"gradient norms {norms} vs 1-process bf16 {ref_norms}"
@@ -727,7 +888,9 @@ def test_fp16_skips_overflowing_steps_and_matches_single_process(parity_runs, re
     ref_losses, ref_norms, _ = _layout_run("deep-fp16", parity_runs, references)
     skipped = [step for step, norm in enumerate(ref_norms, start=1) if not math.isfinite(norm)]
     # How many depends on where the largest scaled gradient forms (today steps 1 and 2: scales 2^18 and 2^17).
-    assert skipped and skipped == list(range(1, len(skipped) + 1)), f"expected the first steps to overflow, got {skipped}"
+    assert skipped and skipped == list(range(1, len(skipped) + 1)), (
+        f"expected the first steps to overflow, got {skipped}"
+    )
     assert [not math.isfinite(n) for n in norms] == [not math.isfinite(n) for n in ref_norms]
     assert max(_relative(losses, ref_losses)) <= BF16_LOSS_RTOL
     assert losses[-1] < losses[0] - 0.1, "fp16 training did not go on after the skipped steps"

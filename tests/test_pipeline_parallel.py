@@ -48,7 +48,9 @@ def test_chained_stages_compute_the_whole_model():
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.train.batch import SequenceSplit, sequence_inputs
 
-    cfg = load_config(None, ["model.preset=llama-deep", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"], env={})
+    cfg = load_config(
+        None, ["model.preset=llama-deep", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"], env={}
+    )
     tokenizer = load_tokenizer("byte")
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     cpu = torch.device("cpu")
@@ -140,8 +142,11 @@ def test_micro_batch_size_under_pp_splits_the_global_batch_before_any_process_gr
     got = plan("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=2", world=4)
     assert (got.micro_batch_size, got.accumulation_steps, got.pp_microbatches) == (4, 1, 2)
     assert plan("parallel.pp=2", "train.micro_batch_size=4", "parallel.pp_microbatches=2").pp_microbatches == 2
-    with pytest.raises(ConfigError, match="train.global_batch_size 8 is not divisible by data-parallel degree 2 x "
-                                          "train.micro_batch_size 3 = 6; make the global batch a multiple of 6"):
+    with pytest.raises(
+        ConfigError,
+        match="train.global_batch_size 8 is not divisible by data-parallel degree 2 x "
+        "train.micro_batch_size 3 = 6; make the global batch a multiple of 6",
+    ):
         plan("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=3", world=4)
     with pytest.raises(ConfigError) as error:
         plan("parallel.pp=2", "train.micro_batch_size=2", "parallel.pp_microbatches=8")
@@ -159,8 +164,10 @@ def test_planner_pipeline_layouts_round_trip_through_train_micro_batch_size():
 
     hf_config = make_preset_config("llama-deep", 259)
     workload = Workload(seq_len=256, global_batch=32)
-    for layout in (Layout(dp_shard=2, pp=2, micro_batch=2),
-                   Layout(pp=4, micro_batch=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)):
+    for layout in (
+        Layout(dp_shard=2, pp=2, micro_batch=2),
+        Layout(pp=4, micro_batch=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
+    ):
         cfg = train_config(layout, workload, ModelConfig(preset="llama-deep"))
         assert cfg.train.micro_batch_size == layout.micro_batch and cfg.parallel.pp_microbatches is None
         assert Layout.from_config(cfg, layout.world_size, hf_config) == layout

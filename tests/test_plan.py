@@ -10,19 +10,36 @@ import math
 import sys
 
 import pytest
-
 from conftest import REPO, worker_env
 
 # (name, world size, rank, layout overrides): FSDP alone, HSDP x TP, PP x FSDP x TP (interleaved, the
 # last rank, which holds the head), and a 512-rank 3-D layout of the 70B shape.
 DRY_RUNS = [
     ("8b_fsdp8", 8, 0, ["model.preset=llama-8b", "train.global_batch_size=8"]),
-    ("8b_hsdp_tp2_16", 16, 5, ["model.preset=llama-8b", "parallel.tp=2", "parallel.dp_replicate=2",
-                               "train.global_batch_size=16"]),
-    ("70b_pp4_tp8_64_last", 64, 63, ["model.preset=llama-70b", "parallel.tp=8", "parallel.pp=4",
-                                      "parallel.pp_schedule=Interleaved1F1B", "train.global_batch_size=16"]),
-    ("70b_pp8_tp8_512", 512, 0, ["model.preset=llama-70b", "parallel.tp=8", "parallel.pp=8",
-                                 "train.global_batch_size=64"]),
+    (
+        "8b_hsdp_tp2_16",
+        16,
+        5,
+        ["model.preset=llama-8b", "parallel.tp=2", "parallel.dp_replicate=2", "train.global_batch_size=16"],
+    ),
+    (
+        "70b_pp4_tp8_64_last",
+        64,
+        63,
+        [
+            "model.preset=llama-70b",
+            "parallel.tp=8",
+            "parallel.pp=4",
+            "parallel.pp_schedule=Interleaved1F1B",
+            "train.global_batch_size=16",
+        ],
+    ),
+    (
+        "70b_pp8_tp8_512",
+        512,
+        0,
+        ["model.preset=llama-70b", "parallel.tp=8", "parallel.pp=8", "train.global_batch_size=64"],
+    ),
 ]
 
 
@@ -40,14 +57,26 @@ def plan_cli(capsys, *args: str):
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dry")
-    cases = [{"name": name, "world": world, "rank": rank,
-              "overrides": overrides + ["data.seq_len=4096", f"run.output_dir={out / name}"]}
-             for name, world, rank, overrides in DRY_RUNS]
+    cases = [
+        {
+            "name": name,
+            "world": world,
+            "rank": rank,
+            "overrides": overrides + ["data.seq_len=4096", f"run.output_dir={out / name}"],
+        }
+        for name, world, rank, overrides in DRY_RUNS
+    ]
     (out / "cases.json").write_text(json.dumps(cases))
     import subprocess
 
-    proc = subprocess.run([sys.executable, "tests/dry_run_worker.py", str(out / "cases.json")], cwd=REPO,
-                          env=worker_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "tests/dry_run_worker.py", str(out / "cases.json")],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r["name"]: r for r in map(json.loads, proc.stdout.strip().splitlines())}
 
@@ -55,8 +84,10 @@ def dry_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", [case[0] for case in DRY_RUNS])
 def test_dry_run_agrees_with_planner(name, dry_runs):
     got = dry_runs[name]
-    print(f"{name}: dry run {got['params'] / 1e9:.3f} GB parameters vs planner {got['planned_params'] / 1e9:.3f} GB "
-          f"in {got['seconds']:.1f} s")
+    print(
+        f"{name}: dry run {got['params'] / 1e9:.3f} GB parameters vs planner {got['planned_params'] / 1e9:.3f} GB "
+        f"in {got['seconds']:.1f} s"
+    )
     assert abs(got["params"] - got["planned_params"]) <= 0.05 * got["params"]
     assert got["grads"] == got["params"] and got["optimizer"] == 2 * got["params"]  # AdamW: two moments per weight
 
@@ -82,7 +113,8 @@ def test_plan_ranks_layouts_and_emits_a_config_that_loads(tmp_path, capsys):
     best = candidates[0]["layout"]
     dims = ParallelDims.from_config(cfg.parallel, 16)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == tuple(
-        best[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        best[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    )
     assert cfg.data.seq_len == 4096 and cfg.train.global_batch_size == 32 and cfg.model.preset == "llama-8b"
 
     written = out.read_text()
@@ -92,21 +124,54 @@ def test_plan_ranks_layouts_and_emits_a_config_that_loads(tmp_path, capsys):
 
 
 def test_plan_table_and_errors(capsys):
-    status, stdout, stderr = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--seq-len", "256",
-                                      "--global-batch", "8", "--gpu", "a100", "--gpu-memory", "40GB", "--reserved-gb", "2.5")
+    status, stdout, stderr = plan_cli(
+        capsys,
+        "--model",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq-len",
+        "256",
+        "--global-batch",
+        "8",
+        "--gpu",
+        "a100",
+        "--gpu-memory",
+        "40GB",
+        "--reserved-gb",
+        "2.5",
+    )
     assert status == 0, stderr[-2000:]
     assert "\n* " in stdout and "layouts fit in 38 GB" in stdout  # 37.5 GB usable
-    status, _, stderr = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--seq-len", "256",
-                                 "--global-batch", "8", "--link-efficiency", "0")
+    status, _, stderr = plan_cli(
+        capsys,
+        "--model",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq-len",
+        "256",
+        "--global-batch",
+        "8",
+        "--link-efficiency",
+        "0",
+    )
     assert status == 2 and "--link-efficiency must be positive" in stderr
-    status, stdout, _ = plan_cli(capsys, "--model", "llama-70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8")
+    status, stdout, _ = plan_cli(
+        capsys, "--model", "llama-70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"
+    )
     assert status == 1 and "nothing fits" in stdout
-    status, _, stderr = plan_cli(capsys, "--model", "llama-8b", "--gpus", "8", "--seq-len", "8", "--global-batch", "8",
-                                 "--gpu", "v100x")
+    status, _, stderr = plan_cli(
+        capsys, "--model", "llama-8b", "--gpus", "8", "--seq-len", "8", "--global-batch", "8", "--gpu", "v100x"
+    )
     assert status == 2 and "--gpu: unknown GPU 'v100x'" in stderr
-    status, _, stderr = plan_cli(capsys, "--model", "llama-8b", "--gpus", "12", "--seq-len", "8", "--global-batch", "12")
+    status, _, stderr = plan_cli(
+        capsys, "--model", "llama-8b", "--gpus", "12", "--seq-len", "8", "--global-batch", "12"
+    )
     assert status == 2 and "whole number of nodes" in stderr
-    status, _, stderr = plan_cli(capsys, "--model", "llama-8b", "--gpus", "8", "--seq-len", "16384", "--global-batch", "8")
+    status, _, stderr = plan_cli(
+        capsys, "--model", "llama-8b", "--gpus", "8", "--seq-len", "16384", "--global-batch", "8"
+    )
     assert status == 2 and "max_position_embeddings 8192" in stderr
 
 
@@ -144,7 +209,11 @@ def test_every_proposed_layout_passes_meshtron_preflight(preset):
     assert schedules == {"1F1B", "Interleaved1F1B"}
     for layout in layouts:
         plan = preflight(train_config(layout, workload, ModelConfig(preset=preset)), 16, "cuda")
-        assert plan.dims.product == 16 and (plan.dims.tp, plan.dims.cp, plan.dims.pp) == (layout.tp, layout.cp, layout.pp)
+        assert plan.dims.product == 16 and (plan.dims.tp, plan.dims.cp, plan.dims.pp) == (
+            layout.tp,
+            layout.cp,
+            layout.pp,
+        )
 
 
 def _llama_1b():
@@ -180,12 +249,15 @@ def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
 
 
 def test_one_gpu_plan_predicts_bf16_throughput(capsys):
-    status, stdout, stderr = plan_cli(capsys, "--model", "llama-1b", "--gpus", "1", "--seq-len", "2048",
-                                      "--global-batch", "8", "--json")
+    status, stdout, stderr = plan_cli(
+        capsys, "--model", "llama-1b", "--gpus", "1", "--seq-len", "2048", "--global-batch", "8", "--json"
+    )
     assert status == 0, stderr[-2000:]
     best = json.loads(stdout[: stdout.rindex("}") + 1])["candidates"][0]
-    print(f"llama-1b, 1 x H100: micro {best['layout']['micro_batch']} {best['layout']['activation_checkpointing']}, "
-          f"{best['memory_gb']['total']:.1f} GB, {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}")
+    print(
+        f"llama-1b, 1 x H100: micro {best['layout']['micro_batch']} {best['layout']['activation_checkpointing']}, "
+        f"{best['memory_gb']['total']:.1f} GB, {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}"
+    )
     assert best["fits"] and best["mfu"] > 0.25  # fp32 compute predicted 2.4%
 
 
@@ -195,8 +267,23 @@ def test_emitted_config_sets_train_mixed_precision(tmp_path, capsys, precision):
     from meshtron.plan.layout import Workload
 
     out = tmp_path / "one.toml"
-    status, _, stderr = plan_cli(capsys, "--model", "llama-1b", "--gpus", "1", "--seq-len", "2048", "--global-batch", "8",
-                                 "--mixed-precision", precision, "--loss-chunk-size", "2048", "--emit-config", str(out))
+    status, _, stderr = plan_cli(
+        capsys,
+        "--model",
+        "llama-1b",
+        "--gpus",
+        "1",
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "8",
+        "--mixed-precision",
+        precision,
+        "--loss-chunk-size",
+        "2048",
+        "--emit-config",
+        str(out),
+    )
     assert status == 0, stderr[-2000:]
     text = out.read_text()
     assert "param_dtype" not in text and f'mixed_precision = "{precision}"' in text
@@ -234,8 +321,10 @@ def test_fused_loss_memory_at_llama_1b():
     whole = Workload(seq_len=2048, global_batch=4, loss_chunk_size=0)
     saved = activation_bytes(shape, layout, whole)[0] - activation_bytes(shape, layout, fused)[0]
     transient = estimate_memory(shape, layout, whole).temporaries - estimate_memory(shape, layout, fused).temporaries
-    print(f"llama-1b, seq 2048 x micro batch 4: the fused loss saves {saved / 1e9:.2f} GB of activations "
-          f"({saved:,.0f} B) and {transient / 1e9:.2f} GB of transient logits ({transient:,} B)")
+    print(
+        f"llama-1b, seq 2048 x micro batch 4: the fused loss saves {saved / 1e9:.2f} GB of activations "
+        f"({saved:,.0f} B) and {transient / 1e9:.2f} GB of transient logits ({transient:,} B)"
+    )
     tokens, vocab, hidden = 4 * 2048, 128256, 2048
     assert saved == tokens * vocab * 4 - vocab * hidden * 4  # the fp32 log-softmax, less the fp32 weight gradient
     # unfused: bf16 logits, fp32 copy and fp32 gradient of every token; fused: one chunk's bf16 logits, fp32 copy
@@ -250,13 +339,13 @@ def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
     accumulated micro-batches): the default holds gradient shards and reduce-scatters 32 times;
     fsdp.accumulate_unsharded holds each rank's full tp-share of the gradients in fp32 (~35 GB) and
     reduce-scatters once. (tests/test_parity.py measures both against real runs.)"""
+    from meshtron.config import ModelConfig
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import estimate_memory
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.throughput import estimate_step
-    from meshtron.config import ModelConfig
 
     hf_config = make_preset_config("llama-70b", 257)
     shape = ModelShape.from_hf_config(hf_config, ModelConfig(preset="llama-70b"))
@@ -266,15 +355,18 @@ def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
     assert memory[sharded].grads == memory[sharded].params  # fp32 shards, like the parameters
     full_tp_share = memory[sharded].params * 8  # undo dp_shard 8 (the 257-token vocabulary pads nothing)
     assert abs(memory[whole].grads - full_tp_share) <= 0.01 * full_tp_share
-    print(f"70b tp8 x shard8, 32 micro-batches: gradients held {memory[sharded].grads / 1e9:.1f} GB (default) vs "
-          f"{memory[whole].grads / 1e9:.1f} GB (accumulate_unsharded)")
+    print(
+        f"70b tp8 x shard8, 32 micro-batches: gradients held {memory[sharded].grads / 1e9:.1f} GB (default) vs "
+        f"{memory[whole].grads / 1e9:.1f} GB (accumulate_unsharded)"
+    )
     hw = hardware("h100")
     default_step, deferred_step = (estimate_step(shape, layout, w, hw, hf_config) for w in (sharded, whole))
     assert deferred_step.exposed_comm_s <= default_step.exposed_comm_s
     # A layout with one micro-batch per step is unaffected.
     single = Layout(dp_shard=8, tp=8, micro_batch=4)
     assert estimate_memory(shape, single, Workload(8192, 32)) == estimate_memory(
-        shape, single, Workload(8192, 32, accumulate_unsharded=True))
+        shape, single, Workload(8192, 32, accumulate_unsharded=True)
+    )
 
 
 def test_document_mask_term_only_off_cuda():
@@ -284,17 +376,24 @@ def test_document_mask_term_only_off_cuda():
     from meshtron.plan.memory import block_activation_per_token
 
     _, shape = _llama_1b()
-    per_device = {device: block_activation_per_token(shape, Layout(), Workload(2048, 8, device=device))
-                  for device in ("cuda", "cpu")}
+    per_device = {
+        device: block_activation_per_token(shape, Layout(), Workload(2048, 8, device=device))
+        for device in ("cuda", "cpu")
+    }
     assert per_device["cpu"] - per_device["cuda"] == 2 * 2048
     unmasked = Workload(2048, 8, mask_documents=False, device="cpu")
     assert block_activation_per_token(shape, Layout(pp=2), unmasked) < per_device["cpu"]
 
 
-@pytest.mark.parametrize("overrides", [["train.mixed_precision=bf16"],
-                                       ["train.mixed_precision=bf16", "train.loss_chunk_size=48"],
-                                       ["train.mixed_precision=fp16", "train.fp16_initial_loss_scale=1024"]],
-                         ids=["bf16", "bf16_chunked", "fp16"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.mixed_precision=bf16"],
+        ["train.mixed_precision=bf16", "train.loss_chunk_size=48"],
+        ["train.mixed_precision=fp16", "train.fp16_initial_loss_scale=1024"],
+    ],
+    ids=["bf16", "bf16_chunked", "fp16"],
+)
 def test_planned_half_precision_activations_match_a_cpu_run(tmp_path, cache_dir, overrides):
     """One process computing in bf16 / fp16 on CPU (llama-deep, 8 x 32 tokens): the planner's activations,
     bf16 weight copies included, against what autograd kept (the parity tests check every layout)."""
@@ -305,9 +404,21 @@ def test_planned_half_precision_activations_match_a_cpu_run(tmp_path, cache_dir,
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = load_config(None, ["model.preset=llama-deep", "data.max_documents=40", "data.seq_len=32",
-                             f"data.cache_dir={cache_dir}", "train.steps=2", "train.global_batch_size=8",
-                             "run.progress=false", f"run.output_dir={tmp_path}"] + overrides, env={})
+    cfg = load_config(
+        None,
+        [
+            "model.preset=llama-deep",
+            "data.max_documents=40",
+            "data.seq_len=32",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=2",
+            "train.global_batch_size=8",
+            "run.progress=false",
+            f"run.output_dir={tmp_path}",
+        ]
+        + overrides,
+        env={},
+    )
     measured = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))).activation_bytes
     planned = max(activation_bytes(*config_view(cfg, 1, device="cpu")))
     print(f"{' '.join(overrides)}: measured {measured:,} B, planned {planned:,.0f} B (x{planned / measured:.3f})")
@@ -337,8 +448,16 @@ def big_experts():
     from meshtron.plan.model_shape import ModelShape
 
     hf_config = Qwen3MoeConfig(
-        hidden_size=2048, num_hidden_layers=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-        intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
         max_position_embeddings=40960,
     )
     return hf_config, ModelShape.from_hf_config(hf_config)
@@ -357,9 +476,11 @@ def test_planner_proposes_expert_parallelism_for_big_experts(big_experts):
     workload = Workload(seq_len=4096, global_batch=64)
     candidates = plan_layouts(shape, hf_config, workload, 64, hw)
     best = candidates[0]
-    print(f"big experts on 64 H100s: best {best.layout.dims.describe()} micro {best.layout.micro_batch}, "
-          f"{best.step.tokens_per_s / 64:,.0f} tokens/s/GPU, all-to-all {best.step.all_to_all_s * 1e3:.1f} ms of "
-          f"{best.step.seconds * 1e3:.0f} ms")
+    print(
+        f"big experts on 64 H100s: best {best.layout.dims.describe()} micro {best.layout.micro_batch}, "
+        f"{best.step.tokens_per_s / 64:,.0f} tokens/s/GPU, all-to-all {best.step.all_to_all_s * 1e3:.1f} ms of "
+        f"{best.step.seconds * 1e3:.0f} ms"
+    )
     assert best.fits and best.layout.ep > 1
     assert best.step.all_to_all_s > 0
     fastest_without = max(c.step.tokens_per_s for c in candidates if c.fits and c.layout.ep == 1)
@@ -409,8 +530,11 @@ def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
     model_cfg = ModelConfig(name_or_path=str(tmp_path / "moe"))
     shape = ModelShape.from_hf_config(hf_config)
     workload = Workload(seq_len=256, global_batch=16)
-    layouts = [layout for layout in candidate_layouts(shape, hf_config, workload, 8, hardware("h100"))
-               if layout.activation_checkpointing == "none"]
+    layouts = [
+        layout
+        for layout in candidate_layouts(shape, hf_config, workload, 8, hardware("h100"))
+        if layout.activation_checkpointing == "none"
+    ]
     assert {layout.ep for layout in layouts} == {1, 2, 4}
     with_pp = any(layout.ep > 1 and layout.pp > 1 for layout in layouts)
     seen = set()
@@ -482,7 +606,9 @@ def test_expert_parallel_memory():
     assert state_numel(shape, plain, workload) == state_numel(shape, ep, workload)
     experts = sum(math.prod(p.shape) for p in shape.block if p.expert)
     fewer = estimate_memory(shape, plain, workload).gathered - estimate_memory(shape, ep, workload).gathered
-    assert experts and fewer == experts * 3 // 4 * (2 * 2 + 4)  # 3 of 4 experts fewer: two bf16 blocks, one fp32 gradient
+    assert experts and fewer == experts * 3 // 4 * (
+        2 * 2 + 4
+    )  # 3 of 4 experts fewer: two bf16 blocks, one fp32 gradient
     extra = block_activation_per_token(shape, ep, workload) - block_activation_per_token(shape, plain, workload)
     assert extra == shape.experts_per_token * (2 * shape.hidden + 8)  # a bf16 hidden row and an int64 per pair
 
@@ -492,15 +618,32 @@ def test_rehearse_prints_measured_next_to_planned_and_writes_rehearsal_json(tmp_
     from conftest import run_cli
 
     out = tmp_path / "rehearsal"
-    proc = run_cli(["train", "--rehearse", "--nproc", "2", "--rank", "1", "--parallel.tp=2", "--model.preset=llama-tiny",
-                    "--data.seq_len=32", "--data.max_documents=40", f"--data.cache_dir={cache_dir}",
-                    "--train.global_batch_size=4", f"--run.output_dir={out}", "--run.device=cpu"])
+    proc = run_cli(
+        [
+            "train",
+            "--rehearse",
+            "--nproc",
+            "2",
+            "--rank",
+            "1",
+            "--parallel.tp=2",
+            "--model.preset=llama-tiny",
+            "--data.seq_len=32",
+            "--data.max_documents=40",
+            f"--data.cache_dir={cache_dir}",
+            "--train.global_batch_size=4",
+            f"--run.output_dir={out}",
+            "--run.device=cpu",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "meshtron rehearsal: rank 1 of 2 (tp=2) on cpu" in proc.stdout
     assert "measured" in proc.stdout and "planned" in proc.stdout
     got = json.loads((out / "rehearsal.json").read_text())
     assert (got["rank"], got["world_size"]) == (1, 2)
     assert set(got["measured"]) == {"state_bytes", "activation_bytes", "peak_bytes", "step_s"}
-    assert got["measured"]["state_bytes"] > 0 and got["measured"]["activation_bytes"] > 0 and got["measured"]["step_s"] > 0
+    assert (
+        got["measured"]["state_bytes"] > 0 and got["measured"]["activation_bytes"] > 0 and got["measured"]["step_s"] > 0
+    )
     # the planner's state for a rank of this layout is exact (no FSDP padding): parameters, gradients, two moments
     assert got["planned"]["state_bytes"] == got["measured"]["state_bytes"]

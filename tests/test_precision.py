@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
-from conftest import run_cli
 from meshtron.config import load_config
-from meshtron.errors import ConfigError
+from meshtron.distributed.devices import resolve_device_type
 from meshtron.distributed.precision import (
     COMPUTE_WEIGHTS_ATTRIBUTE,
     PrecisionPolicy,
@@ -17,8 +17,8 @@ from meshtron.distributed.precision import (
     release_compute_weights,
     resolve_mixed_precision,
 )
+from meshtron.errors import ConfigError
 from meshtron.train.precision import LossScaler
-from meshtron.distributed.devices import resolve_device_type
 from meshtron.train.runtime import check_torch_version
 
 
@@ -194,10 +194,18 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
     split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id)
 
     def losses(compile_setting: str) -> list[float]:
-        cfg = load_config(None, [
-            "model.preset=llama-deep", "train.mixed_precision=bf16", f"train.compile={compile_setting}",
-            "train.float8=true", "train.activation_checkpointing=full", "data.mask_documents=true",
-        ], env={})
+        cfg = load_config(
+            None,
+            [
+                "model.preset=llama-deep",
+                "train.mixed_precision=bf16",
+                f"train.compile={compile_setting}",
+                "train.float8=true",
+                "train.activation_checkpointing=full",
+                "data.mask_documents=true",
+            ],
+            env={},
+        )
         model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
         adapter.return_hidden_states(model)
         parallelize_model(model, adapter, preflight(cfg, 1, "cpu").dims, None, cfg, "cpu")
@@ -208,8 +216,15 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
             for micro_batch in (input_ids[:1], input_ids[1:]):
                 hidden = model(**sequence_inputs(micro_batch, split))
                 weight, bias = adapter.head_parameters(model)
-                loss = head_loss_sum(hidden, micro_batch, weight, bias, compute_dtype=torch.bfloat16, chunk_size=48,
-                                     compiled=compile_setting == "true")
+                loss = head_loss_sum(
+                    hidden,
+                    micro_batch,
+                    weight,
+                    bias,
+                    compute_dtype=torch.bfloat16,
+                    chunk_size=48,
+                    compiled=compile_setting == "true",
+                )
                 loss.backward()
             release_compute_weights(model)
             trajectory.append(loss.item())

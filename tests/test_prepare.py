@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 from meshtron.config import DataConfig
@@ -36,8 +35,10 @@ def generate_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
 
 def prepare(source: Path, out: Path, workers: int) -> tuple[float, str]:
     """Run the command; returns (peak MB of the prepare process, its output)."""
-    proc = run_cli(["data", "prepare", f"--data.path={source}", f"--out={out}", f"--workers={workers}",
-                    f"--shard-mb={SHARD_MB}"], timeout=300)
+    proc = run_cli(
+        ["data", "prepare", f"--data.path={source}", f"--out={out}", f"--workers={workers}", f"--shard-mb={SHARD_MB}"],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     peak = re.search(r"peak memory (\d+) MB in this process, (\d+) MB in the largest worker", proc.stdout)
     return max(float(peak[1]), float(peak[2])), proc.stdout
@@ -67,7 +68,10 @@ def test_one_and_two_workers_write_the_same_files_in_memory_bounded_by_the_shard
     assert max(peaks.values()) < 250, peaks  # MB; SHARD_MB of text in flight per worker + 1, plus Python
     corpus = TokenCorpus(tmp_path / "big2")
     first = json.loads(big.open().readline())["text"]
-    assert bytes(corpus.read(0, len(first)).astype("uint8")).decode() == first and corpus.read(len(first), len(first) + 1) == 256
+    assert (
+        bytes(corpus.read(0, len(first)).astype("uint8")).decode() == first
+        and corpus.read(len(first), len(first) + 1) == 256
+    )
 
 
 def test_a_killed_prepare_resumes_with_the_shards_it_completed(tmp_path, monkeypatch):
@@ -92,8 +96,10 @@ def test_a_killed_prepare_resumes_with_the_shards_it_completed(tmp_path, monkeyp
     lines = []
     resumed = prepare_corpus(data, tmp_path / "resumed", shard_chars=100_000, log=lines.append)
     assert "4 already complete from an earlier run" in lines[0] and resumed == clean
-    assert all(filecmp.cmp(tmp_path / "clean" / n, tmp_path / "resumed" / n, shallow=False)
-               for n in (p.name for p in (tmp_path / "clean").iterdir()))
+    assert all(
+        filecmp.cmp(tmp_path / "clean" / n, tmp_path / "resumed" / n, shallow=False)
+        for n in (p.name for p in (tmp_path / "clean").iterdir())
+    )
     # The same command once more only says it is prepared; other data or settings into that folder are refused.
     assert prepare_corpus(data, tmp_path / "resumed", shard_chars=100_000) == clean
     with pytest.raises(ConfigError, match="holds a corpus prepared from other data or settings"):
@@ -132,6 +138,9 @@ def test_training_refuses_a_prepared_directory_of_another_tokenizer(tmp_path):
     from meshtron.data.tokenizer import ByteTokenizer
 
     check_prepared_tokenizer(str(tmp_path / "prepared"), ByteTokenizer())
-    with pytest.raises(ConfigError, match=r"was prepared with the tokenizer 'byte' \(vocabulary 257\), not "
-                                          r"data.tokenizer='/models/other'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"was prepared with the tokenizer 'byte' \(vocabulary 257\), not "
+        r"data.tokenizer='/models/other'",
+    ):
         check_prepared_tokenizer(str(tmp_path / "prepared"), OtherTokenizer())

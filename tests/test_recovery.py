@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_same_tensors, run_cli, worker_env
 
 STEPS = 8
@@ -20,10 +19,22 @@ FINAL = f"checkpoints/step-{STEPS:08d}"
 
 def command(cache_dir, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--nproc", "2", "--model.preset=llama-deep", "--data.max_documents=40", "--data.seq_len=32",
-        f"--data.cache_dir={cache_dir}", f"--train.steps={STEPS}", "--train.global_batch_size=8", "--train.lr=1e-3",
-        "--train.warmup_steps=2", "--train.seed=7", "--run.progress=false", "--checkpoint.interval=3",
-        f"--run.output_dir={out}", *extra,
+        "train",
+        "--nproc",
+        "2",
+        "--model.preset=llama-deep",
+        "--data.max_documents=40",
+        "--data.seq_len=32",
+        f"--data.cache_dir={cache_dir}",
+        f"--train.steps={STEPS}",
+        "--train.global_batch_size=8",
+        "--train.lr=1e-3",
+        "--train.warmup_steps=2",
+        "--train.seed=7",
+        "--run.progress=false",
+        "--checkpoint.interval=3",
+        f"--run.output_dir={out}",
+        *extra,
     ]
 
 
@@ -51,24 +62,31 @@ def test_kills_and_failed_saves_restart_the_run_which_continues_exactly(straight
     and a save of step 6 that fails with a full disk (a clear error on every rank, step 3 still loads). Losses
     and final weights equal the uninterrupted run's. (The 4-rank pp2 x tp2 kills: test_checkpoint.py.)"""
     out = tmp_path / "run"
-    faults = ("kill:step=2:rank=1,kill:step=4:rank=0:attempt=1,kill:step=5:rank=1:attempt=2,"
-              "killsave:step=6:rank=1:attempt=3,failsave:step=6:rank=0:attempt=4")
-    proc = run_cli([*command(cache_dir, out), "--max-restarts", "5"], env=worker_env(MESHTRON_FAULT=faults), timeout=500)
+    faults = (
+        "kill:step=2:rank=1,kill:step=4:rank=0:attempt=1,kill:step=5:rank=1:attempt=2,"
+        "killsave:step=6:rank=1:attempt=3,failsave:step=6:rank=0:attempt=4"
+    )
+    proc = run_cli(
+        [*command(cache_dir, out), "--max-restarts", "5"], env=worker_env(MESHTRON_FAULT=faults), timeout=500
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for line in ("restart 1 of this run after a failure: no checkpoint yet: starting over; 1 step(s)",
-                 "restart 2 of this run after a failure: resumed from step-00000003 (step 3); 0 step(s)",
-                 "restart 3 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)",
-                 "restart 4 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)",
-                 "removed step-00000006.partial, a save that did not complete",
-                 "restart 5 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)"):
+    for line in (
+        "restart 1 of this run after a failure: no checkpoint yet: starting over; 1 step(s)",
+        "restart 2 of this run after a failure: resumed from step-00000003 (step 3); 0 step(s)",
+        "restart 3 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)",
+        "restart 4 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)",
+        "removed step-00000006.partial, a save that did not complete",
+        "restart 5 of this run after a failure: resumed from step-00000003 (step 3); 3 step(s)",
+    ):
         assert line in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 1, 2, 3, 4, 4, 5, 6, 4, 5, 6, 4, 5, 6, 7, 8]
     assert [row.get("restart", 0) for row in rows] == [0, 1, 1, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 5, 5]
-    assert ("meshtron: error: saving checkpoint step-00000006.partial failed (rank 0: [Errno 28] No space left on "
-            "device (injected)); free disk space, make checkpoint.dir writable or change it (earlier checkpoints are "
-            "untouched)"
-            in proc.stderr)
+    assert (
+        "meshtron: error: saving checkpoint step-00000006.partial failed (rank 0: [Errno 28] No space left on "
+        "device (injected)); free disk space, make checkpoint.dir writable or change it (earlier checkpoints are "
+        "untouched)" in proc.stderr
+    )
     assert last_losses(out) == last_losses(straight)
     assert_same_tensors(out / FINAL, straight / FINAL, tmp_path)
 
@@ -81,15 +99,21 @@ def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tm
     out = tmp_path / "run"
     stopped = run_cli(command(cache_dir, out), env=worker_env(MESHTRON_FAULT="term:step=2:rank=1"), timeout=300)
     assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-3000:]
-    said = re.search(r"stopped by SIGTERM after step (\d) of 8: checkpoint step-0000000(\d) saved; run the same "
-                     r"command again to resume \(exit status 75\)", stopped.stdout)
+    said = re.search(
+        r"stopped by SIGTERM after step (\d) of 8: checkpoint step-0000000(\d) saved; run the same "
+        r"command again to resume \(exit status 75\)",
+        stopped.stdout,
+    )
     assert said and said[1] == said[2] and said[1] in "23", stopped.stdout[-2000:]
     assert "sends a second SIGTERM during the save" in stopped.stderr
     meta = json.loads((out / "checkpoints" / f"step-0000000{said[1]}" / "meshtron.json").read_text())
     assert meta["stopped_by"] == "SIGTERM"
 
-    rerun = run_cli([*command(cache_dir, out, "--checkpoint.async=true"), "--max-restarts", "1"],
-                    env=worker_env(MESHTRON_FAULT="killsave:step=6:rank=0"), timeout=300)
+    rerun = run_cli(
+        [*command(cache_dir, out, "--checkpoint.async=true"), "--max-restarts", "1"],
+        env=worker_env(MESHTRON_FAULT="killsave:step=6:rank=0"),
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints'}/step-0000000{said[1]}" in rerun.stdout
     assert "restart 1 of this run after a failure: resumed from step-00000003 (step 3)" in rerun.stdout
@@ -101,14 +125,19 @@ def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tm
 @pytest.mark.slow
 def test_a_hung_rank_stops_every_rank_within_the_timeout(tmp_path, cache_dir):
     timeout_s = 5
-    proc = run_cli([*command(cache_dir, tmp_path / "run"), f"--run.collective_timeout_s={timeout_s}"],
-                   env=worker_env(MESHTRON_FAULT="hang:step=3:rank=1"), timeout=120)
+    proc = run_cli(
+        [*command(cache_dir, tmp_path / "run"), f"--run.collective_timeout_s={timeout_s}"],
+        env=worker_env(MESHTRON_FAULT="hang:step=3:rank=1"),
+        timeout=120,
+    )
     ended = time.time()
     assert proc.returncode == 124, proc.stdout[-2000:] + proc.stderr[-3000:]
     hung_at = float(re.search(r"rank 1 hangs at the start of step 3 at time ([\d.]+)", proc.stderr)[1])
     assert ended - hung_at < timeout_s + 15  # the watchdog's wait for reports, torchrun's shutdown
     lines = [line for line in proc.stderr.splitlines() if "made no progress" in line]
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert re.search(rf"step 3 made no progress for \d+ s \(run.collective_timeout_s={timeout_s}\): rank\(s\) 1 did "
-                     r"not arrive \(rank 1 busy at faults.py:\d+ in before_step\); every rank exits with status 124",
-                     lines[0]), lines[0]
+    assert re.search(
+        rf"step 3 made no progress for \d+ s \(run.collective_timeout_s={timeout_s}\): rank\(s\) 1 did "
+        r"not arrive \(rank 1 busy at faults.py:\d+ in before_step\); every rank exits with status 124",
+        lines[0],
+    ), lines[0]

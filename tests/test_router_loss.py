@@ -17,7 +17,13 @@ from meshtron.distributed.context_parallel import shard_sequence
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import flops_per_token
 from meshtron.train.router_loss import (
-    LocalRouting, RouterLoss, StepRouting, layer_routing, micro_batch_aux, pack, router_loss_enabled,
+    LocalRouting,
+    RouterLoss,
+    StepRouting,
+    layer_routing,
+    micro_batch_aux,
+    pack,
+    router_loss_enabled,
 )
 from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
@@ -30,9 +36,19 @@ def tiny_moe_config(vocab_size: int = 64, **overrides):
     from transformers import Qwen3MoeConfig
 
     settings = dict(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=K, vocab_size=vocab_size,
-        max_position_embeddings=256, output_router_logits=True, router_aux_loss_coef=0.02,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=K,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
     )
     settings.update(overrides)
     return Qwen3MoeConfig(**settings)
@@ -114,7 +130,9 @@ def test_step_metrics_average_the_micro_batches():
     counts = routing.counts
     assert float(counts.sum()) == 3 * 16 * LAYERS * K
     mean = 3 * 16 * K / E
-    assert load_max == pytest.approx(float(counts.max()) / mean) and load_min == pytest.approx(float(counts.min()) / mean)
+    assert load_max == pytest.approx(float(counts.max()) / mean) and load_min == pytest.approx(
+        float(counts.min()) / mean
+    )
     assert load_min <= 1 <= load_max
 
 
@@ -172,8 +190,14 @@ def test_single_process_loss_at_step_1_is_transformers_loss(tmp_path, cache_dir)
     reference = AutoModelForCausalLM.from_config(tiny_moe_config(tokenizer.vocab_size, initializer_range=0.2))
     reference.save_pretrained(model_dir)
     overrides = [
-        f"model.name_or_path={model_dir}", "data.max_documents=40", "data.seq_len=32", f"data.cache_dir={cache_dir}",
-        "train.steps=1", "train.global_batch_size=4", "run.progress=false", f"run.output_dir={tmp_path / 'run'}",
+        f"model.name_or_path={model_dir}",
+        "data.max_documents=40",
+        "data.seq_len=32",
+        f"data.cache_dir={cache_dir}",
+        "train.steps=1",
+        "train.global_batch_size=4",
+        "run.progress=false",
+        f"run.output_dir={tmp_path / 'run'}",
     ]
     cfg = load_config(None, overrides, env={})
     result = train(cfg, CPU_RUNTIME)
@@ -189,16 +213,20 @@ def test_single_process_loss_at_step_1_is_transformers_loss(tmp_path, cache_dir)
     assert float(out.aux_loss) * 0.02 > 1e-3 * float(out.loss)  # the aux term is visible at this tolerance
     assert 1 <= record["expert_load_max"] and 0 <= record["expert_load_min"] <= 1
 
-    off = load_config(None, overrides[:-1] + [f"run.output_dir={tmp_path / 'off'}", "train.router_aux_loss=false"], env={})
+    off = load_config(
+        None, overrides[:-1] + [f"run.output_dir={tmp_path / 'off'}", "train.router_aux_loss=false"], env={}
+    )
     lm_only = train(off, CPU_RUNTIME).losses[0]
     assert lm_only == pytest.approx(float(out.loss) - 0.02 * float(out.aux_loss), rel=1e-5)
 
     # Accumulation over 2 micro-batches: aux_loss is the mean of transformers' aux of each, the LM loss the global mean.
-    accum = load_config(None, overrides[:-1] + [f"run.output_dir={tmp_path / 'accum'}", "train.micro_batch_size=2"], env={})
+    accum = load_config(
+        None, overrides[:-1] + [f"run.output_dir={tmp_path / 'accum'}", "train.micro_batch_size=2"], env={}
+    )
     accum_loss = train(accum, CPU_RUNTIME).losses[0]
     accum_record = json.loads((tmp_path / "accum" / "metrics.jsonl").read_text().splitlines()[0])
     with torch.no_grad():
-        halves = [float(reference(input_ids=input_ids[i:i + 2], output_router_logits=True).aux_loss) for i in (0, 2)]
+        halves = [float(reference(input_ids=input_ids[i : i + 2], output_router_logits=True).aux_loss) for i in (0, 2)]
     assert accum_record["aux_loss"] == pytest.approx(np.mean(halves), rel=1e-5)
     assert accum_loss == pytest.approx(lm_only + 0.02 * np.mean(halves), rel=1e-5)
 
@@ -231,13 +259,14 @@ def test_pipeline_stages_carry_the_routing_to_transformers_value_and_gradient():
     out, stages = (input_ids,), []
     for pp_rank in range(2):
         meta, _ = build_meta_model(hf_config, cfg.model)
-        (stage_id, stage), = split_pipeline(meta, adapter, cfg.parallel, pp_rank)
+        ((stage_id, stage),) = split_pipeline(meta, adapter, cfg.parallel, pp_rank)
         materialize(stage, adapter, cpu, seed=3)
         adapter.use_attention(stage, register_attention())
         routing = StageRouting(stage, hf_config, 4, E)
         assert routing.layers == [2 * pp_rank, 2 * pp_rank + 1]
-        set_stage_forward(stage, adapter, stage_id == 0, stage_id == 1, lambda ids: sequence_inputs(ids, split),
-                          routing=routing)
+        set_stage_forward(
+            stage, adapter, stage_id == 0, stage_id == 1, lambda ids: sequence_inputs(ids, split), routing=routing
+        )
         out = stage(*out)
         stages.append(stage)
     hidden, carry = out

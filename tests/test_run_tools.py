@@ -20,9 +20,20 @@ def train_run(out: Path, *overrides: str) -> Path:
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = load_config(None, ["model.preset=llama-tiny", "data.max_documents=40", "data.seq_len=32",
-                             f"train.steps={STEPS}", "train.global_batch_size=4", "run.progress=false",
-                             f"run.output_dir={out}", *overrides], env={})
+    cfg = load_config(
+        None,
+        [
+            "model.preset=llama-tiny",
+            "data.max_documents=40",
+            "data.seq_len=32",
+            f"train.steps={STEPS}",
+            "train.global_batch_size=4",
+            "run.progress=false",
+            f"run.output_dir={out}",
+            *overrides,
+        ],
+        env={},
+    )
     train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     return out
 
@@ -31,8 +42,13 @@ def train_run(out: Path, *overrides: str) -> Path:
 def runs(tmp_path_factory):
     """A run logging to TensorBoard and W&B (offline), a re-run of it, and a run with another seed."""
     root = tmp_path_factory.mktemp("runs")
-    train_run(root / "logged", "run.loggers=jsonl,tensorboard,wandb", "run.wandb_mode=offline",
-              "run.wandb_project=meshtron-test", f"checkpoint.interval={STEPS}")
+    train_run(
+        root / "logged",
+        "run.loggers=jsonl,tensorboard,wandb",
+        "run.wandb_mode=offline",
+        "run.wandb_project=meshtron-test",
+        f"checkpoint.interval={STEPS}",
+    )
     train_run(root / "rerun")
     train_run(root / "other-seed", "train.seed=8")
     return root
@@ -53,11 +69,11 @@ def wandb_records(run: Path) -> list:
         if left < 7:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -82,9 +98,11 @@ def test_tensorboard_events_hold_the_metrics_rows(runs):
 
 def test_wandb_offline_run_holds_the_metrics_and_the_config(runs):
     records = wandb_records(runs / "logged")
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records
-               if r.WhichOneof("record_type") == "history"]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     rows = metrics(runs / "logged")
     assert [h["_step"] for h in history] == [row["step"] for row in rows]
     assert [h["train/loss"] for h in history] == pytest.approx([row["loss"] for row in rows], rel=1e-9)
@@ -166,9 +184,9 @@ def test_generate_continues_a_prompt_from_a_checkpoint_and_from_its_export(runs,
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
+    from meshtron.checkpoint.generate import generate_text
     from meshtron.cli import main
     from meshtron.data.tokenizer import ByteTokenizer
-    from meshtron.checkpoint.generate import generate_text
 
     checkpoint = runs / "logged" / "checkpoints" / f"step-{STEPS:08d}"
     export = export_checkpoint(str(checkpoint), str(tmp_path / "export"))

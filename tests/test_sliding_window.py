@@ -13,12 +13,18 @@ import warnings
 
 import pytest
 import torch
+from conftest import full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from conftest import full_blocks, reference_attention
 from meshtron.distributed import sub_blocks as plans
 from meshtron.distributed.context_parallel import (
-    SequenceLayout, _backward_block, _forward_block, _halves, _own_first, chunk_ids, local_token_index,
+    SequenceLayout,
+    _backward_block,
+    _forward_block,
+    _halves,
+    _own_first,
+    chunk_ids,
+    local_token_index,
 )
 from meshtron.models import attention_kernels as kernels
 from meshtron.models.attention import document_ids, hf_attention, register_attention
@@ -100,7 +106,9 @@ def test_dense_mask_and_mask_mod_match_the_naive_mask(window):
     window = kernels.effective_window(window, SEQ)
     expected = naive_mask(tokens, window)
     assert torch.equal(kernels.dense_document_mask(docs, "cpu", window)[:, 0], expected)
-    assert torch.equal(create_mask(kernels.document_mask_mod(docs, window), 3, 1, SEQ, SEQ, device="cpu")[:, 0], expected)
+    assert torch.equal(
+        create_mask(kernels.document_mask_mod(docs, window), 3, 1, SEQ, SEQ, device="cpu")[:, 0], expected
+    )
     if window is not None:
         assert torch.equal(kernels.dense_document_mask(None, "cpu", window, SEQ)[:, 0], naive_mask(None, window, SEQ))
 
@@ -121,8 +129,9 @@ def test_block_mask_skips_blocks_outside_the_window(window, with_documents, bloc
     docs = document_ids(tokens, EOS) if with_documents else None
     ours = kernels.document_block_mask(docs, "cpu", SEQ, block_size, window)
     batch = 3 if with_documents else 1
-    torchs = create_block_mask(kernels.document_mask_mod(docs, window), batch, 1, SEQ, SEQ, device="cpu",
-                               BLOCK_SIZE=block_size)
+    torchs = create_block_mask(
+        kernels.document_mask_mod(docs, window), batch, 1, SEQ, SEQ, device="cpu", BLOCK_SIZE=block_size
+    )
     assert torch.equal(ours.to_dense(), torchs.to_dense())
     assert torch.equal(ours.full_kv_num_blocks, torchs.full_kv_num_blocks)
     dense = naive_mask(tokens if with_documents else None, window, SEQ)
@@ -163,8 +172,9 @@ def test_sdpa_gradients_match_reference_attention(window):
     base = qkv(batch=2)
     grad_out = torch.randn(base[0].shape, generator=torch.Generator().manual_seed(2))
     expected = _grads(lambda q, k, v: reference_attention(q, k, v, visible, 0.3), base, grad_out.double())
-    got = _grads(lambda q, k, v: kernels.document_attention(q, k, v, docs, 0.3, kernel="sdpa", window=window),
-                 base, grad_out)
+    got = _grads(
+        lambda q, k, v: kernels.document_attention(q, k, v, docs, 0.3, kernel="sdpa", window=window), base, grad_out
+    )
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
 
@@ -176,11 +186,17 @@ def test_masks_are_cached_per_window():
     layout = SequenceLayout(SEQ, document_ids=docs)
     q, k, v = qkv()
     for kernel in ("sdpa", "flex"):
-        outs = {w: kernels.document_attention(q, k, v, docs, 0.3, kernel=kernel, cache=layout.attention_cache, window=w)
-                for w in (None, 16, None, 16, SEQ)}
+        outs = {
+            w: kernels.document_attention(q, k, v, docs, 0.3, kernel=kernel, cache=layout.attention_cache, window=w)
+            for w in (None, 16, None, 16, SEQ)
+        }
         assert not torch.equal(outs[None], outs[16]) and torch.equal(outs[None], outs[SEQ])
-    assert set(layout.attention_cache) == {("dense", "cpu", SEQ), ("dense", "cpu", SEQ, 16),
-                                           ("flex", "cpu", SEQ), ("flex", "cpu", SEQ, 16)}
+    assert set(layout.attention_cache) == {
+        ("dense", "cpu", SEQ),
+        ("dense", "cpu", SEQ, 16),
+        ("flex", "cpu", SEQ),
+        ("flex", "cpu", SEQ, 16),
+    }
     cache = {}
     kernels.prepare_masks(cache, docs, torch.device("cpu"), SEQ, windows=(None, 16, 4096))
     assert set(cache) == {("dense", "cpu", SEQ), ("dense", "cpu", SEQ, 16)}
@@ -208,12 +224,24 @@ def test_hf_attention_takes_the_layers_sliding_window():
 def _tiny(family: str, window: int):
     import transformers
 
-    common = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, sliding_window=window, attention_dropout=0.0,
-                  pad_token_id=None, bos_token_id=None, eos_token_id=EOS)
+    common = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=window,
+        attention_dropout=0.0,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=EOS,
+    )
     if family == "gemma3":
-        config = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
-                                               layer_types=["sliding_attention", "full_attention"])
+        config = transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"]
+        )
         model = transformers.Gemma3ForCausalLM(config)
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
@@ -263,8 +291,10 @@ def test_sub_blocks_are_classified_by_the_window_on_global_indices():
     """Chunks of 4 (cp=2, 16 tokens): (query chunk, key chunk) pairs 4 apart hold distances 1..7, 8 apart 5..11;
     the diagonal 0..3."""
     chunk = 4
-    kinds = {w: {(q, kv): plans.classify(None, None, q, kv, w, chunk) for q, kv in itertools.product(range(4), repeat=2)}
-             for w in (1, 3, 4, 5, 8, 12)}
+    kinds = {
+        w: {(q, kv): plans.classify(None, None, q, kv, w, chunk) for q, kv in itertools.product(range(4), repeat=2)}
+        for w in (1, 3, 4, 5, 8, 12)
+    }
     assert kinds[1][0, 0] == kinds[3][1, 1] == "masked"  # the diagonal's distances reach 3
     assert kinds[4][0, 0] == kinds[5][2, 2] == "causal"
     assert kinds[1][1, 0] == "skip" and kinds[3][1, 0] == kinds[4][1, 0] == kinds[5][1, 0] == "masked"
@@ -277,7 +307,10 @@ def test_sub_blocks_are_classified_by_the_window_on_global_indices():
     assert plans.classify(first, last, 3, 2) == "full"  # one document spans both chunks
     assert plans.classify(first, last, 3, 2, 4, chunk) == "masked"  # but the window cuts it
     assert plans.classify(first, last, 3, 2, 8, chunk) == "full"
-    assert plans.classify(first, last, 2, 2, 4, chunk) == "causal" and plans.classify(first, last, 2, 2, 3, chunk) == "masked"
+    assert (
+        plans.classify(first, last, 2, 2, 4, chunk) == "causal"
+        and plans.classify(first, last, 2, 2, 3, chunk) == "masked"
+    )
     assert plans.classify(first, last, 2, 0, 8, chunk) == "skip"  # an earlier document only, window or not
 
 
@@ -352,8 +385,18 @@ def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out
         out[:, :, index[rank]] = local_out
         dq_halves = [torch.zeros(h.shape) for h in q_halves]
         for source in range(cp):
-            grads = _backward_block(q_halves, kv[source], source, layout, scale, _halves(local_out, c),
-                                    _halves(local_lse, c), _halves(grad_out[:, :, index[rank]], c), dq_halves, window)
+            grads = _backward_block(
+                q_halves,
+                kv[source],
+                source,
+                layout,
+                scale,
+                _halves(local_out, c),
+                _halves(local_lse, c),
+                _halves(grad_out[:, :, index[rank]], c),
+                dq_halves,
+                window,
+            )
             dkv[:, :, :, index[source]] += grads
         dq[:, :, index[rank]] = torch.cat(dq_halves, 2)
     return out, dq, dkv[0], dkv[1]
@@ -379,9 +422,14 @@ def test_context_parallel_sub_blocks_match_single_device_attention(cp, with_docu
         got = emulated_context_parallel(q, k, v, docs, cp, window, kernel, 0.3, grad_out)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{window} {name}: {m}")
-    computed = {w: sum(len(blocks) for r in range(cp)
-                       for blocks in plans.plan_sub_blocks(SequenceLayout(seq, cp, r, document_ids=docs), "cpu", w).values())
-                for w in (None, chunk)}
+    computed = {
+        w: sum(
+            len(blocks)
+            for r in range(cp)
+            for blocks in plans.plan_sub_blocks(SequenceLayout(seq, cp, r, document_ids=docs), "cpu", w).values()
+        )
+        for w in (None, chunk)
+    }
     assert computed[chunk] < computed[None]
 
 

@@ -55,7 +55,7 @@ def expected_batches(texts: list[str], batches: int) -> list[np.ndarray]:
         lane = chars.index(min(chars))
         chars[lane] += len(text)
         lanes[lane] += list(text.encode()) + [ByteTokenizer.eos_token_id]
-    return [np.array([lane[n * WIDTH:(n + 1) * WIDTH] for lane in lanes]) for n in range(batches)]
+    return [np.array([lane[n * WIDTH : (n + 1) * WIDTH] for lane in lanes]) for n in range(batches)]
 
 
 def global_batch(n: int, lanes=range(G)) -> list[int]:

@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from meshtron.cli import main
 from meshtron.config import load_config
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
@@ -25,9 +25,17 @@ def small_config(tmp_path, cache_dir, *extra: str):
     return load_config(
         None,
         [
-            "model.preset=tiny", "data.max_documents=30", "data.seq_len=32", f"data.cache_dir={cache_dir}",
-            "train.steps=8", "train.global_batch_size=4", "train.lr=3e-3", "train.warmup_steps=2",
-            "run.progress=false", f"run.output_dir={tmp_path / 'run'}", *extra,
+            "model.preset=tiny",
+            "data.max_documents=30",
+            "data.seq_len=32",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=8",
+            "train.global_batch_size=4",
+            "train.lr=3e-3",
+            "train.warmup_steps=2",
+            "run.progress=false",
+            f"run.output_dir={tmp_path / 'run'}",
+            *extra,
         ],
         env={},
     )
@@ -58,7 +66,9 @@ def test_same_config_same_losses(tmp_path, cache_dir):
 
 
 def test_lr_schedule_shape():
-    cfg = load_config(None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"], env={}).train
+    cfg = load_config(
+        None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"], env={}
+    ).train
     assert lr_at(0, cfg) == pytest.approx(0.1)
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(60, cfg) == pytest.approx(0.55)
@@ -79,17 +89,29 @@ def test_clipping_uses_the_global_norm():
 
 
 def test_nonfinite_loss_stops_with_a_clear_error(tmp_path, cache_dir):
-    cfg = small_config(tmp_path, cache_dir, "train.lr=1e30", "train.min_lr=1e29", "train.warmup_steps=0", "train.max_grad_norm=0")
+    cfg = small_config(
+        tmp_path, cache_dir, "train.lr=1e30", "train.min_lr=1e29", "train.warmup_steps=0", "train.max_grad_norm=0"
+    )
     with pytest.raises(MeshtronError, match="training diverged.*train.on_nonfinite=skip"):
         train(cfg, CPU_RUNTIME)
 
 
 def test_nonfinite_skip_leaves_weights_untouched(tmp_path, cache_dir):
-    cfg = small_config(tmp_path, cache_dir, "train.lr=1e30", "train.min_lr=1e29", "train.warmup_steps=0",
-                       "train.max_grad_norm=0", "train.on_nonfinite=skip")
+    cfg = small_config(
+        tmp_path,
+        cache_dir,
+        "train.lr=1e30",
+        "train.min_lr=1e29",
+        "train.warmup_steps=0",
+        "train.max_grad_norm=0",
+        "train.on_nonfinite=skip",
+    )
     result = train(cfg, CPU_RUNTIME)
-    bad = [i for i, (loss, norm) in enumerate(zip(result.losses, result.grad_norms))
-           if not (math.isfinite(loss) and math.isfinite(norm))]
+    bad = [
+        i
+        for i, (loss, norm) in enumerate(zip(result.losses, result.grad_norms))
+        if not (math.isfinite(loss) and math.isfinite(norm))
+    ]
     assert bad, "the run was expected to diverge"
     assert len(result.losses) == 8
     # Had a non-finite step reached the optimizer, Adam would have written NaN into the weights.
@@ -111,9 +133,17 @@ def test_collective_timeout_setting_reaches_the_process_group(capsys, monkeypatc
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(var, value)
-    code = main(["train", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
-                 f"--data.cache_dir={cache_dir}", f"--run.output_dir={tmp_path / 'run'}",
-                 "--run.collective_timeout_s=7200"])
+    code = main(
+        [
+            "train",
+            "--model.preset=tiny",
+            "--data.max_documents=30",
+            "--data.seq_len=32",
+            f"--data.cache_dir={cache_dir}",
+            f"--run.output_dir={tmp_path / 'run'}",
+            "--run.collective_timeout_s=7200",
+        ]
+    )
     assert "stopped at the process group" in capsys.readouterr().err
     assert code == 1 and seen == [timedelta(seconds=7200 + COLLECTIVE_GRACE_S)]
 
@@ -121,9 +151,24 @@ def test_collective_timeout_setting_reaches_the_process_group(capsys, monkeypatc
 @pytest.mark.slow
 def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
     """Without run.output_dir the launcher fixes one (runs/<timestamp>) for its workers: they checkpoint there."""
-    proc = run_cli(["train", "--nproc", "2", "--model.preset=tiny", "--data.max_documents=30", "--data.seq_len=32",
-                    f"--data.cache_dir={cache_dir}", "--train.steps=6", "--train.global_batch_size=4",
-                    "--train.lr=3e-3", "--run.log_every=2", "--checkpoint.interval=3"], timeout=240, cwd=tmp_path)
+    proc = run_cli(
+        [
+            "train",
+            "--nproc",
+            "2",
+            "--model.preset=tiny",
+            "--data.max_documents=30",
+            "--data.seq_len=32",
+            f"--data.cache_dir={cache_dir}",
+            "--train.steps=6",
+            "--train.global_batch_size=4",
+            "--train.lr=3e-3",
+            "--run.log_every=2",
+            "--checkpoint.interval=3",
+        ],
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     [out] = (tmp_path / "runs").iterdir()
     assert "layout: dp_shard=2" in proc.stdout

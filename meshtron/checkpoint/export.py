@@ -38,8 +38,10 @@ def export_checkpoint(
     source, target = Path(checkpoint), Path(out_dir)
     reason = damage(source)
     if reason is not None:
-        raise ConfigError(f"meshtron export: '{source}' is not a whole meshtron checkpoint ({reason}); give a step-N "
-                          "folder from a run's checkpoints/ directory")
+        raise ConfigError(
+            f"meshtron export: '{source}' is not a whole meshtron checkpoint ({reason}); give a step-N "
+            "folder from a run's checkpoints/ directory"
+        )
     read_meta(source)
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"export directory '{target}' is not empty; choose a new directory (nothing was written)")

@@ -26,9 +26,18 @@ def _tokenizer_for(model_dir: Path, spec: str | None, trust_remote_code: bool):
     return load_tokenizer(spec, trust_remote_code=trust_remote_code)
 
 
-def generate_text(source: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int = 0, tokenizer: str | None = None, trust_remote_code: bool = False,
-                  device: str | None = None) -> str:
+def generate_text(
+    source: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+    device: str | None = None,
+) -> str:
     """The prompt's continuation (greedy at ``temperature`` 0, else sampled with ``top_p``), decoded."""
     from meshtron.checkpoint.export import export_checkpoint
     from meshtron.config import load_config
@@ -43,14 +52,25 @@ def generate_text(source: str, prompt: str, *, max_new_tokens: int = 64, tempera
             tokenizer = tokenizer or load_config(path / "config.toml", env={}).data.tokenizer
             path = export_checkpoint(str(path), str(Path(scratch) / "model"), trust_remote_code=trust_remote_code)
         elif not (path / "config.json").is_file():
-            raise ConfigError(f"meshtron generate: '{source}' is neither a meshtron checkpoint (step-N) nor a Hugging "
-                              "Face model folder (config.json); give one of them")
+            raise ConfigError(
+                f"meshtron generate: '{source}' is neither a meshtron checkpoint (step-N) nor a Hugging "
+                "Face model folder (config.json); give one of them"
+            )
         tok = _tokenizer_for(path, tokenizer, trust_remote_code)
         return _generate(path, tok, prompt, max_new_tokens, temperature, top_p, seed, trust_remote_code, device)
 
 
-def _generate(model_dir: Path, tok, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-              trust_remote_code: bool, device: str | None) -> str:
+def _generate(
+    model_dir: Path,
+    tok,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    trust_remote_code: bool,
+    device: str | None,
+) -> str:
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -63,10 +83,18 @@ def _generate(model_dir: Path, tok, prompt: str, max_new_tokens: int, temperatur
     ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long, device=device).reshape(1, -1)
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.eos_token_id]], device=device)  # an empty prompt starts after a document's end
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else \
-        {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    )
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, top_k=None, **sampling)
-    return tok.decode(out[0, ids.shape[1]:].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+            top_k=None,
+            **sampling,
+        )
+    return tok.decode(out[0, ids.shape[1] :].tolist())

@@ -24,7 +24,8 @@ def file_manifest(directory: Path, skip: tuple[str, ...] = (META,)) -> dict[str,
     """{relative path: size in bytes} of every file under ``directory`` (``skip``: names left out)."""
     return {
         str(path.relative_to(directory)): path.stat().st_size
-        for path in sorted(directory.rglob("*")) if path.is_file() and path.name not in skip
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name not in skip
     }
 
 

@@ -43,8 +43,15 @@ PARTIAL = ".partial"
 PROBE = ".meshtron-probe-"
 # Model settings that must match between a checkpoint and the run that loads it.
 MODEL_KEYS = (
-    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
 )
 
 
@@ -62,7 +69,8 @@ def read_meta(path: Path) -> dict:
     if reason is not None:
         raise MeshtronError(
             f"checkpoint '{path}' is missing or incomplete: {reason}; point checkpoint.resume at another step-N folder "
-            "written by meshtron (checkpoint.resume=auto falls back to the newest whole one), or use checkpoint.resume=none"
+            "written by meshtron (checkpoint.resume=auto falls back to the newest whole one), or use "
+            "checkpoint.resume=none"
         )
     return json.loads((Path(path) / META).read_text())
 
@@ -77,8 +85,11 @@ def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = No
         read_meta(path)
         return path
     # Newest first; a complete folder newer than `latest` is a run killed between the rename and the marker.
-    candidates = sorted((p for p in directory.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL)),
-                        reverse=True) if directory.is_dir() else []
+    candidates = (
+        sorted((p for p in directory.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL)), reverse=True)
+        if directory.is_dir()
+        else []
+    )
     marker = directory / LATEST
     latest = directory / marker.read_text().strip() if marker.is_file() else None
     if latest is not None and latest not in candidates:
@@ -102,10 +113,15 @@ def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = No
 def check_compatible(meta: dict, path: Path, hf_config, global_batch_size: int, seq_len: int) -> None:
     """Refuse a checkpoint of another model or another data layout, naming what differs."""
     ours = model_signature(hf_config)
-    differs = [f"{key} {meta['model'].get(key)} (checkpoint) vs {ours[key]} (this run)"
-               for key in MODEL_KEYS if meta["model"].get(key) != ours[key]]
+    differs = [
+        f"{key} {meta['model'].get(key)} (checkpoint) vs {ours[key]} (this run)"
+        for key in MODEL_KEYS
+        if meta["model"].get(key) != ours[key]
+    ]
     if differs:
-        raise ConfigError(f"checkpoint '{path}' is of another model: {'; '.join(differs)}; use the model it was saved with")
+        raise ConfigError(
+            f"checkpoint '{path}' is of another model: {'; '.join(differs)}; use the model it was saved with"
+        )
     for key, value in (("train.global_batch_size", global_batch_size), ("data.seq_len", seq_len)):
         if meta[key] != value:
             raise ConfigError(
@@ -153,10 +169,14 @@ class CheckpointManager:
             probe.mkdir()
             return probe, partial
 
-        probe, self.removed_partial = on_main(runtime, prepare, lambda reason: ConfigError(
-            f"checkpoint directory '{directory}' cannot be used ({reason}); set checkpoint.dir (or run.output_dir) "
-            "to a writable directory"
-        ))
+        probe, self.removed_partial = on_main(
+            runtime,
+            prepare,
+            lambda reason: ConfigError(
+                f"checkpoint directory '{directory}' cannot be used ({reason}); set checkpoint.dir (or run.output_dir) "
+                "to a writable directory"
+            ),
+        )
         check_shared_directory(directory, probe, runtime)
 
     def due(self, step: int, last_step: int) -> bool:
@@ -165,11 +185,13 @@ class CheckpointManager:
     def _failed(self, partial: Path, reason: str, uniform: bool = True) -> MeshtronError:
         return MeshtronError(
             f"saving checkpoint {partial.name} failed ({reason}); free disk space, make checkpoint.dir writable or "
-            "change it (earlier checkpoints are untouched)", uniform=uniform,
+            "change it (earlier checkpoints are untouched)",
+            uniform=uniform,
         )
 
-    def save(self, step: int, state: TrainingState, meta: dict, config_text: str,
-             rank_files: dict[str, str] | None = None) -> None:
+    def save(
+        self, step: int, state: TrainingState, meta: dict, config_text: str, rank_files: dict[str, str] | None = None
+    ) -> None:
         """Write a checkpoint of the state after ``step`` optimizer steps; ``rank_files``: this rank's own small
         files (name -> text), written beside its RNG state."""
         self.wait()
@@ -192,8 +214,12 @@ class CheckpointManager:
         try:
             with quiet_single_process():
                 if self.async_save:
-                    future = dcp.async_save(state.state_dict(), checkpoint_id=str(partial), process_group=self.group,
-                                            no_dist=not self.runtime.distributed)
+                    future = dcp.async_save(
+                        state.state_dict(),
+                        checkpoint_id=str(partial),
+                        process_group=self.group,
+                        no_dist=not self.runtime.distributed,
+                    )
                     self.pending = (future, step, partial, meta)
                     self._inject_fault(step, partial)
                     return
@@ -205,8 +231,11 @@ class CheckpointManager:
 
     def _inject_fault(self, step: int, partial: Path) -> None:
         if self.faults is not None:  # tests only: each rank's part is written (or, async, being written)
-            on_every_rank(self.runtime, lambda: self.faults.during_save(step, self.runtime.rank),
-                          lambda reason: self._failed(partial, reason))
+            on_every_rank(
+                self.runtime,
+                lambda: self.faults.during_save(step, self.runtime.rank),
+                lambda reason: self._failed(partial, reason),
+            )
 
     def commit_if_done(self) -> None:
         """Commit an async save as soon as every rank has written its part (every rank calls this after each

@@ -88,7 +88,8 @@ def check_shared_directory(directory: Path, probe: Path, runtime) -> None:
             verdict = ConfigError(
                 f"checkpoint directory '{directory}' is not shared by all ranks: rank 0 (on {host}) does not see "
                 f"the test files of {_ranks_text(unseen, [h for h, _ in reports])} there"
-                + (f" ({why})" if why else "") + "; every rank writes into one checkpoint folder, so set "
+                + (f" ({why})" if why else "")
+                + "; every rank writes into one checkpoint folder, so set "
                 "checkpoint.dir (or run.output_dir) to a directory on a filesystem that all nodes share"
             )
     verdict = _share(runtime, verdict)

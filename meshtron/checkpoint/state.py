@@ -32,7 +32,7 @@ def _optimizer_key_names(key: str, pipelined: bool, tied: dict[str, str] | None 
     rest = rest.split(".", 1)[1]
     for head, embeddings in (tied or {}).items():
         if rest.startswith(head + "."):
-            rest = embeddings + rest[len(head):]
+            rest = embeddings + rest[len(head) :]
     return f"{kind}.{rest}"
 
 
@@ -50,8 +50,11 @@ class TrainingState:
     def __init__(self, parts: list[nn.Module], container: nn.Module, optimizer: torch.optim.Optimizer):
         self.parts, self.container, self.optimizer = parts, container, optimizer
         self.pipelined = container is not parts[0]
-        self.tied = {head: embeddings for part in parts
-                     for head, embeddings in getattr(part, "pipeline_tied_weights", {}).items()}
+        self.tied = {
+            head: embeddings
+            for part in parts
+            for head, embeddings in getattr(part, "pipeline_tied_weights", {}).items()
+        }
 
     def state_dict(self) -> dict:
         model = {}

@@ -25,18 +25,20 @@ import numpy as np
 import torch
 
 from meshtron.config import DataConfig
+from meshtron.data.labels import IGNORE_INDEX
 from meshtron.data.sources import _is_saved_dataset, _load_saved
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.data.labels import IGNORE_INDEX
 
 
 def check_chat_tokenizer(tokenizer) -> None:
     """A chat run needs a Hugging Face fast tokenizer with a chat template."""
     tok = getattr(tokenizer, "tok", None)
     if tok is None or not getattr(tok, "chat_template", None):
-        raise ConfigError("data.format=chat renders conversations with the tokenizer's chat template: set "
-                          "data.tokenizer to a Hugging Face tokenizer folder that has one (tokenizer_config.json "
-                          "'chat_template')")
+        raise ConfigError(
+            "data.format=chat renders conversations with the tokenizer's chat template: set "
+            "data.tokenizer to a Hugging Face tokenizer folder that has one (tokenizer_config.json "
+            "'chat_template')"
+        )
     if not tok.is_fast:
         raise ConfigError(f"data.format=chat needs a fast tokenizer (tokenizer.json) in '{tokenizer.name}'")
 
@@ -58,9 +60,10 @@ def iter_conversations(path: str, field: str, max_documents: int | None = None) 
             raise ConfigError(f"data.messages_field: '{field}' is not in {where}; set data.messages_field")
         messages = row[field]
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ConfigError(f"{where}: '{field}' must be a list of {{\"role\": ..., \"content\": ...}} messages")
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ConfigError(f'{where}: \'{field}\' must be a list of {{"role": ..., "content": ...}} messages')
         if messages:
             count += 1
             yield messages
@@ -85,11 +88,13 @@ def render(tokenizer, messages: list[dict], train_on: str) -> tuple[np.ndarray, 
         if message["role"] != "assistant":
             continue
         start = tok.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        stop = tok.apply_chat_template(messages[:index + 1], tokenize=False)
+        stop = tok.apply_chat_template(messages[: index + 1], tokenize=False)
         if not (text.startswith(start) and text.startswith(stop)):
-            raise MeshtronError("the chat template does not render a conversation's beginning as the beginning of "
-                                "the whole; data.train_on=assistant cannot find the assistant's tokens (use "
-                                "data.train_on=all)")
+            raise MeshtronError(
+                "the chat template does not render a conversation's beginning as the beginning of "
+                "the whole; data.train_on=assistant cannot find the assistant's tokens (use "
+                "data.train_on=all)"
+            )
         spans.append((len(start), len(stop)))
     encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int64)
@@ -117,7 +122,9 @@ def choose_separator(tokenizer, conversations: list[tuple[np.ndarray, np.ndarray
     raise MeshtronError("the conversations use every token of the vocabulary; no token is left to separate them")
 
 
-def pack(conversations: list[tuple[np.ndarray, np.ndarray]], width: int, eos: int) -> tuple[np.ndarray, np.ndarray, int]:
+def pack(
+    conversations: list[tuple[np.ndarray, np.ndarray]], width: int, eos: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(tokens, trained) blocks of ``width`` tokens, each conversation followed by ``eos`` (the separator, with no
     loss) and never split (see the module docstring), and how many conversations were cut to one block."""
     blocks, masks, cut = [], [], 0
@@ -130,7 +137,7 @@ def pack(conversations: list[tuple[np.ndarray, np.ndarray]], width: int, eos: in
         if used + ids.size > width:
             blocks.append(tokens), masks.append(trained)
             tokens, trained, used = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool), 0
-        tokens[used:used + ids.size], trained[used:used + ids.size] = ids, mask
+        tokens[used : used + ids.size], trained[used : used + ids.size] = ids, mask
         used += ids.size
     if used:
         blocks.append(tokens), masks.append(trained)
@@ -143,8 +150,14 @@ class ChatDataset:
     """Packed conversations: ``rows`` gives the tokens, ``batch`` the inputs and the labels, IGNORE_INDEX where a
     token carries no loss (padding, and with ``train_on=assistant`` all but the assistant's tokens)."""
 
-    def __init__(self, tokens: np.ndarray, trained: np.ndarray, conversations: int = 0, cut: int = 0,
-                 separator: int | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        trained: np.ndarray,
+        conversations: int = 0,
+        cut: int = 0,
+        separator: int | None = None,
+    ):
         self.tokens, self.trained = tokens, trained
         self.separator = separator
         """The token after each conversation (and the padding): where document masks cut (see choose_separator)."""
@@ -169,16 +182,19 @@ class ChatDataset:
 
     def describe(self) -> str:
         cut = f", {self.cut:,} cut to one block" if self.cut else ""
-        return (f"{len(self):,} sequences of {self.seq_len} tokens packed from {self.conversations:,} conversations"
-                f"{cut}, separated by token {self.separator}; {int(self.trained[:, 1:].sum()):,} tokens carry loss")
+        return (
+            f"{len(self):,} sequences of {self.seq_len} tokens packed from {self.conversations:,} conversations"
+            f"{cut}, separated by token {self.separator}; {int(self.trained[:, 1:].sum()):,} tokens carry loss"
+        )
 
 
 def build_chat_dataset(data: DataConfig, tokenizer) -> ChatDataset:
-    conversations = [render(tokenizer, messages, data.train_on)
-                     for messages in iter_conversations(data.path, data.messages_field, data.max_documents)]
+    conversations = [
+        render(tokenizer, messages, data.train_on)
+        for messages in iter_conversations(data.path, data.messages_field, data.max_documents)
+    ]
     if not conversations:
         raise MeshtronError(f"data.path '{data.path}' has no conversations; check data.messages_field")
     separator = choose_separator(tokenizer, conversations)
     tokens, trained, cut = pack(conversations, data.seq_len + 1, separator)
     return ChatDataset(tokens, trained, len(conversations), cut, separator)
-

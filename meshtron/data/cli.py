@@ -7,8 +7,10 @@ from pathlib import Path
 
 from meshtron.errors import ConfigError
 
-DATA_USAGE = ("meshtron data prepare [--config FILE] --data.path=SOURCE [--data.tokenizer=TOK] --out DIR "
-              "[--workers N] [--shard-mb M] [--part I/N]")
+DATA_USAGE = (
+    "meshtron data prepare [--config FILE] --data.path=SOURCE [--data.tokenizer=TOK] --out DIR "
+    "[--workers N] [--shard-mb M] [--part I/N]"
+)
 
 
 def add_data_parser(sub) -> None:
@@ -18,10 +20,17 @@ def add_data_parser(sub) -> None:
     prepare.add_argument("--config", help="TOML config file (its [data] section is read)")
     prepare.add_argument("--out", required=True, help="the prepared directory (new, or an unfinished prepare's)")
     prepare.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
-    prepare.add_argument("--shard-mb", type=float, default=64.0,
-                         help="millions of characters of text per shard (default 64); sets the memory bound")
-    prepare.add_argument("--part", default="0/1",
-                         help="I/N: this machine writes shards k with k %% N == I into a shared --out (default 0/1)")
+    prepare.add_argument(
+        "--shard-mb",
+        type=float,
+        default=64.0,
+        help="millions of characters of text per shard (default 64); sets the memory bound",
+    )
+    prepare.add_argument(
+        "--part",
+        default="0/1",
+        help="I/N: this machine writes shards k with k %% N == I into a shared --out (default 0/1)",
+    )
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -57,18 +66,29 @@ def run_data(args, extra: list[str]) -> int:
         raise ConfigError(f"--shard-mb must be positive, got {args.shard_mb}")
     cfg = load_config(args.config, overrides, env={})
     if is_prepared(cfg.data.path):
-        raise ConfigError(f"data.path '{cfg.data.path}' is already prepared; train on it with --data.path={cfg.data.path}")
+        raise ConfigError(
+            f"data.path '{cfg.data.path}' is already prepared; train on it with --data.path={cfg.data.path}"
+        )
     check_data_path(cfg.data.path)
     manifest = prepare_corpus(
-        cfg.data, args.out, workers=args.workers, shard_chars=int(args.shard_mb * 1e6), part=_part(args.part),
-        trust_remote_code=cfg.model.trust_remote_code, log=lambda line: print(line, flush=True),
+        cfg.data,
+        args.out,
+        workers=args.workers,
+        shard_chars=int(args.shard_mb * 1e6),
+        part=_part(args.part),
+        trust_remote_code=cfg.model.trust_remote_code,
+        log=lambda line: print(line, flush=True),
     )
     own_mb = _own_peak_mb()
     worker_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # workers started from this process
     if manifest is not None:
-        print(f"meshtron: {args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
-              f"({manifest['dtype']}) in {len(manifest['shards'])} shard(s); train with --data.path={args.out} "
-              f"--data.tokenizer={cfg.data.tokenizer}", flush=True)
-    print(f"meshtron: peak memory {own_mb:.0f} MB in this process, {worker_mb:.0f} MB in the largest worker",
-          flush=True)
+        print(
+            f"meshtron: {args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+            f"({manifest['dtype']}) in {len(manifest['shards'])} shard(s); train with --data.path={args.out} "
+            f"--data.tokenizer={cfg.data.tokenizer}",
+            flush=True,
+        )
+    print(
+        f"meshtron: peak memory {own_mb:.0f} MB in this process, {worker_mb:.0f} MB in the largest worker", flush=True
+    )
     return 0

@@ -71,8 +71,11 @@ class PackedDataset:
         width = self.seq_len + 1
         if indices.size and (indices.min() < 0 or indices.max() >= self._len):
             raise IndexError(f"block indices outside [0, {self._len})")
-        return np.stack([self._corpus.read(int(i) * width, (int(i) + 1) * width) for i in indices]) if indices.size \
+        return (
+            np.stack([self._corpus.read(int(i) * width, (int(i) + 1) * width) for i in indices])
+            if indices.size
             else np.zeros((0, width), dtype=np.int64)
+        )
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` int64 tensors of shape (len(indices), seq_len); labels are shifted by one."""
@@ -163,8 +166,10 @@ def _wait_for_build(path: Path, run_id: str) -> None:
             kind = {"ConfigError": ConfigError, "MeshtronError": MeshtronError}.get(report.get("kind"))
             if kind is not None:
                 raise kind(report["error"])
-            raise MeshtronError(f"building the data cache '{path}' failed on local rank 0: {report.get('kind')}: "
-                                f"{report.get('error')}; see that process's error")
+            raise MeshtronError(
+                f"building the data cache '{path}' failed on local rank 0: {report.get('kind')}: "
+                f"{report.get('error')}; see that process's error"
+            )
         time.sleep(pause)
         pause = min(pause * 2, POLL_S)
 

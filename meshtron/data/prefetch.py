@@ -34,9 +34,11 @@ class StepBlocks:
     global_batch: np.ndarray
 
     def same_as(self, other: StepBlocks) -> bool:
-        return (len(self.micro_batches) == len(other.micro_batches)
-                and np.array_equal(self.global_batch, other.global_batch)
-                and all(np.array_equal(a, b) for a, b in zip(self.micro_batches, other.micro_batches)))
+        return (
+            len(self.micro_batches) == len(other.micro_batches)
+            and np.array_equal(self.global_batch, other.global_batch)
+            and all(np.array_equal(a, b) for a, b in zip(self.micro_batches, other.micro_batches))
+        )
 
 
 class StepReader:
@@ -47,8 +49,15 @@ class StepReader:
     ``pin`` pins the host tensors (for non-blocking copies to a GPU).
     """
 
-    def __init__(self, dataset, blocks: Callable[[int], StepBlocks], count_targets: Callable, *, prefetch: bool = True,
-                 pin: bool = False):
+    def __init__(
+        self,
+        dataset,
+        blocks: Callable[[int], StepBlocks],
+        count_targets: Callable,
+        *,
+        prefetch: bool = True,
+        pin: bool = False,
+    ):
         self.dataset, self.blocks, self.count_targets, self.pin = dataset, blocks, count_targets, pin
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshtron-prefetch") if prefetch else None
         self._ahead: tuple[int, StepBlocks, Future] | None = None

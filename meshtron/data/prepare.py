@@ -22,7 +22,14 @@ from typing import Callable, Iterator
 
 from meshtron.config import DataConfig
 from meshtron.data.shards import (
-    FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, complete_shard, shard_name, token_dtype, write_json_atomically,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ShardWriter,
+    complete_shard,
+    shard_name,
+    token_dtype,
+    write_json_atomically,
 )
 from meshtron.data.sources import iter_documents, source_fingerprint
 from meshtron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -53,7 +60,7 @@ def write_shard(directory: Path, index: int, first_document: int, texts: list[st
     """Tokenize ``texts`` (ENCODE_CHUNK at a time) into shard ``index``; returns its counts."""
     writer = ShardWriter(directory, index, token_dtype(tokenizer.vocab_size), tokenizer.eos_token_id, first_document)
     for start in range(0, len(texts), ENCODE_CHUNK):
-        chunk = texts[start:start + ENCODE_CHUNK]
+        chunk = texts[start : start + ENCODE_CHUNK]
         writer.add(tokenizer.encode_batch(chunk), sum(len(text) for text in chunk))
     return writer.close()
 
@@ -72,12 +79,22 @@ def _write_shard_in_worker(directory: Path, index: int, first: int, texts: list[
 
 def _settings(data: DataConfig, tokenizer, shard_chars: int) -> dict:
     return {
-        "format": FORMAT, "version": FORMAT_VERSION,
-        "source": {"path": data.path, "fingerprint": source_fingerprint(data.path), "text_field": data.text_field,
-                   "max_documents": data.max_documents},
-        "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eos_token_id,
-                      "fingerprint": tokenizer_fingerprint(tokenizer)},
-        "dtype": token_dtype(tokenizer.vocab_size).name, "shard_chars": shard_chars,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "source": {
+            "path": data.path,
+            "fingerprint": source_fingerprint(data.path),
+            "text_field": data.text_field,
+            "max_documents": data.max_documents,
+        },
+        "tokenizer": {
+            "name": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_token_id": tokenizer.eos_token_id,
+            "fingerprint": tokenizer_fingerprint(tokenizer),
+        },
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "shard_chars": shard_chars,
     }
 
 
@@ -90,7 +107,8 @@ def _claim(out: Path, settings: dict) -> dict | None:
             continue
         if {k: existing.get(k) for k in settings} != settings:
             raise ConfigError(
-                f"--out {out} holds {what} from other data or settings (source {existing.get('source', {}).get('path')!r}, "
+                f"--out {out} holds {what} from other data or settings (source "
+                f"{existing.get('source', {}).get('path')!r}, "
                 f"tokenizer {existing.get('tokenizer', {}).get('name')!r}); choose another --out or remove that folder"
             )
         if name == MANIFEST:
@@ -102,9 +120,17 @@ def _claim(out: Path, settings: dict) -> dict | None:
     return None
 
 
-def prepare_corpus(data: DataConfig, out: str | Path, *, tokenizer=None, workers: int = 1,
-                   shard_chars: int = DEFAULT_SHARD_CHARS, part: tuple[int, int] = (0, 1),
-                   trust_remote_code: bool = False, log: Callable[[str], None] = lambda line: None) -> dict | None:
+def prepare_corpus(
+    data: DataConfig,
+    out: str | Path,
+    *,
+    tokenizer=None,
+    workers: int = 1,
+    shard_chars: int = DEFAULT_SHARD_CHARS,
+    part: tuple[int, int] = (0, 1),
+    trust_remote_code: bool = False,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict | None:
     """Prepare ``data.path`` tokenized by ``data.tokenizer`` into ``out``; returns the manifest, or None when
     other parts (``part=(i, n)``) still have shards to write."""
     if workers < 1:
@@ -148,15 +174,23 @@ def prepare_corpus(data: DataConfig, out: str | Path, *, tokenizer=None, workers
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     done = [counts for counts in shards if counts is not None]
-    log(f"meshtron: prepared {len(done) - reused} shard(s) in {time.perf_counter() - started:.1f} s"
-        + (f", {reused} already complete from an earlier run" if reused else ""))
+    log(
+        f"meshtron: prepared {len(done) - reused} shard(s) in {time.perf_counter() - started:.1f} s"
+        + (f", {reused} already complete from an earlier run" if reused else "")
+    )
     if len(done) < len(shards):
         missing = [shard_name(i) for i, counts in enumerate(shards) if counts is None]
-        log(f"meshtron: {len(missing)} shard(s) are left to the other parts ({missing[0]}, ...); the part that "
-            "finishes last writes the manifest")
+        log(
+            f"meshtron: {len(missing)} shard(s) are left to the other parts ({missing[0]}, ...); the part that "
+            "finishes last writes the manifest"
+        )
         return None
-    manifest = {**settings, "shards": shards, "documents": sum(s["documents"] for s in shards),
-                "tokens": sum(s["tokens"] for s in shards)}
+    manifest = {
+        **settings,
+        "shards": shards,
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+    }
     write_json_atomically(out / MANIFEST, manifest)
     (out / SETTINGS).unlink(missing_ok=True)
     return manifest

@@ -96,8 +96,14 @@ class ShardWriter:
         with open(self.directory / f".{self.name}.docs.tmp", "wb") as fh:
             np.save(fh, np.asarray(self.ends, dtype=np.int64))
         os.replace(self.directory / f".{self.name}.docs.tmp", self.directory / f"{self.name}.docs.npy")
-        counts = {"name": self.name, "first_document": self.first_document, "documents": len(self.ends),
-                  "tokens": self.tokens, "characters": self.characters, "dtype": self.dtype.name}
+        counts = {
+            "name": self.name,
+            "first_document": self.first_document,
+            "documents": len(self.ends),
+            "tokens": self.tokens,
+            "characters": self.characters,
+            "dtype": self.dtype.name,
+        }
         write_json_atomically(self.directory / f"{self.name}.json", counts)
         return counts
 
@@ -123,8 +129,10 @@ class TokenCorpus:
         self.manifest = json.loads((self.directory / MANIFEST).read_text())
         self.dtype = np.dtype(self.manifest["dtype"])
         shards = [s for s in self.manifest["shards"] if s["tokens"] > 0]
-        self._arrays = [np.memmap(self.directory / f"{s['name']}.tokens", dtype=self.dtype, mode="r",
-                                  shape=(s["tokens"],)) for s in shards]
+        self._arrays = [
+            np.memmap(self.directory / f"{s['name']}.tokens", dtype=self.dtype, mode="r", shape=(s["tokens"],))
+            for s in shards
+        ]
         self._starts = np.cumsum([0] + [s["tokens"] for s in shards])
         self.num_tokens = int(self._starts[-1])
 
@@ -137,7 +145,7 @@ class TokenCorpus:
         while pos < stop:
             base = int(self._starts[first])
             take = min(stop, int(self._starts[first + 1])) - pos
-            parts.append(self._arrays[first][pos - base: pos - base + take])
+            parts.append(self._arrays[first][pos - base : pos - base + take])
             pos += take
             first += 1
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)

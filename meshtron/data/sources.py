@@ -74,9 +74,7 @@ def check_data_path(path: str) -> None:
         if is_prepared(local):
             return
         if not _is_saved_dataset(local) and not any(f.stat().st_size > 0 for f in _folder_files(local)):
-            raise ConfigError(
-                f"data.path: folder '{path}' has no non-empty {'/'.join(FOLDER_EXTENSIONS)} files; {fix}"
-            )
+            raise ConfigError(f"data.path: folder '{path}' has no non-empty {'/'.join(FOLDER_EXTENSIONS)} files; {fix}")
     elif local.exists():
         raise ConfigError(f"data.path: '{path}' is neither a file nor a folder; {fix}")
     elif _looks_like_file_path(path):

@@ -33,7 +33,12 @@ from meshtron.config import BUILTIN_CORPUS, DataConfig
 from meshtron.data.dataset import inputs_and_labels
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import (
-    JSON_EXTENSIONS, TEXT_EXTENSIONS, _field_error, _folder_files, _is_saved_dataset, _load_saved, _stdlib_files,
+    JSON_EXTENSIONS,
+    _field_error,
+    _folder_files,
+    _is_saved_dataset,
+    _load_saved,
+    _stdlib_files,
 )
 from meshtron.errors import ConfigError, MeshtronError
 
@@ -58,19 +63,25 @@ def open_stream(path: str, text_field: str):
         return _with_column(dataset, text_field, str(local)), text_field
     elif local.exists():
         files = [str(f) for f in (_folder_files(local) if local.is_dir() else [local])]
-        kinds = {"json" if f.lower().endswith(JSON_EXTENSIONS) else "parquet" if f.lower().endswith(".parquet")
-                 else "text" for f in files}
+        kinds = {
+            "json" if f.lower().endswith(JSON_EXTENSIONS) else "parquet" if f.lower().endswith(".parquet") else "text"
+            for f in files
+        }
         if len(kinds) != 1:
-            raise ConfigError(f"data.path: '{path}' mixes {' and '.join(sorted(kinds))} files, which data.streaming "
-                              "reads with different readers; stream one kind of file per folder")
+            raise ConfigError(
+                f"data.path: '{path}' mixes {' and '.join(sorted(kinds))} files, which data.streaming "
+                "reads with different readers; stream one kind of file per folder"
+            )
         kind = kinds.pop()
         field = "text" if kind == "text" else text_field
     else:
         try:
             dataset = datasets.load_dataset(path, split="train", streaming=True)
         except Exception as err:  # noqa: BLE001 - any loader failure is a bad data.path for the user
-            raise ConfigError(f"data.path: could not stream hub dataset '{path}' ({type(err).__name__}: {err}); "
-                              "check the name and network, or point data.path at local files") from None
+            raise ConfigError(
+                f"data.path: could not stream hub dataset '{path}' ({type(err).__name__}: {err}); "
+                "check the name and network, or point data.path at local files"
+            ) from None
         return _with_column(dataset, text_field, f"hub dataset '{path}'"), text_field
     # A text file is one document, as the prepared path reads it (the "text" loader's sample_by="document").
     options = {"sample_by": "document", "encoding_errors": "replace"} if kind == "text" else {}
@@ -96,9 +107,13 @@ class DocumentReader:
         self.seek({"document": 0, "epoch": 0, "in_epoch": 0, "stream": None, "chars": [0] * lanes})
 
     def snapshot(self) -> dict:
-        return {"document": self.document, "epoch": self.epoch, "in_epoch": self.in_epoch,
-                "stream": self._dataset.state_dict() if self._dataset is not None else self._stream_state,
-                "chars": self.chars.tolist()}
+        return {
+            "document": self.document,
+            "epoch": self.epoch,
+            "in_epoch": self.in_epoch,
+            "stream": self._dataset.state_dict() if self._dataset is not None else self._stream_state,
+            "chars": self.chars.tolist(),
+        }
 
     def seek(self, snapshot: dict) -> None:
         """Continue from a snapshot (this reader's or another rank's)."""
@@ -119,8 +134,9 @@ class DocumentReader:
             row = None if full else next(self._rows, None)
             if row is None:  # the end of an epoch: read the stream again from its start
                 if self.in_epoch == 0:
-                    raise MeshtronError(f"data.path '{self.where}' gave no documents to stream; check data.path and "
-                                        "data.text_field")
+                    raise MeshtronError(
+                        f"data.path '{self.where}' gave no documents to stream; check data.path and data.text_field"
+                    )
                 self.epoch, self.in_epoch = self.epoch + 1, 0
                 self._stream_state, self._dataset, self._rows = None, None, None
                 continue
@@ -128,8 +144,10 @@ class DocumentReader:
             if text is None or text == "":
                 continue
             if not isinstance(text, str):
-                raise ConfigError(f"data.text_field: '{self.field}' in {self.where} is {type(text).__name__}, not "
-                                  "text; pick a text field")
+                raise ConfigError(
+                    f"data.text_field: '{self.field}' in {self.where} is {type(text).__name__}, not "
+                    "text; pick a text field"
+                )
             lane = int(np.argmin(self.chars))
             self.chars[lane] += len(text)
             index = self.document
@@ -208,8 +226,9 @@ class StreamingDataset:
         self.shuffle = data.shuffle
         self._encode = tokenizer.encode_batch
         field = open_stream(data.path, data.text_field)[1]  # checks the source and its column once, up front
-        self.reader = DocumentReader(lambda: open_stream(data.path, data.text_field)[0], field, global_batch_size,
-                                     data.max_documents, data.path)
+        self.reader = DocumentReader(
+            lambda: open_stream(data.path, data.text_field)[0], field, global_batch_size, data.max_documents, data.path
+        )
         self.lanes: dict[int, Lane] = {}
         self.tokenized_documents = 0
         self._lock = threading.Lock()
@@ -249,8 +268,9 @@ class StreamingDataset:
                 while lane.block < block:  # skipped batches (data.skip_batches, rollbacks)
                     lane.next_block(self.seq_len + 1, self._tokenize, self._deal_one)
                 out[row] = lane.next_block(self.seq_len + 1, self._tokenize, self._deal_one)
-            self.reader.forget_before(min(min([*lane.history.values(), lane.state()])[0]
-                                          for lane in self.lanes.values()))
+            self.reader.forget_before(
+                min(min([*lane.history.values(), lane.state()])[0] for lane in self.lanes.values())
+            )
             return out
 
     def batch(self, indices):
@@ -266,8 +286,10 @@ class StreamingDataset:
         if lane.block <= block:
             return [lane.block, *lane.state()]
         if block not in lane.history:
-            raise MeshtronError(f"the streamed data's position before batch {block + 1} is no longer known "
-                                f"(lanes are at batch {lane.block + 1})")
+            raise MeshtronError(
+                f"the streamed data's position before batch {block + 1} is no longer known "
+                f"(lanes are at batch {lane.block + 1})"
+            )
         return [block, *lane.history[block]]
 
     def _position(self, block: int) -> dict:
@@ -278,8 +300,14 @@ class StreamingDataset:
     def state(self, block: int) -> dict:
         """This rank's position before global batch ``block`` (0-based): what a checkpoint saves."""
         with self._lock:
-            return {"version": STATE_VERSION, "path": self.path, "tokenizer": self.tokenizer_name,
-                    "lanes_total": self.lane_count, "seq_len": self.seq_len, **self._position(block)}
+            return {
+                "version": STATE_VERSION,
+                "path": self.path,
+                "tokenizer": self.tokenizer_name,
+                "lanes_total": self.lane_count,
+                "seq_len": self.seq_len,
+                **self._position(block),
+            }
 
     def _rewind(self, block: int) -> None:
         self._restore([self._position(block)])
@@ -288,12 +316,16 @@ class StreamingDataset:
         """Continue from the states that the ranks of a checkpoint saved (any layout with the same G)."""
         for state in states:
             if state.get("version") != STATE_VERSION or state["lanes_total"] != self.lane_count:
-                raise ConfigError(f"the checkpoint's streamed data position is of {state.get('lanes_total')} lanes "
-                                  f"(train.global_batch_size), not {self.lane_count}; resume with that batch size")
+                raise ConfigError(
+                    f"the checkpoint's streamed data position is of {state.get('lanes_total')} lanes "
+                    f"(train.global_batch_size), not {self.lane_count}; resume with that batch size"
+                )
             if state["path"] != self.path or state["tokenizer"] != self.tokenizer_name:
-                raise ConfigError(f"the checkpoint streamed data.path '{state['path']}' with tokenizer "
-                                  f"'{state['tokenizer']}'; resume with those (this run has '{self.path}', "
-                                  f"'{self.tokenizer_name}')")
+                raise ConfigError(
+                    f"the checkpoint streamed data.path '{state['path']}' with tokenizer "
+                    f"'{state['tokenizer']}'; resume with those (this run has '{self.path}', "
+                    f"'{self.tokenizer_name}')"
+                )
         with self._lock:
             self._restore(states)
 
@@ -305,8 +337,9 @@ class StreamingDataset:
         if missing:
             raise MeshtronError(f"the checkpoint holds no streamed position for lanes {missing[:8]}; it is incomplete")
         first = min(saved[j][1] for j in self.lanes)
-        snapshot = max((s["snapshot"] for s in states if s["snapshot"]["document"] <= first),
-                       key=lambda s: s["document"])
+        snapshot = max(
+            (s["snapshot"] for s in states if s["snapshot"]["document"] <= first), key=lambda s: s["document"]
+        )
         self.reader.seek(snapshot)
         self.lanes = {j: Lane(*saved[j]) for j in self.lanes}
 
@@ -332,8 +365,10 @@ def load_stream_states(checkpoint: Path) -> list[dict]:
     """The streamed positions every rank of checkpoint ``checkpoint`` saved."""
     files = sorted(Path(checkpoint).glob(STATE_GLOB))
     if not files:
-        raise ConfigError(f"checkpoint '{checkpoint}' was saved without data.streaming, so it holds no stream "
-                          "position; resume it with data.streaming=false")
+        raise ConfigError(
+            f"checkpoint '{checkpoint}' was saved without data.streaming, so it holds no stream "
+            "position; resume it with data.streaming=false"
+        )
     return [json.loads(f.read_text()) for f in files]
 
 
@@ -345,5 +380,7 @@ def check_stream_checkpoint(checkpoint: Path | None, streaming: bool) -> None:
     if streaming and not saved_streaming:
         load_stream_states(checkpoint)
     if saved_streaming and not streaming:
-        raise ConfigError(f"checkpoint '{checkpoint}' was saved with data.streaming=true: its data position is a "
-                          "stream's; resume it with data.streaming=true")
+        raise ConfigError(
+            f"checkpoint '{checkpoint}' was saved with data.streaming=true: its data position is a "
+            "stream's; resume it with data.streaming=true"
+        )

@@ -27,8 +27,11 @@ def build_training_data(data: DataConfig, tokenizer, global_batch_size: int, *, 
         dataset = build_packed_dataset(data, tokenizer, is_builder=is_builder, run_id=run_id)
         return dataset, GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
     sources = parse_sources(data.sources)
-    datasets = [build_packed_dataset(replace(data, path=path), tokenizer, is_builder=is_builder, run_id=run_id)
-                for path, _ in sources]
-    schedule = MixtureSchedule([len(d) for d in datasets], [w for _, w in sources], global_batch_size, data.shuffle,
-                               data.seed)
+    datasets = [
+        build_packed_dataset(replace(data, path=path), tokenizer, is_builder=is_builder, run_id=run_id)
+        for path, _ in sources
+    ]
+    schedule = MixtureSchedule(
+        [len(d) for d in datasets], [w for _, w in sources], global_batch_size, data.shuffle, data.seed
+    )
     return MixedDataset(datasets), schedule

@@ -27,8 +27,14 @@ Mask = torch.Tensor | BlockMask | str | None
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def choose_block_kernel(device, dtype: torch.dtype, head_dim: int, mask: Mask, kernel: str = "auto",
-                        capability: tuple[int, int] | None = None) -> str:
+def choose_block_kernel(
+    device,
+    dtype: torch.dtype,
+    head_dim: int,
+    mask: Mask,
+    kernel: str = "auto",
+    capability: tuple[int, int] | None = None,
+) -> str:
     """``cpu_flash``, ``cuda_flash``, ``cuda_efficient``, ``flex`` or ``math`` for one block.
     ``capability``: the CUDA device's (major, minor), looked up when None."""
     if isinstance(mask, BlockMask):
@@ -77,7 +83,9 @@ def block_forward(q, k, v, mask: Mask, scale: float, kernel: str = "auto") -> tu
         if name == "flex":  # detached: eager FlexAttention refuses inputs that require grad off CUDA
             out, lse = fused.flex_forward(q.detach(), k.detach(), v.detach(), mask, scale)
         else:
-            out, lse = (fused.flash_forward if name == "cuda_flash" else fused.efficient_forward)(q, k, v, causal, scale)
+            out, lse = (fused.flash_forward if name == "cuda_flash" else fused.efficient_forward)(
+                q, k, v, causal, scale
+            )
         return out.float(), lse.float()
     return math_forward(q, k, v, mask, scale)
 
@@ -99,8 +107,15 @@ def block_backward(q, k, v, mask: Mask, scale: float, out, lse, grad_out, kernel
     if name == "cpu_flash":
         dtype = q.dtype
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(dtype), q, expand_kv(k, groups), expand_kv(v, groups), out.to(dtype), lse,
-            0.0, causal, scale=scale,
+            grad_out.to(dtype),
+            q,
+            expand_kv(k, groups),
+            expand_kv(v, groups),
+            out.to(dtype),
+            lse,
+            0.0,
+            causal,
+            scale=scale,
         )
         return dq.float(), fold_kv(dk.float(), groups), fold_kv(dv.float(), groups)
     if name == "flex":

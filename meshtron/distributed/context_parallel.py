@@ -43,6 +43,7 @@ def check_context_parallel(cp: int, seq_len: int) -> None:
             f"equal chunks); use a data.seq_len that is a multiple of {2 * cp}"
         )
 
+
 def local_token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global positions of the tokens ``rank`` holds, in its local order."""
     chunk = seq_len // (2 * cp)
@@ -121,8 +122,9 @@ def _forward_block(q_halves, kv, source: int, layout, scale, state, window=None)
         state[qi] = merge_partial(*state[qi], out, lse)
 
 
-def _backward_block(q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves,
-                    window=None) -> torch.Tensor:
+def _backward_block(
+    q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves, window=None
+) -> torch.Tensor:
     """Add the local queries' gradient from rank ``source``'s K/V and return that K/V's gradient (2, ...)."""
     c = layout.chunk
     k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
@@ -144,8 +146,10 @@ class _ContextParallelAttention(torch.autograd.Function):
         q_halves = _halves(q, c)
         kv = torch.stack([k, v]).contiguous()
         state = [
-            (torch.zeros(h.shape, dtype=torch.float32, device=q.device),
-             torch.full(h.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
+            (
+                torch.zeros(h.shape, dtype=torch.float32, device=q.device),
+                torch.full(h.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device),
+            )
             for h in q_halves
         ]
         if layout.method == "allgather" and layout.cp > 1:
@@ -175,10 +179,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         dq_halves = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in q_halves]
         if layout.method == "allgather" and layout.cp > 1:
             gathered = _all_gather_kv(kv, layout)
-            grads = torch.cat([
-                _backward_block(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves, window)
-                for s in range(layout.cp)
-            ])
+            grads = torch.cat(
+                [
+                    _backward_block(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves, window)
+                    for s in range(layout.cp)
+                ]
+            )
             grad_kv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
             dist.reduce_scatter_tensor(grad_kv, grads, group=layout.group)
         else:
@@ -213,7 +219,9 @@ def _own_first(layout: SequenceLayout) -> list[int]:
 
 
 @torch.compiler.disable
-def context_parallel_attention(q, k, v, layout: SequenceLayout, scale: float, window: int | None = None) -> torch.Tensor:
+def context_parallel_attention(
+    q, k, v, layout: SequenceLayout, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D);
     ``window``: the layer's sliding window (query index - key index < window, global indices) or None.
     Runs eagerly inside compiled blocks (its ring exchange and recomputing backward are not traceable)."""

@@ -9,15 +9,20 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import FSDPConfig
-from meshtron.errors import ConfigError
 from meshtron.distributed.expert_parallel import shard_experts
+from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.moe import moe_blocks
 
 
 def apply_fsdp(
-    model: nn.Module, adapter: DecoderAdapter, dp_mesh, fsdp_cfg: FSDPConfig, policy: MixedPrecisionPolicy,
-    pipelined: bool = False, expert_mesh=None,
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    dp_mesh,
+    fsdp_cfg: FSDPConfig,
+    policy: MixedPrecisionPolicy,
+    pipelined: bool = False,
+    expert_mesh=None,
 ) -> None:
     """Shard every decoder block, then the root (embeddings, final norm, head) over ``dp_mesh``.
 
@@ -41,8 +46,14 @@ def apply_fsdp(
         reshard = reshard_blocks and index < len(blocks) - 1
         if expert_mesh is not None:
             for _, moe_block in moe_blocks(block):
-                shard_experts(moe_block.experts, expert_mesh, dp_mesh.size(), mp_policy=policy, offload_policy=offload,
-                              reshard_after_forward=reshard)
+                shard_experts(
+                    moe_block.experts,
+                    expert_mesh,
+                    dp_mesh.size(),
+                    mp_policy=policy,
+                    offload_policy=offload,
+                    reshard_after_forward=reshard,
+                )
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
 
@@ -62,7 +73,9 @@ def parameter_device(fsdp_cfg: FSDPConfig, device: torch.device) -> torch.device
     return torch.device("cpu") if fsdp_cfg.cpu_offload else device
 
 
-def replicates_only(model: nn.Module, dp_mesh, policy: MixedPrecisionPolicy, cpu_offload: bool, pipelined: bool) -> bool:
+def replicates_only(
+    model: nn.Module, dp_mesh, policy: MixedPrecisionPolicy, cpu_offload: bool, pipelined: bool
+) -> bool:
     """Whether data parallelism here is pure replication that DDP runs as well as FSDP would: a sharding
     dim of 1 (no dp_shard, no cp), no pipeline stages, plain full-size parameters (no tensor parallelism or
     float8), compute and gradient reduction in the parameters' own dtype, and no CPU offload.

@@ -1,4 +1,4 @@
-"""Which device a process computes on and which PyTorch it runs: needed by the parallelisms and by the run's start-up."""
+"""Which device a process computes on and which PyTorch it runs: needed by the parallelisms and the run's start-up."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from meshtron.errors import ConfigError
 
 def torch_release(version: str) -> tuple[int, int]:
     """(major, minor) of a torch version string such as ``2.11.0+cu128``."""
-    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
+    major, minor = (
+        int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2]
+    )
     return major, minor
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshtron.errors import ConfigError
+from meshtron.tensors import local_tensor
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -99,8 +100,12 @@ def shard_experts(experts: nn.Module, expert_fsdp_mesh, gradient_divide_factor: 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = fully_shard_kwargs.pop("mp_policy", None) or MixedPrecisionPolicy()
-    fully_shard(experts, mesh=expert_fsdp_mesh, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False),
-                **fully_shard_kwargs)
+    fully_shard(
+        experts,
+        mesh=expert_fsdp_mesh,
+        mp_policy=dataclasses.replace(policy, cast_forward_inputs=False),
+        **fully_shard_kwargs,
+    )
     experts.set_gradient_divide_factor(float(gradient_divide_factor))
     shard_size = expert_fsdp_mesh.size(expert_fsdp_mesh.ndim - 1)
     experts.set_force_sum_reduction_for_comms(shard_size > 1)
@@ -109,8 +114,14 @@ def shard_experts(experts: nn.Module, expert_fsdp_mesh, gradient_divide_factor: 
 # ---------------------------------------------------------------------------------------------- local math
 
 
-def local_expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-                     act_fn, use_grouped_mm: bool | None = None) -> torch.Tensor:
+def local_expert_ffn(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    act_fn,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
     """The experts' FFN on rows ``x`` (N, H) grouped by expert: ``counts[e]`` consecutive rows for each
     local expert ``e`` of ``gate_up`` [E_l, 2I, H] / ``down`` [E_l, H, I]. Returns (N, H).
 
@@ -130,7 +141,7 @@ def local_expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            gate, up = nn.functional.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            gate, up = nn.functional.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)
             pieces.append(nn.functional.linear(act_fn(gate) * up, down[e]))
         start += n
     if not pieces:
@@ -170,8 +181,14 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
     return order, order // top_k_index.shape[-1], counts
 
 
-def combine(rows: torch.Tensor, order: torch.Tensor, token: torch.Tensor, top_k_weights: torch.Tensor,
-            num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    rows: torch.Tensor,
+    order: torch.Tensor,
+    token: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_tokens: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Weight the expert outputs ``rows`` (in expert-sorted pair order) by their routing weights and sum
     them per token, expert by expert as transformers' experts do."""
     weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -179,12 +196,19 @@ def combine(rows: torch.Tensor, order: torch.Tensor, token: torch.Tensor, top_k_
     return out.index_add(0, token, weighted.to(dtype))
 
 
-def local_experts_forward(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor, use_grouped_mm: bool | None = None) -> torch.Tensor:
+def local_experts_forward(
+    experts: nn.Module,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
     """Single-process dispatch / grouped GEMM / combine over all experts of ``experts`` (no EP): the
     local math of the EP forward, equal to transformers' experts forward."""
     order, token, counts = sort_by_expert(top_k_index, experts.gate_up_proj.shape[0])
-    rows = local_expert_ffn(hidden[token], experts.gate_up_proj, experts.down_proj, counts, experts.act_fn, use_grouped_mm)
+    rows = local_expert_ffn(
+        hidden[token], experts.gate_up_proj, experts.down_proj, counts, experts.act_fn, use_grouped_mm
+    )
     return combine(rows, order, token, top_k_weights, hidden.shape[0], hidden.dtype)
 
 
@@ -205,7 +229,9 @@ def check_expert_parallel(hf_config, ep: int) -> None:
         )
     experts = num_experts(hf_config)
     if ep < 1 or experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide the model's {experts} experts; use an ep that divides {experts}")
+        raise ConfigError(
+            f"parallel.ep={ep} must divide the model's {experts} experts; use an ep that divides {experts}"
+        )
 
 
 def apply_expert_parallel_to_model(model: nn.Module, ep_mesh) -> None:
@@ -229,9 +255,7 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | No
     ep = ep_mesh.size()
     num = experts.gate_up_proj.shape[0]
     if num % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} must divide the number of experts (num_experts={num}); change parallel.ep"
-        )
+        raise ConfigError(f"parallel.ep={ep} must divide the number of experts (num_experts={num}); change parallel.ep")
     for name in EXPERT_PARAMETERS:
         param = getattr(experts, name)
         if isinstance(param, DTensor):
@@ -246,8 +270,9 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | No
     return experts
 
 
-def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
+def expert_parallel_forward(
+    self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The EP forward of an experts module prepared by :func:`apply_expert_parallel`."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -256,8 +281,8 @@ def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: 
     num = self.num_global_experts
     gate_up, down = self.gate_up_proj, self.down_proj
     # Under FSDP the parameters come gathered over efsdp but still sharded over ep: this rank's experts.
-    gate_up = gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up
-    down = down.to_local() if isinstance(down, DTensor) else down
+    gate_up = local_tensor(gate_up)
+    down = local_tensor(down)
     local = num // ep
     if gate_up.shape[0] != local:
         raise RuntimeError(f"experts hold {gate_up.shape[0]} experts on this rank, expected {num} / ep {ep} = {local}")
@@ -315,8 +340,9 @@ class AllToAllTraffic:
         return max(self.sent_bytes(rank, backward) for rank in range(len(self.rows)))
 
 
-def all_to_all_traffic(routing: list[torch.Tensor], num_experts: int, hidden_size: int,
-                       element_size: int) -> AllToAllTraffic:
+def all_to_all_traffic(
+    routing: list[torch.Tensor], num_experts: int, hidden_size: int, element_size: int
+) -> AllToAllTraffic:
     """The EP all-to-all traffic of one MoE layer per step: ``routing[r]`` is EP rank r's ``top_k_index``
     (T_r, k); ``element_size``: bytes per element of the activations (2 for bf16)."""
     ep = len(routing)

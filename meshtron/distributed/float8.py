@@ -93,8 +93,8 @@ def check_float8(cfg, device_type: str) -> None:
 
 def _compute_dtype(cfg, device_type: str) -> torch.dtype:
     """The dtype the blocks' linears multiply in (the mixed-precision dtype, else the weights')."""
-    from meshtron.models.build import torch_dtype
     from meshtron.distributed.precision import precision_policy
+    from meshtron.models.build import torch_dtype
 
     return precision_policy(cfg, device_type).compute_dtype or torch_dtype(cfg.model.dtype)
 
@@ -123,7 +123,12 @@ def _converts(linear: nn.Linear, role: str | None, tp: int) -> bool:
 
 
 def apply_float8(
-    model: nn.Module, adapter: DecoderAdapter, *, device_type: str, fsdp_enabled: bool, tp: int = 1,
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    *,
+    device_type: str,
+    fsdp_enabled: bool,
+    tp: int = 1,
     recipe: str = "tensorwise",
 ) -> list[str]:
     """Swap the decoder blocks' ``nn.Linear`` layers for torchao ``Float8Linear`` (on the meta device,
@@ -167,11 +172,18 @@ def float8_tp_paths(block: nn.Module) -> frozenset[str]:
     from torchao.float8.config import ScalingGranularity, ScalingType
 
     def tensorwise(config) -> bool:
-        casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output,
-                 config.cast_config_input_for_grad_weight, config.cast_config_weight_for_grad_input,
-                 config.cast_config_grad_output_for_grad_weight)
-        return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
-                   for c in casts)
+        casts = (
+            config.cast_config_input,
+            config.cast_config_weight,
+            config.cast_config_grad_output,
+            config.cast_config_input_for_grad_weight,
+            config.cast_config_weight_for_grad_input,
+            config.cast_config_grad_output_for_grad_weight,
+        )
+        return all(
+            c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+            for c in casts
+        )
 
     return frozenset(path for path in float8_linear_paths(block) if tensorwise(block.get_submodule(path).config))
 

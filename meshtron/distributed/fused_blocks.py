@@ -47,15 +47,34 @@ def flash_backward(q, k, v, causal: bool, scale: float, out, lse, grad_out):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rng = q.new_empty(0, dtype=torch.int64)  # the rng state is read only with dropout
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.float().contiguous(),
-        None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng, scale=scale,
+        grad_out.to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        out.to(q.dtype).contiguous(),
+        lse.float().contiguous(),
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        rng,
+        rng,
+        scale=scale,
     )
 
 
 def efficient_forward(q, k, v, causal: bool, scale: float):
     groups = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.contiguous(), expand_kv(k, groups).contiguous(), expand_kv(v, groups).contiguous(), None, True, 0.0, causal,
+        q.contiguous(),
+        expand_kv(k, groups).contiguous(),
+        expand_kv(v, groups).contiguous(),
+        None,
+        True,
+        0.0,
+        causal,
         scale=scale,
     )[:2]
     return out, lse[..., : q.shape[2]]
@@ -64,14 +83,25 @@ def efficient_forward(q, k, v, causal: bool, scale: float):
 def efficient_backward(q, k, v, causal: bool, scale: float, out, lse, grad_out):
     groups = q.shape[1] // k.shape[1]
     batch, heads, length, _ = q.shape
-    padded = torch.zeros(batch, heads, -(-length // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN,
-                         dtype=torch.float32, device=q.device)
+    padded = torch.zeros(
+        batch, heads, -(-length // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN, dtype=torch.float32, device=q.device
+    )
     padded[..., :length] = lse
     seed = q.new_zeros((), dtype=torch.int64)  # read only with dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out.to(q.dtype).contiguous(), q.contiguous(), expand_kv(k, groups).contiguous(),
-        expand_kv(v, groups).contiguous(), None, out.to(q.dtype).contiguous(), padded, seed, seed, 0.0,
-        [True, True, True, False], causal, scale=scale,
+        grad_out.to(q.dtype).contiguous(),
+        q.contiguous(),
+        expand_kv(k, groups).contiguous(),
+        expand_kv(v, groups).contiguous(),
+        None,
+        out.to(q.dtype).contiguous(),
+        padded,
+        seed,
+        seed,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
     )
     return dq, fold_kv(dk, groups), fold_kv(dv, groups)
 
@@ -101,7 +131,8 @@ def recomputed_backward(forward, q, k, v, out, lse, grad_out):
         grad_block_out = weight[..., None] * grad_out
         grad_block_lse = weight * (grad_out * (block_out.float() - out.float())).sum(-1)
         grads = torch.autograd.grad(
-            (block_out, block_lse), leaves,
+            (block_out, block_lse),
+            leaves,
             (grad_block_out.to(block_out.dtype), grad_block_lse.to(block_lse.dtype)),
         )
     return tuple(g.float() for g in grads)

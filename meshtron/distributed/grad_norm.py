@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshtron.tensors import local_tensor
+
 
 def _copies(grad: torch.Tensor, ranks: int) -> int:
     """How many ranks hold the same values as this rank's local piece of ``grad``."""
@@ -36,7 +38,7 @@ def _weighted_square_sum(grads: list[torch.Tensor], ranks: int) -> torch.Tensor 
     """Sum of squares of the local pieces, each divided by the number of ranks holding a copy of it."""
     by_copies: dict[int, list[torch.Tensor]] = {}
     for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local_tensor(grad)
         by_copies.setdefault(_copies(grad, ranks), []).append(local.float())
     total = None
     for copies, tensors in sorted(by_copies.items()):
@@ -96,6 +98,6 @@ def clip_gradients(parameters, max_norm: float, total_norm: torch.Tensor) -> Non
     if max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))

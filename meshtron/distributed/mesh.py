@@ -43,7 +43,8 @@ class ParallelDims:
             )
         if dims.ep > 1 and (dims.dp_shard * dims.cp) % dims.ep:
             raise ConfigError(
-                f"parallel.ep={dims.ep} must divide parallel.dp_shard*cp = {dims.dp_shard * dims.cp} (expert parallelism "
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard*cp = {dims.dp_shard * dims.cp} (expert "
+                "parallelism "
                 "borrows its ranks from the data-parallel shard and context-parallel ranks); change parallel.ep or "
                 "parallel.dp_shard"
             )

@@ -17,13 +17,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from meshtron.config import Config
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
+from meshtron.distributed.float8 import apply_float8
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.pipeline_parallel import split_pipeline
+from meshtron.distributed.precision import apply_compute_casts, precision_policy
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import register_attention, uses_meshtron_attention
-from meshtron.distributed.float8 import apply_float8
-from meshtron.distributed.precision import apply_compute_casts, precision_policy
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
 _SAVED_OPS = {
@@ -43,8 +43,15 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 DROPOUT_CONFIG_KEYS = (
-    "attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-    "hidden_dropout_prob", "attention_probs_dropout_prob", "mlp_dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "mlp_dropout",
 )
 """Hugging Face config fields that set a dropout probability (attention dropout is a functional call
 inside the attention kernel, so no ``nn.Dropout`` module shows it)."""
@@ -60,7 +67,8 @@ def uses_dropout(model: nn.Module) -> bool:
 
 
 def apply_activation_checkpointing(model: nn.Module, adapter: DecoderAdapter, mode: str) -> None:
-    """Wrap each decoder block: ``full`` recomputes the whole block in backward, ``selective`` all but matmuls/attention.
+    """Wrap each decoder block: ``full`` recomputes the whole block in backward, ``selective`` all but
+    matmuls/attention.
 
     With dropout the recomputation must draw the forward's dropout masks again, so the RNG state is
     saved and restored around it; without, that bookkeeping is skipped.
@@ -98,8 +106,9 @@ def parallelize(
     model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config, device_type: str | None = None
 ) -> list[tuple[int, nn.Module]]:
     """Apply every parallelism to a meta-device model: PP split -> (per stage) float8 -> TP -> CP -> activation
-    checkpointing -> compile -> FSDP (or, without FSDP, mixed-precision casts). Returns (pipeline stage id, module) for each stage this rank holds
-    (one, stage 0, without pipeline parallelism). ``device_type``: where it will train (see parallelize_model)."""
+    checkpointing -> compile -> FSDP (or, without FSDP, mixed-precision casts). Returns (pipeline stage id, module)
+    for each stage this rank holds (one, stage 0, without pipeline parallelism). ``device_type``: where it will
+    train (see parallelize_model)."""
     if dims.pp > 1:
         stages = split_pipeline(model, adapter, cfg.parallel, meshes["world"]["pp"].get_local_rank())
     else:
@@ -130,8 +139,14 @@ def parallelize_model(
     """
     device_type = device_type or _device_type(meshes, cfg)
     if cfg.train.float8:
-        apply_float8(model, adapter, device_type=device_type, fsdp_enabled=dims.fsdp_enabled, tp=dims.tp,
-                     recipe=cfg.train.float8_recipe)
+        apply_float8(
+            model,
+            adapter,
+            device_type=device_type,
+            fsdp_enabled=dims.fsdp_enabled,
+            tp=dims.tp,
+            recipe=cfg.train.float8_recipe,
+        )
     if dims.ep > 1:  # before TP, whose replicated MoE block then leaves the (already sharded) experts alone
         apply_expert_parallel_to_model(model, meshes["ep"])
     if dims.tp > 1:
@@ -151,8 +166,15 @@ def parallelize_model(
         apply_compile(model, adapter)
     precision = precision_policy(cfg, device_type)
     if dims.fsdp_enabled:
-        apply_fsdp(model, adapter, meshes["fsdp"], cfg.fsdp, precision.fsdp_policy(), pipelined=dims.pp > 1,
-                   expert_mesh=meshes.get("expert_fsdp"))
+        apply_fsdp(
+            model,
+            adapter,
+            meshes["fsdp"],
+            cfg.fsdp,
+            precision.fsdp_policy(),
+            pipelined=dims.pp > 1,
+            expert_mesh=meshes.get("expert_fsdp"),
+        )
     else:  # the same mixed-precision casts FSDP would do, at the same places
         apply_compute_casts(model, adapter, precision, compiled=compiled)
     return model

@@ -26,9 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import PP_SCHEDULES as SCHEDULES
 from meshtron.config import ParallelConfig
+from meshtron.distributed.devices import torch_release
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
-from meshtron.distributed.devices import torch_release
+from meshtron.tensors import local_tensor
 
 MAX_EXACT_TOKEN_ID = 2**24
 """Token ids travel between stages as float32, which holds integers exactly up to here."""
@@ -61,7 +62,9 @@ def split_layers(num_layers: int, cfg: ParallelConfig) -> list[range]:
         try:
             counts = [int(part) for part in cfg.pp_stage_layers.split(",")]
         except ValueError:
-            raise ConfigError(f"parallel.pp_stage_layers '{cfg.pp_stage_layers}': write layer counts like 3,4,4,3") from None
+            raise ConfigError(
+                f"parallel.pp_stage_layers '{cfg.pp_stage_layers}': write layer counts like 3,4,4,3"
+            ) from None
         if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 0:
             raise ConfigError(
                 f"parallel.pp_stage_layers '{cfg.pp_stage_layers}' must give {num_stages} non-negative layer counts "
@@ -71,7 +74,8 @@ def split_layers(num_layers: int, cfg: ParallelConfig) -> list[range]:
         if num_layers < num_stages:
             raise ConfigError(
                 f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
-                f"(parallel.pp={cfg.pp} x {stages_per_rank(cfg)} stages per rank); lower parallel.pp or the stages per rank"
+                f"(parallel.pp={cfg.pp} x {stages_per_rank(cfg)} stages per rank); lower parallel.pp or the stages "
+                "per rank"
             )
         counts = _even_counts(num_layers, num_stages, cfg.pp_first_stage_layers, cfg.pp_last_stage_layers)
     ranges, start = [], 0
@@ -131,7 +135,11 @@ def pipeline_microbatches(cfg: ParallelConfig, local_batch: int, micro_batch_siz
 
 
 def check_pipeline(
-    cfg: ParallelConfig, hf_config, local_batch: int, micro_batch_size: int | None = None, device_type: str = "cuda",
+    cfg: ParallelConfig,
+    hf_config,
+    local_batch: int,
+    micro_batch_size: int | None = None,
+    device_type: str = "cuda",
     torch_version: str = torch.__version__,
 ) -> int:
     """Refuse pipeline settings that cannot work; returns the number of microbatches.
@@ -156,7 +164,8 @@ def check_pipeline(
     # Name the setting the count came from in the errors below.
     setting = f"{microbatches} (parallel.pp_microbatches)"
     if micro_batch_size:
-        setting = f"{microbatches} (train.micro_batch_size={micro_batch_size} of {local_batch} sequences per data-parallel rank)"
+        per_rank = f"{local_batch} sequences per data-parallel rank"
+        setting = f"{microbatches} (train.micro_batch_size={micro_batch_size} of {per_rank})"
     if cfg.pp_schedule == "1F1B" and microbatches < cfg.pp:
         raise ConfigError(
             f"parallel.pp_schedule=1F1B needs at least parallel.pp={cfg.pp} microbatches, got {setting}; "
@@ -176,8 +185,8 @@ def check_pipeline(
             )
     if hf_config.vocab_size > MAX_EXACT_TOKEN_ID:
         raise ConfigError(
-            f"the model's vocab_size {hf_config.vocab_size} is over {MAX_EXACT_TOKEN_ID}, the largest token id pipeline "
-            "stages pass exactly; use parallel.pp=1"
+            f"the model's vocab_size {hf_config.vocab_size} is over {MAX_EXACT_TOKEN_ID}, the largest token id "
+            "pipeline stages pass exactly; use parallel.pp=1"
         )
     return microbatches
 
@@ -199,7 +208,9 @@ def tied_weight_names(model: nn.Module, adapter: DecoderAdapter) -> dict[str, st
     return {f"{names[id(head)]}.weight": f"{names[id(embeddings)]}.weight"}
 
 
-def split_pipeline(model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
+def split_pipeline(
+    model: nn.Module, adapter: DecoderAdapter, cfg: ParallelConfig, pp_rank: int
+) -> list[tuple[int, nn.Module]]:
     """(stage id, stage model) for every stage pipeline rank ``pp_rank`` holds, cut from the meta-device ``model``.
 
     With tied embeddings no stage holds both the embeddings (first stage) and the head (last): each stage's
@@ -259,7 +270,7 @@ def set_stage_forward(
             extra = (carry,)
         if last:
             return (out, *extra) if extra else out
-        return ((out.to_local() if isinstance(out, DTensor) else out), input_ids.to(torch.float32), *extra)
+        return (local_tensor(out), input_ids.to(torch.float32), *extra)
 
     model.forward = types.MethodType(forward, model)
 

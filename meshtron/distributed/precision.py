@@ -159,7 +159,9 @@ def _innermost(block: nn.Module) -> nn.Module:
         block = inner
 
 
-def apply_compute_casts(model: nn.Module, adapter: DecoderAdapter, policy: PrecisionPolicy, compiled: bool = False) -> None:
+def apply_compute_casts(
+    model: nn.Module, adapter: DecoderAdapter, policy: PrecisionPolicy, compiled: bool = False
+) -> None:
     """FSDP's mixed-precision casts without FSDP: per decoder block, then the root for the rest.
 
     The hooks run outside compiled code (``compiled``: the blocks' forwards are compiled, see

@@ -42,8 +42,14 @@ def mask_kind(device, kernel: str) -> str:
     return "flex" if kernel == "flex" or (kernel == "auto" and torch.device(device).type == "cuda") else "dense"
 
 
-def classify(first: list[list[int]] | None, last: list[list[int]] | None, q_chunk: int, kv_chunk: int,
-             window: int | None = None, chunk: int | None = None) -> str:
+def classify(
+    first: list[list[int]] | None,
+    last: list[list[int]] | None,
+    q_chunk: int,
+    kv_chunk: int,
+    window: int | None = None,
+    chunk: int | None = None,
+) -> str:
     """``skip``, ``full``, ``causal`` or ``masked`` for one sub-block, from each row's first and last
     document id per chunk (``first[row][chunk]``); without documents (one per row) pass None. With a sliding
     ``window``, ``chunk`` is the chunk length: the sub-block is skipped when every (query, key) pair is at
@@ -107,8 +113,9 @@ def plan_sub_blocks(layout, device, window: int | None = None) -> dict[int, list
                     if docs is not None:
                         q_docs, kv_docs = (docs[:, i * c : (i + 1) * c] for i in (q_chunk, kv_chunk))
                     offset = (q_chunk - kv_chunk) * c
-                    mask = build(q_docs, kv_docs, q_chunk == kv_chunk, window=window, offset=offset, length=c,
-                                 device=device)
+                    mask = build(
+                        q_docs, kv_docs, q_chunk == kv_chunk, window=window, offset=offset, length=c, device=device
+                    )
                 else:
                     mask = "causal" if what == "causal" else None
                 blocks.append((qi, ki, mask))
@@ -133,9 +140,15 @@ def sub_blocks(layout, device, window: int | None = None) -> dict[int, list[tupl
     return layout.attention_cache[key]
 
 
-def dense_chunk_mask(q_docs: torch.Tensor | None, kv_docs: torch.Tensor | None, diagonal: bool,
-                     window: int | None = None, offset: int = 0, length: int | None = None,
-                     device=None) -> torch.Tensor:
+def dense_chunk_mask(
+    q_docs: torch.Tensor | None,
+    kv_docs: torch.Tensor | None,
+    diagonal: bool,
+    window: int | None = None,
+    offset: int = 0,
+    length: int | None = None,
+    device=None,
+) -> torch.Tensor:
     """(B, Lq, Lk) bool: same document (and causal on the diagonal), and with a sliding ``window`` query index
     - key index < window, global indices: ``offset`` is the query chunk's start minus the key chunk's.
     Without documents (``q_docs`` and ``kv_docs`` None: chunks of ``length`` tokens on ``device``) batch 1."""
@@ -154,8 +167,14 @@ def dense_chunk_mask(q_docs: torch.Tensor | None, kv_docs: torch.Tensor | None, 
 
 
 def chunk_block_mask(
-    q_docs: torch.Tensor | None, kv_docs: torch.Tensor | None, diagonal: bool, block_size: int = BLOCK_SIZE,
-    window: int | None = None, offset: int = 0, length: int | None = None, device=None,
+    q_docs: torch.Tensor | None,
+    kv_docs: torch.Tensor | None,
+    diagonal: bool,
+    block_size: int = BLOCK_SIZE,
+    window: int | None = None,
+    offset: int = 0,
+    length: int | None = None,
+    device=None,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` of ``dense_chunk_mask`` from per-tile document ranges (no Lq x Lk tensor).
     Off the diagonal every key precedes every query: a tile pair shares a document iff its last key's id
@@ -196,13 +215,20 @@ def chunk_block_mask(
     else:
         mask_mod = _chunk_window_mask_mod(length, window, offset)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(length, length),
+        kv_num,
+        kv_index,
+        full_num,
+        full_index,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(length, length),
     )
 
 
 def _chunk_window_mask_mod(length: int, window: int | None, offset: int):
     """Causal on global indices (``offset``: the query chunk's start minus the key chunk's) and inside the
     window, one document; padding keys (at ``length`` and beyond) hidden."""
+
     def causal_window(b, h, q_idx, kv_idx):
         distance = q_idx + offset - kv_idx
         visible = (distance >= 0) & (kv_idx < length)
@@ -211,12 +237,15 @@ def _chunk_window_mask_mod(length: int, window: int | None, offset: int):
     return causal_window
 
 
-def _chunk_mask_mod(q_docs: torch.Tensor, kv_docs: torch.Tensor, diagonal: bool, window: int | None = None,
-                    offset: int = 0):
+def _chunk_mask_mod(
+    q_docs: torch.Tensor, kv_docs: torch.Tensor, diagonal: bool, window: int | None = None, offset: int = 0
+):
     if diagonal:
+
         def base(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
     else:
+
         def base(b, h, q_idx, kv_idx):
             return q_docs[b, q_idx] == kv_docs[b, kv_idx]
 

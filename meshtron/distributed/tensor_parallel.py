@@ -48,10 +48,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils.stateless import _reparametrize_module
 
+from meshtron.distributed.float8 import float8_tp_paths
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.families import check_family
-from meshtron.distributed.float8 import float8_tp_paths
+from meshtron.tensors import local_tensor
 
 
 def check_tensor_parallel(
@@ -82,7 +83,9 @@ def check_tensor_parallel(
             f"parallel.tp={tp} does not divide the model's intermediate_size {size}; use a tp that divides {size}"
         )
     if sequence_parallel and (seq_len // cp) % tp:
-        length = f"data.seq_len {seq_len}" if cp == 1 else f"data.seq_len {seq_len} / parallel.cp={cp} = {seq_len // cp}"
+        length = (
+            f"data.seq_len {seq_len}" if cp == 1 else f"data.seq_len {seq_len} / parallel.cp={cp} = {seq_len // cp}"
+        )
         raise ConfigError(
             f"{length} is not divisible by parallel.tp={tp} (sequence parallel splits the sequence); "
             f"use a data.seq_len that is a multiple of {tp * cp} or set parallel.sequence_parallel=false"
@@ -150,14 +153,15 @@ class ReplicateParallel(ParallelStyle):
     @staticmethod
     def _input_fn(module, inputs, mesh):
         return tuple(
-            DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
-            and not isinstance(x, DTensor) else x
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
             for x in inputs
         )
 
     @staticmethod
     def _output_fn(module, output, mesh):
-        return output.to_local() if isinstance(output, DTensor) else output
+        return local_tensor(output)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
@@ -261,7 +265,9 @@ def _block_styles(
             else:
                 styles[path] = ReplicatedKVProjection(shape.num_kv_heads, shape.head_dim)
         elif role == "rowwise":
-            styles[path] = float8.get(path, RowwiseParallel)(output_layouts=stream, use_local_output=not sequence_parallel)
+            styles[path] = float8.get(path, RowwiseParallel)(
+                output_layouts=stream, use_local_output=not sequence_parallel
+            )
         elif role == "norm":
             styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
         elif role == "gathered_norm":
@@ -298,7 +304,12 @@ def _top_styles(roles: dict[str, str], sequence_parallel: bool, loss_parallel_on
 
 
 def apply_tensor_parallel(
-    model: nn.Module, adapter: DecoderAdapter, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool,
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    tp_mesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
     float8: bool = False,
 ) -> None:
     """Split ``model`` (on the meta device) over the 1-D ``tp_mesh``, block by block, then the outer parts.
@@ -314,8 +325,9 @@ def apply_tensor_parallel(
         float8_paths = float8_tp_paths(block) if float8 else frozenset()
         styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel, float8_paths)
         parallelize_module(block, tp_mesh, styles, src_data_rank=None)
-    parallelize_module(model, tp_mesh, _top_styles(adapter.top_tp_roles(model), sequence_parallel, loss_parallel),
-                       src_data_rank=None)
+    parallelize_module(
+        model, tp_mesh, _top_styles(adapter.top_tp_roles(model), sequence_parallel, loss_parallel), src_data_rank=None
+    )
     adapter.tie_weights(model)
     adapter.set_local_heads(model, shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
 
@@ -327,11 +339,6 @@ def loss_context(logits: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def local_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 @torch.no_grad()
 def shard_replicated_gradients(parameters) -> None:
     """Give a sharded parameter whose gradient arrived whole (``Replicate``: DTensor's embedding backward
@@ -340,12 +347,16 @@ def shard_replicated_gradients(parameters) -> None:
     each accumulated micro-batch so that only the shard is held between them."""
     for param in parameters:
         grad = param.grad
-        if (not isinstance(grad, DTensor) or grad.placements == param.placements
-                or not all(isinstance(p, Replicate) for p in grad.placements)):
+        if (
+            not isinstance(grad, DTensor)
+            or grad.placements == param.placements
+            or not all(isinstance(p, Replicate) for p in grad.placements)
+        ):
             continue
         local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
-        param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                        shape=param.shape, stride=param.stride())
+        param.grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
 
 
 @torch.no_grad()
@@ -372,4 +383,6 @@ def reduce_partial_gradients(parameters) -> None:
         for dim in dims:
             dist.all_reduce(flat, group=mesh.get_group(dim))
         for param, piece in zip(params, torch.split(flat, [t.numel() for t in locals_])):
-            param.grad = DTensor.from_local(piece.view_as(param.grad.to_local()), mesh, param.placements, run_check=False)
+            param.grad = DTensor.from_local(
+                piece.view_as(param.grad.to_local()), mesh, param.placements, run_check=False
+            )

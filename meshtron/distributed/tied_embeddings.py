@@ -23,9 +23,10 @@ from torch import nn
 from meshtron.config import ParallelConfig
 from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
 from meshtron.distributed.pipeline_parallel import TIED_WEIGHTS, local_stage_ids, stages_per_rank
-from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients, shard_replicated_gradients
+from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.models.adapter import canonical_name
+from meshtron.tensors import local_tensor
 
 
 def _named(parts: list[nn.Module], name: str) -> list[nn.Parameter]:
@@ -53,28 +54,29 @@ class TiedEmbeddingSync:
         reduce_partial_gradients(params)
         if self.group is None:  # first and last stage on this rank
             for embedding, head in zip(self.embeddings, self.heads):
-                total = local_value(embedding.grad) + local_value(head.grad)
-                local_value(embedding.grad).copy_(total)
-                local_value(head.grad).copy_(total)
+                total = local_tensor(embedding.grad) + local_tensor(head.grad)
+                local_tensor(embedding.grad).copy_(total)
+                local_tensor(head.grad).copy_(total)
             return
         for param in params:
-            dist.all_reduce(local_value(param.grad), group=self.group)
+            dist.all_reduce(local_tensor(param.grad), group=self.group)
 
 
 def _split(param: torch.Tensor) -> tuple:
     """How a parameter is split: its placements, full shape and this rank's local shape."""
-    return str(getattr(param, "placements", None)), tuple(param.shape), tuple(local_value(param).shape)
+    return str(getattr(param, "placements", None)), tuple(param.shape), tuple(local_tensor(param).shape)
 
 
 def _check_alike(a: tuple, b: tuple) -> None:
     if a != b:
         raise MeshtronError(
-            f"tied embeddings and head are split differently under pipeline parallelism ({a} vs {b}); "
-            "use parallel.pp=1"
+            f"tied embeddings and head are split differently under pipeline parallelism ({a} vs {b}); use parallel.pp=1"
         )
 
 
-def tied_embedding_sync(parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes) -> TiedEmbeddingSync | None:
+def tied_embedding_sync(
+    parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes
+) -> TiedEmbeddingSync | None:
     """The gradient sum of a tied model's pipeline stages on this rank (None when the model is untied).
 
     ``parts``: this rank's (parallelized, materialized) stage modules, ``stage_ids`` their stage ids. Every
@@ -83,7 +85,7 @@ def tied_embedding_sync(parts: list[nn.Module], stage_ids: list[int], cfg: Paral
     names = next((getattr(part, TIED_WEIGHTS) for part in parts if hasattr(part, TIED_WEIGHTS)), None)
     if not names:
         return None
-    (head_name, embedding_name), = names.items()
+    ((head_name, embedding_name),) = names.items()
     num_stages = cfg.pp * stages_per_rank(cfg)
     first_rank = next(r for r in range(cfg.pp) if 0 in local_stage_ids(r, cfg))
     last_rank = next(r for r in range(cfg.pp) if num_stages - 1 in local_stage_ids(r, cfg))

@@ -12,15 +12,15 @@ from typing import IO
 import torch
 
 from meshtron.metrics.runs import METRICS, RUN_INFO
+from meshtron.tensors import local_tensor
 
 
 def local_bytes(tensor) -> int:
     """Bytes of this rank's piece of ``tensor`` (a DTensor's local shard); 0 for None."""
-    from torch.distributed.tensor import DTensor
 
     if tensor is None:
         return 0
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
@@ -28,7 +28,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
     params = list(model.parameters())
     optim = sum(
-        local_bytes(value) for state in optimizer.state.values() for value in state.values()
+        local_bytes(value)
+        for state in optimizer.state.values()
+        for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     )
     return {
@@ -49,8 +51,16 @@ def max_memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Writes one JSON object per logged step and prints progress; inactive on ranks other than 0."""
 
-    def __init__(self, output_dir: Path | None, total_steps: int, *, enabled: bool, progress: bool, stream: IO | None = None,
-                 loggers: list | None = None):
+    def __init__(
+        self,
+        output_dir: Path | None,
+        total_steps: int,
+        *,
+        enabled: bool,
+        progress: bool,
+        stream: IO | None = None,
+        loggers: list | None = None,
+    ):
         self.enabled = enabled
         self.loggers = loggers or []  # TensorBoard, W&B (meshtron.metrics.loggers): get every row too
         self.total_steps = total_steps

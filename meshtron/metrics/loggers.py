@@ -27,11 +27,15 @@ def check_loggers(cfg: Config, env=os.environ) -> None:
     for name in cfg.run.loggers:
         package = PACKAGES.get(name)
         if package is not None and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"run.loggers: '{name}' needs the {package} package: pip install 'meshtron[{name}]' "
-                              f"(or {package}), or remove '{name}' from run.loggers")
+            raise ConfigError(
+                f"run.loggers: '{name}' needs the {package} package: pip install 'meshtron[{name}]' "
+                f"(or {package}), or remove '{name}' from run.loggers"
+            )
     if "wandb" in cfg.run.loggers and cfg.run.wandb_mode == "online" and not _wandb_api_key(env):
-        raise ConfigError("run.wandb_mode=online needs a W&B API key: run `wandb login` or set WANDB_API_KEY, or set "
-                          "run.wandb_mode=offline (upload later with `wandb sync`)")
+        raise ConfigError(
+            "run.wandb_mode=online needs a W&B API key: run `wandb login` or set WANDB_API_KEY, or set "
+            "run.wandb_mode=offline (upload later with `wandb sync`)"
+        )
 
 
 def _wandb_api_key(env) -> bool:
@@ -47,8 +51,11 @@ def _wandb_api_key(env) -> bool:
 
 def scalars(record: dict) -> dict[str, float]:
     """The numbers of a metrics row (not its step), as a logger takes them."""
-    return {key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)}
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)
+    }
 
 
 class TensorBoardLogger:
@@ -77,12 +84,19 @@ class WandbLogger:
         import wandb
 
         try:
-            self.run = wandb.init(project=cfg.run.wandb_project, mode=cfg.run.wandb_mode, dir=str(output_dir),
-                                  name=Path(output_dir).name, config={**to_dict(cfg), "layout": layout})
+            self.run = wandb.init(
+                project=cfg.run.wandb_project,
+                mode=cfg.run.wandb_mode,
+                dir=str(output_dir),
+                name=Path(output_dir).name,
+                config={**to_dict(cfg), "layout": layout},
+            )
         except Exception as err:  # noqa: BLE001 - wandb raises many kinds (no key, no network, ...)
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise MeshtronError(f"run.loggers: W&B could not start ({reason}); run `wandb login` or set WANDB_API_KEY, "
-                                "or set run.wandb_mode=offline (sync later with `wandb sync`)") from None
+            raise MeshtronError(
+                f"run.loggers: W&B could not start ({reason}); run `wandb login` or set WANDB_API_KEY, "
+                "or set run.wandb_mode=offline (sync later with `wandb sync`)"
+            ) from None
 
     def log(self, record: dict) -> None:
         self.run.log({f"train/{key}": value for key, value in scalars(record).items()}, step=record["step"])

@@ -45,8 +45,13 @@ def _figure(runs: list[Run], dpi: int):
             points = [(x, y) for x, y in zip(xs, run.column(key)) if y is not None and math.isfinite(y)]
             if points:
                 # Later runs dashed and thinner, so that runs that agree (the point of overlaying) stay visible.
-                ax.plot(*zip(*points), label=run.label, linestyle=LINE_STYLES[index % len(LINE_STYLES)],
-                        linewidth=max(0.8, 2.0 - 0.4 * index), marker="." if len(points) < 30 else None)
+                ax.plot(
+                    *zip(*points),
+                    label=run.label,
+                    linestyle=LINE_STYLES[index % len(LINE_STYLES)],
+                    linewidth=max(0.8, 2.0 - 0.4 * index),
+                    marker="." if len(points) < 30 else None,
+                )
                 drawn = True
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("tokens" if x_axis == "tokens" else "step", fontsize=8)
@@ -55,8 +60,15 @@ def _figure(runs: list[Run], dpi: int):
         if key == "mfu" and drawn:
             ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         if not drawn:
-            ax.text(0.5, 0.5, "not measured" + (" (no GPU peak known)" if key == "mfu" else ""), ha="center",
-                    va="center", transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "not measured" + (" (no GPU peak known)" if key == "mfu" else ""),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
     legend = axes.flat[-1]
     legend.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -91,17 +103,23 @@ def plot_runs(paths: list[str | Path], out: str | Path, dpi: int = DPI) -> Path:
 def _html_page(runs: list[Run], svg: str) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(run.label)}</td><td>{run.steps[-1]}</td><td>{run.rows[0]['loss']:.4f}</td>"
-        f"<td>{run.rows[-1]['loss']:.4f}</td><td>{_median_throughput(run):,.0f}</td></tr>" for run in runs
+        f"<td>{run.rows[-1]['loss']:.4f}</td><td>{_median_throughput(run):,.0f}</td></tr>"
+        for run in runs
     )
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>meshtron runs</title></head><body>"
-            "<table border='1' cellpadding='4'><tr><th>run (layout)</th><th>steps</th><th>first loss</th>"
-            f"<th>last loss</th><th>median tokens/s</th></tr>{rows}</table>{svg[svg.index('<svg'):]}</body></html>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>meshtron runs</title></head><body>"
+        "<table border='1' cellpadding='4'><tr><th>run (layout)</th><th>steps</th><th>first loss</th>"
+        f"<th>last loss</th><th>median tokens/s</th></tr>{rows}</table>{svg[svg.index('<svg') :]}</body></html>"
+    )
 
 
 def _median_throughput(run: Run, steps: set[int] | None = None) -> float:
     """Median tokens/s over the run's steps after the first (which pays for warm-up), or of ``steps``."""
-    values = [row["tokens_per_s"] for row in run.rows[1:] or run.rows
-              if row.get("tokens_per_s") and (steps is None or row["step"] in steps)]
+    values = [
+        row["tokens_per_s"]
+        for row in run.rows[1:] or run.rows
+        if row.get("tokens_per_s") and (steps is None or row["step"] in steps)
+    ]
     return statistics.median(values) if values else float("nan")
 
 
@@ -125,8 +143,11 @@ def compare_runs(path_a: str | Path, path_b: str | Path, tol: float, out=print) 
         ta, tb = loss_a[step].get("tokens_per_s"), loss_b[step].get("tokens_per_s")
         ratio = f"{tb / ta:9.2f}" if ta and tb else f"{'-':>9}"
         out(f"{step:>6}  {la:12.6f}  {lb:12.6f}  {diff:10.2e}  {ratio}")
-    speed = _median_throughput(b, set(common[1:])) / _median_throughput(a, set(common[1:])) if len(common) > 1 \
+    speed = (
+        _median_throughput(b, set(common[1:])) / _median_throughput(a, set(common[1:]))
+        if len(common) > 1
         else float("nan")
+    )
     only = sorted(set(loss_a) ^ set(loss_b))
     if not common:
         out("meshtron: the runs have no step in common")
@@ -134,12 +155,16 @@ def compare_runs(path_a: str | Path, path_b: str | Path, tol: float, out=print) 
     if beyond or only:
         parts = []
         if beyond:
-            parts.append(f"losses differ beyond --tol {tol:g} at {len(beyond)} of {len(common)} steps (largest "
-                         f"{worst[0]:.2e} at step {worst[1]})")
+            parts.append(
+                f"losses differ beyond --tol {tol:g} at {len(beyond)} of {len(common)} steps (largest "
+                f"{worst[0]:.2e} at step {worst[1]})"
+            )
         if only:
             parts.append(f"{len(only)} step(s) logged by one run only (first: {only[0]})")
         out(f"meshtron: {'; '.join(parts)}; B's throughput is {speed:.2f}x A's")
         return 1
-    out(f"meshtron: losses equal within --tol {tol:g} over {len(common)} steps; B's throughput is {speed:.2f}x A's "
-        "(median over the steps after the first)")
+    out(
+        f"meshtron: losses equal within --tol {tol:g} over {len(common)} steps; B's throughput is {speed:.2f}x A's "
+        "(median over the steps after the first)"
+    )
     return 0

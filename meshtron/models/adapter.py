@@ -130,8 +130,12 @@ class DecoderAdapter:
         rotary = self.rotary_embeddings(model, hidden, positions, kinds)
         for (_, block), kind in zip(blocks, kinds):
             hidden = block(
-                hidden, attention_mask=masks[kind], position_ids=positions, use_cache=False,
-                position_embeddings=rotary[kind], **extra,
+                hidden,
+                attention_mask=masks[kind],
+                position_ids=positions,
+                use_cache=False,
+                position_embeddings=rotary[kind],
+                **extra,
             )
         if last:
             hidden = self.final_norm(model)(hidden)

@@ -71,8 +71,13 @@ def model_attention_masks(config, hidden: torch.Tensor, position_ids: torch.Tens
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    common = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None,
-              "position_ids": position_ids}
+    common = {
+        "config": config,
+        "inputs_embeds": hidden,
+        "attention_mask": None,
+        "past_key_values": None,
+        "position_ids": position_ids,
+    }
     masks = {}
     for kind in sorted(set(layer_types)):
         if kind not in makers:
@@ -95,7 +100,8 @@ def check_attention(
     softcap = getattr(hf_config, "attn_logit_softcapping", None)
     if softcap:
         raise ConfigError(
-            f"the model's attn_logit_softcapping {softcap} is not supported by meshtron's attention (used for {needs}); "
+            f"the model's attn_logit_softcapping {softcap} is not supported by meshtron's attention (used for "
+            f"{needs}); "
             f"set {own}"
         )
     if getattr(hf_config, "use_bidirectional_attention", False):
@@ -106,8 +112,7 @@ def check_attention(
     if attn_implementation != "sdpa":
         raise ConfigError(
             f"model.attn_implementation={attn_implementation} cannot be combined with {needs} (meshtron's own "
-            "attention replaces it); use model.attn_implementation=sdpa"
-            + alternative
+            "attention replaces it); use model.attn_implementation=sdpa" + alternative
         )
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ConfigError(
@@ -119,11 +124,23 @@ def check_attention(
 def _single_device_attention(query, key, value, layout: SequenceLayout, scale: float, window: int | None = None):
     """Whole-sequence attention with the document mask (and the layer's sliding ``window``), by the device's
     kernel (see ``attention_kernels``)."""
-    return document_attention(query, key, value, layout.document_ids, scale, cache=layout.attention_cache, window=window)
+    return document_attention(
+        query, key, value, layout.document_ids, scale, cache=layout.attention_cache, window=window
+    )
 
 
-def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_layout=None,
-                 sliding_window=None, **kwargs):
+def hf_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sequence_layout=None,
+    sliding_window=None,
+    **kwargs,
+):
     """A transformers attention function: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) -> (B, L, H, D).
     ``sliding_window``: what the layer's attention module passes (Gemma 2/3, Qwen2/3: the window on sliding
     layers, None on full ones; Mistral, Phi-3, Starcoder2: ``config.sliding_window``); a query at index i then

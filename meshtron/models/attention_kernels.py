@@ -52,8 +52,16 @@ def mask_key(kind: str, device, length: int, window: int | None = None) -> tuple
     return key if window is None else (*key, window)
 
 
-def document_attention(query, key, value, document_ids, scale: float, kernel: str = "auto", cache: dict | None = None,
-                       window: int | None = None):
+def document_attention(
+    query,
+    key,
+    value,
+    document_ids,
+    scale: float,
+    kernel: str = "auto",
+    cache: dict | None = None,
+    window: int | None = None,
+):
     """Causal attention within documents: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) with H a
     multiple of Hkv, ``document_ids`` (B, L) or None (one document per row), ``window`` the sliding window or
     None -> (B, H, L, D)."""
@@ -72,18 +80,34 @@ def document_attention(query, key, value, document_ids, scale: float, kernel: st
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=True)
 
 
-def prepare_masks(cache: dict, document_ids: torch.Tensor | None, device: torch.device, length: int,
-                  windows=(None,)) -> None:
+def prepare_masks(
+    cache: dict, document_ids: torch.Tensor | None, device: torch.device, length: int, windows=(None,)
+) -> None:
     """Build the masks ``document_attention`` will look up, one per sliding window in ``windows`` (None: no
     window), before the model runs: compiled decoder blocks then find them in ``cache`` and never call a
     mask builder (no graph break)."""
     for window in dict.fromkeys(effective_window(w, length) for w in windows):
         if choose_kernel(device) == "flex":
-            _cached(cache, mask_key("flex", device, length, window), document_block_mask, document_ids, device, length,
-                    BLOCK_SIZE, window)
+            _cached(
+                cache,
+                mask_key("flex", device, length, window),
+                document_block_mask,
+                document_ids,
+                device,
+                length,
+                BLOCK_SIZE,
+                window,
+            )
         elif document_ids is not None or window is not None:
-            _cached(cache, mask_key("dense", device, length, window), dense_document_mask, document_ids, device, window,
-                    length)
+            _cached(
+                cache,
+                mask_key("dense", device, length, window),
+                dense_document_mask,
+                document_ids,
+                device,
+                window,
+                length,
+            )
 
 
 @functools.cache
@@ -113,8 +137,9 @@ def _cached(cache: dict | None, cache_key: tuple, build, *args):
 
 
 @torch.compiler.disable
-def dense_document_mask(document_ids: torch.Tensor | None, device, window: int | None = None,
-                        length: int | None = None) -> torch.Tensor:
+def dense_document_mask(
+    document_ids: torch.Tensor | None, device, window: int | None = None, length: int | None = None
+) -> torch.Tensor:
     """(B, 1, L, L) bool, True where a query may attend a key: causal, same document (``document_ids`` (B, L);
     None: one document, batch 1, ``length`` tokens) and inside the sliding ``window`` (query index - key index
     < window) when there is one."""
@@ -180,15 +205,21 @@ def document_block_mask(
     visible = (kv_block <= q_block) & (last[:, None, :] >= first[:, :, None])
     full = (kv_block < q_block) & (first[:, None, :] == last[:, :, None]) & complete[:, None] & complete[None, :]
     if window is not None:
-        # Query index - key index over a block pair runs from (q - kv) * size - (size - 1) to (q - kv) * size + size - 1.
+        # Query index - key index over a block pair runs from (q - kv) * size - (size - 1)
+        # to (q - kv) * size + size - 1.
         gap = (q_block - kv_block) * block_size
         visible = visible & (gap - (block_size - 1) < window)
         full = full & (gap + block_size - 1 < window)
     kv_num, kv_index = _ordered(visible & ~full)
     full_num, full_index = _ordered(full)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_index, full_num, full_index,
-        BLOCK_SIZE=block_size, mask_mod=document_mask_mod(docs, window), seq_lengths=(length, length),
+        kv_num,
+        kv_index,
+        full_num,
+        full_index,
+        BLOCK_SIZE=block_size,
+        mask_mod=document_mask_mod(docs, window),
+        seq_lengths=(length, length),
     )
 
 

@@ -21,6 +21,7 @@ from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
 from meshtron.models.moe import read_experts
 from meshtron.models.presets import make_preset_config
+from meshtron.tensors import local_tensor
 
 DEFAULT_PRESET = "tiny"
 
@@ -183,8 +184,9 @@ def _local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def _weight_for(name: str, param: torch.Tensor, reader: CheckpointReader, adapter: DecoderAdapter, config,
-                region) -> torch.Tensor:
+def _weight_for(
+    name: str, param: torch.Tensor, reader: CheckpointReader, adapter: DecoderAdapter, config, region
+) -> torch.Tensor:
     """This rank's ``region`` of parameter ``name`` read from the checkpoint, wherever the family keeps it there
     (``adapter.checkpoint_sources``: another name, or a row range of a fused tensor; a mixture of experts'
     fused expert parameter: the experts' own tensors, ``moe.read_experts``)."""
@@ -247,5 +249,5 @@ def materialize(
             # The full tensor is drawn so that the values never depend on the layout; only the shard is kept.
             full = init_tensor(name, param.shape, std, seed, adapter.norm_init)
             local = full if region is None else full[region]
-        target = param.to_local() if isinstance(param, DTensor) else param
+        target = local_tensor(param)
         target.copy_(local.to(device=device, dtype=param.dtype))

@@ -45,8 +45,11 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(),
     # Norms after attention and MLP; q_norm / k_norm normalize over all heads' features at once.
     "olmo2": Family(  # under TP its q/k norms run on the all-gathered heads (GatheredNormParallel)
-        extra_roles={"post_feedforward_layernorm": "norm", "self_attn.q_norm": "gathered_norm",
-                     "self_attn.k_norm": "gathered_norm"},
+        extra_roles={
+            "post_feedforward_layernorm": "norm",
+            "self_attn.q_norm": "gathered_norm",
+            "self_attn.k_norm": "gathered_norm",
+        },
         tp_over_kv_heads_refusal="its k_norm normalizes over all KV heads together, which tp > KV heads replicates",
     ),
     # Parallel attention and MLP from one LayerNorm; logits multiplied by logit_scale (applied by the adapter).
@@ -58,8 +61,12 @@ FAMILIES: dict[str, Family] = {
     # Body at .gpt_neox (meshtron.models.gpt_neox), biases, LayerNorms, parallel attention and MLP; its fused
     # query_key_value holds each head's q, k and v rows together, so splitting its rows splits by head.
     "gpt_neox": Family(adapter="meshtron.models.gpt_neox.GPTNeoXAdapter"),
-    "gemma2": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True,
-                     eager_only="its attention logit soft-capping is not in torch's sdpa"),
+    "gemma2": Family(
+        adapter=_GEMMA_ADAPTER,
+        extra_roles=_GEMMA_NORMS,
+        zero_centered_norms=True,
+        eager_only="its attention logit soft-capping is not in torch's sdpa",
+    ),
     "gemma3_text": Family(adapter=_GEMMA_ADAPTER, extra_roles=_GEMMA_NORMS, zero_centered_norms=True),
     # Mixtures of experts (meshtron.models.moe): a sparse block at mlp (router gate, fused 3-D experts), kept
     # whole on every tp rank ("replicated_block"); checkpoints keep each expert's matrices apart (Mixtral's

@@ -36,7 +36,11 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if getattr(module, "gate", None) is not None and experts is not None and getattr(experts, "gate_up_proj", None) is not None:
+        if (
+            getattr(module, "gate", None) is not None
+            and experts is not None
+            and getattr(experts, "gate_up_proj", None) is not None
+        ):
             found.append((name, module))
     return found
 
@@ -108,7 +112,8 @@ def read_experts(name: str, shape: tuple[int, ...], reader, region, model_type: 
                 got = reader.shape(part_name) if part_name in reader else "no such weight"
                 raise MeshtronError(
                     f"model.name_or_path: expert weight '{part_name}' is {got} but the config asks for "
-                    f"{(part_rows, cols)} ({experts} experts of '{name}' {shape}); the weights do not belong to this config.json"
+                    f"{(part_rows, cols)} ({experts} experts of '{name}' {shape}); the weights do not belong to "
+                    "this config.json"
                 )
             start, stop = index * part_rows, (index + 1) * part_rows
             lo, hi = max(region[1].start, start), min(region[1].stop, stop)

@@ -44,11 +44,19 @@ class SplitPhi3Attention(nn.Module):
         query, key = phi3.apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = phi3.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, phi3.eager_attention_forward)
+        attention = phi3.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, phi3.eager_attention_forward
+        )
         output, weights = attention(
-            self, query, key, value, attention_mask,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, sliding_window=getattr(self.config, "sliding_window", None), **kwargs,
+            scaling=self.scaling,
+            sliding_window=getattr(self.config, "sliding_window", None),
+            **kwargs,
         )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
@@ -79,8 +87,9 @@ def _split(fused: nn.Linear, rows: list[int]) -> list[nn.Linear]:
     """Linears holding consecutive row ranges of ``fused`` (on its device: the meta device while building)."""
     pieces, start = [], 0
     for count in rows:
-        piece = nn.Linear(fused.in_features, count, bias=fused.bias is not None,
-                          device=fused.weight.device, dtype=fused.weight.dtype)
+        piece = nn.Linear(
+            fused.in_features, count, bias=fused.bias is not None, device=fused.weight.device, dtype=fused.weight.dtype
+        )
         if fused.weight.device.type != "meta":
             piece.weight.data.copy_(fused.weight.data[start : start + count])
             if fused.bias is not None:
@@ -92,8 +101,13 @@ def _split(fused: nn.Linear, rows: list[int]) -> list[nn.Linear]:
 
 def _fuse(pieces: list[nn.Linear]) -> nn.Linear:
     first = pieces[0]
-    fused = nn.Linear(first.in_features, sum(p.out_features for p in pieces), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    fused = nn.Linear(
+        first.in_features,
+        sum(p.out_features for p in pieces),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in pieces]))
         if first.bias is not None:

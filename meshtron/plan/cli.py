@@ -18,7 +18,9 @@ PLAN_USAGE = "meshtron plan --model PRESET|DIR|CONFIG.json --gpus N --seq-len L 
 
 def add_plan_parser(sub) -> None:
     plan = sub.add_parser("plan", help="rank the layouts that fit a model on a cluster", usage=PLAN_USAGE)
-    plan.add_argument("--model", required=True, help="a meshtron preset, a local Hugging Face model directory or a config.json")
+    plan.add_argument(
+        "--model", required=True, help="a meshtron preset, a local Hugging Face model directory or a config.json"
+    )
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
@@ -26,26 +28,44 @@ def add_plan_parser(sub) -> None:
     plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB (default: the GPU's)")
     for name in HARDWARE_OVERRIDES:  # every other constant of meshtron.plan.hardware.Hardware
         kind = int if name == "gpus_per_node" else float
-        plan.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"override Hardware.{name} (see docs/planning.md)")
+        plan.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, help=f"override Hardware.{name} (see docs/planning.md)"
+        )
     plan.add_argument("--no-mask-documents", action="store_true", help="plan for data.mask_documents=false")
-    plan.add_argument("--mixed-precision", choices=tuple(MIXED_PRECISION_DTYPES) + ("none",), default="bf16",
-                      help="train.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)")
-    plan.add_argument("--loss-chunk-size", type=int, default=TrainConfig.loss_chunk_size,
-                      help=f"train.loss_chunk_size: tokens per loss chunk, 0 for none (default {TrainConfig.loss_chunk_size})")
-    plan.add_argument("--no-compile", action="store_true",
-                      help="plan for train.compile=false (eager blocks; default: compiled, as auto does on GPUs)")
-    plan.add_argument("--accumulate-unsharded", action="store_true",
-                      help="fsdp.accumulate_unsharded: hold full gradients between accumulated micro-batches, "
-                      "one reduce-scatter per step (default: a reduce-scatter per micro-batch)")
+    plan.add_argument(
+        "--mixed-precision",
+        choices=tuple(MIXED_PRECISION_DTYPES) + ("none",),
+        default="bf16",
+        help="train.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)",
+    )
+    plan.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=TrainConfig.loss_chunk_size,
+        help=f"train.loss_chunk_size: tokens per loss chunk, 0 for none (default {TrainConfig.loss_chunk_size})",
+    )
+    plan.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="plan for train.compile=false (eager blocks; default: compiled, as auto does on GPUs)",
+    )
+    plan.add_argument(
+        "--accumulate-unsharded",
+        action="store_true",
+        help="fsdp.accumulate_unsharded: hold full gradients between accumulated micro-batches, "
+        "one reduce-scatter per step (default: a reduce-scatter per micro-batch)",
+    )
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
-    plan.add_argument("--emit-config", metavar="OUT.toml", help="write the recommended layout as a meshtron train config")
+    plan.add_argument(
+        "--emit-config", metavar="OUT.toml", help="write the recommended layout as a meshtron train config"
+    )
 
 
 def resolve_model(spec: str):
     """(Hugging Face config, ModelConfig for a train config) of a preset name, model directory or config.json."""
     from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.presets import PRESETS, ALIASES, make_preset_config, preset_names
+    from meshtron.models.presets import ALIASES, PRESETS, make_preset_config, preset_names
 
     if spec in PRESETS or spec in ALIASES:
         return make_preset_config(spec, load_tokenizer("byte").vocab_size), ModelConfig(preset=spec)
@@ -59,7 +79,9 @@ def resolve_model(spec: str):
         except (OSError, ValueError) as err:
             raise ConfigError(f"--model: '{spec}' is not a Hugging Face config ({err})") from None
         return config, ModelConfig(name_or_path=str(directory))
-    raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(preset_names())}) nor a model directory or config.json")
+    raise ConfigError(
+        f"--model: '{spec}' is neither a preset ({', '.join(preset_names())}) nor a model directory or config.json"
+    )
 
 
 def _count(n: int) -> str:
@@ -71,9 +93,13 @@ def _count(n: int) -> str:
 
 def _describe_precision(workload) -> str:
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    chunks = f"fused loss in chunks of {workload.loss_chunk_size} tokens" if workload.loss_chunk_size else "unfused loss"
-    return (f"{short[workload.model_dtype]} weights + AdamW, {short[workload.compute_dtype]} compute in every layout, "
-            f"{chunks}, {'compiled' if workload.compiled else 'eager'} blocks")
+    chunks = (
+        f"fused loss in chunks of {workload.loss_chunk_size} tokens" if workload.loss_chunk_size else "unfused loss"
+    )
+    return (
+        f"{short[workload.model_dtype]} weights + AdamW, {short[workload.compute_dtype]} compute in every layout, "
+        f"{chunks}, {'compiled' if workload.compiled else 'eager'} blocks"
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -100,19 +126,34 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--emit-config: '{args.emit_config}' already exists; choose a new file name")
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_len > max_positions:
-        raise ConfigError(f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}")
+        raise ConfigError(
+            f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}"
+        )
     shape = ModelShape.from_hf_config(hf_config, model_cfg)
     workload = Workload(
-        seq_len=args.seq_len, global_batch=args.global_batch, mask_documents=not args.no_mask_documents,
-        compute_dtype=MIXED_PRECISION_DTYPES.get(args.mixed_precision, "float32"), loss_chunk_size=args.loss_chunk_size,
-        accumulate_unsharded=args.accumulate_unsharded, compiled=not args.no_compile,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        mask_documents=not args.no_mask_documents,
+        compute_dtype=MIXED_PRECISION_DTYPES.get(args.mixed_precision, "float32"),
+        loss_chunk_size=args.loss_chunk_size,
+        accumulate_unsharded=args.accumulate_unsharded,
+        compiled=not args.no_compile,
     )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
-        print(json.dumps({
-            "model": args.model, "parameters": shape.total_params, "gpus": args.gpus, "hardware": hw.__dict__,
-            "workload": workload.__dict__, "candidates": [candidate_record(c, args.gpus) for c in candidates],
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "parameters": shape.total_params,
+                    "gpus": args.gpus,
+                    "hardware": hw.__dict__,
+                    "workload": workload.__dict__,
+                    "candidates": [candidate_record(c, args.gpus) for c in candidates],
+                },
+                indent=1,
+            )
+        )
     else:
         print(
             f"meshtron plan: {args.model} ({_count(shape.total_params)} parameters, {shape.family}) on {args.gpus} x "
@@ -130,12 +171,15 @@ def run_plan(args: argparse.Namespace) -> int:
             f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
             f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}"
             f"{' --no-compile' * args.no_compile}\n"
-            f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} tokens/s, "
+            f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} "
+            "tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
         )
         out = emit_config(best.layout, workload, model_cfg, args.emit_config, header)
-        print(f"meshtron plan: wrote {out}; run it with: meshtron train --config {out} --nproc {args.gpus} "
-              "(or torchrun ... -m meshtron train --config ...)")
+        print(
+            f"meshtron plan: wrote {out}; run it with: meshtron train --config {out} --nproc {args.gpus} "
+            "(or torchrun ... -m meshtron train --config ...)"
+        )
     return 0 if fitting else 1
 
 

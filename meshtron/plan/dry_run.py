@@ -70,7 +70,12 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     finally:
         dist.destroy_process_group()
     return DryRunReport(
-        rank=rank, world_size=world_size, layout=plan.dims.describe(), stages=tuple(s for s, _ in stages),
-        params=measured["params"], grads=measured["grads"], optimizer=measured["optimizer"],
+        rank=rank,
+        world_size=world_size,
+        layout=plan.dims.describe(),
+        stages=tuple(s for s, _ in stages),
+        params=measured["params"],
+        grads=measured["grads"],
+        optimizer=measured["optimizer"],
         seconds=time.perf_counter() - started,
     )

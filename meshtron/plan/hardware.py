@@ -62,7 +62,9 @@ GPUS: dict[str, Hardware] = {
 def hardware(name: str) -> Hardware:
     key = name.lower()
     if key not in GPUS:
-        raise ConfigError(f"--gpu: unknown GPU '{name}'; choose one of {', '.join(GPUS)} (and override with --gpu-memory etc.)")
+        raise ConfigError(
+            f"--gpu: unknown GPU '{name}'; choose one of {', '.join(GPUS)} (and override with --gpu-memory etc.)"
+        )
     return GPUS[key]
 
 

@@ -52,8 +52,10 @@ class Workload:
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
-            raise ConfigError(f"compute dtype {self.compute_dtype} with model dtype {self.model_dtype}: "
-                              f"mixed precision computes in {' or '.join(MIXED_PRECISION_DTYPES.values())}")
+            raise ConfigError(
+                f"compute dtype {self.compute_dtype} with model dtype {self.model_dtype}: "
+                f"mixed precision computes in {' or '.join(MIXED_PRECISION_DTYPES.values())}"
+            )
 
     @property
     def mixed_precision(self) -> str:
@@ -145,12 +147,21 @@ class Layout:
 
     def parallel_config(self, workload: Workload | None = None) -> ParallelConfig:
         return ParallelConfig(
-            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, cp=self.cp, pp=self.pp,
-            sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, cp_method=self.cp_method,
-            pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank if self.pp > 1 else None,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+            cp_method=self.cp_method,
+            pp_schedule=self.pp_schedule,
+            pp_stages_per_rank=self.pp_stages_per_rank if self.pp > 1 else None,
             pp_microbatches=self.microbatches(workload) if workload is not None and self.pp > 1 else None,
-            pp_first_stage_layers=self.pp_first_stage_layers, pp_last_stage_layers=self.pp_last_stage_layers,
-            pp_stage_layers=self.pp_stage_layers, ep=self.ep,
+            pp_first_stage_layers=self.pp_first_stage_layers,
+            pp_last_stage_layers=self.pp_last_stage_layers,
+            pp_stage_layers=self.pp_stage_layers,
+            ep=self.ep,
         )
 
     def check(self, hf_config, workload: Workload | None = None) -> None:
@@ -178,10 +189,20 @@ class Layout:
             microbatches = check_pipeline(p, hf_config, micro, cfg.train.micro_batch_size)
             micro = micro // microbatches
         return cls(
-            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, pp=dims.pp,
-            micro_batch=micro, activation_checkpointing=cfg.train.activation_checkpointing,
-            sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, cp_method=p.cp_method,
-            pp_schedule=p.pp_schedule, pp_stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
-            pp_first_stage_layers=p.pp_first_stage_layers, pp_last_stage_layers=p.pp_last_stage_layers,
-            pp_stage_layers=p.pp_stage_layers, ep=dims.ep,
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            cp=dims.cp,
+            tp=dims.tp,
+            pp=dims.pp,
+            micro_batch=micro,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            sequence_parallel=p.sequence_parallel,
+            loss_parallel=p.loss_parallel,
+            cp_method=p.cp_method,
+            pp_schedule=p.pp_schedule,
+            pp_stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
+            pp_first_stage_layers=p.pp_first_stage_layers,
+            pp_last_stage_layers=p.pp_last_stage_layers,
+            pp_stage_layers=p.pp_stage_layers,
+            ep=dims.ep,
         )

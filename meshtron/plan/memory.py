@@ -47,7 +47,9 @@ class MemoryEstimate:
         return self.state + self.activations + self.gathered + self.temporaries
 
 
-def stage_layout(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[list[tuple[int, bool, bool]]]:
+def stage_layout(
+    shape: ModelShape, layout: Layout, workload: Workload | None = None
+) -> list[list[tuple[int, bool, bool]]]:
     """Per pipeline rank: (layers, holds embeddings, holds head) of each stage it holds."""
     if layout.pp == 1:
         return [[(shape.layers, True, True)]]
@@ -76,8 +78,10 @@ def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = N
     block = _numel(shape.block, layout, shape)
     embedding = _numel(shape.embedding, layout, shape)
     return [
-        sum(layers * block + (embedding if first else 0) + _numel(_final_specs(shape, first, last), layout, shape)
-            for layers, first, last in stages)
+        sum(
+            layers * block + (embedding if first else 0) + _numel(_final_specs(shape, first, last), layout, shape)
+            for layers, first, last in stages
+        )
         for stages in stage_layout(shape, layout, workload)
     ]
 
@@ -208,7 +212,8 @@ def weight_copy_bytes(shape: ModelShape, layout: Layout, workload: Workload, lay
 
 
 def checkpointed_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """Bytes per token a checkpointed block keeps: its input (full) or its input and matmul/attention outputs (selective)."""
+    """Bytes per token a checkpointed block keeps: its input (full) or its input and matmul/attention outputs
+    (selective)."""
     e, tp = compute_bytes(workload), layout.tp
     stream_split = tp if tp > 1 and layout.sequence_parallel else 1
     block_input = e * shape.hidden / stream_split
@@ -241,10 +246,12 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
         per_block = checkpointed_block_per_token(shape, layout, workload)
     peaks = []
     for rank, stages in enumerate(stage_layout(shape, layout, workload)):
-        per_chunk = [tokens * (layers * per_block + outer_activation_per_token(shape, layout, workload, first, last))
-                     + weight_copy_bytes(shape, layout, workload, layers, last)
-                     + (fused_loss_gradient_bytes(shape, layout, workload) if last else 0)
-                     for layers, first, last in stages]
+        per_chunk = [
+            tokens * (layers * per_block + outer_activation_per_token(shape, layout, workload, first, last))
+            + weight_copy_bytes(shape, layout, workload, layers, last)
+            + (fused_loss_gradient_bytes(shape, layout, workload) if last else 0)
+            for layers, first, last in stages
+        ]
         average = sum(per_chunk) / len(per_chunk)
         peaks.append(max(max(per_chunk), average * chunks_in_flight(layout, workload, rank)))
     return peaks
@@ -253,8 +260,12 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
 def ddp_replication(layout: Layout, workload: Workload) -> bool:
     """Data parallelism meshtron runs with DDP instead of ``fully_shard`` (``data_parallel.replicates_only``):
     replicas only (no dp_shard, cp, tp or pp) computing in the weights' own dtype."""
-    return (layout.fsdp_size == 1 and layout.tp == 1 and layout.pp == 1
-            and workload.compute_dtype == workload.model_dtype == "float32")
+    return (
+        layout.fsdp_size == 1
+        and layout.tp == 1
+        and layout.pp == 1
+        and workload.compute_dtype == workload.model_dtype == "float32"
+    )
 
 
 def defers_gradient_reduction(layout: Layout, workload: Workload) -> bool:
@@ -274,9 +285,14 @@ def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -
         return [numel * DTYPE_BYTES[workload.model_dtype] for numel in state_numel(shape, layout, workload)]
     block = _local_numel(shape.block, layout, shape)
     embedding = _local_numel(shape.embedding, layout, shape)
-    return [sum(layers * block + embedding * first + _local_numel(_final_specs(shape, first, last), layout, shape)
-                for layers, first, last in stages) * FP32
-            for stages in stage_layout(shape, layout, workload)]
+    return [
+        sum(
+            layers * block + embedding * first + _local_numel(_final_specs(shape, first, last), layout, shape)
+            for layers, first, last in stages
+        )
+        * FP32
+        for stages in stage_layout(shape, layout, workload)
+    ]
 
 
 def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages) -> float:
@@ -289,8 +305,11 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
     e = compute_bytes(workload)
     block = _local_numel(shape.block, layout, shape)
     layers = sum(n for n, _, _ in stages) if layout.pp > 1 else 2
-    outer = sum(_local_numel(shape.embedding, layout, shape) * first
-                + _local_numel(_final_specs(shape, first, last), layout, shape) for _, first, last in stages)
+    outer = sum(
+        _local_numel(shape.embedding, layout, shape) * first
+        + _local_numel(_final_specs(shape, first, last), layout, shape)
+        for _, first, last in stages
+    )
     unreduced = 0 if defers_gradient_reduction(layout, workload) else block * FP32  # else in held gradients
     return layers * block * e + unreduced + outer * e
 
@@ -336,16 +355,27 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
             temporaries += 3 * FP32 * query_rows * chunk
     logits = logits_bytes(shape, layout, workload)
     estimates = []
-    per_rank = zip(stage_layout(shape, layout, workload), state_numel(shape, layout, workload),
-                   activation_bytes(shape, layout, workload), held_gradient_bytes(shape, layout, workload))
+    per_rank = zip(
+        stage_layout(shape, layout, workload),
+        state_numel(shape, layout, workload),
+        activation_bytes(shape, layout, workload),
+        held_gradient_bytes(shape, layout, workload),
+    )
     for stages, numel, acts, held_grads in per_rank:
         holds_head = any(last for _, _, last in stages)
-        copies = sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
-        estimates.append(MemoryEstimate(
-            params=numel * state_bytes, grads=int(max(numel * state_bytes, held_grads)), optimizer=2 * numel * state_bytes,
-            activations=int(acts), gathered=int(gathered_bytes(shape, layout, workload, stages)),
-            temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
-        ))
+        copies = (
+            sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
+        )
+        estimates.append(
+            MemoryEstimate(
+                params=numel * state_bytes,
+                grads=int(max(numel * state_bytes, held_grads)),
+                optimizer=2 * numel * state_bytes,
+                activations=int(acts),
+                gathered=int(gathered_bytes(shape, layout, workload, stages)),
+                temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
+            )
+        )
     return estimates
 
 
@@ -355,8 +385,11 @@ def config_view(cfg, world_size: int, device: str = "cuda") -> tuple[ModelShape,
     from meshtron.models.build import load_hf_config
 
     hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
-    return (ModelShape.from_hf_config(hf_config, cfg.model), Layout.from_config(cfg, world_size, hf_config),
-            Workload.from_config(cfg, device))
+    return (
+        ModelShape.from_hf_config(hf_config, cfg.model),
+        Layout.from_config(cfg, world_size, hf_config),
+        Workload.from_config(cfg, device),
+    )
 
 
 def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:

@@ -108,7 +108,6 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, hf_config, model_cfg: ModelConfig | None = None) -> "ModelShape":
         from meshtron.models.build import build_meta_model
-
         from meshtron.models.families import family_of
 
         model_cfg = model_cfg or ModelConfig()
@@ -127,7 +126,9 @@ class ModelShape:
             block_specs.append(ParamSpec(name, tuple(param.shape), role))
         shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
         if len(shapes) != 1:
-            raise ValueError(f"model family '{adapter.family}': decoder blocks differ in shape; the planner needs alike blocks")
+            raise ValueError(
+                f"model family '{adapter.family}': decoder blocks differ in shape; the planner needs alike blocks"
+            )
         top_roles = adapter.top_tp_roles(model)
         embedding, final = [], []
         for raw_name, param in model.named_parameters():  # tied parameters are listed once
@@ -156,7 +157,9 @@ class ModelShape:
             eager_attention=model_cfg.attn_implementation == "eager",
             attention_softcap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
             logit_softcap=bool(adapter.logit_softcap(model)),
-            gated_mlp=any(name.endswith(("mlp.gate_proj", "mlp.gate_up_proj")) for name, _ in blocks[0][1].named_modules())
+            gated_mlp=any(
+                name.endswith(("mlp.gate_proj", "mlp.gate_up_proj")) for name, _ in blocks[0][1].named_modules()
+            )
             or bool(replicated),  # experts are gated MLPs
             experts=num_experts(hf_config),
             experts_per_token=experts_per_token(hf_config) if is_moe(hf_config) else 0,

@@ -34,8 +34,9 @@ DEFAULT_STEPS = 4
 """Steps a rehearsal trains: the first compiles and warms the allocator, the second is where activations are
 measured, the rest are timed."""
 
-BALANCED_ROUTING_NOTE = ("expert parallelism: each rank receives as many (token, expert) rows as it sends "
-                         "(balanced routing assumed)")
+BALANCED_ROUTING_NOTE = (
+    "expert parallelism: each rank receives as many (token, expert) rows as it sends (balanced routing assumed)"
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,11 @@ def rehearsal_config(cfg: Config, steps: int) -> Config:
         cfg,
         train=dataclasses.replace(cfg.train, steps=steps, on_nonfinite="skip"),
         checkpoint=dataclasses.replace(cfg.checkpoint, interval=0, resume="none"),
-        run=dataclasses.replace(cfg.run, loggers=["jsonl"], output_dir=cfg.run.output_dir or str(
-            Path("runs") / f"rehearse-{datetime.now().strftime('%Y%m%d-%H%M%S')}")),
+        run=dataclasses.replace(
+            cfg.run,
+            loggers=["jsonl"],
+            output_dir=cfg.run.output_dir or str(Path("runs") / f"rehearse-{datetime.now().strftime('%Y%m%d-%H%M%S')}"),
+        ),
     )
     return cfg
 
@@ -92,16 +96,20 @@ def _planned(cfg: Config, world_size: int, rank: int, device: torch.device) -> t
     memory = memory_per_pipeline_rank(shape, layout, workload)[pp_rank]
     # state as measured after the first update: gradients sharded like their parameters (memory.grads is the
     # larger of that and what is held between micro-batches, which the rehearsal does not measure)
-    planned = {"state_bytes": 2 * memory.params + memory.optimizer, "activation_bytes": memory.activations,
-               "peak_bytes": memory.total,
-               "step_s": None, "compute_s": None}
+    planned = {
+        "state_bytes": 2 * memory.params + memory.optimizer,
+        "activation_bytes": memory.activations,
+        "peak_bytes": memory.total,
+        "step_s": None,
+        "compute_s": None,
+    }
     notes = []
     gpu = _known_gpu(device, GPUS)
     if gpu is None:
         notes.append("no planner step time: the planner models GPUs (" + ", ".join(GPUS) + ") only")
     else:
-        from meshtron.models.build import load_hf_config
         from meshtron.data.tokenizer import load_tokenizer
+        from meshtron.models.build import load_hf_config
 
         hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
         step = estimate_step(shape, layout, workload, GPUS[gpu], hf_config)
@@ -154,13 +162,16 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
     }
     skipped = sum(not math.isfinite(loss) for loss in result.losses)
     if skipped:  # a torch whose fake collectives leave their outputs uninitialized
-        notes.append(f"{skipped} of {len(result.losses)} steps met non-finite values from the fake collectives and "
-                     "skipped their update" + ("; state_bytes was not measured" if not measured["state_bytes"] else ""))
+        notes.append(
+            f"{skipped} of {len(result.losses)} steps met non-finite values from the fake collectives and "
+            "skipped their update" + ("; state_bytes was not measured" if not measured["state_bytes"] else "")
+        )
     if device.type == "cpu":
         notes.append("peak_bytes on CPU is the process's peak resident memory (Python and libraries included)")
     planned, plan_notes = _planned(cfg, world_size, rank, device)
-    report = Rehearsal(rank, world_size, plan.dims.describe(), str(device), measured, planned, notes + plan_notes,
-                       cfg.run.output_dir)
+    report = Rehearsal(
+        rank, world_size, plan.dims.describe(), str(device), measured, planned, notes + plan_notes, cfg.run.output_dir
+    )
     output_dir = Path(cfg.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if not (output_dir / "config.toml").exists():
@@ -171,10 +182,15 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
 
 def format_rehearsal(report: Rehearsal) -> str:
     """The side-by-side table ``meshtron train --rehearse`` prints."""
-    rows = [("state (params + grads + optimizer)", "state_bytes"), ("activations kept for backward", "activation_bytes"),
-            ("peak memory", "peak_bytes")]
-    lines = [f"meshtron rehearsal: rank {report.rank} of {report.world_size} ({report.layout}) on {report.device}",
-             f"{'':36} {'measured':>12} {'planned':>12} {'diff':>8}"]
+    rows = [
+        ("state (params + grads + optimizer)", "state_bytes"),
+        ("activations kept for backward", "activation_bytes"),
+        ("peak memory", "peak_bytes"),
+    ]
+    lines = [
+        f"meshtron rehearsal: rank {report.rank} of {report.world_size} ({report.layout}) on {report.device}",
+        f"{'':36} {'measured':>12} {'planned':>12} {'diff':>8}",
+    ]
     for label, key in rows:
         got, want = report.measured[key], report.planned[key]
         comparable = want and (key != "peak_bytes" or report.device.startswith("cuda"))

@@ -21,12 +21,21 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
         "layout": dataclasses.asdict(c.layout),
         "fits": c.fits,
         "memory_gb": {
-            "params": m.params / GB, "grads": m.grads / GB, "optimizer": m.optimizer / GB,
-            "activations": m.activations / GB, "gathered": m.gathered / GB, "temporaries": m.temporaries / GB,
+            "params": m.params / GB,
+            "grads": m.grads / GB,
+            "optimizer": m.optimizer / GB,
+            "activations": m.activations / GB,
+            "gathered": m.gathered / GB,
+            "temporaries": m.temporaries / GB,
             "total": m.total / GB,
         },
-        "step_s": s.seconds, "compute_s": s.compute_s, "exposed_comm_s": s.exposed_comm_s, "all_to_all_s": s.all_to_all_s,
-        "tokens_per_s": s.tokens_per_s, "tokens_per_s_per_gpu": s.tokens_per_s / gpus, "mfu": s.mfu,
+        "step_s": s.seconds,
+        "compute_s": s.compute_s,
+        "exposed_comm_s": s.exposed_comm_s,
+        "all_to_all_s": s.all_to_all_s,
+        "tokens_per_s": s.tokens_per_s,
+        "tokens_per_s_per_gpu": s.tokens_per_s / gpus,
+        "mfu": s.mfu,
     }
 
 
@@ -47,8 +56,9 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
         m, s, layout = c.memory, c.step, c.layout
         schedule = layout.pp_schedule if layout.pp > 1 else "-"
         lines.append(
-            f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  {layout.activation_checkpointing:<9}  "
-            f"{schedule:<15} | {m.state / GB:>13.1f} {m.activations / GB:>4.1f} {(m.gathered + m.temporaries) / GB:>6.1f} "
+            f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  "
+            f"{layout.activation_checkpointing:<9}  {schedule:<15} | {m.state / GB:>13.1f} {m.activations / GB:>4.1f} "
+            f"{(m.gathered + m.temporaries) / GB:>6.1f} "
             f"{m.total / GB:>6.1f} | {s.seconds:>6.2f} {s.tokens_per_s / gpus:>10,.0f} {s.mfu:>5.1%}"
         )
     rejected = len(candidates) - len(fitting)
@@ -96,5 +106,7 @@ def write_new_file(path: str | os.PathLike, text: str) -> Path:
     return target
 
 
-def emit_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, path: str | os.PathLike, header: str = "") -> Path:
+def emit_config(
+    layout: Layout, workload: Workload, model_cfg: ModelConfig, path: str | os.PathLike, header: str = ""
+) -> Path:
     return write_new_file(path, header + to_toml(train_config(layout, workload, model_cfg)))

@@ -37,10 +37,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> bool:
     from meshtron.distributed.context_parallel import check_context_parallel
-    from meshtron.distributed.tensor_parallel import check_tensor_parallel
     from meshtron.distributed.pipeline_parallel import check_pipeline
+    from meshtron.distributed.tensor_parallel import check_tensor_parallel
     from meshtron.models.adapter import adapter_for
-
     from meshtron.models.attention import check_attention
     from meshtron.models.families import check_family
 
@@ -48,7 +47,9 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
         check_family(hf_config, tp=layout.tp)  # parallelisms the model family cannot be split by
         layout.check(hf_config, workload)  # the degrees' product, and ep (experts, dividing them and dp_shard x cp)
         check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len, layout.pp)
-        check_tensor_parallel(hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp)
+        check_tensor_parallel(
+            hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp
+        )
         check_context_parallel(layout.cp, workload.seq_len)
         if layout.pp > 1:  # stage split, microbatch counts (tied embeddings: memory.py counts the head copy)
             check_pipeline(layout.parallel_config(workload), hf_config, layout.local_batch(workload), False)
@@ -65,8 +66,9 @@ def expert_degrees(shape: ModelShape, dp_shard: int, cp: int) -> list[int]:
     return _divisors(math.gcd(shape.experts, dp_shard * cp))
 
 
-def candidate_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware,
-                      max_micro_batch: int = 16) -> list[Layout]:
+def candidate_layouts(
+    shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware, max_micro_batch: int = 16
+) -> list[Layout]:
     """Every layout worth estimating: tp within a node, cp and pp as powers of two, dp split as FSDP
     across all data-parallel ranks or as HSDP (FSDP inside a node, replicas across nodes), and for a
     mixture of experts every expert-parallel degree meshtron allows."""
@@ -94,8 +96,18 @@ def candidate_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: in
                                 continue
                             for ac in AC_MODES:
                                 for ep in expert_degrees(shape, dp_shard, cp):
-                                    layout = Layout(dp_replicate, dp_shard, cp, tp, pp, micro, ac,
-                                                    pp_schedule=schedule, pp_stages_per_rank=per_rank, ep=ep)
+                                    layout = Layout(
+                                        dp_replicate,
+                                        dp_shard,
+                                        cp,
+                                        tp,
+                                        pp,
+                                        micro,
+                                        ac,
+                                        pp_schedule=schedule,
+                                        pp_stages_per_rank=per_rank,
+                                        ep=ep,
+                                    )
                                     if _valid(shape, hf_config, layout, workload):
                                         layouts.append(layout)
     return layouts
@@ -106,13 +118,18 @@ def check_cluster(gpus: int, hw: Hardware) -> None:
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1, got {gpus}")
     if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
-        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node")
+        raise ConfigError(
+            f"--gpus {gpus} is not a whole number of nodes of {hw.gpus_per_node}; fix --gpus or --gpus-per-node"
+        )
 
 
 def complexity(layout: Layout) -> int:
     """How many mechanisms a layout adds to plain FSDP: the tie-breaker between equally fast layouts."""
-    return (sum(d > 1 for d in (layout.pp, layout.dp_replicate, layout.cp, layout.tp, layout.ep))
-            + (layout.activation_checkpointing != "none") + (layout.pp_stages_per_rank > 1))
+    return (
+        sum(d > 1 for d in (layout.pp, layout.dp_replicate, layout.cp, layout.tp, layout.ep))
+        + (layout.activation_checkpointing != "none")
+        + (layout.pp_stages_per_rank > 1)
+    )
 
 
 def _speed_band(tokens_per_s: float) -> int:

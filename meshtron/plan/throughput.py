@@ -42,8 +42,9 @@ def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: fl
     return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
 
 
-def expert_all_to_all_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware,
-                        passes: int, layers: int, forwards: int) -> float:
+def expert_all_to_all_s(
+    shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, passes: int, layers: int, forwards: int
+) -> float:
     """Expert parallelism's all-to-alls of one step on a rank: per MoE layer and micro-batch, the dispatch and
     the combine in every forward (a checkpointed block's recomputation included: ``passes - 1`` forwards) and
     again in backward (their gradients), each moving ``tokens x top-k x hidden x compute bytes`` of which the
@@ -162,12 +163,18 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s
     seconds = compute + exposed
     return StepEstimate(
-        seconds=seconds, compute_s=compute, exposed_comm_s=exposed, tokens_per_s=tokens / seconds,
-        mfu=model_flops / (seconds * hw.peak_tflops * 1e12), all_to_all_s=a2a_s,
+        seconds=seconds,
+        compute_s=compute,
+        exposed_comm_s=exposed,
+        tokens_per_s=tokens / seconds,
+        mfu=model_flops / (seconds * hw.peak_tflops * 1e12),
+        all_to_all_s=a2a_s,
     )
 
 
 def expert_shard_numel(shape: ModelShape, layout: Layout, workload: Workload) -> int:
     """Expert-parameter elements in the busiest pipeline rank's FSDP shard (its share of ``state_numel``)."""
-    experts = sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) for p in shape.block if p.expert)
+    experts = sum(
+        p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) for p in shape.block if p.expert
+    )
     return experts * max(sum(layers for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload))

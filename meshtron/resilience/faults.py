@@ -45,8 +45,12 @@ class Fault:
     attempt: int = 0
 
     def applies(self, kind: str, step: int, rank: int) -> bool:
-        return (self.kind == kind and self.step == step and restart_count() == self.attempt
-                and (rank == self.rank or kind == "nan"))
+        return (
+            self.kind == kind
+            and self.step == step
+            and restart_count() == self.attempt
+            and (rank == self.rank or kind == "nan")
+        )
 
 
 @dataclass
@@ -111,6 +115,8 @@ def faults_from_env(environ=os.environ) -> Faults | None:
         except (KeyError, ValueError):
             fault = None
         if fault is None or kind not in KINDS or values:
-            raise ConfigError(f"{ENV}={spec!r}: expected kind:step=S:rank=R[:attempt=A], kind one of {', '.join(KINDS)}")
+            raise ConfigError(
+                f"{ENV}={spec!r}: expected kind:step=S:rank=R[:attempt=A], kind one of {', '.join(KINDS)}"
+            )
         faults.append(fault)
     return Faults(tuple(faults))

@@ -43,7 +43,9 @@ class RunGuard:
             self.logger.message(restart_message(self.restarts, resumed_from, start_step, self.logged_before))
         if self.resumable.checkpoints is not None:
             for name in self.resumable.checkpoints.removed_partial:
-                self.logger.message(f"meshtron: removed {name}, a save that did not complete (the run was stopped during it)")
+                self.logger.message(
+                    f"meshtron: removed {name}, a save that did not complete (the run was stopped during it)"
+                )
 
     def __enter__(self) -> RunGuard:
         self.signals.__enter__()
@@ -59,17 +61,20 @@ class RunGuard:
         if self.watchdog is not None:
             self.watchdog.progress(step, phase)
 
-    def before_step(self, step: int, step_context) -> None:
-        """At the start of 0-based ``step``."""
+    def before_step(self, step: int) -> bool:
+        """At the start of 0-based ``step``; whether a test fault makes its loss NaN (never in a normal run)."""
         self._progress(step + 1)
-        if self.faults is not None:
-            self.faults.before_step(step + 1, self.runtime.rank)
-            step_context.inject_nonfinite = self.faults.nonfinite(step + 1)
+        if self.faults is None:
+            return False
+        self.faults.before_step(step + 1, self.runtime.rank)
+        return self.faults.nonfinite(step + 1)
 
-    def rolled_back(self, step: int, loss: float, grad_norm: float, lr: float, start_step: int, step_context) -> int | None:
-        """After 0-based ``step`` trained: the step to go on from when it was non-finite and rolled back, else None."""
-        if not (step_context.nonfinite and self.rollback is not None):
+    def rolled_back(self, step: int, outcome, lr: float, start_step: int) -> int | None:
+        """After 0-based ``step`` trained (``outcome``: its meshtron.train.step.StepResult): the step to go on from
+        when it was non-finite and rolled back, else None."""
+        if not (outcome.nonfinite and self.rollback is not None):
             return None
+        loss, grad_norm = outcome.loss, outcome.grad_norm
         rolled_to, line = self.rollback.roll_back(step + 1, loss, grad_norm, self.resumable)
         self.logger.message(line)
         self.logger.log({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "rolled_back_to": rolled_to})
@@ -79,7 +84,10 @@ class RunGuard:
     def metrics(self) -> dict:
         """Fields of each metrics row: which restart and how many rollbacks it comes after."""
         rollbacks = self.rollback.total if self.rollback is not None else 0
-        return {**({"restart": self.restarts} if self.restarts else {}), **({"rollbacks": rollbacks} if rollbacks else {})}
+        return {
+            **({"restart": self.restarts} if self.restarts else {}),
+            **({"rollbacks": rollbacks} if rollbacks else {}),
+        }
 
     def after_step(self, step: int) -> None:
         """After ``step`` steps are done: save when due or stopped; raise Preempted after a stop's save."""

@@ -64,4 +64,3 @@ def stopped_with_checkpoint(cfg, started: float, received: int) -> int:
     except (OSError, ValueError, TypeError):
         pass
     return 128 + int(received or signal.SIGTERM)
-

@@ -64,5 +64,7 @@ class StopSignals:
 
 
 def stop_message(signal_name: str, step: int, total: int, checkpoint_name: str) -> str:
-    return (f"meshtron: stopped by {signal_name} after step {step} of {total}: checkpoint {checkpoint_name} saved; "
-            f"run the same command again to resume (exit status {EXIT_PREEMPTED})")
+    return (
+        f"meshtron: stopped by {signal_name} after step {step} of {total}: checkpoint {checkpoint_name} saved; "
+        f"run the same command again to resume (exit status {EXIT_PREEMPTED})"
+    )

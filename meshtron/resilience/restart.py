@@ -36,10 +36,14 @@ def last_logged_step(output_dir: Path) -> int:
 
 def restart_message(count: int, resumed_from: Path | None, start_step: int, last_logged: int) -> str:
     """The log line of a restarted run: what it resumed from and how many logged steps are trained again."""
-    source = f"resumed from {resumed_from.name} (step {start_step})" if resumed_from else "no checkpoint yet: starting over"
+    source = (
+        f"resumed from {resumed_from.name} (step {start_step})" if resumed_from else "no checkpoint yet: starting over"
+    )
     lost = max(0, last_logged - start_step)
-    return (f"meshtron: restart {count} of this run after a failure: {source}; {lost} step(s) logged before the "
-            f"failure are trained again")
+    return (
+        f"meshtron: restart {count} of this run after a failure: {source}; {lost} step(s) logged before the "
+        f"failure are trained again"
+    )
 
 
 def attempt_store(rank: int, world_size: int, timeout: timedelta):
@@ -52,6 +56,12 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta):
     from torch.distributed import PrefixStore, TCPStore
 
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                     is_master=not agent_hosts_it and rank == 0, timeout=timeout, multi_tenant=True)
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts_it and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
     return PrefixStore(f"meshtron/attempt-{restart_count()}/", store)

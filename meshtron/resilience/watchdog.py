@@ -37,11 +37,13 @@ def main_thread_location() -> tuple[bool, str]:
     if frame is None:
         return False, "unknown"
     stack = traceback.extract_stack(frame)
-    waiting = any("torch/distributed" in entry.filename.replace(os.sep, "/") or entry.name in WAITING_FUNCTIONS
-                  for entry in stack)
+    waiting = any(
+        "torch/distributed" in entry.filename.replace(os.sep, "/") or entry.name in WAITING_FUNCTIONS for entry in stack
+    )
     stdlib = sysconfig.get_paths()["stdlib"]
-    ours = [entry for entry in stack if "torch" not in Path(entry.filename).parts
-            and not entry.filename.startswith(stdlib)] or list(stack)
+    ours = [
+        entry for entry in stack if "torch" not in Path(entry.filename).parts and not entry.filename.startswith(stdlib)
+    ] or list(stack)
     last = ours[-1]
     return waiting, f"{Path(last.filename).name}:{last.lineno} in {last.name}"
 
@@ -53,8 +55,19 @@ class HangWatchdog:
     tell each other where they are; ``locate``, ``exit`` and ``stream`` are for tests.
     """
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store, *, poll_s: float = 1.0,
-                 report_wait_s: float = REPORT_WAIT_S, locate=main_thread_location, exit=os._exit, stream=None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        store,
+        *,
+        poll_s: float = 1.0,
+        report_wait_s: float = REPORT_WAIT_S,
+        locate=main_thread_location,
+        exit=os._exit,
+        stream=None,
+    ):
         self.locate = locate
         self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
         self.poll_s, self.report_wait_s, self.exit, self.stream = poll_s, report_wait_s, exit, stream or sys.stderr
@@ -98,20 +111,27 @@ class HangWatchdog:
             self._in_time(lambda: self._wait_for(announced))
         else:
             who = ", ".join(map(str, absent)) if absent else "none (every rank waits: mismatched collectives?)"
-            details = "; ".join([*(f"rank {r} busy at {w}" for r, w in busy.items()),
-                                 *(f"rank {r} sent no report (dead or stuck)" for r in missing)])
+            details = "; ".join(
+                [
+                    *(f"rank {r} busy at {w}" for r, w in busy.items()),
+                    *(f"rank {r} sent no report (dead or stuck)" for r in missing),
+                ]
+            )
             print(
                 f"meshtron: error [rank {self.rank}]: step {step}{'' if phase == 'step' else f' ({phase})'} made no "
                 f"progress for {idle:.0f} s "
                 f"(run.collective_timeout_s={self.timeout_s:g}): rank(s) {who} did not arrive"
-                + (f" ({details})" if details else "") + f"; every rank exits with status {EXIT_HUNG}",
-                file=self.stream, flush=True,
+                + (f" ({details})" if details else "")
+                + f"; every rank exits with status {EXIT_HUNG}",
+                file=self.stream,
+                flush=True,
             )
             self._in_time(lambda: self.store.set(announced, "1"))
         self.exit(EXIT_HUNG)
 
     def _in_time(self, action) -> None:
         """Run a store operation, giving up after the report wait (a store on a dead host must not hold us)."""
+
         def run():
             try:
                 action()

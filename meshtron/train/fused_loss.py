@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtron.data.labels import IGNORE_INDEX
-
+from meshtron.tensors import local_tensor
 
 
 def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_grads: bool):
@@ -109,8 +109,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         wanted = ctx.needs_input_grad
         scaled = [
             None if grad is None or not want else (grad * grad_loss).to(ctx.compute).to(dtype)
-            for grad, dtype, want in ((grad_hidden, hidden_dtype, wanted[0]), (grad_weight, weight_dtype, wanted[1]),
-                                      (grad_bias, bias_dtype, wanted[2]))
+            for grad, dtype, want in (
+                (grad_hidden, hidden_dtype, wanted[0]),
+                (grad_weight, weight_dtype, wanted[1]),
+                (grad_bias, bias_dtype, wanted[2]),
+            )
         ]
         return (*scaled, None, None, None, None, None, None, None)
 
@@ -118,8 +121,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 def _vocabulary_split(weight: torch.Tensor):
     """(mesh dim, process group, first vocabulary row of this rank) of a ``Shard(0)`` DTensor head weight."""
     shard_dims = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
-    if len(shard_dims) != 1 or weight.placements[shard_dims[0]].dim != 0 or any(
-            not isinstance(p, (Shard, Replicate)) for p in weight.placements):
+    if (
+        len(shard_dims) != 1
+        or weight.placements[shard_dims[0]].dim != 0
+        or any(not isinstance(p, (Shard, Replicate)) for p in weight.placements)
+    ):
         raise ValueError(f"the fused loss needs a head weight split over the vocabulary only, got {weight.placements}")
     dim = shard_dims[0]
     _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
@@ -152,13 +158,13 @@ def fused_head_loss_sum(
         # Each rank's hidden-state gradient is its vocabulary slice's share: a partial sum over the split.
         hidden = hidden.to_local(grad_placements=[Partial() if i == dim else Replicate() for i in range(mesh.ndim)])
         weight = weight.to_local()
-        bias = bias.to_local() if isinstance(bias, DTensor) else bias
+        bias = local_tensor(bias)
     chunk_size = chunk_size if chunk_size > 0 else max(labels.shape[0], 1)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:
         return _FusedLinearCrossEntropy.apply(
-            hidden, weight, bias, labels, chunk_size, compute_dtype, vocab_start, softcap, group, compiled)
+            hidden, weight, bias, labels, chunk_size, compute_dtype, vocab_start, softcap, group, compiled
+        )
     compute = compute_dtype or weight.dtype
     w, h = weight.to(compute), hidden.to(compute)
     b = bias.to(compute) if bias is not None else None

@@ -25,7 +25,9 @@ from meshtron.train.fused_loss import fused_head_loss_sum
 __all__ = ["IGNORE_INDEX", "head_loss_sum"]  # IGNORE_INDEX (-100): the label value that carries no loss
 
 
-def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias, loss_parallel: bool, softcap=None):
+def _chunk_loss(
+    hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias, loss_parallel: bool, softcap=None
+):
     logits = F.linear(hidden, weight, bias)
     if isinstance(logits, DTensor) and not loss_parallel:
         logits = logits.full_tensor()
@@ -67,8 +69,16 @@ def head_loss_sum(
     hidden = _replicated(hidden, weight).flatten(0, 1)
     labels = labels.flatten()
     if chunk_size > 0:
-        return fused_head_loss_sum(hidden, labels, weight, bias, chunk_size=chunk_size, compute_dtype=compute_dtype,
-                                   softcap=softcap, compiled=compiled)
+        return fused_head_loss_sum(
+            hidden,
+            labels,
+            weight,
+            bias,
+            chunk_size=chunk_size,
+            compute_dtype=compute_dtype,
+            softcap=softcap,
+            compiled=compiled,
+        )
     if compute_dtype is not None:
         weight = weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None

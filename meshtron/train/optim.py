@@ -9,7 +9,6 @@ from torch import nn
 
 from meshtron.config import TrainConfig
 
-
 FUSED_DEVICES = ("cpu", "cuda")
 """Devices whose fused AdamW kernel meshtron uses (one kernel per parameter group instead of a dozen
 foreach ops): on the CPU it takes about a third of the foreach step's time."""

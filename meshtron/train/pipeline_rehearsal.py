@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-
 TOKEN_IDS_INDEX = 1
 """Where a non-first stage's inputs hold the micro-batch's token ids (see ``stage_shapes``)."""
 
@@ -47,8 +46,17 @@ class RehearsalStage(PipelineStage):
         return grads
 
 
-def stage_shapes(first: bool, last: bool, *, micro_batch: int, seq_len: int, local_seq_len: int, hidden_size: int,
-                 dtype: torch.dtype, carry_shape: tuple[int, int] | None) -> tuple[tuple, tuple]:
+def stage_shapes(
+    first: bool,
+    last: bool,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    local_seq_len: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    carry_shape: tuple[int, int] | None,
+) -> tuple[tuple, tuple]:
     """(inputs, outputs) of one stage as meta tensors, in ``set_stage_forward``'s order: a first stage takes the
     micro-batch's token ids; the others take (hidden shard, token ids as float32[, routing carry]); every stage
     but the last returns the same three, the last its hidden states (the loss applies the head) and carry."""
@@ -56,6 +64,8 @@ def stage_shapes(first: bool, last: bool, *, micro_batch: int, seq_len: int, loc
     hidden = torch.empty(micro_batch, local_seq_len, hidden_size, dtype=dtype, device=meta, requires_grad=True)
     token_ids = torch.empty(micro_batch, seq_len, dtype=torch.float32, device=meta, requires_grad=True)
     carry = (torch.empty(*carry_shape, device=meta, requires_grad=True),) if carry_shape else ()
-    inputs = (torch.empty(micro_batch, seq_len, dtype=torch.long, device=meta),) if first else (hidden, token_ids, *carry)
+    inputs = (
+        (torch.empty(micro_batch, seq_len, dtype=torch.long, device=meta),) if first else (hidden, token_ids, *carry)
+    )
     outputs = (hidden, *carry) if last else (hidden, token_ids, *carry)
     return inputs, outputs

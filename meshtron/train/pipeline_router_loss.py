@@ -23,7 +23,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.models.moe import layer_index
-from meshtron.train.router_loss import LocalRouting, MicroBatchAux, RouterLoss, StepRouting, micro_batch_aux, reduce_routing
+from meshtron.train.router_loss import (
+    LocalRouting,
+    MicroBatchAux,
+    RouterLoss,
+    StepRouting,
+    micro_batch_aux,
+    reduce_routing,
+)
 
 
 class StageRouting:
@@ -58,8 +65,9 @@ def carried_routing(carry: torch.Tensor, moe_layers: list[int], num_experts: int
     """The whole model's LocalRouting of one microbatch on this rank, from the last stage's carry;
     ``moe_layers``: the decoder layers with a router, in order."""
     rows = carry[moe_layers]
-    return LocalRouting(rows[:, :num_experts].detach(), rows[:, num_experts:2 * num_experts],
-                        rows[0, 2 * num_experts].detach())
+    return LocalRouting(
+        rows[:, :num_experts].detach(), rows[:, num_experts : 2 * num_experts], rows[0, 2 * num_experts].detach()
+    )
 
 
 class PipelineRouterLoss:

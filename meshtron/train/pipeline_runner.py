@@ -12,12 +12,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
-from meshtron.distributed.tensor_parallel import local_value
+from meshtron.distributed.precision import release_compute_weights
 from meshtron.models.moe import num_experts
+from meshtron.tensors import local_tensor
 from meshtron.train.batch import sequence_inputs
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.pipeline_rehearsal import RehearsalStage, stage_shapes
-from meshtron.distributed.precision import release_compute_weights
 from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
 from meshtron.train.router_loss import router_coef, router_loss_enabled
 
@@ -57,10 +57,17 @@ class PipelineRunner:
         hidden, carry = output if self.router is not None else (output, None)
         weight, bias = self.head()
         loss = head_loss_sum(
-            hidden, labels, weight, bias, compute_dtype=self.compute_dtype, chunk_size=self.loss_chunk_size,
-            loss_parallel=self.loss_parallel, softcap=self.softcap, compiled=self.compiled_loss,
+            hidden,
+            labels,
+            weight,
+            bias,
+            compute_dtype=self.compute_dtype,
+            chunk_size=self.loss_chunk_size,
+            loss_parallel=self.loss_parallel,
+            softcap=self.softcap,
+            compiled=self.compiled_loss,
         )
-        self.lm_losses.append(local_value(loss.detach()))
+        self.lm_losses.append(local_tensor(loss.detach()))
         loss = loss * self.scale
         if carry is not None:
             loss = add_share(loss, self.router.micro_batch(carry).share * self.aux_scale)
@@ -81,7 +88,7 @@ class PipelineRunner:
         if self.tied_gradients is not None:
             self.tied_gradients()
         # torch >= 2.13 may have called loss_fn once more first, on uninitialized tensors (shape inference).
-        self.lm_losses = self.lm_losses[-self.microbatches:]
+        self.lm_losses = self.lm_losses[-self.microbatches :]
         if self.router is not None:
             self.router.finish_step(self.microbatches)
         if not self.lm_losses:
@@ -113,17 +120,32 @@ def build_pipeline_runner(
     pipeline_stages = []
     for stage_id, module in stages:
         first, last = stage_id == 0, stage_id == num_stages - 1
-        routing = StageRouting(module, hf_config, hf_config.num_hidden_layers, num_experts(hf_config)) if routes else None
+        routing = (
+            StageRouting(module, hf_config, hf_config.num_hidden_layers, num_experts(hf_config)) if routes else None
+        )
         set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh, routing)
         if rehearsal:
             inputs, outputs = stage_shapes(
-                first, last, micro_batch=plan.micro_batch_size // plan.pp_microbatches, seq_len=cfg.data.seq_len,
+                first,
+                last,
+                micro_batch=plan.micro_batch_size // plan.pp_microbatches,
+                seq_len=cfg.data.seq_len,
                 local_seq_len=cfg.data.seq_len // dims.cp // (dims.tp if tp_mesh is not None else 1),
-                hidden_size=hf_config.hidden_size, dtype=compute_dtype or next(module.parameters()).dtype,
+                hidden_size=hf_config.hidden_size,
+                dtype=compute_dtype or next(module.parameters()).dtype,
                 carry_shape=(hf_config.num_hidden_layers, 2 * num_experts(hf_config) + 1) if routes else None,
             )
-            pipeline_stages.append(RehearsalStage(module, stage_id, num_stages, device, input_args=inputs,
-                                                  output_args=outputs, group=pp_mesh.get_group()))
+            pipeline_stages.append(
+                RehearsalStage(
+                    module,
+                    stage_id,
+                    num_stages,
+                    device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=pp_mesh.get_group(),
+                )
+            )
             continue
         pipeline_stages.append(PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group()))
     stage_ids = [stage_id for stage_id, _ in stages]

@@ -10,6 +10,7 @@ import torch
 
 from meshtron.config import Config
 from meshtron.distributed.precision import PrecisionPolicy
+from meshtron.tensors import local_tensor
 
 
 class LossScaler:
@@ -42,8 +43,7 @@ def loss_scaler(policy: PrecisionPolicy, cfg: Config) -> LossScaler | None:
 @torch.no_grad()
 def unscale_gradients(parameters, loss_scale: float) -> None:
     """Divide every gradient by the loss scale it was computed with (fp16 loss scaling)."""
-    from torch.distributed.tensor import DTensor
 
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)

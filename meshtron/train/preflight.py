@@ -14,20 +14,20 @@ from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import load_tokenizer
-from meshtron.metrics.loggers import check_loggers
 from meshtron.distributed.context_parallel import check_context_parallel
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.expert_parallel import check_expert_parallel
+from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.pipeline_parallel import check_pipeline
+from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.distributed.tensor_parallel import check_tensor_parallel
 from meshtron.errors import ConfigError
+from meshtron.metrics.loggers import check_loggers
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.models.families import check_family
-from meshtron.distributed.float8 import check_float8
-from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.resilience.restart import restart_count
 from meshtron.train.runtime import launched_by_torchrun
 
@@ -89,20 +89,27 @@ def check_data_sources(data) -> list[str]:
             if wrong:
                 raise ConfigError(f"data.format=chat does not work with {setting} yet: {fix}")
         if is_prepared(data.path):
-            raise ConfigError(f"data.path '{data.path}' is a prepared directory of text; data.format=chat reads "
-                              "conversations (.jsonl or a saved dataset)")
+            raise ConfigError(
+                f"data.path '{data.path}' is a prepared directory of text; data.format=chat reads "
+                "conversations (.jsonl or a saved dataset)"
+            )
     if data.streaming:
         if data.sources:
-            raise ConfigError("data.streaming reads one source (data.path), not a mixture (data.sources); prepare the "
-                              "sources (meshtron data prepare) for a mixture, or set data.streaming=false")
+            raise ConfigError(
+                "data.streaming reads one source (data.path), not a mixture (data.sources); prepare the "
+                "sources (meshtron data prepare) for a mixture, or set data.streaming=false"
+            )
         if is_prepared(data.path):
-            raise ConfigError(f"data.path '{data.path}' is a prepared directory, memory-mapped as it is; set "
-                              "data.streaming=false")
+            raise ConfigError(
+                f"data.path '{data.path}' is a prepared directory, memory-mapped as it is; set data.streaming=false"
+            )
     if not data.sources:
         check_data_path(data.path)
         return [data.path]
     if data.path != BUILTIN_CORPUS:
-        raise ConfigError("data.path and data.sources are both set; keep data.sources for a mixture, or data.path alone")
+        raise ConfigError(
+            "data.path and data.sources are both set; keep data.sources for a mixture, or data.path alone"
+        )
     paths = [path for path, _ in parse_sources(data.sources)]
     for path in paths:
         check_data_path(path)
@@ -147,4 +154,6 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_stream_checkpoint(resume_from, cfg.data.streaming)
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
-    return Plan(dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped))
+    return Plan(
+        dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped)
+    )

@@ -43,8 +43,9 @@ class Resumable:
     def save(self, step: int, stopped_by: str | None = None) -> None:
         """Save the state after ``step`` steps (``stopped_by``: the signal that stopped the run)."""
         if self.checkpoints is None:  # every rank got here together: the set-up's collectives are safe
-            self.checkpoints = CheckpointManager(checkpoint_directory(self.cfg), 0, self.cfg.checkpoint.keep_last,
-                                                 False, self.runtime)
+            self.checkpoints = CheckpointManager(
+                checkpoint_directory(self.cfg), 0, self.cfg.checkpoint.keep_last, False, self.runtime
+            )
         meta = checkpoint_meta(step, self.scheduler, self.hf_config, self.cfg, self.runtime, self.layout)
         meta[SKIPPED_KEY] = sorted(self.schedule.skipped_batches)
         if self.scaler is not None:

@@ -83,7 +83,9 @@ def layer_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     with torch.no_grad():
         _, selected = torch.topk(probs, top_k, dim=-1)
         counts = torch.zeros(experts, dtype=torch.float32, device=logits.device)
-        counts.scatter_add_(0, selected.reshape(-1), torch.ones(selected.numel(), dtype=torch.float32, device=logits.device))
+        counts.scatter_add_(
+            0, selected.reshape(-1), torch.ones(selected.numel(), dtype=torch.float32, device=logits.device)
+        )
     return counts, probs.float().sum(dim=0)
 
 
@@ -119,7 +121,7 @@ def micro_batch_aux(local: LocalRouting, reduced: torch.Tensor) -> MicroBatchAux
     layers, experts = local.counts.shape
     size = layers * experts
     counts = reduced[:size].reshape(layers, experts)
-    prob_sums = reduced[size:2 * size].reshape(layers, experts)
+    prob_sums = reduced[size : 2 * size].reshape(layers, experts)
     tokens = reduced[2 * size]
     rows = tokens * layers  # transformers' N: every layer's tokens
     tokens_per_expert = (counts.sum(0) / rows).float()
@@ -177,8 +179,7 @@ class RouterLoss:
         if len(set(tokens)) != 1:
             raise RuntimeError(f"MoE layers saw different token counts {tokens}")
         device = counts[0].device
-        return LocalRouting(torch.stack(counts), torch.stack(prob_sums),
-                            torch.tensor(float(tokens[0]), device=device))
+        return LocalRouting(torch.stack(counts), torch.stack(prob_sums), torch.tensor(float(tokens[0]), device=device))
 
     def micro_batch(self) -> MicroBatchAux:
         """After a micro-batch's forward: its global ``aux`` and this rank's share (one all-reduce)."""

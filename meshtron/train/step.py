@@ -21,26 +21,27 @@ from meshtron.config import Config
 from meshtron.data.prefetch import StepBlocks, StepReader
 from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.data_parallel import set_gradient_sync
+from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import compile_enabled
-from meshtron.distributed.tensor_parallel import local_value, reduce_partial_gradients, shard_replicated_gradients
+from meshtron.distributed.precision import PrecisionPolicy, release_compute_weights
+from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.logger import model_state_bytes
+from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
-from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.train.loss import head_loss_sum
-from meshtron.distributed.precision import PrecisionPolicy, release_compute_weights
 from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepContext:
-    """What every step needs besides the model, optimizer and data."""
+    """What every step needs besides the model, optimizer and data (fixed for the run)."""
 
     dp_rank: int
     dims: ParallelDims
@@ -55,21 +56,41 @@ class StepContext:
     scaler: LossScaler | None = None
     router: RouterLoss | None = None
     """The MoE router load-balancing loss, when on (meshtron.train.router_loss.build_router_loss)."""
-    step_metrics: dict = field(default_factory=dict)
-    """Metrics of the last step beyond loss and gradient norm (the router loss's), for the logger."""
-    nonfinite: bool = False
-    """The last step's loss or gradient norm was NaN/Inf and it did not update (``train.on_nonfinite``)."""
-    inject_nonfinite: bool = False
-    """Tests only (meshtron.resilience.faults): make this step's loss NaN."""
 
     @property
     def loss_parallel(self) -> bool:
         return self.dims.tp > 1 and self.cfg.parallel.loss_parallel
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports: its global figures, whether it updated, and what it was asked to measure."""
+
+    loss: float
+    """The global loss (the router loss's share included when it is on)."""
+    grad_norm: float
+    tokens: float
+    """The global batch's labelled tokens."""
+    nonfinite: bool = False
+    """The loss or gradient norm was NaN/Inf and the step did not update (``train.on_nonfinite``)."""
+    metrics: dict = field(default_factory=dict)
+    """Metrics beyond loss and gradient norm (the router loss's), for the logger."""
+    state_bytes: dict[str, int] | None = None
+    """With ``measure_state``: this rank's parameter, gradient and optimizer-state bytes after the update."""
+    accumulation_grad_bytes: int = 0
+    """With ``measure_state``: the peak gradient bytes held between accumulated micro-batches."""
+    activation_bytes: int | None = None
+    """With ``measure_activations``: the peak bytes autograd kept for backward."""
+
+
 def _forward_backward(
-    model, batches, ctx: StepContext, scale: float, held_grads: list[int] | None = None,
-    routing: StepRouting | None = None, aux_scale: float = 0.0,
+    model,
+    batches,
+    ctx: StepContext,
+    scale: float,
+    held_grads: list[int] | None = None,
+    routing: StepRouting | None = None,
+    aux_scale: float = 0.0,
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
 
@@ -93,15 +114,21 @@ def _forward_backward(
         # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
             loss_sum = head_loss_sum(
-                hidden, labels, weight, bias, compute_dtype=compute_dtype, chunk_size=ctx.cfg.train.loss_chunk_size,
-                loss_parallel=ctx.loss_parallel, softcap=ctx.adapter.logit_softcap(model),
+                hidden,
+                labels,
+                weight,
+                bias,
+                compute_dtype=compute_dtype,
+                chunk_size=ctx.cfg.train.loss_chunk_size,
+                loss_parallel=ctx.loss_parallel,
+                softcap=ctx.adapter.logit_softcap(model),
                 compiled=compile_enabled(ctx.cfg.train.compile, ctx.device.type),
             )
             if aux is None:
                 (loss_sum * scale).backward()
             else:  # one backward for both (the LM loss may be a DTensor under loss parallel)
                 torch.autograd.backward([loss_sum * scale, aux.share * aux_scale])
-        local_loss_sum += local_value(loss_sum.detach())
+        local_loss_sum += local_tensor(loss_sum.detach())
         del hidden, loss_sum, aux
         if ctx.dims.tp > 1 and not ctx.dims.fsdp_enabled and not last:
             shard_replicated_gradients(model.parameters())
@@ -127,20 +154,37 @@ def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
     told which of its lanes this rank reads (create the reader before restoring a checkpoint)."""
     if isinstance(dataset, StreamingDataset):
         dataset.own(np.concatenate(step_blocks(schedule, 0, ctx).micro_batches))
-    return StepReader(dataset, lambda step: step_blocks(schedule, step, ctx), global_target_count,
-                      prefetch=ctx.cfg.data.prefetch, pin=ctx.device.type == "cuda")
+    return StepReader(
+        dataset,
+        lambda step: step_blocks(schedule, step, ctx),
+        global_target_count,
+        prefetch=ctx.cfg.data.prefetch,
+        pin=ctx.device.type == "cuda",
+    )
 
 
-def train_step(model, optimizer, inputs: StepReader, step, ctx: StepContext, measure_state=None, measure_activations=None):
-    """One optimizer step over this rank's micro-batches; returns (global loss, global grad norm, global tokens).
+def train_step(
+    model,
+    optimizer,
+    inputs: StepReader,
+    step: int,
+    ctx: StepContext,
+    *,
+    measure_state: bool = False,
+    measure_activations: bool = False,
+    inject_nonfinite: bool = False,
+) -> StepResult:
+    """One optimizer step over this rank's micro-batches.
 
-    ``inputs`` gives the step's batches (meshtron.data.prefetch); ``measure_state`` / ``measure_activations``: a
-    TrainResult whose ``state_bytes`` and ``accumulation_grad_bytes`` / ``activation_bytes`` this step measures.
+    ``inputs`` gives the step's batches (meshtron.data.prefetch); ``measure_state`` / ``measure_activations``: fill
+    those fields of the StepResult; ``inject_nonfinite``: tests only (meshtron.resilience.faults), a NaN loss.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     step_inputs = inputs.get(step)
-    batches = [(input_ids.to(device, non_blocking=True), shard_labels(labels.to(device, non_blocking=True), ctx.split))
-               for input_ids, labels in step_inputs.micro_batches]
+    batches = [
+        (input_ids.to(device, non_blocking=True), shard_labels(labels.to(device, non_blocking=True), ctx.split))
+        for input_ids, labels in step_inputs.micro_batches
+    ]
     global_targets = step_inputs.global_targets
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets
@@ -152,18 +196,19 @@ def train_step(model, optimizer, inputs: StepReader, step, ctx: StepContext, mea
     routing = StepRouting() if ctx.router is not None else None
     accumulation = ctx.plan.pp_microbatches if ctx.runner is not None else len(batches)
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
-    tracker = SavedActivationTracker() if measure_activations is not None else None
+    tracker = SavedActivationTracker() if measure_activations else None
+    measured: dict = {}
     with tracker.track() if tracker is not None else contextlib.nullcontext():
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-            (input_ids, labels), = batches
+            ((input_ids, labels),) = batches
             local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale)
         else:
-            held_grads = [] if measure_state is not None else None
+            held_grads = [] if measure_state else None
             local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)
             if held_grads:
-                measure_state.accumulation_grad_bytes = max(held_grads)
-    if measure_activations is not None:
-        measure_activations.activation_bytes = tracker.peak_bytes
+                measured["accumulation_grad_bytes"] = max(held_grads)
+    if tracker is not None:
+        measured["activation_bytes"] = tracker.peak_bytes
     parameters = [p for p in model.parameters() if p.grad is not None]
     if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
@@ -172,20 +217,21 @@ def train_step(model, optimizer, inputs: StepReader, step, ctx: StepContext, mea
     loss, grad_norm = global_loss_and_grad_norm(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp
     )
-    if ctx.inject_nonfinite:
+    if inject_nonfinite:
         loss = loss * float("nan")
-    ctx.nonfinite = False
     router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
     loss_value, norm_value, *routed = host_values(loss, grad_norm / loss_scale, *router_tensors)
+    metrics = {}
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
-        ctx.step_metrics = router_metrics(routed)
-        loss_value += router.coef * ctx.step_metrics["aux_loss"]
+        metrics = router_metrics(routed)
+        loss_value += router.coef * metrics["aux_loss"]
+    result = dict(loss=loss_value, grad_norm=norm_value, tokens=float(global_targets), metrics=metrics, **measured)
     if ctx.scaler is not None and math.isfinite(loss_value):
         overflowed = not math.isfinite(norm_value)
         ctx.scaler.update(overflowed)
         if overflowed:  # fp16 gradients overflowed at this loss scale: skip the step, the scale was halved
             optimizer.zero_grad(set_to_none=True)
-            return loss_value, norm_value, float(global_targets)
+            return StepResult(**result)
         if loss_scale != 1.0:
             unscale_gradients(parameters, loss_scale)
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
@@ -194,14 +240,13 @@ def train_step(model, optimizer, inputs: StepReader, step, ctx: StepContext, mea
                 f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
                 "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip or rollback"
             )
-        ctx.nonfinite = True
         optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value, float(global_targets)
+        return StepResult(**result, nonfinite=True)
     clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm / loss_scale)
     optimizer.step()
     if cfg.train.float8:
         refresh_float8_scales(model)
-    if measure_state is not None:
-        measure_state.state_bytes = model_state_bytes(model, optimizer)
+    if measure_state:
+        result["state_bytes"] = model_state_bytes(model, optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value, float(global_targets)
+    return StepResult(**result)

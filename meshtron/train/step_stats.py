@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshtron.distributed.grad_norm import local_grad_square_sum
 from meshtron.data.labels import IGNORE_INDEX
+from meshtron.distributed.grad_norm import local_grad_square_sum
 
 
 def global_target_count(dataset, indices: np.ndarray) -> int:

@@ -23,23 +23,23 @@ from meshtron.data.training_data import build_training_data
 from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
+from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.logger import MetricsLogger, max_memory_gb
 from meshtron.metrics.loggers import build_loggers
 from meshtron.models.attention import attention_windows
-from meshtron.models.moe import moe_layer_indices
 from meshtron.models.build import build_meta_model, materialize
-from meshtron.train.batch import SequenceSplit
-from meshtron.train.pipeline_runner import build_pipeline_runner
-from meshtron.train.optim import build_optimizer, build_scheduler
-from meshtron.distributed.precision import precision_policy
-from meshtron.train.precision import loss_scaler
+from meshtron.models.moe import moe_layer_indices
 from meshtron.resilience.guard import RunGuard
+from meshtron.train.batch import SequenceSplit
+from meshtron.train.optim import build_optimizer, build_scheduler
+from meshtron.train.pipeline_runner import build_pipeline_runner
+from meshtron.train.precision import loss_scaler
+from meshtron.train.preflight import Plan, preflight
 from meshtron.train.resumable import Resumable
 from meshtron.train.router_loss import build_router_loss
 from meshtron.train.runtime import Runtime
-from meshtron.train.preflight import Plan, preflight
 from meshtron.train.step import StepContext, step_reader, train_step
 
 __all__ = ["Plan", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
@@ -69,6 +69,17 @@ class TrainResult:
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
     also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
 
+    def record(self, outcome, seconds: float) -> None:
+        """Keep a finished step's figures (``outcome``: its meshtron.train.step.StepResult) and measurements."""
+        self.losses.append(outcome.loss)
+        self.grad_norms.append(outcome.grad_norm)
+        self.tokens_per_s.append(outcome.tokens / seconds)
+        self.step_seconds.append(seconds)
+        if outcome.state_bytes is not None:
+            self.state_bytes, self.accumulation_grad_bytes = outcome.state_bytes, outcome.accumulation_grad_bytes
+        if outcome.activation_bytes is not None:
+            self.activation_bytes = outcome.activation_bytes
+
     def rewind(self, steps_kept: int) -> None:
         """Forget the steps after the first ``steps_kept`` of this start (a rollback trains them again)."""
         del self.losses[steps_kept:], self.grad_norms[steps_kept:], self.tokens_per_s[steps_kept:]
@@ -91,150 +102,256 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
     return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
-def _sequence_split(meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None,
-                    hf_config) -> SequenceSplit:
+def _sequence_split(
+    meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None, hf_config
+) -> SequenceSplit:
     cp_rank, cp_group = 0, None
     if dims.cp > 1:
         cp_mesh = meshes["world"]["cp"]
         cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
     return SequenceSplit(
-        dims.cp, cp_rank, cp_group, cfg.parallel.cp_method, cfg.data.mask_documents, eos_token_id, dims.pp,
+        dims.cp,
+        cp_rank,
+        cp_group,
+        cfg.parallel.cp_method,
+        cfg.data.mask_documents,
+        eos_token_id,
+        dims.pp,
         attention_windows(hf_config),
     )
+
+
+@dataclass
+class _Built:
+    """The parallelized, materialized model of this rank and what drives it."""
+
+    model: nn.Module
+    parts: list[nn.Module]
+    adapter: object
+    runner: object
+    pp_group: object
 
 
 def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     dims = plan.dims
-    output_dir, run_id = _resolve_output_dir(cfg, runtime)
-    runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
-    checkpoints = None
-    if cfg.checkpoint.interval > 0 or plan.resume_from:  # first: checks that every rank shares the directory
-        checkpoints = CheckpointManager(
-            checkpoint_directory(cfg), cfg.checkpoint.interval, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-            runtime,
-        )
-    if runtime.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if not (plan.resume_from and (output_dir / "config.toml").exists()):  # a resumed run keeps its record
-            save_config(cfg, output_dir / "config.toml")
-
+    output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, plan)
     torch.manual_seed(cfg.train.seed)
     dataset, schedule = build_training_data(  # the others wait for local rank 0's build outside any collective
         cfg.data, plan.tokenizer, cfg.train.global_batch_size, is_builder=runtime.local_rank == 0, run_id=run_id
     )
-
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
     separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
     split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)
-    model, adapter = build_meta_model(plan.hf_config, cfg.model)
-    if dims.pp == 1:
-        adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
     policy = plan.precision or precision_policy(cfg, runtime.device.type)
-    moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
-    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
-    for _, stage in stages:
-        materialize(
-            stage, adapter, parameter_device(cfg.fsdp, runtime.device), seed=cfg.train.seed,
-            pretrained_dir=cfg.model.name_or_path, buffer_device=runtime.device,
-        )
-        stage.train()
-    parts = [stage for _, stage in stages]
-    runner = None
-    if dims.pp > 1:
-        model, runner = build_pipeline_runner(
-            stages, adapter, cfg, plan, dims, meshes, runtime.device, split, policy.compute_dtype, moe_layers,
-            rehearsal=runtime.rehearsal,
-        )
-        # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
-        attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
-    else:
-        model = parts[0]
-    pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
-
-    optimizer = build_optimizer(model, cfg.train)
+    built = _build_model(cfg, runtime, plan, meshes, split, policy)
+    model, optimizer = built.model, build_optimizer(built.model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     step_context = StepContext(
-        _dp_rank(meshes, dims), dims, plan, split, runtime.device, cfg, runner, adapter, policy,
-        loss_scaler(policy, cfg), router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
+        _dp_rank(meshes, dims),
+        dims,
+        plan,
+        split,
+        runtime.device,
+        cfg,
+        built.runner,
+        built.adapter,
+        policy,
+        loss_scaler(policy, cfg),
+        router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
     )
-    logger = MetricsLogger(output_dir, cfg.train.steps, enabled=runtime.is_main, progress=cfg.run.progress,
-                           loggers=build_loggers(cfg, output_dir, dims.describe()) if runtime.is_main else None)
-    logger.message(
-        f"meshtron: {adapter.family} model, {_count_params(model, pp_group):,} parameters | layout: {dims.describe()} | "
-        f"{policy.describe()} | {_data_summary(dataset, cfg.data.seq_len)} | "
-        + (f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches of "
-           f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})" if dims.pp > 1 else
-           f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation")
+    logger = MetricsLogger(
+        output_dir,
+        cfg.train.steps,
+        enabled=runtime.is_main,
+        progress=cfg.run.progress,
+        loggers=build_loggers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
     )
-    logger.describe_run({"layout": dims.describe(), "world_size": runtime.world_size, "family": adapter.family,
-                         "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len})
-    peak = device_peak_flops(runtime.device)
-    flops_tok = flops_per_token(plan.hf_config, cfg.data.seq_len)
-    result = TrainResult(output_dir=output_dir, model=model, model_parts=parts, optimizer=optimizer)
+    logger.message(_startup_message(cfg, plan, built, policy, dataset))
+    logger.describe_run(
+        {
+            "layout": dims.describe(),
+            "world_size": runtime.world_size,
+            "family": built.adapter.family,
+            "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
+        }
+    )
+    result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
     resumable = Resumable(
-        cfg, runtime, checkpoints, TrainingState(parts, model, optimizer), scheduler, step_context.scaler, schedule,
-        plan.hf_config, dims.describe(), parts, stream=dataset if isinstance(dataset, StreamingDataset) else None,
+        cfg,
+        runtime,
+        checkpoints,
+        TrainingState(built.parts, model, optimizer),
+        scheduler,
+        step_context.scaler,
+        schedule,
+        plan.hf_config,
+        dims.describe(),
+        built.parts,
+        stream=dataset if isinstance(dataset, StreamingDataset) else None,
     )
     guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
-    start_step = result.start_step = _resume(resumable, plan, logger)
-    guard.resumed(plan.resume_from, start_step)
-    activation_step = min(start_step + 1, cfg.train.steps - 1)
-    step = start_step
+    result.start_step = _resume(resumable, plan, logger)
+    guard.resumed(plan.resume_from, result.start_step)
     try:
         with guard:
-            while step < cfg.train.steps:
-                guard.before_step(step, step_context)
-                started = time.perf_counter()
-                lr = optimizer.param_groups[0]["lr"]
-                loss, grad_norm, tokens = train_step(
-                    model, optimizer, inputs, step, step_context,
-                    measure_state=result if not result.state_bytes else None,  # the first step that updates
-                    measure_activations=result if step == activation_step else None,
-                )
-                rolled_to = guard.rolled_back(step, loss, grad_norm, lr, start_step, step_context)
-                if rolled_to is not None:  # train.on_nonfinite=rollback: on from the last checkpoint
-                    step = rolled_to
-                    continue
-                scheduler.step()
-                if runtime.device.type == "cuda":
-                    torch.cuda.synchronize(runtime.device)
-                elapsed = time.perf_counter() - started
-                tokens_per_s = tokens / elapsed
-                result.step_seconds.append(elapsed)
-                result.losses.append(loss)
-                result.grad_norms.append(grad_norm)
-                result.tokens_per_s.append(tokens_per_s)
-                step += 1
-                if step - 1 == activation_step:
-                    logger.message(
-                        f"meshtron: step {step}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
-                        f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
-                    )
-                if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-                    logger.log({
-                        "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s,
-                        "mfu": flops_tok * tokens_per_s / (peak * runtime.world_size) if peak else None,
-                        "max_memory_gb": max_memory_gb(runtime.device),
-                        **({"loss_scale": step_context.scaler.scale} if step_context.scaler is not None else {}),
-                        **step_context.step_metrics,
-                        **guard.metrics(),
-                    })
-                guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
+            step = _train_steps(cfg, runtime, plan, result, step_context, inputs, scheduler, guard, logger)
             guard.finish(step)
-        trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
+        trained = (
+            f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
+        )
         logger.message(
-            f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl); "
+            f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, "
+            "metrics.jsonl); "
             f"see the curves with: meshtron plot {output_dir}"
         )
     finally:
         inputs.close()
         logger.close()
     return result
+
+
+def _train_steps(cfg, runtime, plan, result: TrainResult, step_context, inputs, scheduler, guard, logger) -> int:
+    """The loop: optimizer steps from ``result.start_step`` to ``train.steps`` (a rollback goes back); the last step."""
+    model, optimizer = result.model, result.optimizer
+    activation_step = min(result.start_step + 1, cfg.train.steps - 1)
+    row = _MetricsRow(cfg, plan, runtime, step_context)
+    step = result.start_step
+    while step < cfg.train.steps:
+        inject_nonfinite = guard.before_step(step)
+        started = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        outcome = train_step(
+            model,
+            optimizer,
+            inputs,
+            step,
+            step_context,
+            measure_state=not result.state_bytes,  # the first update
+            measure_activations=step == activation_step,
+            inject_nonfinite=inject_nonfinite,
+        )
+        rolled_to = guard.rolled_back(step, outcome, lr, result.start_step)
+        if rolled_to is not None:  # train.on_nonfinite=rollback: on from the last checkpoint
+            step = rolled_to
+            continue
+        scheduler.step()
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize(runtime.device)
+        elapsed = time.perf_counter() - started
+        result.record(outcome, elapsed)
+        step += 1
+        if step - 1 == activation_step:
+            logger.message(
+                f"meshtron: step {step}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
+                f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
+            )
+        if step % cfg.run.log_every == 0 or step == cfg.train.steps:
+            logger.log({**row(step, outcome, lr, outcome.tokens / elapsed), **guard.metrics()})
+        guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
+    return step
+
+
+class _MetricsRow:
+    """One metrics.jsonl row of a step: loss, gradient norm, lr, throughput, MFU, memory, loss scale, router."""
+
+    def __init__(self, cfg: Config, plan: Plan, runtime: Runtime, step_context):
+        self.peak = device_peak_flops(runtime.device)
+        self.flops_per_token = flops_per_token(plan.hf_config, cfg.data.seq_len)
+        self.world_size, self.device, self.scaler = runtime.world_size, runtime.device, step_context.scaler
+
+    def __call__(self, step: int, outcome, lr: float, tokens_per_s: float) -> dict:
+        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if self.peak else None
+        return {
+            "step": step,
+            "loss": outcome.loss,
+            "grad_norm": outcome.grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "max_memory_gb": max_memory_gb(self.device),
+            **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
+            **outcome.metrics,
+        }
+
+
+def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, str, CheckpointManager | None]:
+    """The output directory (with the resolved config), this start's id and the checkpoint manager, if any."""
+    output_dir, run_id = _resolve_output_dir(cfg, runtime)
+    runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
+    checkpoints = None
+    if cfg.checkpoint.interval > 0 or plan.resume_from:  # first: checks that every rank shares the directory
+        checkpoints = CheckpointManager(
+            checkpoint_directory(cfg),
+            cfg.checkpoint.interval,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            runtime,
+        )
+    if runtime.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if not (plan.resume_from and (output_dir / "config.toml").exists()):  # a resumed run keeps its record
+            save_config(cfg, output_dir / "config.toml")
+    return output_dir, run_id, checkpoints
+
+
+def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: SequenceSplit, policy) -> _Built:
+    """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1."""
+    dims = plan.dims
+    model, adapter = build_meta_model(plan.hf_config, cfg.model)
+    if dims.pp == 1:
+        adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
+    moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
+    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
+    for _, stage in stages:
+        materialize(
+            stage,
+            adapter,
+            parameter_device(cfg.fsdp, runtime.device),
+            seed=cfg.train.seed,
+            pretrained_dir=cfg.model.name_or_path,
+            buffer_device=runtime.device,
+        )
+        stage.train()
+    parts = [stage for _, stage in stages]
+    if dims.pp == 1:
+        return _Built(parts[0], parts, adapter, None, None)
+    model, runner = build_pipeline_runner(
+        stages,
+        adapter,
+        cfg,
+        plan,
+        dims,
+        meshes,
+        runtime.device,
+        split,
+        policy.compute_dtype,
+        moe_layers,
+        rehearsal=runtime.rehearsal,
+    )
+    # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
+    attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
+    return _Built(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
+
+
+def _startup_message(cfg: Config, plan: Plan, built: _Built, policy, dataset) -> str:
+    """The first log line: family, parameters, layout, precision, data and how a step splits the batch."""
+    dims = plan.dims
+    if dims.pp > 1:
+        batching = (
+            f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches of "
+            f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})"
+        )
+    else:
+        batching = f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation"
+    return (
+        f"meshtron: {built.adapter.family} model, {_count_params(built.model, built.pp_group):,} parameters | "
+        f"layout: {dims.describe()} | {policy.describe()} | {_data_summary(dataset, cfg.data.seq_len)} | {batching}"
+    )
 
 
 def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
@@ -264,8 +381,11 @@ def _count_params(model: nn.Module, pp_group=None) -> int:
 
     from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
 
-    count = sum(p.numel() if not isinstance(p, DTensor) else math.prod(p.shape) for p in model.parameters()
-                if not getattr(p, DUPLICATE_GRADIENT, False))  # a tied head copy is the embeddings again
+    count = sum(
+        p.numel() if not isinstance(p, DTensor) else math.prod(p.shape)
+        for p in model.parameters()
+        if not getattr(p, DUPLICATE_GRADIENT, False)
+    )  # a tied head copy is the embeddings again
     if pp_group is None:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)

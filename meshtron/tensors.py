@@ -1,0 +1,11 @@
+"""Tensor helpers every layer may use (the lowest layer, beside config and errors)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (its shard, or the whole value when replicated); plain tensors pass through."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
