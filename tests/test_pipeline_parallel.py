@@ -58,7 +58,7 @@ def test_chained_stages_compute_the_whole_model():
     materialize(full, adapter, cpu, seed=3)
     input_ids = torch.randint(0, 200, (2, 24))
     input_ids[0, 5] = tokenizer.eos_token_id
-    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id, pp=2)
+    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id)
     inputs = sequence_inputs(input_ids, split)
     adapter.use_attention(full, register_attention())
     expected = full(**inputs).logits

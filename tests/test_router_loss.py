@@ -249,7 +249,7 @@ def test_pipeline_stages_carry_the_routing_to_transformers_value_and_gradient():
     cpu = torch.device("cpu")
     full, adapter = build_meta_model(hf_config, cfg.model)
     materialize(full, adapter, cpu, seed=3)
-    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id, pp=2)
+    split = SequenceSplit(mask_documents=True, eos_token_id=tokenizer.eos_token_id)
     input_ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
     input_ids[0, 5] = tokenizer.eos_token_id
     adapter.use_attention(full, register_attention())

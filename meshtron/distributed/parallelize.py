@@ -158,7 +158,7 @@ def parallelize_model(
             loss_parallel=cfg.parallel.loss_parallel,
             float8=cfg.train.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
         )
-    if uses_meshtron_attention(dims.cp, cfg.data.mask_documents, dims.pp):
+    if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
         adapter.use_attention(model, register_attention())
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     compiled = compile_enabled(cfg.train.compile, device_type)

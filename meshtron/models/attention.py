@@ -37,9 +37,9 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
 
 
-def uses_meshtron_attention(cp: int, mask_documents: bool, pp: int = 1) -> bool:
+def uses_meshtron_attention(cp: int, mask_documents: bool) -> bool:
     """Whether the model's attention must be replaced by ``hf_attention``: for document masks and context
-    parallelism. ``pp`` does not matter: pipeline stages that run the blocks themselves build the model's
+    parallelism. Pipeline parallelism does not matter: stages that run the blocks themselves build the model's
     own masks (``model_attention_masks``)."""
     return cp > 1 or mask_documents
 
@@ -86,12 +86,10 @@ def model_attention_masks(config, hidden: torch.Tensor, position_ids: torch.Tens
     return masks
 
 
-def check_attention(
-    hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int, pp: int = 1
-) -> None:
+def check_attention(hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int) -> None:
     """Refuse settings meshtron's attention cannot honour, before any process-group work. (Sliding windows it
     keeps; pipeline stages without it build the model's own masks.)"""
-    if not uses_meshtron_attention(cp, mask_documents, pp):
+    if not uses_meshtron_attention(cp, mask_documents):
         return
     needs = "parallel.cp > 1" if cp > 1 else "data.mask_documents"
     alternative = "" if cp > 1 else " or set data.mask_documents=false"

@@ -170,7 +170,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
 def meshtron_attention(layout: Layout, workload: Workload) -> bool:
     from meshtron.models.attention import uses_meshtron_attention
 
-    return uses_meshtron_attention(layout.cp, workload.mask_documents, layout.pp)
+    return uses_meshtron_attention(layout.cp, workload.mask_documents)
 
 
 def dense_document_mask(layout: Layout, workload: Workload) -> bool:

@@ -35,7 +35,7 @@ def _powers_of_two(limit: int) -> list[int]:
     return values
 
 
-def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> bool:
+def _valid(hf_config, layout: Layout, workload: Workload) -> bool:
     from meshtron.distributed.context_parallel import check_context_parallel
     from meshtron.distributed.pipeline_parallel import check_pipeline
     from meshtron.distributed.tensor_parallel import check_tensor_parallel
@@ -46,13 +46,13 @@ def _valid(shape: ModelShape, hf_config, layout: Layout, workload: Workload) -> 
     try:
         check_family(hf_config, tp=layout.tp)  # parallelisms the model family cannot be split by
         layout.check(hf_config, workload)  # the degrees' product, and ep (experts, dividing them and dp_shard x cp)
-        check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len, layout.pp)
+        check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len)
         check_tensor_parallel(
             hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp
         )
         check_context_parallel(layout.cp, workload.seq_len)
         if layout.pp > 1:  # stage split, microbatch counts (tied embeddings: memory.py counts the head copy)
-            check_pipeline(layout.parallel_config(workload), hf_config, layout.local_batch(workload), False)
+            check_pipeline(layout.parallel_config(workload), hf_config, layout.local_batch(workload), None)
     except ConfigError:
         return False
     return True
@@ -108,7 +108,7 @@ def candidate_layouts(
                                         pp_stages_per_rank=per_rank,
                                         ep=ep,
                                     )
-                                    if _valid(shape, hf_config, layout, workload):
+                                    if _valid(hf_config, layout, workload):
                                         layouts.append(layout)
     return layouts
 

@@ -22,7 +22,6 @@ class SequenceSplit:
     cp_method: str = "ring"
     mask_documents: bool = False
     eos_token_id: int | None = None
-    pp: int = 1
     attention_windows: tuple = (None,)
     """The sliding windows the model's layers use (None: full attention), whose masks are built up front."""
 
@@ -44,7 +43,7 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
         "position_ids": shard_sequence(positions, split.cp, split.cp_rank),
         "use_cache": False,
     }
-    if uses_meshtron_attention(split.cp, split.mask_documents, split.pp):
+    if uses_meshtron_attention(split.cp, split.mask_documents):
         layout = SequenceLayout(input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs)
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the sub-block
         # plan, whose one host sync happens here and not in the layers).

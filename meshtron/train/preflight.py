@@ -141,9 +141,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
             f"use data.seq_len <= {max_positions}"
         )
     check_context_parallel(dims.cp, cfg.data.seq_len)
-    check_attention(
-        hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len, dims.pp
-    )
+    check_attention(hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len)
     pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
     check_tensor_parallel(
         hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp

@@ -116,8 +116,7 @@ def _sequence_split(
         cfg.parallel.cp_method,
         cfg.data.mask_documents,
         eos_token_id,
-        dims.pp,
-        attention_windows(hf_config),
+        attention_windows=attention_windows(hf_config),
     )
 
 
