@@ -1,8 +1,8 @@
 """Typed run configuration: dataclasses loaded from TOML, the environment and ``--section.key=value``.
 
 Precedence, lowest first: dataclass defaults, the TOML file, the env vars ``DP_SIZE TP_SIZE CP_SIZE
-PP_SIZE``, CLI overrides. Everything here is checked before any process-group work, so a bad setting
-fails the same way on every rank.
+PP_SIZE EP_SIZE`` (``ENV_DEGREES``), CLI overrides. Everything here is checked before any process-group
+work, so a bad setting fails the same way on every rank.
 """
 
 from __future__ import annotations

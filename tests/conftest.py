@@ -30,7 +30,7 @@ def worker_env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    for var in ("DP_SIZE", "TP_SIZE", "CP_SIZE", "PP_SIZE"):
+    for var in ("DP_SIZE", "TP_SIZE", "CP_SIZE", "PP_SIZE", "EP_SIZE"):  # meshtron.config.ENV_DEGREES
         env.pop(var, None)
     env.update(
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES=""
