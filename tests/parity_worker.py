@@ -18,7 +18,6 @@ so the groups could not simply be destroyed. Launching through torchrun is cover
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import time
 import traceback
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from conftest import free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshtron.config import load_config
@@ -74,7 +74,6 @@ def run_rank(rank: int, world: int, port: int, name: str, overrides: list[str], 
             shutdown_runtime()
     except BaseException:
         print(f"[rank{rank}] layout {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
         os._exit(1)
 
 
@@ -110,12 +109,6 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
                 }
             )
         )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_layout(

@@ -250,7 +250,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, step_context, inputs, 
                 f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
             )
         if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-            logger.log({**row(step, outcome, lr, outcome.tokens / elapsed), **guard.metrics()})
+            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics()})
         guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
     return step
 
