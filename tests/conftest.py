@@ -59,11 +59,14 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path
 
 def run_layouts(world: int, base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900):
     """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes forked by
-    tests/parity_worker.py (results in ``out``); returns the CompletedProcess, which prints each layout's time."""
+    tests/parity_worker.py (results in ``out``); fails the test with every rank's first errors if a layout fails.
+    Returns the CompletedProcess, whose stdout has each layout's time."""
     spec = out / f"spec{world}-{len(list(out.glob('spec*.json')))}.json"
     spec.write_text(json.dumps({"base": base, "layouts": layouts}))
     cmd = [sys.executable, str(REPO / "tests" / "parity_worker.py"), str(world), str(spec), str(out)]
-    return subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, failure_report(proc)
+    return proc
 
 
 def failure_report(proc, tail: int = 4000) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same_tensors, failure_report, run_cli, run_layouts, run_torchrun, worker_env
+from conftest import REPO, assert_same_tensors, run_cli, run_layouts, run_torchrun, worker_env
 
 STEPS, HALF = 8, 4
 LOSS_RTOL = 1e-5
@@ -63,11 +63,6 @@ def from_half(out: Path, name: str) -> str:
     return f"checkpoint.resume={out / name / 'checkpoints' / f'step-{HALF:08d}'}"
 
 
-def launch(world: int, layouts: dict, out: Path, cache_dir) -> None:
-    proc = run_layouts(world, base(cache_dir), layouts, out)
-    assert proc.returncode == 0, failure_report(proc)
-
-
 def in_process(name: str, overrides: list[str], out: Path, cache_dir):
     from meshtron.config import load_config
     from meshtron.train.runtime import Runtime
@@ -86,8 +81,9 @@ def runs(tmp_path_factory, cache_dir):
     """Uninterrupted runs that save at step 4 and 8, and runs resumed from their step-4 checkpoint."""
     out = tmp_path_factory.mktemp("checkpoint")
     write_mixture_documents(cache_dir)
-    launch(
+    run_layouts(
         4,
+        base(cache_dir),
         {
             "fsdp4": ["parallel.dp_shard=4"],
             "fsdp4_resumed": ["parallel.dp_shard=4", from_half(out, "fsdp4")],
@@ -183,7 +179,6 @@ def runs(tmp_path_factory, cache_dir):
             ],
         },
         out,
-        cache_dir,
     )
     in_process("single", [], out, cache_dir)
     in_process("single_resumed", [from_half(out, "single")], out, cache_dir)
@@ -626,7 +621,7 @@ def vocab_250_runs(tmp_path_factory, cache_dir):
     assert model_dir == cache_dir / VOCAB_250
     vocab_base = [o for o in base(cache_dir) if not o.startswith("model.preset=")]
     vocab_base += [f"model.name_or_path={model_dir}", f"data.tokenizer={model_dir}"]
-    proc = run_layouts(
+    run_layouts(
         4,
         vocab_base,
         {
@@ -635,7 +630,6 @@ def vocab_250_runs(tmp_path_factory, cache_dir):
         },
         out,
     )
-    assert proc.returncode == 0, failure_report(proc)
     return out
 
 
