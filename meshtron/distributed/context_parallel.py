@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.distributed.attention_blocks import block_backward, block_forward, merge_partial
+from meshtron.distributed.mesh import is_fake_group
 from meshtron.distributed.sub_blocks import chunk_ids, sub_blocks
 from meshtron.errors import ConfigError
 from meshtron.models.attention_kernels import effective_window
@@ -97,7 +98,7 @@ def _peer(layout: SequenceLayout, offset: int) -> int:
 def _exchange(send: torch.Tensor, layout: SequenceLayout) -> tuple[torch.Tensor, list]:
     """Start sending ``send`` to the next rank and receiving the previous rank's into a new buffer."""
     received = torch.empty_like(send)
-    if dist.get_backend(layout.group) == "fake":  # a rehearsal (meshtron.plan.rehearsal): nothing will arrive,
+    if is_fake_group(layout.group):  # a rehearsal: nothing will arrive,
         received.copy_(send)  # so "receive" this rank's own keys and values, as the fake all-gather hands them back
     ops = [
         dist.P2POp(dist.isend, send, _peer(layout, 1), layout.group),

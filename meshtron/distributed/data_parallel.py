@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import FSDPConfig
 from meshtron.distributed.expert_parallel import shard_experts
+from meshtron.distributed.mesh import is_fake_group
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.moe import moe_blocks
@@ -109,7 +109,7 @@ def replicate_whole_model(model: nn.Module, dp_mesh) -> None:
         init_sync=False,
         gradient_as_bucket_view=True,
     )
-    if dist.get_backend(dp_mesh.get_group(0)) == "fake":  # a rehearsal (meshtron.plan.rehearsal)
+    if is_fake_group(dp_mesh.get_group(0)):
         model.register_comm_hook(None, _keep_local_gradients)
 
 

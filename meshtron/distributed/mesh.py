@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def is_fake_group(group) -> bool:
+    """Whether ``group`` is PyTorch's fake process group (a rehearsal, meshtron.plan.rehearsal): its collectives
+    return at once and deliver nothing."""
+    return dist.get_backend(group) == "fake"
 
 
 @dataclass(frozen=True)
