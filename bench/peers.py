@@ -1,7 +1,7 @@
 """The peers meshtron is compared with in ``bench/throughput.py``; each runs alone in its own process.
 
 Every peer trains the same Hugging Face model (meshtron's preset config, sdpa attention) on the same
-packed blocks in the same order as ``meshtron train``. With document masks on, the peers pass
+packed sequences in the same order as ``meshtron train``. With document masks on, the peers pass
 position ids that restart at every document (as meshtron does) and no attention mask: transformers
 then builds the same block-causal SDPA mask meshtron uses. Worker usage (``throughput.py`` calls it):
 
@@ -54,7 +54,7 @@ class Setup:
         self.schedule = GlobalBatchSchedule(len(self.dataset), args.batch, cfg.data.shuffle, cfg.data.seed)
         self.mask_documents = args.mask_documents
 
-    def block(self, position: int) -> dict[str, torch.Tensor]:
+    def sequence(self, position: int) -> dict[str, torch.Tensor]:
         """Sample ``position`` of meshtron's global order: input_ids, labels (already shifted) and position_ids."""
         input_ids, labels = self.dataset.batch(self.schedule.indices(position, 1))
         item = {"input_ids": input_ids[0], "labels": labels[0]}
@@ -123,12 +123,12 @@ def hf_trainer(setup: Setup, args, device: torch.device, name: str) -> dict:
     from torch.utils.data import Dataset, SequentialSampler
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    class Blocks(Dataset):
+    class Sequences(Dataset):
         def __len__(self):
             return args.steps * args.batch
 
         def __getitem__(self, position):
-            item = setup.block(position)
+            item = setup.sequence(position)
             item["shift_labels"] = item["labels"]  # our labels are already shifted: HF must not shift again
             return item
 
@@ -172,7 +172,7 @@ def hf_trainer(setup: Setup, args, device: torch.device, name: str) -> dict:
         seed=0,
     )
     model = setup.model(device, torch.float32)
-    trainer = InOrder(model=model, args=training_args, train_dataset=Blocks(), callbacks=[Clock()])
+    trainer = InOrder(model=model, args=training_args, train_dataset=Sequences(), callbacks=[Clock()])
     trainer.train()
     return {"seconds": marks[args.steps] - marks[args.warmup], "losses": torch.stack(losses).float().tolist()}
 

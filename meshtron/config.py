@@ -69,7 +69,7 @@ class DataConfig:
     cache_dir: str | None = None
     """Where tokenized, packed data is cached; default ``~/.cache/meshtron``."""
     mask_documents: bool = True
-    """Packed blocks: tokens attend only within their own document and positions restart per document."""
+    """Packed sequences: tokens attend only within their own document and positions restart per document."""
     sources: list[str] = field(default_factory=list)
     """A weighted mixture instead of ``path``: ``["/data/web:0.7", "/data/code:0.2", "/data/math:0.1"]`` (each a
     prepared directory or any source ``path`` takes; weights are normalized). See docs/data.md."""

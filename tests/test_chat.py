@@ -80,8 +80,8 @@ def chat_overrides(chat_dir, out, *extra) -> list[str]:
 
 @pytest.mark.parametrize("mask_documents", [True, False])
 def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat_dir, tmp_path, mask_documents):
-    """One training step in one process; by hand: plain transformers' logits (each conversation of a block on its
-    own with document masks, the whole block without), cross-entropy summed over the assistant positions and
+    """One training step in one process; by hand: plain transformers' logits (each conversation of a sequence on
+    its own with document masks, the whole sequence without), cross-entropy summed over the assistant positions and
     divided by their count. The all-token loss is another number."""
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +98,7 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
     model = AutoModelForCausalLM.from_pretrained(chat_dir / CHAT_MODEL, dtype=torch.float32).eval()
     losses, assistant = [], []
     for row, mask in zip(rows, trained):
-        # Segments: each conversation with its separator (document masks), or the whole block.
+        # Segments: each conversation with its separator (document masks), or the whole sequence.
         ends = np.flatnonzero(row[:-1] == dataset.separator) + 1 if mask_documents else np.array([], dtype=np.int64)
         for start, stop in zip([0, *ends], [*ends, len(row) - 1]):
             if stop <= start:

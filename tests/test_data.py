@@ -27,7 +27,7 @@ EOS = 99
 
 
 def pack_documents(docs, eos: int, seq_len: int) -> np.ndarray:
-    """The packing a prepared corpus must give: documents joined with EOS after each, cut into blocks of
+    """The packing a prepared corpus must give: documents joined with EOS after each, cut into sequences of
     seq_len + 1, the remainder dropped (the in-memory definition meshtron used before prepared corpora)."""
     stream = np.concatenate([np.append(np.asarray(d, dtype=np.int64), eos) for d in docs])
     return stream[: stream.size // (seq_len + 1) * (seq_len + 1)].reshape(-1, seq_len + 1)
@@ -55,21 +55,22 @@ def corpus_of(tmp_path, docs, shard_sizes) -> TokenCorpus:
     return TokenCorpus(tmp_path)
 
 
-def test_blocks_cut_from_a_prepared_corpus_place_eos_and_drop_the_remainder(tmp_path):
+def test_sequences_cut_from_a_prepared_corpus_place_eos_and_drop_the_remainder(tmp_path):
     docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     corpus = corpus_of(tmp_path, docs, [2, 1])
-    # stream: 1 2 3 E 4 5 E 6 7 8 9 E (12 tokens) -> 3 blocks of 4, nothing left
-    blocks = PackedDataset.from_corpus(corpus, seq_len=3)
-    assert len(blocks) == 3 and blocks.rows([0, 1, 2]).tolist() == [[1, 2, 3, EOS], [4, 5, EOS, 6], [7, 8, 9, EOS]]
-    # 12 tokens -> 2 blocks of 5, remainder of 2 dropped; block 1 crosses from shard 0 into shard 1
-    blocks = PackedDataset.from_corpus(corpus, seq_len=4)
-    assert len(blocks) == 2 and blocks.rows([1, 0]).tolist() == [[5, EOS, 6, 7, 8], [1, 2, 3, EOS, 4]]
+    # stream: 1 2 3 E 4 5 E 6 7 8 9 E (12 tokens) -> 3 sequences of 4, nothing left
+    sequences = PackedDataset.from_corpus(corpus, seq_len=3)
+    assert len(sequences) == 3
+    assert sequences.rows([0, 1, 2]).tolist() == [[1, 2, 3, EOS], [4, 5, EOS, 6], [7, 8, 9, EOS]]
+    # 12 tokens -> 2 sequences of 5, remainder of 2 dropped; sequence 1 crosses from shard 0 into shard 1
+    sequences = PackedDataset.from_corpus(corpus, seq_len=4)
+    assert len(sequences) == 2 and sequences.rows([1, 0]).tolist() == [[5, EOS, 6, 7, 8], [1, 2, 3, EOS, 4]]
     assert corpus.document_ends().tolist() == [4, 7, 12]
     with pytest.raises(IndexError):
-        blocks.rows([2])
+        sequences.rows([2])
 
 
-def test_corpus_blocks_equal_in_memory_packing_for_any_sharding_and_seq_len(tmp_path):
+def test_corpus_sequences_equal_in_memory_packing_for_any_sharding_and_seq_len(tmp_path):
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50, size=rng.integers(0, 40)).tolist() for _ in range(200)]
     for case, shard_sizes in enumerate(([200], [1, 50, 49, 100], [7] * 28 + [4])):
@@ -84,8 +85,8 @@ def test_corpus_blocks_equal_in_memory_packing_for_any_sharding_and_seq_len(tmp_
 
 
 def test_packed_dataset_batch_shifts_labels():
-    blocks = np.arange(30, dtype=np.int32).reshape(3, 10)
-    ds = PackedDataset(blocks)
+    sequences = np.arange(30, dtype=np.int32).reshape(3, 10)
+    ds = PackedDataset(sequences)
     assert len(ds) == 3 and ds.seq_len == 9 and ds.num_tokens == 30
     x, y = ds.batch(np.array([2, 0]))
     assert x.dtype == torch.int64 and y.dtype == torch.int64 and x.shape == y.shape == (2, 9)
@@ -316,7 +317,7 @@ def _corpus(tmp_path, n_chars: int):
 
 
 def test_build_packed_dataset_caches(tmp_path, monkeypatch):
-    f = _corpus(tmp_path, 999)  # 999 bytes + EOS = 1000 tokens -> 15 blocks of 65
+    f = _corpus(tmp_path, 999)  # 999 bytes + EOS = 1000 tokens -> 15 sequences of 65
     cfg = DataConfig(path=str(f), seq_len=64, cache_dir=str(tmp_path / "cache"))
     tok = ByteTokenizer()
     calls = []
@@ -349,7 +350,7 @@ def test_cache_dir_default_respects_xdg(tmp_path, monkeypatch):
     assert path.parent == tmp_path / "xdg" / "meshtron" and len(path.name) == 16
 
 
-def test_zero_blocks_error_on_every_rank(tmp_path):
+def test_zero_sequences_error_on_every_rank(tmp_path):
     f = _corpus(tmp_path, 20)
     cfg = DataConfig(path=str(f), seq_len=64, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(MeshtronError, match=r"data.path.*21 tokens.*data.seq_len") as err:
@@ -430,26 +431,26 @@ def test_non_builders_stop_with_the_builders_error(tmp_path, monkeypatch):
 def test_step_reader_gives_the_same_inputs_with_and_without_read_ahead(tmp_path):
     """Step by step, through a batch skipped after its read ahead (as a rollback does) and a jump back to an
     earlier step: the read-ahead inputs equal those read on the spot, and a stale read ahead is not used."""
-    from meshtron.data.prefetch import StepBlocks, StepReader
+    from meshtron.data.prefetch import StepReader, StepSequences
     from meshtron.train.step_stats import global_target_count
 
     dataset = PackedDataset(np.arange(40 * 9, dtype=np.int32).reshape(40, 9))
     schedules = [GlobalBatchSchedule(40, 4, shuffle=True, seed=3) for _ in range(2)]
 
     def reader(schedule, prefetch):
-        def blocks(step):
-            return StepBlocks(tuple(schedule.local_micro_batches(step, 1, 2, 1)), schedule.global_batch(step))
+        def sequences(step):
+            return StepSequences(tuple(schedule.local_micro_batches(step, 1, 2, 1)), schedule.global_batch(step))
 
-        return StepReader(dataset, blocks, global_target_count, prefetch=prefetch)
+        return StepReader(dataset, sequences, global_target_count, prefetch=prefetch)
 
     ahead, plain = reader(schedules[0], True), reader(schedules[1], False)
-    on_the_spot = []  # reads in the caller's thread: a step whose blocks were not read ahead
+    on_the_spot = []  # reads in the caller's thread: a step whose sequences were not read ahead
     original = ahead.read
-    ahead.read = lambda blocks: (
-        threading.current_thread() is threading.main_thread() and on_the_spot.append(1) or original(blocks)
+    ahead.read = lambda sequences: (
+        threading.current_thread() is threading.main_thread() and on_the_spot.append(1) or original(sequences)
     )
     for step in (0, 1, 2, "skip", 3, 4, 1, 2):
-        if step == "skip":  # after step 3's blocks were read ahead, batch 4 leaves the order
+        if step == "skip":  # after step 3's sequences were read ahead, batch 4 leaves the order
             for schedule in schedules:
                 schedule.skip([4])
             continue
@@ -481,7 +482,7 @@ def test_mixture_order_holds_the_weights_and_any_window_is_a_slice_of_it():
     assert np.all(np.abs(counts - 8000 * np.array(weights)) <= 1), counts
     for start in (0, 1, 7, 777, 4321):
         np.testing.assert_array_equal(schedule.indices(start, 40), order[start : start + 40])
-    math_samples = order[source == 2] - 1300  # source 2's 50 blocks: each epoch a permutation of them
+    math_samples = order[source == 2] - 1300  # source 2's 50 sequences: each epoch a permutation of them
     assert sorted(math_samples[:50]) == list(range(50)) and sorted(math_samples[50:100]) == list(range(50))
     assert not np.array_equal(math_samples[:50], math_samples[50:100])
     again = MixtureSchedule(sizes, weights, 8, shuffle=True, seed=5)

@@ -21,13 +21,13 @@ from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_c
 
 
 def test_global_target_count_is_the_sum_of_every_ranks_own_count():
-    blocks = np.arange(40 * 9, dtype=np.int32).reshape(40, 9) % 50
-    blocks[3, 4:] = IGNORE_INDEX  # unlabelled tokens (block 3 appears in some global batches)
-    blocks[17, 1:] = IGNORE_INDEX
-    dataset = PackedDataset(blocks)
+    sequences = np.arange(40 * 9, dtype=np.int32).reshape(40, 9) % 50
+    sequences[3, 4:] = IGNORE_INDEX  # unlabelled tokens (sequence 3 appears in some global batches)
+    sequences[17, 1:] = IGNORE_INDEX
+    dataset = PackedDataset(sequences)
     schedule = GlobalBatchSchedule(len(dataset), 8, shuffle=True, seed=3)
     counts = set()
-    for step in range(12):  # 96 positions over 40 blocks: crosses epochs
+    for step in range(12):  # 96 positions over 40 sequences: crosses epochs
         per_rank = []
         for rank in range(4):
             for micro in schedule.local_micro_batches(step, rank, 4, 1):
@@ -36,7 +36,7 @@ def test_global_target_count_is_the_sum_of_every_ranks_own_count():
         count = global_target_count(dataset, schedule.global_batch(step))
         assert isinstance(count, int) and count == max(1, sum(per_rank))
         counts.add(count)
-    assert len(counts) > 1  # the unlabelled blocks were counted out somewhere
+    assert len(counts) > 1  # the unlabelled sequences were counted out somewhere
 
 
 def test_global_target_count_is_at_least_one():

@@ -60,7 +60,7 @@ SHORT_DOCUMENTS = "short-documents.jsonl"
 
 
 def write_short_documents(directory: Path) -> Path:
-    """Documents of 1 to ~80 bytes (the lines of a stdlib module), so that every 32-token block holds
+    """Documents of 1 to ~80 bytes (the lines of a stdlib module), so that every 32-token sequence holds
     several documents and their borders fall inside context-parallel chunks."""
     lines = [line.strip() for line in Path(textwrap.__file__).read_text().splitlines() if line.strip()]
     path = directory / SHORT_DOCUMENTS
@@ -77,7 +77,7 @@ SHORT_DOCUMENTS_PREPARED = "short-documents-prepared"
 
 def prepare_short_documents(directory: Path, source: Path) -> None:
     """The short documents as a prepared directory (`meshtron data prepare`), in ~150 shards of ~100 characters,
-    so that about a third of the 33-token blocks cross from one shard file into the next."""
+    so that about a third of the 33-token sequences cross from one shard file into the next."""
     from meshtron.config import DataConfig
     from meshtron.data.prepare import prepare_corpus
 
@@ -169,7 +169,7 @@ REFERENCES = {
     # Every split even at tp=4 (4 KV heads), for the memory check. Bigger than the tiny models, so a
     # lower lr keeps its rounding differences as far below the weight tolerance as theirs.
     "llama-mini": ["model.preset=llama-mini", "train.lr=5e-4"],
-    # Many short documents per block: document masking and position restarts matter on every step.
+    # Many short documents per sequence: document masking and position restarts matter on every step.
     # Layer 1's v_proj is the tensor most sensitive to rounding here (about 5x the others, under FSDP
     # too); at lr 1e-3 CP's reordered attention sums put it at 9e-6, too near the bound, so lr is halved.
     "llama-docs": [
@@ -392,7 +392,7 @@ LAYOUTS["pp2_dp2_cp2_tp2"] = (
     ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
     "llama-deep",
 )
-# Prepared data (meshtron data prepare): each rank memory-maps the shards and cuts its blocks across them.
+# Prepared data (meshtron data prepare): each rank memory-maps the shards and cuts its sequences across them.
 LAYOUTS["fsdp2_prepared"] = (2, ["parallel.dp_shard=2"], "llama-docs-prepared")
 LAYOUTS["dp2_tp2_prepared"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "llama-docs-prepared")
 # Mixtures: every rank takes its slice of the same mixed global batch.

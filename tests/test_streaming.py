@@ -47,7 +47,7 @@ def stream(path, lanes=range(G), max_documents=None) -> StreamingDataset:
 
 def expected_batches(texts: list[str], batches: int) -> list[np.ndarray]:
     """The definition, written out: each document (epochs repeat the list) to the lane dealt the fewest characters
-    so far (lowest on ties), its bytes and EOS appended to that lane; batch n is block n of lanes 0..G-1."""
+    so far (lowest on ties), its bytes and EOS appended to that lane; batch n is sequence n of lanes 0..G-1."""
     chars, lanes, i = [0] * G, [[] for _ in range(G)], 0
     while min(len(lane) for lane in lanes) < batches * WIDTH:
         text = texts[i % len(texts)]
@@ -88,7 +88,7 @@ def test_the_global_batches_are_the_schedules_positions():
     schedule = StreamSchedule(G)
     assert schedule.global_batch(0).tolist() == [0, 1, 2, 3] and schedule.global_batch(5).tolist() == [20, 21, 22, 23]
     schedule.skip([2])
-    assert schedule.global_batch(1).tolist() == [8, 9, 10, 11]  # batch 2 is left out: lanes skip a block
+    assert schedule.global_batch(1).tolist() == [8, 9, 10, 11]  # batch 2 is left out: lanes skip a sequence
     assert schedule.local_micro_batches(1, 1, 2, 1) == [[9], [11]]
 
 

@@ -7,11 +7,12 @@ an assistant's, the text rendered for the messages before it with the generation
 start, and the text rendered through it ends where they stop (its end-of-turn token included). Tokens are mapped
 to those characters with the fast tokenizer's offsets.
 
-Packing never cuts a conversation: conversations, each followed by a separator token, fill blocks of ``seq_len + 1``
-tokens in order; one that does not fit in what is left of a block starts the next, and the rest of the block is
-separator padding with no loss. A conversation longer than a block is cut to one block. The separator is where
+Packing never cuts a conversation: conversations, each followed by a separator token, fill sequences of
+``seq_len + 1`` tokens in order; one that does not fit in what is left of a sequence starts the next, and the rest of
+the sequence is separator padding with no loss. A conversation longer than a sequence is cut to one sequence. The
+separator is where
 document masks (``data.mask_documents``) cut: EOS when no conversation contains it, else a token none contains
-(chat templates often end every turn with EOS, which must not cut a conversation apart). The blocks are built in
+(chat templates often end every turn with EOS, which must not cut a conversation apart). The sequences are built in
 memory at the start, on every rank (fine-tuning sets; nothing is cached).
 """
 
@@ -109,7 +110,7 @@ def render(tokenizer, messages: list[dict], train_on: str) -> tuple[np.ndarray, 
 
 
 def choose_separator(tokenizer, conversations: list[tuple[np.ndarray, np.ndarray]]) -> int:
-    """The token that ends each conversation in a block, where document masks cut: EOS when no conversation uses
+    """The token that ends each conversation in a sequence, where document masks cut: EOS when no conversation uses
     it (templates often end turns with it), else the pad or BOS token, else the highest id none of them uses."""
     used = set(np.unique(np.concatenate([ids for ids, _ in conversations])).tolist()) if conversations else set()
     tok = tokenizer.tok
@@ -125,9 +126,9 @@ def choose_separator(tokenizer, conversations: list[tuple[np.ndarray, np.ndarray
 def pack(
     conversations: list[tuple[np.ndarray, np.ndarray]], width: int, eos: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens, trained) blocks of ``width`` tokens, each conversation followed by ``eos`` (the separator, with no
-    loss) and never split (see the module docstring), and how many conversations were cut to one block."""
-    blocks, masks, cut = [], [], 0
+    """(tokens, trained) packed sequences of ``width`` tokens, each conversation followed by ``eos`` (the separator,
+    with no loss) and never split (see the module docstring), and how many conversations were cut to one sequence."""
+    sequences, masks, cut = [], [], 0
     tokens, trained = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool)
     used = 0
     for ids, mask in conversations:
@@ -135,15 +136,15 @@ def pack(
         if ids.size > width:
             ids, mask, cut = ids[:width], mask[:width], cut + 1
         if used + ids.size > width:
-            blocks.append(tokens), masks.append(trained)
+            sequences.append(tokens), masks.append(trained)
             tokens, trained, used = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool), 0
         tokens[used : used + ids.size], trained[used : used + ids.size] = ids, mask
         used += ids.size
     if used:
-        blocks.append(tokens), masks.append(trained)
-    if not blocks:
+        sequences.append(tokens), masks.append(trained)
+    if not sequences:
         return np.zeros((0, width), dtype=np.int64), np.zeros((0, width), dtype=bool), cut
-    return np.stack(blocks), np.stack(masks), cut
+    return np.stack(sequences), np.stack(masks), cut
 
 
 class ChatDataset:
@@ -177,11 +178,11 @@ class ChatDataset:
         return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(labels)
 
     def target_count(self, indices) -> int:
-        """Tokens that carry loss in the blocks ``indices`` (the global batch: every rank counts it itself)."""
+        """Tokens that carry loss in the sequences ``indices`` (the global batch: every rank counts it itself)."""
         return int(self.trained[np.asarray(indices, dtype=np.int64).reshape(-1), 1:].sum())
 
     def describe(self) -> str:
-        cut = f", {self.cut:,} cut to one block" if self.cut else ""
+        cut = f", {self.cut:,} cut to one sequence" if self.cut else ""
         return (
             f"{len(self):,} sequences of {self.seq_len} tokens packed from {self.conversations:,} conversations"
             f"{cut}, separated by token {self.separator}; {int(self.trained[:, 1:].sum()):,} tokens carry loss"

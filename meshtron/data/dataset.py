@@ -1,4 +1,4 @@
-"""The packed training dataset: blocks of ``seq_len + 1`` tokens cut from a prepared corpus at load time.
+"""The packed training dataset: sequences of ``seq_len + 1`` tokens cut from a prepared corpus at load time.
 
 ``data.path`` is either a directory made by ``meshtron data prepare`` (memory-mapped as it is) or any other
 source, which is prepared once into ``data.cache_dir`` in the same format (meshtron.data.shards). The cache
@@ -34,23 +34,23 @@ POLL_S = 1.0
 
 
 class PackedDataset:
-    """Blocks of ``seq_len + 1`` tokens: the rows of an array (num_blocks, seq_len + 1), or the consecutive
-    windows of a prepared corpus's token stream (``from_corpus``; the remainder at the end is dropped)."""
+    """Packed sequences of ``seq_len + 1`` tokens: the rows of an array (num_sequences, seq_len + 1), or the
+    consecutive windows of a prepared corpus's token stream (``from_corpus``; the remainder at the end is dropped)."""
 
-    def __init__(self, blocks: np.ndarray, path: Path | None = None):
-        if blocks.ndim != 2 or blocks.shape[1] < 2:
-            raise ValueError(f"blocks must have shape (num_blocks, seq_len + 1), got {blocks.shape}")
-        self._blocks, self._corpus = blocks, None
-        self._len = blocks.shape[0]
+    def __init__(self, sequences: np.ndarray, path: Path | None = None):
+        if sequences.ndim != 2 or sequences.shape[1] < 2:
+            raise ValueError(f"sequences must have shape (num_sequences, seq_len + 1), got {sequences.shape}")
+        self._sequences, self._corpus = sequences, None
+        self._len = sequences.shape[0]
         self.path = path
-        self.seq_len = blocks.shape[1] - 1
+        self.seq_len = sequences.shape[1] - 1
 
     @classmethod
     def from_corpus(cls, corpus: TokenCorpus, seq_len: int, path: Path | None = None) -> PackedDataset:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         dataset = cls.__new__(cls)
-        dataset._blocks, dataset._corpus = None, corpus
+        dataset._sequences, dataset._corpus = None, corpus
         dataset._len = corpus.num_tokens // (seq_len + 1)
         dataset.path, dataset.seq_len = path, seq_len
         return dataset
@@ -60,17 +60,17 @@ class PackedDataset:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens stored in the blocks, ``len(self) * (seq_len + 1)``."""
+        """Tokens stored in the sequences, ``len(self) * (seq_len + 1)``."""
         return self._len * (self.seq_len + 1)
 
     def rows(self, indices) -> np.ndarray:
-        """The blocks ``indices`` as an int64 array (len(indices), seq_len + 1)."""
+        """The sequences ``indices`` as an int64 array (len(indices), seq_len + 1)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self._corpus is None:
-            return np.asarray(self._blocks[indices], dtype=np.int64)
+            return np.asarray(self._sequences[indices], dtype=np.int64)
         width = self.seq_len + 1
         if indices.size and (indices.min() < 0 or indices.max() >= self._len):
-            raise IndexError(f"block indices outside [0, {self._len})")
+            raise IndexError(f"sequence indices outside [0, {self._len})")
         return (
             np.stack([self._corpus.read(int(i) * width, (int(i) + 1) * width) for i in indices])
             if indices.size
@@ -83,7 +83,7 @@ class PackedDataset:
 
 
 def inputs_and_labels(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of ``seq_len + 1`` tokens -> ``(input_ids, labels)``: each label is the next token."""
+    """Rows of ``seq_len + 1`` tokens (packed sequences) -> ``(input_ids, labels)``: each label is the next token."""
     data = torch.from_numpy(rows)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
@@ -131,7 +131,7 @@ def _empty_error(data_cfg: DataConfig, path: Path) -> MeshtronError:
     except (OSError, ValueError, KeyError):
         counts = "too few tokens"
     return MeshtronError(
-        f"data.path '{data_cfg.path}' gave {counts} (EOS included), not one block of data.seq_len + 1 = "
+        f"data.path '{data_cfg.path}' gave {counts} (EOS included), not one sequence of data.seq_len + 1 = "
         f"{data_cfg.seq_len + 1} tokens; add more data (or raise data.max_documents) or lower data.seq_len"
     )
 
@@ -177,7 +177,7 @@ def _wait_for_build(path: Path, run_id: str) -> None:
 def build_packed_dataset(
     data_cfg: DataConfig, tokenizer, *, is_builder: bool, run_id: str = "", barrier: Callable[[], None] = lambda: None
 ) -> PackedDataset:
-    """The blocks of ``data.seq_len + 1`` tokens of a prepared ``data.path``, or of the cache built from it.
+    """The packed sequences of ``data.seq_len + 1`` tokens of a prepared ``data.path``, or of the cache built from it.
 
     The cache is reused when present. The other processes wait for the builder without a collective
     (and without a time limit): they poll for its manifest, which appears when the builder renames the

@@ -8,7 +8,7 @@ The ``k``-th sample of source ``s`` is element ``k`` of that source's own epochs
 ``data.seed`` and the source, as meshtron.data.sampler does for one corpus). Everything is a function of the
 seed, the weights and the position, so a step trains the same sequences under every layout and after a
 resume under another one; nothing needs saving. Sources are addressed as one index space: source ``s``'s
-blocks come after those of the sources before it (``MixedDataset``).
+sequences come after those of the sources before it (``MixedDataset``).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def parse_sources(sources: list[str]) -> list[tuple[str, float]]:
 
 
 class MixtureSchedule(GlobalBatchSchedule):
-    """The global order over several sources (see the module docstring); ``sizes`` are their block counts."""
+    """The global order over several sources (see the module docstring); ``sizes`` are their sequence counts."""
 
     def __init__(self, sizes: list[int], weights: list[float], global_batch_size: int, shuffle: bool, seed: int):
         super().__init__(sum(sizes), global_batch_size, shuffle, seed)
         if len(sizes) != len(weights) or min(sizes) < 1:
-            raise ValueError(f"every source needs at least one block: {sizes}")
+            raise ValueError(f"every source needs at least one sequence: {sizes}")
         self.weights = np.asarray(weights, dtype=np.float64)
         self.phases = np.random.default_rng([seed, 1 << 20]).random(len(sizes))
         self.offsets = np.cumsum([0] + list(sizes[:-1]))
@@ -82,12 +82,12 @@ class MixtureSchedule(GlobalBatchSchedule):
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         source, ks = self._next(self.counts_before(start), count)
-        blocks = np.empty(count, dtype=np.int64)
+        sequences = np.empty(count, dtype=np.int64)
         for s in np.unique(source):
             chosen = source == s
             run = ks[chosen]  # consecutive sample numbers of source s
-            blocks[chosen] = self.offsets[s] + self.sources[s].indices(int(run[0]), len(run))
-        return blocks
+            sequences[chosen] = self.offsets[s] + self.sources[s].indices(int(run[0]), len(run))
+        return sequences
 
 
 class MixedDataset:

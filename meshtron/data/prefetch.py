@@ -1,9 +1,9 @@
 """Step inputs read ahead: while step k trains, a background thread reads step k + 1's micro-batches.
 
-The main thread decides which blocks a step reads (the schedule is only touched there, so a rollback that
+The main thread decides which sequences a step reads (the schedule is only touched there, so a rollback that
 changes it cannot race with the thread); the thread reads them from the memory-mapped corpus into int64
 tensors (pinned on CUDA, so that the step's copies to the device are non-blocking) and counts the global batch's
-labelled tokens. A read ahead is used only if the step asks for exactly the blocks it read, so skipping
+labelled tokens. A read ahead is used only if the step asks for exactly the sequences it read, so skipping
 batches or going back to a checkpoint re-reads; the inputs, and so the results, are the same with
 ``data.prefetch`` on or off.
 """
@@ -27,13 +27,13 @@ class StepInputs:
 
 
 @dataclass(frozen=True)
-class StepBlocks:
-    """Which blocks a step reads: this rank's micro-batches and the whole global batch."""
+class StepSequences:
+    """Which packed sequences a step reads: this rank's micro-batches and the whole global batch."""
 
     micro_batches: tuple[np.ndarray, ...]
     global_batch: np.ndarray
 
-    def same_as(self, other: StepBlocks) -> bool:
+    def same_as(self, other: StepSequences) -> bool:
         return (
             len(self.micro_batches) == len(other.micro_batches)
             and np.array_equal(self.global_batch, other.global_batch)
@@ -44,7 +44,7 @@ class StepBlocks:
 class StepReader:
     """``get(step)``: the inputs of a step, read ahead by one step when ``prefetch`` is on.
 
-    ``blocks(step)`` says which blocks a step reads (a StepBlocks); ``dataset`` is the PackedDataset;
+    ``sequences(step)`` says which sequences a step reads (a StepSequences); ``dataset`` is the PackedDataset;
     ``count_targets(dataset, indices)`` counts labelled tokens (meshtron.train.step_stats.global_target_count);
     ``pin`` pins the host tensors (for non-blocking copies to a GPU).
     """
@@ -52,25 +52,25 @@ class StepReader:
     def __init__(
         self,
         dataset,
-        blocks: Callable[[int], StepBlocks],
+        sequences: Callable[[int], StepSequences],
         count_targets: Callable,
         *,
         prefetch: bool = True,
         pin: bool = False,
     ):
-        self.dataset, self.blocks, self.count_targets, self.pin = dataset, blocks, count_targets, pin
+        self.dataset, self.sequences, self.count_targets, self.pin = dataset, sequences, count_targets, pin
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshtron-prefetch") if prefetch else None
-        self._ahead: tuple[int, StepBlocks, Future] | None = None
+        self._ahead: tuple[int, StepSequences, Future] | None = None
 
-    def read(self, blocks: StepBlocks) -> StepInputs:
+    def read(self, sequences: StepSequences) -> StepInputs:
         pairs = []
-        for indices in blocks.micro_batches:
+        for indices in sequences.micro_batches:
             input_ids, labels = self.dataset.batch(indices)
             pairs.append((input_ids.pin_memory(), labels.pin_memory()) if self.pin else (input_ids, labels))
-        return StepInputs(pairs, self.count_targets(self.dataset, blocks.global_batch))
+        return StepInputs(pairs, self.count_targets(self.dataset, sequences.global_batch))
 
     def get(self, step: int) -> StepInputs:
-        wanted = self.blocks(step)
+        wanted = self.sequences(step)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == step and ahead[1].same_as(wanted):
             inputs = ahead[2].result()
@@ -79,7 +79,7 @@ class StepReader:
                 ahead[2].cancel()
             inputs = self.read(wanted)
         if self._pool is not None:
-            following = self.blocks(step + 1)
+            following = self.sequences(step + 1)
             self._ahead = (step + 1, following, self._pool.submit(self.read, following))
         return inputs
 

@@ -1,4 +1,4 @@
-"""The global sample order: which packed blocks make up each global batch."""
+"""The global sample order: which packed sequences make up each global batch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 
 
 class GlobalBatchSchedule:
-    """Deterministic order of packed blocks, as a sequence of epochs.
+    """Deterministic order of packed sequences, as a series of epochs.
 
     Epoch ``e`` is ``default_rng([seed, e]).permutation(num_samples)`` (or ``arange`` without
     shuffling); global sample position ``p`` is element ``p % num_samples`` of epoch
@@ -43,7 +43,7 @@ class GlobalBatchSchedule:
         return number
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The block order of one epoch (the latest one asked for is cached)."""
+        """The sequence order of one epoch (the latest one asked for is cached)."""
         if self._cached is None or self._cached[0] != epoch:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
@@ -53,7 +53,7 @@ class GlobalBatchSchedule:
         return self._cached[1]
 
     def indices(self, start: int, count: int) -> np.ndarray:
-        """Block indices at global positions ``[start, start + count)``, crossing epochs as needed."""
+        """Sequence indices at global positions ``[start, start + count)``, crossing epochs as needed."""
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         parts = []
@@ -66,7 +66,7 @@ class GlobalBatchSchedule:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def global_batch(self, step: int) -> np.ndarray:
-        """The ``global_batch_size`` block indices of optimizer step ``step``."""
+        """The ``global_batch_size`` sequence indices of optimizer step ``step``."""
         return self.indices((self.batch_number(step) - 1) * self.global_batch_size, self.global_batch_size)
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ A prepared directory holds, for each shard ``k``:
 
 and ``manifest.json`` (written last of all: a directory without it is not a prepared corpus) with the source's
 fingerprint, the tokenizer, the dtype, every shard's counts and the totals. Nothing depends on ``seq_len``:
-training cuts blocks of ``seq_len + 1`` tokens from the token stream when it loads (``TokenCorpus``).
+training cuts sequences of ``seq_len + 1`` tokens from the token stream when it loads (``TokenCorpus``).
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@ iterable dataset, tokenized and packed while training runs, split across data-pa
 that checkpoints save.
 
 Lanes. The G positions of a global batch (``train.global_batch_size``) are G lanes. Lane ``j`` is a stream of
-blocks of ``seq_len + 1`` tokens, and global batch ``n`` (0-based) holds block ``n`` of every lane, lane ``j`` at
-position ``j``. Documents are dealt to lanes in stream order, each to the lane that has been dealt the fewest
-characters so far (ties to the lowest lane), and a lane packs its documents (tokens + EOS) back to back. All of
-this depends on the stream and G only, so a global batch holds the same sequences under every layout. A
+packed sequences of ``seq_len + 1`` tokens, and global batch ``n`` (0-based) holds sequence ``n`` of every lane,
+lane ``j`` at position ``j``. Documents are dealt to lanes in stream order, each to the lane that has been dealt the
+fewest characters so far (ties to the lowest lane), and a lane packs its documents (tokens + EOS) back to back. All
+of this depends on the stream and G only, so a global batch holds the same sequences under every layout. A
 data-parallel rank owns the lanes of its positions and tokenizes only their documents; every rank reads the
 whole raw stream (the character count, not the tokens, decides the lane), which costs reading, not tokenizing.
 
-Position. A lane's state before its block ``n`` is (``document``, ``offset``): its documents before index
+Position. A lane's state before its sequence ``n`` is (``document``, ``offset``): its documents before index
 ``document`` are used up, and ``offset`` tokens of its first document at or after it are too. A reader snapshot
 is the stream's own ``state_dict()`` (datasets) with the documents read and the characters dealt to each lane,
 taken every ``SNAPSHOT_EVERY`` documents. A checkpoint holds, from each rank, its lanes' states for the next
@@ -44,8 +44,8 @@ from meshtron.errors import ConfigError, MeshtronError
 
 SNAPSHOT_EVERY = 256
 """Documents between two reader snapshots: a resume re-reads at most this many more raw documents."""
-KEEP_BLOCKS = 4
-"""Blocks back a lane can still go without a checkpoint (the step read ahead, a rollback's stale read)."""
+KEEP_SEQUENCES = 4
+"""Sequences back a lane can still go without a checkpoint (the step read ahead, a rollback's stale read)."""
 STATE_FILE = "data-stream-rank{rank}.json"
 STATE_GLOB = "data-stream-rank*.json"
 STATE_VERSION = 1
@@ -167,20 +167,20 @@ class DocumentReader:
 
 
 class Lane:
-    """One lane of blocks: its queue of dealt documents, the tokens of the one being cut, and its state history."""
+    """One lane of sequences: its queue of dealt documents, the tokens of the one being cut, and its state history."""
 
-    def __init__(self, block: int = 0, document: int = 0, offset: int = 0):
-        self.block = block
-        """The next block this lane gives."""
+    def __init__(self, sequence: int = 0, document: int = 0, offset: int = 0):
+        self.sequence = sequence
+        """The next sequence this lane gives (the number of the global batch it belongs to)."""
         self.start, self.offset = document, offset  # where it begins: its first document at or after ``start``
         self.queue: deque = deque()  # (index, text) dealt to it and not yet tokenized
         self.ready: deque = deque()  # (index, tokens) tokenized and not yet cut
         self.current: int | None = None  # the index of the document in ``tokens``
         self.tokens, self.position = np.zeros(0, dtype=np.int64), 0
-        self.history: dict[int, tuple[int, int]] = {}  # block -> state before it
+        self.history: dict[int, tuple[int, int]] = {}  # sequence -> state before it
 
     def state(self) -> tuple[int, int]:
-        """(document, offset) before the next block."""
+        """(document, offset) before the next sequence."""
         if self.current is None:
             return self.start, self.offset
         if self.position < len(self.tokens):
@@ -190,9 +190,9 @@ class Lane:
     def wants(self, index: int) -> bool:
         return index >= self.start
 
-    def next_block(self, width: int, tokenize: Callable, deal_one: Callable) -> np.ndarray:
-        self.history[self.block] = self.state()
-        self.history.pop(self.block - KEEP_BLOCKS, None)
+    def next_sequence(self, width: int, tokenize: Callable, deal_one: Callable) -> np.ndarray:
+        self.history[self.sequence] = self.state()
+        self.history.pop(self.sequence - KEEP_SEQUENCES, None)
         parts, need = [], width
         while need:
             if self.position >= len(self.tokens):
@@ -209,16 +209,16 @@ class Lane:
             parts.append(self.tokens[self.position : self.position + take])
             self.position += take
             need -= take
-        self.block += 1
+        self.sequence += 1
         return np.concatenate(parts)
 
 
 class StreamingDataset:
-    """Blocks of ``data.seq_len + 1`` tokens streamed from ``data.path`` (see the module docstring).
+    """Packed sequences of ``data.seq_len + 1`` tokens streamed from ``data.path`` (see the module docstring).
 
-    Block ``index`` is block ``index // G`` of lane ``index % G``; ``rows`` gives them (each lane in order; a lane
-    skips ahead, or goes back up to KEEP_BLOCKS blocks). Thread-safe: the prefetch thread reads while the main
-    thread saves or restores."""
+    Sequence ``index`` is sequence ``index // G`` of lane ``index % G``; ``rows`` gives them (each lane in order; a
+    lane skips ahead, or goes back up to KEEP_SEQUENCES sequences). Thread-safe: the prefetch thread reads while the
+    main thread saves or restores."""
 
     def __init__(self, data: DataConfig, tokenizer, global_batch_size: int):
         self.path, self.seq_len, self.lane_count = data.path, data.seq_len, global_batch_size
@@ -234,7 +234,7 @@ class StreamingDataset:
         self._lock = threading.Lock()
 
     def own(self, positions: Iterable[int]) -> None:
-        """The lanes this rank reads: the global-batch positions of its micro-batches (before any block is read)."""
+        """The lanes this rank reads: the global-batch positions of its micro-batches (before any sequence is read)."""
         self.lanes = {int(p) % self.lane_count: Lane() for p in positions}
 
     def describe(self) -> str:
@@ -252,22 +252,22 @@ class StreamingDataset:
             owner.queue.append((index, text))
 
     def rows(self, indices) -> np.ndarray:
-        """The blocks ``indices`` (``block * G + lane``) as an int64 array (len(indices), seq_len + 1)."""
+        """The sequences ``indices`` (``sequence * G + lane``) as an int64 array (len(indices), seq_len + 1)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         with self._lock:
-            blocks, lanes = np.divmod(indices, self.lane_count)
+            sequences, lanes = np.divmod(indices, self.lane_count)
             missing = sorted(set(lanes.tolist()) - set(self.lanes))
             if missing:
                 raise MeshtronError(f"streamed lanes {missing} are not this rank's (own() names the lanes it reads)")
-            behind = [int(b) for b, j in zip(blocks, lanes) if b < self.lanes[int(j)].block]
+            behind = [int(n) for n, j in zip(sequences, lanes) if n < self.lanes[int(j)].sequence]
             if behind:
                 self._rewind(min(behind))
             out = np.empty((indices.size, self.seq_len + 1), dtype=np.int64)
-            for row, (block, lane_index) in enumerate(zip(blocks.tolist(), lanes.tolist())):
+            for row, (sequence, lane_index) in enumerate(zip(sequences.tolist(), lanes.tolist())):
                 lane = self.lanes[lane_index]
-                while lane.block < block:  # skipped batches (data.skip_batches, rollbacks)
-                    lane.next_block(self.seq_len + 1, self._tokenize, self._deal_one)
-                out[row] = lane.next_block(self.seq_len + 1, self._tokenize, self._deal_one)
+                while lane.sequence < sequence:  # skipped batches (data.skip_batches, rollbacks)
+                    lane.next_sequence(self.seq_len + 1, self._tokenize, self._deal_one)
+                out[row] = lane.next_sequence(self.seq_len + 1, self._tokenize, self._deal_one)
             self.reader.forget_before(
                 min(min([*lane.history.values(), lane.state()])[0] for lane in self.lanes.values())
             )
@@ -277,28 +277,29 @@ class StreamingDataset:
         return inputs_and_labels(self.rows(indices))
 
     def target_count(self, indices) -> int:
-        """Labelled tokens of blocks ``indices``: every token after a block's first (text has no masked labels), so
-        any rank counts the whole global batch without reading the lanes of others."""
+        """Labelled tokens of sequences ``indices``: every token after a sequence's first (text has no masked
+        labels), so any rank counts the whole global batch without reading the lanes of others."""
         return len(indices) * self.seq_len
 
-    def _lane_state(self, lane: Lane, block: int) -> list[int]:
-        """[block, document, offset]: the lane's state before ``block``, or before its next one if that is earlier."""
-        if lane.block <= block:
-            return [lane.block, *lane.state()]
-        if block not in lane.history:
+    def _lane_state(self, lane: Lane, batch: int) -> list[int]:
+        """[sequence, document, offset]: the lane's state before its sequence ``batch`` (that of global batch
+        ``batch``), or before its next one if that is earlier."""
+        if lane.sequence <= batch:
+            return [lane.sequence, *lane.state()]
+        if batch not in lane.history:
             raise MeshtronError(
-                f"the streamed data's position before batch {block + 1} is no longer known "
-                f"(lanes are at batch {lane.block + 1})"
+                f"the streamed data's position before batch {batch + 1} is no longer known "
+                f"(lanes are at batch {lane.sequence + 1})"
             )
-        return [block, *lane.history[block]]
+        return [batch, *lane.history[batch]]
 
-    def _position(self, block: int) -> dict:
-        lanes = {str(j): self._lane_state(lane, block) for j, lane in self.lanes.items()}
+    def _position(self, batch: int) -> dict:
+        lanes = {str(j): self._lane_state(lane, batch) for j, lane in self.lanes.items()}
         first = min(document for _, document, _ in lanes.values())
         return {"lanes": lanes, "snapshot": self.reader.snapshot_at_or_before(first)}
 
-    def state(self, block: int) -> dict:
-        """This rank's position before global batch ``block`` (0-based): what a checkpoint saves."""
+    def state(self, batch: int) -> dict:
+        """This rank's position before global batch ``batch`` (0-based): what a checkpoint saves."""
         with self._lock:
             return {
                 "version": STATE_VERSION,
@@ -306,11 +307,11 @@ class StreamingDataset:
                 "tokenizer": self.tokenizer_name,
                 "lanes_total": self.lane_count,
                 "seq_len": self.seq_len,
-                **self._position(block),
+                **self._position(batch),
             }
 
-    def _rewind(self, block: int) -> None:
-        self._restore([self._position(block)])
+    def _rewind(self, batch: int) -> None:
+        self._restore([self._position(batch)])
 
     def restore(self, states: list[dict]) -> None:
         """Continue from the states that the ranks of a checkpoint saved (any layout with the same G)."""
@@ -345,7 +346,8 @@ class StreamingDataset:
 
 
 class StreamSchedule(GlobalBatchSchedule):
-    """The order of streamed blocks: global batch ``n`` is blocks ``n * G .. n * G + G - 1`` (lane j at position j)."""
+    """The order of streamed sequences: global batch ``n`` is sequences ``n * G .. n * G + G - 1`` (lane j at position
+    j)."""
 
     def __init__(self, global_batch_size: int, seed: int = 0):
         super().__init__(1, global_batch_size, False, seed)
@@ -356,9 +358,9 @@ class StreamSchedule(GlobalBatchSchedule):
         return np.arange(start, start + count, dtype=np.int64)
 
 
-def save_stream_state(dataset: StreamingDataset, block: int, rank: int) -> dict[str, str]:
-    """The file this rank adds to a checkpoint: its lanes' position before global batch ``block``."""
-    return {STATE_FILE.format(rank=rank): json.dumps(dataset.state(block))}
+def save_stream_state(dataset: StreamingDataset, batch: int, rank: int) -> dict[str, str]:
+    """The file this rank adds to a checkpoint: its lanes' position before global batch ``batch``."""
+    return {STATE_FILE.format(rank=rank): json.dumps(dataset.state(batch))}
 
 
 def load_stream_states(checkpoint: Path) -> list[dict]:

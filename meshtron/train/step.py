@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.config import Config
-from meshtron.data.prefetch import StepBlocks, StepReader
+from meshtron.data.prefetch import StepReader, StepSequences
 from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
@@ -138,25 +138,25 @@ def _forward_backward(
     return local_loss_sum
 
 
-def step_blocks(schedule, step: int, ctx: StepContext) -> StepBlocks:
-    """The blocks step ``step`` reads: this rank's micro-batches and the global batch (whose labelled tokens
+def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:
+    """The packed sequences step ``step`` reads: this rank's micro-batches and the global batch (whose labelled tokens
     every rank counts itself: no collective, no device sync)."""
     if ctx.runner is None:
         micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, ctx.plan.micro_batch_size)
     else:  # pipeline microbatch m of every rank: its slice of global micro-batch m (as accumulation has them)
         size = ctx.plan.micro_batch_size // ctx.plan.pp_microbatches
         micro_batches = [np.concatenate(schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, size))]
-    return StepBlocks(tuple(micro_batches), schedule.global_batch(step))
+    return StepSequences(tuple(micro_batches), schedule.global_batch(step))
 
 
 def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
     """The run's StepReader (``data.prefetch``: the next step's batches read while a step trains). A stream is
     told which of its lanes this rank reads (create the reader before restoring a checkpoint)."""
     if isinstance(dataset, StreamingDataset):
-        dataset.own(np.concatenate(step_blocks(schedule, 0, ctx).micro_batches))
+        dataset.own(np.concatenate(step_sequences(schedule, 0, ctx).micro_batches))
     return StepReader(
         dataset,
-        lambda step: step_blocks(schedule, step, ctx),
+        lambda step: step_sequences(schedule, step, ctx),
         global_target_count,
         prefetch=ctx.cfg.data.prefetch,
         pin=ctx.device.type == "cuda",

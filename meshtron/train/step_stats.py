@@ -19,10 +19,10 @@ from meshtron.distributed.grad_norm import local_grad_square_sum
 
 
 def global_target_count(dataset, indices: np.ndarray) -> int:
-    """Labelled tokens (labels != IGNORE_INDEX) of the blocks ``indices`` of ``dataset``, at least 1.
+    """Labelled tokens (labels != IGNORE_INDEX) of the sequences ``indices`` of ``dataset``, at least 1.
 
-    Counted the way ``PackedDataset.batch`` cuts labels (each block's tokens after the first). Reads
-    the label tokens of the blocks (4 bytes a token), no collective: every rank gets the same count. A dataset
+    Counted the way ``PackedDataset.batch`` cuts labels (each sequence's tokens after the first). Reads
+    the label tokens of the sequences (4 bytes a token), no collective: every rank gets the same count. A dataset
     whose labels are not every next token of rows it holds (chat's masked labels; a stream, which holds only this
     rank's lanes) counts them itself with ``target_count(indices)``.
     """
