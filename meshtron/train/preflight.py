@@ -20,7 +20,7 @@ from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.errors import ConfigError
-from meshtron.metrics.loggers import check_loggers
+from meshtron.metrics.trackers import check_trackers
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.resilience.restart import restart_count
 from meshtron.train.runtime import launched_by_torchrun
@@ -118,7 +118,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type)
     check_model_path(cfg.model)
-    check_loggers(cfg)
+    check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     for path in data_paths:
