@@ -23,7 +23,7 @@ from meshtron.config import load_config
 from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.tokenizer import load_tokenizer
-from meshtron.metrics.logger import max_memory_gb
+from meshtron.metrics.memory import max_memory_gb
 from meshtron.models.attention import document_ids, document_positions
 from meshtron.models.build import load_hf_config
 

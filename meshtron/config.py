@@ -212,8 +212,9 @@ class RunConfig:
     log_every: int = 1
     progress: bool = True
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
-    """Where rank 0 sends each logged step: ``jsonl`` (metrics.jsonl, always on), ``tensorboard`` (event files in
-    ``<output_dir>/tensorboard``) and ``wandb`` (Weights & Biases). See docs/metrics.md."""
+    """Where rank 0 sends each logged step: ``jsonl`` (metrics.jsonl, always on) and the experiment trackers
+    (meshtron.metrics.trackers) ``tensorboard`` (event files in ``<output_dir>/tensorboard``) and ``wandb``
+    (Weights & Biases). See docs/metrics.md."""
     wandb_project: str = "meshtron"
     wandb_mode: str = "online"
     """``online`` (needs ``wandb login`` or WANDB_API_KEY), ``offline`` (a run folder to ``wandb sync`` later; no

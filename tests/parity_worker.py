@@ -30,7 +30,7 @@ from conftest import free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshtron.config import load_config
-from meshtron.metrics.logger import local_bytes
+from meshtron.metrics.memory import local_bytes
 from meshtron.train.preflight import preflight
 from meshtron.train.runtime import init_runtime, shutdown_runtime
 from meshtron.train.trainer import train

@@ -473,7 +473,12 @@ def test_planner_maps_each_family_and_offers_only_the_parallelisms_it_supports(p
     layouts = candidate_layouts(
         shape,
         config,
-        Workload(seq_len=256, global_batch=16, mask_documents=not preset.startswith("gemma")),
+        Workload(
+            seq_len=256,
+            global_batch=16,
+            mask_documents=not preset.startswith("gemma"),
+            attn_implementation=_family_cfg(preset).attn_implementation,
+        ),
         4,
         hardware(next(iter(GPUS))),
     )

@@ -505,12 +505,13 @@ def test_expert_degrees_follow_meshtrons_rules():
     layouts = candidate_layouts(shape, hf_config, Workload(seq_len=256, global_batch=16), 8, hardware("h100"))
     assert {layout.ep for layout in layouts} == {1, 2}  # 3 and 6 divide the experts, not dp_shard x cp (powers of 2)
     assert all(6 % layout.ep == 0 and layout.fsdp_size % layout.ep == 0 for layout in layouts)
+    workload = Workload(seq_len=256, global_batch=16)
     with pytest.raises(ConfigError, match="must divide the model's 6 experts"):
-        Layout(dp_shard=8, ep=4).check(hf_config)
+        Layout(dp_shard=8, ep=4).check(hf_config, workload)
     with pytest.raises(ConfigError, match=r"must divide parallel.dp_shard\*cp"):
-        Layout(dp_shard=2, tp=2, ep=4).check(_moe_config())
+        Layout(dp_shard=2, tp=2, ep=4).check(_moe_config(), workload)
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
-        Layout(dp_shard=2, ep=2).check(_llama_1b()[0])
+        Layout(dp_shard=2, ep=2).check(_llama_1b()[0], workload)
 
 
 def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
@@ -647,3 +648,76 @@ def test_rehearse_prints_measured_next_to_planned_and_writes_rehearsal_json(tmp_
     )
     # the planner's state for a rank of this layout is exact (no FSDP padding): parameters, gradients, two moments
     assert got["planned"]["state_bytes"] == got["measured"]["state_bytes"]
+
+
+# (preset, layout, workload settings): valid and invalid layouts for the planner and preflight to agree on.
+AGREEMENT_CASES = [
+    ("llama-tiny", dict(dp_shard=2, tp=2), {}),
+    ("llama-tiny", dict(tp=3), {}),  # tp not dividing the heads
+    ("llama-tiny", dict(dp_shard=2, cp=2), {}),
+    ("llama-tiny", dict(cp=4), dict(seq_len=252)),  # seq_len not divisible by 2 x cp
+    ("llama-tiny", dict(pp=2, micro_batch=2), {}),
+    ("llama-tiny", dict(pp=8, micro_batch=1), {}),  # more stages than layers
+    ("qwen3moe-tiny", dict(dp_shard=4, ep=4), {}),
+    ("qwen3moe-tiny", dict(dp_shard=8, ep=8), dict(global_batch=8)),  # ep not dividing the experts
+    ("gemma2-tiny", dict(dp_shard=2), dict(attn_implementation="eager", mask_documents=False)),
+    ("gemma2-tiny", dict(dp_shard=2), dict(attn_implementation="eager")),  # soft-capping with document masks
+    ("gemma2-tiny", dict(dp_shard=2), dict(mask_documents=False)),  # sdpa for a family that cannot use it
+    ("llama-tiny", dict(cp=2), dict(attn_implementation="eager")),  # eager with cp
+    ("llama-tiny", dict(dp_shard=2), dict(attn_implementation="eager")),  # eager with document masks
+    ("llama-tiny", dict(dp_shard=2), dict(attn_implementation="eager", mask_documents=False)),
+]
+
+
+def _agreement(preset, degrees, settings):
+    """(the planner's verdict on the layout, preflight's verdict on its emitted config: None or the error)."""
+    from meshtron.errors import ConfigError
+    from meshtron.plan.cli import resolve_model
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.report import train_config
+    from meshtron.plan.search import _valid
+    from meshtron.train.preflight import preflight
+
+    hf_config, model_cfg = resolve_model(preset)
+    workload = Workload(**{"seq_len": 256, "global_batch": 16, **settings})
+    layout = Layout(**degrees)
+    try:
+        preflight(train_config(layout, workload, model_cfg), layout.world_size, workload.device)
+        refusal = None
+    except ConfigError as err:
+        refusal = str(err)
+    return _valid(hf_config, layout, workload), refusal
+
+
+@pytest.mark.parametrize("preset, degrees, settings", AGREEMENT_CASES)
+def test_the_planner_proposes_a_layout_exactly_when_preflight_accepts_it(preset, degrees, settings):
+    """The planner and ``meshtron train``'s preflight run one list of layout checks (``check_layout``): valid
+    layouts pass both, and each kind of invalid one (tp, cp, ep, pp, attention) is refused by both."""
+    valid, refusal = _agreement(preset, degrees, settings)
+    assert valid == (refusal is None), refusal
+
+
+def test_the_planner_refuses_eager_attention_with_document_masks_or_cp_as_preflight_does():
+    """Meshtron's own attention (document masks, cp > 1) needs sdpa: a workload with another
+    ``model.attn_implementation`` gets no such layout, and ``plan_layouts`` names preflight's fix."""
+    from meshtron.errors import ConfigError
+    from meshtron.plan.cli import resolve_model
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.search import candidate_layouts, plan_layouts
+
+    for degrees, settings in [(dict(cp=2), {}), (dict(dp_shard=2), dict(mask_documents=True))]:
+        valid, refusal = _agreement("llama-tiny", degrees, {"attn_implementation": "eager", **settings})
+        assert not valid and "model.attn_implementation=eager cannot be combined with" in refusal
+    hf_config, model_cfg = resolve_model("llama-tiny")
+    shape = ModelShape.from_hf_config(hf_config, model_cfg)
+    eager = Workload(seq_len=256, global_batch=16, mask_documents=False, attn_implementation="eager")
+    layouts = candidate_layouts(shape, hf_config, eager, 4, hardware("h100"))
+    assert layouts and {layout.cp for layout in layouts} == {1}
+    sdpa = candidate_layouts(shape, hf_config, Workload(seq_len=256, global_batch=16), 4, hardware("h100"))
+    assert {layout.cp for layout in sdpa} > {1}
+    with pytest.raises(
+        ConfigError, match="model.attn_implementation=eager cannot be combined with data.mask_documents"
+    ):
+        plan_layouts(shape, hf_config, Workload(256, 16, attn_implementation="eager"), 4, hardware("h100"))

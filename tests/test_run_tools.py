@@ -112,21 +112,21 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(runs):
     assert run.project == "meshtron-test"
 
 
-def test_a_logger_without_its_package_is_a_one_line_error(monkeypatch):
+def test_a_tracker_without_its_package_is_a_one_line_error(monkeypatch):
     import importlib.util
 
-    from meshtron.metrics.loggers import check_loggers
+    from meshtron.metrics.trackers import check_trackers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     cfg = load_config(None, ["run.loggers=jsonl,wandb"], env={})
     with pytest.raises(ConfigError, match=r"pip install 'meshtron\[wandb\]'"):
-        check_loggers(cfg)
+        check_trackers(cfg)
     monkeypatch.setattr(importlib.util, "find_spec", real)
     online = load_config(None, ["run.loggers=jsonl,wandb", "run.wandb_mode=online"], env={})
     with pytest.raises(ConfigError, match="needs a W&B API key"):
-        check_loggers(online, env={"NETRC": "/nonexistent"})
-    check_loggers(online, env={"WANDB_API_KEY": "x" * 40})
+        check_trackers(online, env={"NETRC": "/nonexistent"})
+    check_trackers(online, env={"WANDB_API_KEY": "x" * 40})
     with pytest.raises(ConfigError, match="run.loggers: 'neptune' is not one of"):
         load_config(None, ["run.loggers=neptune"], env={})
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from meshtron.metrics.logger import local_bytes
+from meshtron.metrics.memory import local_bytes
 
 
 def _fsdp_param_groups(module: FSDPModule) -> list:

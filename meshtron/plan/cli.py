@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from meshtron.config import Config, ModelConfig, TrainConfig
+from meshtron.config import ATTN_IMPLEMENTATIONS, Config, ModelConfig, TrainConfig
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import GPUS, Hardware, hardware, parse_gigabytes
 from meshtron.plan.layout import MIXED_PRECISION_DTYPES
@@ -32,6 +32,11 @@ def add_plan_parser(sub) -> None:
             f"--{name.replace('_', '-')}", type=kind, help=f"override Hardware.{name} (see docs/planning.md)"
         )
     plan.add_argument("--no-mask-documents", action="store_true", help="plan for data.mask_documents=false")
+    plan.add_argument(
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        help="model.attn_implementation (default sdpa; eager for a family that cannot use sdpa, as Gemma 2)",
+    )
     plan.add_argument(
         "--mixed-precision",
         choices=tuple(MIXED_PRECISION_DTYPES) + ("none",),
@@ -103,6 +108,7 @@ def _describe_precision(workload) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from meshtron.models.families import family_of
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import candidate_record, emit_config, format_table
@@ -129,6 +135,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}"
         )
+    attn_implementation = args.attn_implementation or ("eager" if family_of(hf_config).eager_only else "sdpa")
+    model_cfg = dataclasses.replace(model_cfg, attn_implementation=attn_implementation)
     shape = ModelShape.from_hf_config(hf_config, model_cfg)
     workload = Workload(
         seq_len=args.seq_len,
@@ -138,6 +146,7 @@ def run_plan(args: argparse.Namespace) -> int:
         loss_chunk_size=args.loss_chunk_size,
         accumulate_unsharded=args.accumulate_unsharded,
         compiled=not args.no_compile,
+        attn_implementation=attn_implementation,
     )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
@@ -170,7 +179,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
             f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
             f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}"
-            f"{' --no-compile' * args.no_compile}\n"
+            f"{' --no-compile' * args.no_compile} --attn-implementation {attn_implementation}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} "
             "tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"

@@ -41,7 +41,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtron.distributed.parallelize import parallelize
-    from meshtron.metrics.logger import model_state_bytes
+    from meshtron.metrics.memory import model_state_bytes
     from meshtron.models.build import build_meta_model
     from meshtron.train.optim import build_optimizer
     from meshtron.train.preflight import preflight

@@ -49,6 +49,8 @@ class Workload:
     compiled: bool = True
     """``train.compile``: compiled decoder blocks (``auto`` compiles on CUDA): matmul-heavy steps run at
     ``Hardware.compiled_matmul_efficiency`` instead of ``matmul_efficiency``."""
+    attn_implementation: str = "sdpa"
+    """``model.attn_implementation`` (``eager`` for a family that cannot use sdpa, as Gemma 2)."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -79,6 +81,7 @@ class Workload:
             device=device,
             accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
             compiled=compile_enabled(cfg.train.compile, device),
+            attn_implementation=cfg.model.attn_implementation,
         )
 
 
@@ -164,16 +167,25 @@ class Layout:
             ep=self.ep,
         )
 
-    def check(self, hf_config, workload: Workload | None = None) -> None:
-        """Raise ConfigError where meshtron would refuse this layout's degrees for ``hf_config``: their
-        product and ``ep`` dividing ``dp_shard x cp`` (``ParallelDims.from_config``), and ``ep`` against the
-        model (``check_expert_parallel``: experts needed, ``ep`` dividing them) -- meshtron's own checks,
-        as ``meshtron train``'s preflight runs them."""
-        from meshtron.distributed.expert_parallel import check_expert_parallel
+    def check(self, hf_config, workload: Workload) -> None:
+        """Raise ConfigError where ``meshtron train``'s preflight would refuse this layout for ``hf_config`` and
+        ``workload``: the degrees (``ParallelDims.from_config``: their product, ``ep`` dividing ``dp_shard x cp``)
+        and ``check_layout``, the checks preflight runs (family, experts, context, attention, pipeline, tensor)."""
+        from meshtron.distributed.layout_checks import check_layout
         from meshtron.distributed.mesh import ParallelDims
 
-        ParallelDims.from_config(self.parallel_config(workload), self.world_size)
-        check_expert_parallel(hf_config, self.ep)
+        parallel = self.parallel_config(workload)
+        check_layout(
+            hf_config,
+            parallel,
+            ParallelDims.from_config(parallel, self.world_size),
+            seq_len=workload.seq_len,
+            mask_documents=workload.mask_documents,
+            attn_implementation=workload.attn_implementation,
+            local_batch=self.local_batch(workload),
+            micro_batch_size=None,  # the planner's micro_batch is the pipeline microbatch: pp_microbatches says it
+            device_type=workload.device,
+        )
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":

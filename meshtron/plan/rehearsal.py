@@ -11,7 +11,7 @@ have sent is not, so:
 * ``step_s`` is the step without communication: compare it with the planner's compute time;
 * expert parallelism: each rank receives exactly as many (token, expert) rows as it sends, which is what
   balanced routing gives (the fake all-to-all returns the sender's own counts);
-* nothing is saved: no checkpoints, no loggers; ``rehearsal.json`` and ``config.toml`` go to ``run.output_dir``.
+* nothing is saved: no checkpoints, no trackers; ``rehearsal.json`` and ``config.toml`` go to ``run.output_dir``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Rehearsal:
 
 
 def rehearsal_config(cfg: Config, steps: int) -> Config:
-    """``cfg`` for a rehearsal: ``steps`` steps, nothing saved or resumed, no loggers but the metrics file."""
+    """``cfg`` for a rehearsal: ``steps`` steps, nothing saved or resumed, no trackers, only the metrics file."""
     if steps < 2:
         raise ConfigError(f"--rehearse-steps must be at least 2 (one to warm up, one to measure), got {steps}")
     cfg = dataclasses.replace(
@@ -130,7 +130,7 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
     """Train rank ``rank`` of a ``world_size``-rank run of ``cfg`` alone for ``steps`` steps; measure it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from meshtron.metrics.logger import max_memory_gb
+    from meshtron.metrics.memory import max_memory_gb
     from meshtron.train.preflight import preflight
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train

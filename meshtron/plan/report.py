@@ -78,10 +78,12 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
 
 def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> Config:
     """The ``meshtron train`` config that runs ``layout``: master weights in the workload's model dtype,
-    compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size. The
+    compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size and attention. The
     per-forward batch is ``train.micro_batch_size`` in every layout (under pp, the pipeline microbatch)."""
     cfg = Config()
-    cfg.model = dataclasses.replace(model_cfg, dtype=workload.model_dtype)
+    cfg.model = dataclasses.replace(
+        model_cfg, dtype=workload.model_dtype, attn_implementation=workload.attn_implementation
+    )
     cfg.data.seq_len = workload.seq_len
     cfg.data.mask_documents = workload.mask_documents
     cfg.train.global_batch_size = workload.global_batch

@@ -36,23 +36,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _valid(hf_config, layout: Layout, workload: Workload) -> bool:
-    from meshtron.distributed.context_parallel import check_context_parallel
-    from meshtron.distributed.pipeline_parallel import check_pipeline
-    from meshtron.distributed.tensor_parallel import check_tensor_parallel
-    from meshtron.models.adapter import adapter_for
-    from meshtron.models.attention import check_attention
-    from meshtron.models.families import check_family
-
+    """Whether ``meshtron train``'s preflight accepts ``layout`` (``Layout.check``: the same checks)."""
     try:
-        check_family(hf_config, tp=layout.tp)  # parallelisms the model family cannot be split by
-        layout.check(hf_config, workload)  # the degrees' product, and ep (experts, dividing them and dp_shard x cp)
-        check_attention(hf_config, "sdpa", layout.cp, workload.mask_documents, workload.seq_len)
-        check_tensor_parallel(
-            hf_config, adapter_for(hf_config), layout.tp, workload.seq_len, layout.sequence_parallel, layout.cp
-        )
-        check_context_parallel(layout.cp, workload.seq_len)
-        if layout.pp > 1:  # stage split, microbatch counts (tied embeddings: memory.py counts the head copy)
-            check_pipeline(layout.parallel_config(workload), hf_config, layout.local_batch(workload), None)
+        layout.check(hf_config, workload)
     except ConfigError:
         return False
     return True
@@ -140,10 +126,8 @@ def _speed_band(tokens_per_s: float) -> int:
 def plan_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware) -> list[Candidate]:
     """All candidates: those that fit first; fastest first, within 2% the simplest, then the smallest."""
     check_cluster(gpus, hw)
-    # What the model family refuses whatever the split (e.g. Gemma 2's soft-capping with document masks).
-    from meshtron.models.attention import check_attention
-
-    check_attention(hf_config, "sdpa", 1, workload.mask_documents, workload.seq_len)
+    # What the model refuses whatever the split, on one GPU (e.g. Gemma 2's soft-capping with document masks).
+    Layout().check(hf_config, workload)
     usable = hw.memory_bytes - hw.reserved_gb * 1e9
     results = []
     for layout in candidate_layouts(shape, hf_config, workload, gpus, hw):

@@ -14,20 +14,14 @@ from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import load_tokenizer
-from meshtron.distributed.context_parallel import check_context_parallel
 from meshtron.distributed.data_parallel import check_data_parallel
-from meshtron.distributed.expert_parallel import check_expert_parallel
 from meshtron.distributed.float8 import check_float8
+from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.pipeline_parallel import check_pipeline
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
-from meshtron.distributed.tensor_parallel import check_tensor_parallel
 from meshtron.errors import ConfigError
-from meshtron.metrics.loggers import check_loggers
-from meshtron.models.adapter import adapter_for
-from meshtron.models.attention import check_attention
+from meshtron.metrics.trackers import check_trackers
 from meshtron.models.build import check_model_path, load_hf_config
-from meshtron.models.families import check_family
 from meshtron.resilience.restart import restart_count
 from meshtron.train.runtime import launched_by_torchrun
 
@@ -124,7 +118,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type)
     check_model_path(cfg.model)
-    check_loggers(cfg)
+    check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     for path in data_paths:
@@ -132,19 +126,22 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     if cfg.data.format == "chat":
         check_chat_tokenizer(tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
-    check_family(hf_config, tp=dims.tp, attn_implementation=cfg.model.attn_implementation)
-    check_expert_parallel(hf_config, dims.ep)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and cfg.data.seq_len > max_positions:
         raise ConfigError(
             f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
             f"use data.seq_len <= {max_positions}"
         )
-    check_context_parallel(dims.cp, cfg.data.seq_len)
-    check_attention(hf_config, cfg.model.attn_implementation, dims.cp, cfg.data.mask_documents, cfg.data.seq_len)
-    pp_microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size, device_type)
-    check_tensor_parallel(
-        hf_config, adapter_for(hf_config), dims.tp, cfg.data.seq_len, cfg.parallel.sequence_parallel, dims.cp
+    pp_microbatches = check_layout(
+        hf_config,
+        cfg.parallel,
+        dims,
+        seq_len=cfg.data.seq_len,
+        mask_documents=cfg.data.mask_documents,
+        attn_implementation=cfg.model.attn_implementation,
+        local_batch=micro,
+        micro_batch_size=cfg.train.micro_batch_size,
+        device_type=device_type,
     )
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     skipped: list[str] = []

@@ -30,7 +30,7 @@ from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard
 from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
-from meshtron.metrics.logger import model_state_bytes
+from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum

@@ -26,8 +26,9 @@ from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
-from meshtron.metrics.logger import MetricsLogger, max_memory_gb
-from meshtron.metrics.loggers import build_loggers
+from meshtron.metrics.memory import max_memory_gb
+from meshtron.metrics.step_log import MetricsLogger
+from meshtron.metrics.trackers import build_trackers
 from meshtron.models.attention import attention_windows
 from meshtron.models.build import build_meta_model, materialize
 from meshtron.models.moe import moe_layer_indices
@@ -166,7 +167,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         cfg.train.steps,
         enabled=runtime.is_main,
         progress=cfg.run.progress,
-        loggers=build_loggers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
+        trackers=build_trackers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
     )
     logger.message(_startup_message(cfg, plan, built, policy, dataset))
     logger.describe_run(

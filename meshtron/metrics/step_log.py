@@ -1,51 +1,15 @@
-"""Per-step metrics: ``metrics.jsonl`` on rank 0 (and the loggers of ``run.loggers``) and a live progress line."""
+"""Per-step metrics: ``metrics.jsonl`` on rank 0 (and the experiment trackers ``run.loggers`` names) and a live
+progress line."""
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
 from typing import IO
 
-import torch
-
 from meshtron.metrics.runs import METRICS, RUN_INFO
-from meshtron.tensors import local_tensor
-
-
-def local_bytes(tensor) -> int:
-    """Bytes of this rank's piece of ``tensor`` (a DTensor's local shard); 0 for None."""
-
-    if tensor is None:
-        return 0
-    local = local_tensor(tensor)
-    return local.numel() * local.element_size()
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
-    params = list(model.parameters())
-    optim = sum(
-        local_bytes(value)
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.dim() > 0
-    )
-    return {
-        "params": sum(local_bytes(p) for p in params),
-        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": optim,
-    }
-
-
-def max_memory_gb(device: torch.device) -> float:
-    """Peak memory of this rank: allocated GPU memory on CUDA, the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib / 2**20
 
 
 class MetricsLogger:
@@ -59,10 +23,10 @@ class MetricsLogger:
         enabled: bool,
         progress: bool,
         stream: IO | None = None,
-        loggers: list | None = None,
+        trackers: list | None = None,
     ):
         self.enabled = enabled
-        self.loggers = loggers or []  # TensorBoard, W&B (meshtron.metrics.loggers): get every row too
+        self.trackers = trackers or []  # TensorBoard, W&B (meshtron.metrics.trackers): get every row too
         self.total_steps = total_steps
         self.progress = progress and enabled
         self.stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
@@ -83,8 +47,8 @@ class MetricsLogger:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        for logger in self.loggers:
-            logger.log(record)
+        for tracker in self.trackers:
+            tracker.log(record)
         if self.progress:
             self._print_progress(record)
 
@@ -111,9 +75,9 @@ class MetricsLogger:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        loggers, self.loggers = self.loggers, []
-        for logger in loggers:
-            logger.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
         if self._file:
             self._file.close()
             self._file = None

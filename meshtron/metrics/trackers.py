@@ -1,6 +1,7 @@
-"""Where logged steps go besides ``metrics.jsonl``: TensorBoard and Weights & Biases (``run.loggers``).
+"""Experiment trackers, where logged steps go besides ``metrics.jsonl``: TensorBoard and Weights & Biases (chosen
+by the ``run.loggers`` setting).
 
-Only rank 0 logs. Each logger gets the rows ``metrics.jsonl`` gets (every number in them, under ``train/``, at the
+Only rank 0 logs. Each tracker gets the rows ``metrics.jsonl`` gets (every number in them, under ``train/``, at the
 row's step) and, once at the start, the resolved config and the layout.
 """
 
@@ -21,8 +22,8 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 TENSORBOARD_DIR = "tensorboard"
 
 
-def check_loggers(cfg: Config, env=os.environ) -> None:
-    """A one-line error, before any work (on every rank), for a logger whose package is not installed, or W&B
+def check_trackers(cfg: Config, env=os.environ) -> None:
+    """A one-line error, before any work (on every rank), for a tracker whose package is not installed, or W&B
     online without an API key."""
     for name in cfg.run.loggers:
         package = PACKAGES.get(name)
@@ -50,7 +51,7 @@ def _wandb_api_key(env) -> bool:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """The numbers of a metrics row (not its step), as a logger takes them."""
+    """The numbers of a metrics row (not its step), as a tracker takes them."""
     return {
         key: float(value)
         for key, value in record.items()
@@ -58,7 +59,7 @@ def scalars(record: dict) -> dict[str, float]:
     }
 
 
-class TensorBoardLogger:
+class TensorBoardTracker:
     """Event files in ``<output_dir>/tensorboard`` (``tensorboard --logdir <output_dir>``)."""
 
     def __init__(self, output_dir: Path, cfg: Config, layout: str):
@@ -77,7 +78,7 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-class WandbLogger:
+class WandbTracker:
     """A Weights & Biases run (``run.wandb_project``, ``run.wandb_mode``), named after the output directory."""
 
     def __init__(self, output_dir: Path, cfg: Config, layout: str):
@@ -105,9 +106,9 @@ class WandbLogger:
         self.run.finish()
 
 
-LOGGERS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 
-def build_loggers(cfg: Config, output_dir: Path, layout: str) -> list:
-    """The loggers ``run.loggers`` asks for besides jsonl (call on rank 0 only)."""
-    return [LOGGERS[name](output_dir, cfg, layout) for name in dict.fromkeys(cfg.run.loggers) if name in LOGGERS]
+def build_trackers(cfg: Config, output_dir: Path, layout: str) -> list:
+    """The trackers ``run.loggers`` asks for besides jsonl (call on rank 0 only)."""
+    return [TRACKERS[name](output_dir, cfg, layout) for name in dict.fromkeys(cfg.run.loggers) if name in TRACKERS]
