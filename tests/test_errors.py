@@ -282,3 +282,127 @@ def test_every_command_ends_bad_input_with_one_line(capsys, tmp_path, command, e
     lines = error_lines(err)
     assert len(lines) == 1 and "Traceback" not in err, err
     assert expected.format(**paths) in lines[0], lines[0]
+
+
+def assert_one_error(capsys, args: list[str], expected: str) -> None:
+    """``meshtron ARGS`` exits 2 with one meshtron error line on stderr, no traceback, that contains ``expected``."""
+    code = main(args)
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (args, code, err)
+    assert expected in lines[0], (args, lines[0])
+
+
+def test_data_prepare_bad_input(capsys, tmp_path):
+    """An --out that is a file (kept as it was) or lies under one, a shard size that is not a number, a corrupt
+    Parquet file, a saved dataset that does not load, and a missing tokenizer: one line each."""
+    text = tmp_path / "docs.txt"
+    text.write_text("some text to tokenize\n")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_info.json").write_text("{}")
+    prepare = ["data", "prepare", f"--data.path={text}"]
+    cases = [
+        ([*prepare, "--out", str(text)], f"--out {text} is a file, not a folder"),
+        ([*prepare, "--out", str(text / "sub")], f"--out {text / 'sub'}: cannot create the folder"),
+        ([*prepare, "--out", str(tmp_path / "o"), "--shard-mb", "nan"], "--shard-mb must be positive"),
+        ([*prepare, "--out", str(tmp_path / "o"), "--shard-mb", "inf"], "--shard-mb must be positive"),
+        (
+            ["data", "prepare", f"--data.path={tmp_path / 'bad.parquet'}", "--out", str(tmp_path / "o")],
+            "bad.parquet is not a readable Parquet file",
+        ),
+        (
+            ["data", "prepare", f"--data.path={tmp_path / 'saved'}", "--out", str(tmp_path / "o")],
+            "looks like a saved dataset but does not load",
+        ),
+        ([*prepare, "--data.tokenizer=/no/such/tokenizer", "--out", str(tmp_path / "o")], "data.tokenizer"),
+    ]
+    for args, expected in cases:
+        assert_one_error(capsys, args, expected)
+    assert text.read_text() == "some text to tokenize\n"
+    assert not (tmp_path / "o").exists()  # a prepare that failed on its input leaves no unfinished --out behind
+
+
+@pytest.fixture
+def bad_runs(tmp_path):
+    """A good run directory and broken ones: rows that are not numbers, an unreadable run.json, a binary file."""
+    rows = [{"step": 1, "loss": 2.0, "tokens_per_s": 100.0}, {"step": 2, "loss": 1.5, "tokens_per_s": 110.0}]
+    contents = {
+        "good": "".join(json.dumps(row) + "\n" for row in rows),
+        "text-step": json.dumps({"step": "one", "loss": 2.0}) + "\n",
+        "text-loss": json.dumps({"step": 1, "loss": "2.0"}) + "\n",
+        "text-throughput": json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": "fast"}) + "\n",
+    }
+    for name, text in contents.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(text)
+    for name, info in (("broken-info", "{ broken"), ("list-info", "[1, 2]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(contents["good"])
+        (tmp_path / name / "run.json").write_text(info)
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "metrics.jsonl").write_bytes(b"\xce\xff\x00\x81" * 16)
+    return tmp_path
+
+
+def test_plot_bad_input(capsys, bad_runs):
+    """Metrics that are not numbers, a broken run.json or metrics file, a bad --dpi, and an -o that exists (kept
+    as it was) or cannot be written: one line each."""
+    good = str(bad_runs / "good")
+    picture = bad_runs / "mine.png"
+    picture.write_text("precious")
+    cases = [
+        (["plot", str(bad_runs / "text-step")], "text-step/metrics.jsonl:1: its step is 'one', not a whole number"),
+        (["plot", str(bad_runs / "text-loss")], "text-loss/metrics.jsonl:1: its loss is '2.0', not a number"),
+        (["plot", str(bad_runs / "text-throughput")], "its tokens_per_s is 'fast', not a number"),
+        (["plot", str(bad_runs / "broken-info")], "broken-info/run.json is unreadable"),
+        (["plot", str(bad_runs / "list-info")], "list-info/run.json is not a JSON object"),
+        (["plot", str(bad_runs / "binary")], "binary/metrics.jsonl is unreadable"),
+        (["plot", good, "--dpi", "0"], "--dpi must be a positive integer, got 0"),
+        (["plot", good, "-o", str(picture)], f"-o '{picture}' already exists; choose a new file name"),
+        (["plot", good, "-o", str(picture / "x.png")], f"cannot write '{picture / 'x.png'}'"),
+    ]
+    for args, expected in cases:
+        assert_one_error(capsys, args, expected)
+    assert picture.read_text() == "precious"
+
+
+def test_compare_bad_input(capsys, bad_runs):
+    """A tolerance that is negative or not a number, a missing run, rows that are not numbers, a broken run.json."""
+    good = str(bad_runs / "good")
+    cases = [
+        (["compare", good, good, "--tol", "-1"], "--tol must be a number >= 0"),
+        (["compare", good, good, "--tol", "nan"], "--tol must be a number >= 0"),
+        (["compare", good, str(bad_runs / "missing")], "'" + str(bad_runs / "missing") + "' has no metrics.jsonl"),
+        (["compare", good, str(bad_runs / "text-loss")], "its loss is '2.0', not a number"),
+        (["compare", str(bad_runs / "text-throughput"), good], "its tokens_per_s is 'fast', not a number"),
+        (["compare", str(bad_runs / "list-info"), good], "list-info/run.json is not a JSON object"),
+    ]
+    for args, expected in cases:
+        assert_one_error(capsys, args, expected)
+
+
+def test_plan_bad_input(capsys, tmp_path):
+    """Hardware numbers that are not finite, model paths that are missing or not a causal LM's config, and an
+    --emit-config that cannot be written: one line each."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no-type.json").write_text(json.dumps({"hidden_size": 64}))
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("kept")
+    shape = ["--gpus", "8", "--seq-len", "128", "--global-batch", "8"]
+    plan = ["plan", "--model", "llama-1b", *shape]
+    cases = [
+        ([*plan, "--peak-tflops", "nan"], "--peak-tflops must be positive, got nan"),
+        ([*plan, "--reserved-gb", "inf"], "--reserved-gb must be positive, got inf"),
+        ([*plan, "--gpu-memory", "inf"], "--gpu-memory: must be positive, got 'inf'"),
+        ([*plan, "--gpu", "v100"], "--gpu: unknown GPU 'v100'"),
+        (["plan", "--model", str(tmp_path / "empty"), *shape], f"--model: '{tmp_path / 'empty'}' has no config.json"),
+        (["plan", "--model", str(tmp_path / "no-type.json"), *shape], "names no model_type"),
+        (["plan", "--model", str(tmp_path / "bert.json"), *shape], "is not a decoder-only causal language model"),
+        (["plan", "--model", str(tmp_path / "no" / "such"), *shape], "does not exist; give a meshtron preset"),
+        ([*plan, "--emit-config", str(blocker / "x.toml")], f"'{blocker}' is a file, not a folder"),
+    ]
+    for args, expected in cases:
+        assert_one_error(capsys, args, expected)
+    assert blocker.read_text() == "kept"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import resource
 from pathlib import Path
 
@@ -15,7 +16,7 @@ DATA_USAGE = (
 
 def add_data_parser(sub) -> None:
     data = sub.add_parser("data", help="prepare training data", usage=DATA_USAGE)
-    actions = data.add_subparsers(dest="data_command", required=True)
+    actions = data.add_subparsers(dest="data_command", required=True, prog="meshtron data")
     prepare = actions.add_parser("prepare", help="tokenize a corpus into sharded token files", usage=DATA_USAGE)
     prepare.add_argument("--config", help="TOML config file (its [data] section is read)")
     prepare.add_argument("--out", required=True, help="the prepared directory (new, or an unfinished prepare's)")
@@ -62,7 +63,7 @@ def run_data(args, extra: list[str]) -> int:
     overrides = parse_overrides(extra, DATA_USAGE)
     if any(not item.startswith(("data.", "model.trust_remote_code")) for item in overrides):
         raise ConfigError(f"data prepare takes data.* settings only, got {overrides}; usage: {DATA_USAGE}")
-    if args.shard_mb <= 0:
+    if not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise ConfigError(f"--shard-mb must be positive, got {args.shard_mb}")
     cfg = load_config(args.config, overrides, env={})
     if is_prepared(cfg.data.path):

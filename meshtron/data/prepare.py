@@ -100,6 +100,8 @@ def _settings(data: DataConfig, tokenizer, shard_chars: int) -> dict:
 
 def _claim(out: Path, settings: dict) -> dict | None:
     """Check ``out`` can take this corpus; the existing manifest when it is already prepared, else None."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; give prepare a new or empty folder")
     for name, what in ((MANIFEST, "a corpus prepared"), (SETTINGS, "an unfinished prepare")):
         try:
             existing = json.loads((out / name).read_text())
@@ -115,9 +117,22 @@ def _claim(out: Path, settings: dict) -> dict | None:
             return existing
     if out.is_dir() and any(not p.name.startswith(("shard-", ".")) and p.name != SETTINGS for p in out.iterdir()):
         raise ConfigError(f"--out {out} is a folder with other files in it; give prepare an empty or new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot create the folder ({err}); choose a writable path") from None
     write_json_atomically(out / SETTINGS, settings)
     return None
+
+
+def _release(out: Path, created: bool) -> None:
+    """After a prepare that failed before writing any shard: remove its settings (and the folder when it made it),
+    so that the same command with the input fixed starts afresh instead of finding an unfinished prepare."""
+    if any(out.glob("shard-*")):
+        return  # work to resume
+    (out / SETTINGS).unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
 
 
 def prepare_corpus(
@@ -141,6 +156,7 @@ def prepare_corpus(
     out = Path(out).expanduser()
     tokenizer = tokenizer or load_tokenizer(data.tokenizer, trust_remote_code)
     settings = _settings(data, tokenizer, shard_chars)
+    created = not out.exists()
     existing = _claim(out, settings)
     if existing is not None:
         log(f"meshtron: {out} is already prepared ({existing['tokens']:,} tokens in {len(existing['shards'])} shards)")
@@ -170,6 +186,9 @@ def prepare_corpus(
             pending[future] = index
         for future, index in pending.items():
             shards[index] = future.result()
+    except ConfigError:  # bad input (e.g. a document that cannot be read)
+        _release(out, created)
+        raise
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -136,7 +136,10 @@ def _read_json_lines(path: Path, field: str) -> Iterator[str]:
 def _read_parquet(path: Path, field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError(f"data.path: {path} is not a readable Parquet file ({err}); fix or remove it") from None
     if field not in pf.schema_arrow.names:
         raise _field_error(field, str(path), pf.schema_arrow.names)
     for batch in pf.iter_batches(batch_size=_BATCH, columns=[field]):
@@ -164,7 +167,13 @@ def _read_dataset(ds: Any, field: str, where: str) -> Iterator[str]:
 def _load_saved(path: Path) -> Any:
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"data.path: '{path}' looks like a saved dataset but does not load ({err}); save it again with "
+            "save_to_disk or point data.path at its files"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             splits = ", ".join(ds)

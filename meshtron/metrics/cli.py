@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from meshtron.metrics.plot import DPI, FORMATS
 
@@ -16,7 +15,9 @@ def add_runs_parsers(sub) -> None:
         "plot", help="draw runs' metrics (loss, tokens/s, MFU, memory, grad norm, lr)", usage=PLOT_USAGE
     )
     plot.add_argument("runs", nargs="+", help="run directories (run.output_dir), overlaid")
-    plot.add_argument("-o", "--out", help=f"the picture: {' '.join(FORMATS)} (default RUN_DIR/metrics.png)")
+    plot.add_argument(
+        "-o", "--out", help=f"a new file for the picture: {' '.join(FORMATS)} (default: redraw RUN_DIR/metrics.png)"
+    )
     plot.add_argument(
         "--dpi", type=int, default=DPI, help=f"PNG pixels per inch of the 12 x 13 inch figure (default {DPI})"
     )
@@ -33,7 +34,7 @@ def add_runs_parsers(sub) -> None:
 def run_plot(args: argparse.Namespace) -> int:
     from meshtron.metrics.plot import plot_runs
 
-    out = plot_runs(args.runs, args.out or Path(args.runs[0]) / "metrics.png", args.dpi)
+    out = plot_runs(args.runs, args.out, args.dpi)
     print(f"meshtron: drew {len(args.runs)} run(s) into {out}")
     return 0
 

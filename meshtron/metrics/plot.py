@@ -77,24 +77,30 @@ def _figure(runs: list[Run], dpi: int):
     return figure, plt
 
 
-def plot_runs(paths: list[str | Path], out: str | Path, dpi: int = DPI) -> Path:
+def plot_runs(paths: list[str | Path], out: str | Path | None = None, dpi: int = DPI) -> Path:
     """Draw the runs in ``paths`` into ``out`` (PNG of FIGSIZE x ``dpi`` pixels, SVG, or an HTML page with the SVG
-    and a table)."""
-    out = Path(out)
+    and a table), a file that must not exist yet; by default into the first run's metrics.png, redrawn in place."""
+    if out is not None and Path(out).exists():
+        raise ConfigError(f"meshtron plot: -o '{out}' already exists; choose a new file name or remove it")
+    out = Path(out) if out is not None else Path(paths[0]) / "metrics.png"
     if out.suffix.lower() not in FORMATS:
         raise ConfigError(f"meshtron plot: -o '{out}' must end in {', '.join(FORMATS)}")
+    if dpi < 1:
+        raise ConfigError(f"meshtron plot: --dpi must be a positive integer, got {dpi}")
     runs = [read_run(path) for path in paths]
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("meshtron plot needs matplotlib: pip install 'meshtron[plot]' (or matplotlib)")
     figure, plt = _figure(runs, dpi)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix.lower() == ".html":
             svg = io.StringIO()
             figure.savefig(svg, format="svg")
             out.write_text(_html_page(runs, svg.getvalue()))
         else:
             figure.savefig(out, dpi=dpi)
+    except OSError as err:
+        raise ConfigError(f"meshtron plot: cannot write '{out}' ({err}); choose a writable -o") from None
     finally:
         plt.close(figure)
     return out
@@ -126,6 +132,8 @@ def _median_throughput(run: Run, steps: set[int] | None = None) -> float:
 def compare_runs(path_a: str | Path, path_b: str | Path, tol: float, out=print) -> int:
     """Print, per step, both losses, their relative difference and B's throughput over A's; 0 when every step's
     losses agree within ``tol`` (relative) and both runs logged the same steps, else 1."""
+    if not (math.isfinite(tol) and tol >= 0):
+        raise ConfigError(f"meshtron compare: --tol must be a number >= 0 (a relative loss difference), got {tol}")
     a, b = read_run(path_a), read_run(path_b)
     loss_a = {row["step"]: row for row in a.rows}
     loss_b = {row["step"]: row for row in b.rows}

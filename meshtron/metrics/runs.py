@@ -53,14 +53,52 @@ def _tokens_per_step_from_config(path: Path) -> int | None:
     return cfg.train.global_batch_size * cfg.data.seq_len
 
 
+NUMBERS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "max_memory_gb")
+"""The columns of a metrics row that ``meshtron plot`` and ``compare`` read: each a number when present."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _row_problem(row: dict) -> str | None:
+    """Why a metrics row (one with a step and a loss) cannot be plotted, in a few words, or None."""
+    step = row["step"]
+    if not (_is_number(step) and float(step).is_integer()):
+        return f"its step is {step!r}, not a whole number"
+    for key in NUMBERS:
+        if row.get(key) is not None and not _is_number(row[key]):
+            return f"its {key} is {row[key]!r}, not a number"
+    return None
+
+
+def _read_info(path: Path) -> dict:
+    """run.json as a dict ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is unreadable ({err}); remove it to plot the run without its layout") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{path} is not a JSON object; remove it to plot the run without its layout")
+    if info.get("tokens_per_step") is not None and not _is_number(info["tokens_per_step"]):
+        raise ConfigError(f"{path}: tokens_per_step is {info['tokens_per_step']!r}, not a number; remove the file")
+    return info
+
+
 def read_run(path: str | Path) -> Run:
     """The run in ``path`` (a ``run.output_dir``); a one-line error when it has no metrics."""
     path = Path(path)
     metrics = path / METRICS
     if not metrics.is_file():
         raise ConfigError(f"'{path}' has no {METRICS}; give the run.output_dir of a meshtron run")
+    try:
+        text = metrics.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{metrics} is unreadable ({err}); is it a meshtron metrics file?") from None
     by_step: dict[int, dict] = {}
-    for number, line in enumerate(metrics.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -68,12 +106,13 @@ def read_run(path: str | Path) -> Run:
         except json.JSONDecodeError:
             raise ConfigError(f"{metrics}:{number} is not a JSON row; is it a meshtron metrics file?") from None
         if isinstance(row, dict) and "step" in row and "loss" in row:
+            problem = _row_problem(row)
+            if problem is not None:
+                raise ConfigError(f"{metrics}:{number}: {problem}; is it a meshtron metrics file?")
             by_step[int(row["step"])] = row
     if not by_step:
         raise ConfigError(f"{metrics} has no logged steps yet")
-    info = {}
-    if (path / RUN_INFO).is_file():
-        info = json.loads((path / RUN_INFO).read_text())
+    info = _read_info(path / RUN_INFO)
     if "tokens_per_step" not in info:
         info["tokens_per_step"] = _tokens_per_step_from_config(path)
     return Run(path, [by_step[step] for step in sorted(by_step)], info)

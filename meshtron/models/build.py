@@ -30,35 +30,46 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def check_model_path(model_cfg: ModelConfig) -> None:
-    """Fail early if ``model.name_or_path`` is missing or is not a decoder-only causal LM."""
+def check_model_path(model_cfg: ModelConfig, setting: str = "model.name_or_path") -> None:
+    """Fail early if ``model.name_or_path`` is missing or is not a decoder-only causal LM (``setting``: the name
+    the user gave the folder by, for the message)."""
     if not model_cfg.name_or_path:
         return
     path = Path(model_cfg.name_or_path).expanduser()
     if not path.is_dir():
         raise ConfigError(
-            f"model.name_or_path: '{model_cfg.name_or_path}' is not an existing directory; "
+            f"{setting}: '{model_cfg.name_or_path}' is not an existing directory; "
             "give a local Hugging Face model directory or use model.preset"
         )
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"model.name_or_path: '{path}' has no config.json; it is not a Hugging Face model directory")
+        raise ConfigError(f"{setting}: '{path}' has no config.json; it is not a Hugging Face model directory")
+    check_causal_lm_config(config_file, setting)
+
+
+def check_causal_lm_config(config_file: Path, setting: str = "model.name_or_path") -> None:
+    """Fail early if the Hugging Face ``config_file`` is not valid JSON or not a decoder-only causal LM's."""
     try:
         raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"model.name_or_path: '{config_file}' is not valid JSON ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{setting}: '{config_file}' is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{setting}: '{config_file}' is not a JSON object; it is not a Hugging Face config")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
+    if not model_type and not architectures:
+        raise ConfigError(f"{setting}: '{config_file}' names no model_type; it is not a Hugging Face model config")
     if architectures:  # what the checkpoint was trained as decides (BERT has a causal-LM class too)
         causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
     else:
         causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if raw.get("is_encoder_decoder") or not causal:
+        shown = config_file.parent if config_file.name == "config.json" else config_file
         raise ConfigError(
-            f"model.name_or_path: '{path}' (model_type '{model_type}') is not a decoder-only causal language model; "
-            "use a Llama, Qwen or Mistral style model"
+            f"{setting}: '{shown}' (model_type '{model_type}') is not a decoder-only causal language "
+            "model; use a Llama, Qwen or Mistral style model"
         )
 
 

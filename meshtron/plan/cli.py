@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 
 from meshtron.config import ATTN_IMPLEMENTATIONS, Config, ModelConfig, TrainConfig
@@ -78,12 +80,24 @@ def resolve_model(spec: str):
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
         from transformers import AutoConfig
 
-        directory = path if path.is_dir() else path.parent
+        from meshtron.models.build import check_causal_lm_config, check_model_path
+
+        if path.is_dir():
+            check_model_path(ModelConfig(name_or_path=str(path)), setting="--model")
+            directory = path
+        else:
+            check_causal_lm_config(path, setting="--model")
+            directory = path.parent
         try:
             config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as err:
             raise ConfigError(f"--model: '{spec}' is not a Hugging Face config ({err})") from None
         return config, ModelConfig(name_or_path=str(directory))
+    if not path.exists() and (path.suffix == ".json" or os.sep in spec):
+        raise ConfigError(
+            f"--model: '{spec}' does not exist; give a meshtron preset, a local Hugging Face model directory or a "
+            "config.json"
+        )
     raise ConfigError(
         f"--model: '{spec}' is neither a preset ({', '.join(preset_names())}) nor a model directory or config.json"
     )
@@ -111,7 +125,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from meshtron.models.families import family_of
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
-    from meshtron.plan.report import candidate_record, emit_config, format_table
+    from meshtron.plan.report import candidate_record, check_new_file, emit_config, format_table
     from meshtron.plan.search import check_cluster, plan_layouts
 
     for name in ("gpus", "seq_len", "global_batch", "top"):
@@ -121,15 +135,15 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--loss-chunk-size must be >= 0 (0 disables chunking), got {args.loss_chunk_size}")
     overrides = {name: getattr(args, name) for name in HARDWARE_OVERRIDES}
     for name, value in overrides.items():
-        if value is not None and (value < 0 or (value == 0 and name != "reserved_gb")):
+        if value is not None and not (math.isfinite(value) and (value > 0 or (value == 0 and name == "reserved_gb"))):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     hw = hardware(args.gpu).with_overrides(
         memory_gb=parse_gigabytes(args.gpu_memory) if args.gpu_memory else None, **overrides
     )
     check_cluster(args.gpus, hw)  # before the model is built: a wrong cluster fails at once
     hf_config, model_cfg = resolve_model(args.model)
-    if args.emit_config and Path(args.emit_config).exists():
-        raise ConfigError(f"--emit-config: '{args.emit_config}' already exists; choose a new file name")
+    if args.emit_config:
+        check_new_file(args.emit_config)  # before the search: a path that cannot take the config fails at once
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_len > max_positions:
         raise ConfigError(

@@ -7,6 +7,7 @@ turn data-sheet peaks into what training kernels and NCCL reach in practice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from meshtron.errors import ConfigError
@@ -82,6 +83,6 @@ def parse_gigabytes(text: str) -> float:
         value = float(number) * factor
     except ValueError:
         raise ConfigError(f"--gpu-memory: '{text}' is not a size; write e.g. 80GB") from None
-    if value <= 0:
+    if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"--gpu-memory: must be positive, got '{text}'")
     return value

@@ -97,14 +97,26 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> 
     return cfg
 
 
-def write_new_file(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to a file that must not exist yet (never overwrite what a user has)."""
+def check_new_file(path: str | os.PathLike) -> Path:
+    """``path``, where a new file can go: not there yet (never overwrite what a user has), not under a file."""
     target = Path(path)
     if target.exists():
         raise ConfigError(f"--emit-config: '{target}' already exists; choose a new file name")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "x") as handle:
-        handle.write(text)
+    folder = next((parent for parent in target.parents if parent.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise ConfigError(f"--emit-config: cannot write '{target}': '{folder}' is a file, not a folder")
+    return target
+
+
+def write_new_file(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to a new file (see check_new_file)."""
+    target = check_new_file(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "x") as handle:
+            handle.write(text)
+    except OSError as err:
+        raise ConfigError(f"--emit-config: cannot write '{target}' ({err}); choose a writable path") from None
     return target
 
 
