@@ -79,9 +79,7 @@ def _figure(runs: list[Run], dpi: int):
 
 def plot_runs(paths: list[str | Path], out: str | Path | None = None, dpi: int = DPI) -> Path:
     """Draw the runs in ``paths`` into ``out`` (PNG of FIGSIZE x ``dpi`` pixels, SVG, or an HTML page with the SVG
-    and a table), a file that must not exist yet; by default into the first run's metrics.png, redrawn in place."""
-    if out is not None and Path(out).exists():
-        raise ConfigError(f"meshtron plot: -o '{out}' already exists; choose a new file name or remove it")
+    and a table); by default into the first run's metrics.png. The picture is redrawn in place on every call."""
     out = Path(out) if out is not None else Path(paths[0]) / "metrics.png"
     if out.suffix.lower() not in FORMATS:
         raise ConfigError(f"meshtron plot: -o '{out}' must end in {', '.join(FORMATS)}")
