@@ -160,12 +160,12 @@ def longest_within(results: list[dict], budget_mb: float) -> dict[int, int | Non
 
 def block_cases(args, device: torch.device):
     """(name, meshtron's mask, the plain kernel's mask, SDPA's is_causal) of each sub-block measured."""
-    from meshtron.distributed import sub_blocks
+    from meshtron.distributed.context_parallel import tiles
 
     docs = packed_document_ids(args.block_batch, args.block_len, args.block_documents, torch.Generator().manual_seed(0))
     docs = docs.to(device)
-    dense = sub_blocks.dense_chunk_mask(docs, docs, True)
-    fused = sub_blocks.chunk_block_mask(docs, docs, True) if sub_blocks.mask_kind(device, "auto") == "flex" else dense
+    dense = tiles.dense_chunk_mask(docs, docs, True)
+    fused = tiles.chunk_block_mask(docs, docs, True) if tiles.mask_kind(device, "auto") == "flex" else dense
     return [
         ("causal (diagonal)", "causal", "causal", True),
         ("full (off-diagonal)", None, None, False),
@@ -177,7 +177,7 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
     """Forward + backward of one sub-block by each kernel: time, peak memory, error vs the fp32 plain kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from meshtron.distributed.attention_blocks import block_backward, block_forward
+    from meshtron.distributed.context_parallel.tile_kernels import block_backward, block_forward
 
     dtype = getattr(torch, args.block_dtype)
     gen = torch.Generator(device).manual_seed(0)

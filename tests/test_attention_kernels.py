@@ -10,9 +10,9 @@ from conftest import full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from meshtron.config import ModelConfig
-from meshtron.distributed.context_parallel import SequenceLayout
+from meshtron.distributed.context_parallel import SequenceLayout, register_attention
 from meshtron.models import attention_kernels as kernels
-from meshtron.models.attention import document_ids, register_attention
+from meshtron.models.attention import document_ids
 from meshtron.models.build import build_meta_model, load_hf_config, materialize
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 

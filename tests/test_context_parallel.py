@@ -14,16 +14,16 @@ import torch
 from conftest import REPO, full_blocks, run_torchrun
 from torch.nn.attention.flex_attention import create_mask
 
-from meshtron.distributed import attention_blocks as blocks
-from meshtron.distributed import fused_blocks as fused
-from meshtron.distributed import sub_blocks as plans
 from meshtron.distributed.context_parallel import (
     SequenceLayout,
-    chunk_ids,
     context_parallel_attention,
     local_token_index,
     shard_sequence,
 )
+from meshtron.distributed.context_parallel import fused_tile_kernels as fused
+from meshtron.distributed.context_parallel import tile_kernels as blocks
+from meshtron.distributed.context_parallel import tiles as plans
+from meshtron.distributed.context_parallel.layout import chunk_ids
 from meshtron.models.attention import document_ids, document_positions
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 

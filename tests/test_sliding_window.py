@@ -16,18 +16,12 @@ import torch
 from conftest import full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from meshtron.distributed import sub_blocks as plans
-from meshtron.distributed.context_parallel import (
-    SequenceLayout,
-    _backward_block,
-    _forward_block,
-    _halves,
-    _own_first,
-    chunk_ids,
-    local_token_index,
-)
+from meshtron.distributed.context_parallel import SequenceLayout, hf_attention, local_token_index, register_attention
+from meshtron.distributed.context_parallel import tiles as plans
+from meshtron.distributed.context_parallel.layout import chunk_ids
+from meshtron.distributed.context_parallel.ring import _backward_block, _forward_block, _halves, _own_first
 from meshtron.models import attention_kernels as kernels
-from meshtron.models.attention import document_ids, hf_attention, register_attention
+from meshtron.models.attention import document_ids
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 
 EOS = 0

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence
-from meshtron.distributed.sub_blocks import sub_blocks
+from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence, sub_blocks
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 from meshtron.models.attention_kernels import prepare_masks
 

@@ -1,14 +1,11 @@
-"""Context parallelism: each sequence split over the ``cp`` ranks, with exact attention across them.
-
-Load balancing: the sequence is cut into ``2*cp`` chunks and rank r holds chunks r and 2*cp-1-r, so
-under the causal mask every rank does the same attention work. Token ids, labels and position ids
-are sharded with the same index (``shard_sequence``); RoPE gets the global positions.
+"""Context-parallel attention: each sequence split over the ``cp`` ranks (``layout``), with exact attention
+across them.
 
 Attention (``context_parallel_attention``) computes the rank's queries against every rank's key /
 value chunks, sub-block by sub-block, skipping sub-blocks that the causal mask, the document mask or
 the layer's sliding window hides entirely, and merges the partial results by log-sum-exp. Which
 sub-blocks to compute and their masks are planned once per micro-batch and window (``sub_blocks``); each
-sub-block runs a fused kernel where the device has one (``attention_blocks``). The window is decided on
+sub-block runs a fused kernel where the device has one (``tile_kernels``). The window is decided on
 global token indices: a rank's two query chunks and every key chunk have known global offsets. Two ways
 to get the other ranks' K/V:
 
@@ -24,67 +21,14 @@ only q, k, v, the output and the log-sum-exp of the local chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
-from meshtron.distributed.attention_blocks import block_backward, block_forward, merge_partial
+from meshtron.distributed.context_parallel.layout import SequenceLayout
+from meshtron.distributed.context_parallel.tile_kernels import block_backward, block_forward, merge_partial
+from meshtron.distributed.context_parallel.tiles import sub_blocks
 from meshtron.distributed.mesh import is_fake_group
-from meshtron.distributed.sub_blocks import chunk_ids, sub_blocks
-from meshtron.errors import ConfigError
 from meshtron.models.attention_kernels import effective_window
-
-
-def check_context_parallel(cp: int, seq_len: int) -> None:
-    """Refuse a sequence length the load-balanced split cannot cut into ``2*cp`` equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(
-            f"data.seq_len {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp rank holds two "
-            f"equal chunks); use a data.seq_len that is a multiple of {2 * cp}"
-        )
-
-
-def local_token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions of the tokens ``rank`` holds, in its local order."""
-    chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp, rank)])
-
-
-def shard_sequence(tensor: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """This rank's load-balanced share of ``tensor`` (B, S, ...) along dim 1."""
-    if cp == 1:
-        return tensor
-    return tensor.index_select(1, local_token_index(tensor.shape[1], cp, rank, tensor.device))
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """What attention needs to know about the sequence: its sharding and its documents.
-
-    ``document_ids`` covers the *whole* sequence (B, S) (every cp rank has the full micro-batch), or is
-    None when all tokens of a row form one document.
-    """
-
-    seq_len: int
-    cp: int = 1
-    rank: int = 0
-    group: dist.ProcessGroup | None = None
-    method: str = "ring"
-    document_ids: torch.Tensor | None = None
-    kernel: str = "auto"
-    """``auto`` (the device's fused kernels), ``math`` (plain PyTorch) or ``flex`` (FlexAttention for the
-    document-masked sub-blocks on any device), for tests: see ``sub_blocks.KERNELS``."""
-    attention_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Masks that attention builds once for this micro-batch and every layer reuses (the sub-block plan
-    with cp, one per sliding window)."""
-    document_ranges: dict = field(default_factory=dict, compare=False, repr=False)
-    """Each cp chunk's first and last document id, read on the host once per micro-batch by the first plan
-    and reused by the plans of other sliding windows (``sub_blocks``)."""
-
-    @property
-    def chunk(self) -> int:
-        return self.seq_len // (2 * self.cp)
 
 
 def _halves(t: torch.Tensor, chunk: int) -> list[torch.Tensor]:

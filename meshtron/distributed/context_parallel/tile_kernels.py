@@ -12,7 +12,7 @@ tensor broadcastable to ``(B, Lq, Lk)`` (True where a query may attend a key) or
 * CPU: PyTorch's CPU flash op for blocks without a tensor mask; the plain-PyTorch float32 kernel
   (``math``) for boolean masks.
 * CUDA: the flash op (fp16 / bf16 on sm80+) or the memory-efficient op (otherwise) for blocks without
-  a mask; FlexAttention for ``BlockMask`` blocks (``fused_blocks``). Never run on a GPU yet.
+  a mask; FlexAttention for ``BlockMask`` blocks (``fused_tile_kernels``). Never run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from meshtron.distributed import fused_blocks as fused
-from meshtron.distributed.fused_blocks import expand_kv, fold_kv
+from meshtron.distributed.context_parallel import fused_tile_kernels as fused
+from meshtron.distributed.context_parallel.fused_tile_kernels import expand_kv, fold_kv
 
 Mask = torch.Tensor | BlockMask | str | None
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

@@ -23,16 +23,12 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from meshtron.distributed.context_parallel.layout import chunk_ids
 from meshtron.models.attention_kernels import BLOCK_SIZE, _ordered, effective_window
 
 KERNELS = ("auto", "math", "flex")
-"""``SequenceLayout.kernel``: ``auto`` (fused kernels: see ``attention_blocks.choose_block_kernel``), ``math``
+"""``SequenceLayout.kernel``: ``auto`` (fused kernels: see ``tile_kernels.choose_block_kernel``), ``math``
 (plain PyTorch, float32) or ``flex`` (document-masked sub-blocks by FlexAttention on any device, for tests)."""
-
-
-def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
-    """The two sequence chunks (of ``2*cp``) that ``rank`` holds."""
-    return rank, 2 * cp - 1 - rank
 
 
 def mask_kind(device, kernel: str) -> str:
