@@ -58,13 +58,13 @@ class SequenceLayout:
     document_ids: torch.Tensor | None = None
     kernel: str = "auto"
     """``auto`` (the device's fused kernels), ``math`` (plain PyTorch) or ``flex`` (FlexAttention for the
-    document-masked sub-blocks on any device), for tests: see ``tiles.KERNELS``."""
+    document-masked tiles on any device), for tests: see ``tiles.KERNELS``."""
     attention_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Masks that attention builds once for this micro-batch and every layer reuses (the sub-block plan
+    """Masks that attention builds once for this micro-batch and every layer reuses (the tile plan
     with cp, one per sliding window)."""
     document_ranges: dict = field(default_factory=dict, compare=False, repr=False)
     """Each cp chunk's first and last document id, read on the host once per micro-batch by the first plan
-    and reused by the plans of other sliding windows (``sub_blocks``)."""
+    and reused by the plans of other sliding windows (``planned_tiles``)."""
 
     @property
     def chunk(self) -> int:
