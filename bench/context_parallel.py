@@ -14,10 +14,10 @@ optimizer step of batch 1 at each requested sequence length. Per rank it measure
 ``--budget-mb`` turns the measurements into "the longest sequence that fits": the largest measured
 length whose activation memory per rank stays within the budget, per cp degree.
 
-On CUDA (or with ``--blocks``) it measures one context-parallel sub-block instead: forward + backward
-time (median, CUDA events) and peak memory above the inputs of meshtron's sub-block kernels
-(``block_forward`` + ``block_backward``), of the plain fp32 kernel they replace (``math``) and of SDPA
-flash, for a causal (diagonal), a full (off-diagonal) and a document-masked diagonal block (default:
+On CUDA (or with ``--tiles``) it measures one context-parallel tile instead: forward + backward
+time (median, CUDA events) and peak memory above the inputs of meshtron's tile kernels
+(``tile_forward`` + ``tile_backward``), of the plain fp32 kernel they replace (``math``) and of SDPA
+flash, for a causal (diagonal), a full (off-diagonal) and a document-masked diagonal tile (default:
 4096 x 4096, 32 query / 8 key-value heads, head dim 128, bf16), with each kernel's relative error
 against the fp32 plain kernel (exit status 1 above the tolerance). ``--train`` runs the training
 launches after them (on a GPU machine each launch needs ``cp`` GPUs).
@@ -26,7 +26,7 @@ Example:
 
     python bench/context_parallel.py                                   # cp 1 2 4 at 4096 tokens
     python bench/context_parallel.py --cp 1 4 --seq-len 2048 4096 8192 16384 --budget-mb 64
-    python bench/context_parallel.py --blocks                          # sub-block kernels (default on CUDA)
+    python bench/context_parallel.py --tiles                           # tile kernels (default on CUDA)
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from attention_kernels import packed_document_ids, relative_error, time_ms  # be
 from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
 from torch import nn
 
-BLOCK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-"""Largest relative error of meshtron's sub-block kernels against the fp32 plain kernel that passes."""
+TILE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+"""Largest relative error of meshtron's tile kernels against the fp32 plain kernel that passes."""
 
 
 class SavedActivations:
@@ -158,31 +158,31 @@ def longest_within(results: list[dict], budget_mb: float) -> dict[int, int | Non
     return fits
 
 
-def block_cases(args, device: torch.device):
-    """(name, meshtron's mask, the plain kernel's mask, SDPA's is_causal) of each sub-block measured."""
-    from meshtron.distributed import sub_blocks
+def tile_cases(args, device: torch.device):
+    """(name, meshtron's mask, the plain kernel's mask, SDPA's is_causal) of each tile measured."""
+    from meshtron.distributed.context_parallel import tiles
 
-    docs = packed_document_ids(args.block_batch, args.block_len, args.block_documents, torch.Generator().manual_seed(0))
+    docs = packed_document_ids(args.tile_batch, args.tile_len, args.tile_documents, torch.Generator().manual_seed(0))
     docs = docs.to(device)
-    dense = sub_blocks.dense_chunk_mask(docs, docs, True)
-    fused = sub_blocks.chunk_block_mask(docs, docs, True) if sub_blocks.mask_kind(device, "auto") == "flex" else dense
+    dense = tiles.dense_chunk_mask(docs, docs, True)
+    fused = tiles.chunk_block_mask(docs, docs, True) if tiles.mask_kind(device, "auto") == "flex" else dense
     return [
         ("causal (diagonal)", "causal", "causal", True),
         ("full (off-diagonal)", None, None, False),
-        (f"{args.block_documents} documents (diagonal)", fused, dense, True),
+        (f"{args.tile_documents} documents (diagonal)", fused, dense, True),
     ]
 
 
-def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
-    """Forward + backward of one sub-block by each kernel: time, peak memory, error vs the fp32 plain kernel."""
+def tile_figures(args, device: torch.device) -> tuple[list[dict], bool]:
+    """Forward + backward of one tile by each kernel: time, peak memory, error vs the fp32 plain kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from meshtron.distributed.attention_blocks import block_backward, block_forward
+    from meshtron.distributed.context_parallel.tile_kernels import tile_backward, tile_forward
 
-    dtype = getattr(torch, args.block_dtype)
+    dtype = getattr(torch, args.tile_dtype)
     gen = torch.Generator(device).manual_seed(0)
     q, k, v = (
-        torch.randn(args.block_batch, heads, args.block_len, args.head_dim, device=device, generator=gen).to(dtype)
+        torch.randn(args.tile_batch, heads, args.tile_len, args.head_dim, device=device, generator=gen).to(dtype)
         for heads in (args.heads, args.kv_heads, args.kv_heads)
     )
     grad_out = torch.randn(q.shape, device=device, generator=gen).to(dtype)
@@ -191,8 +191,8 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
 
     def meshtron(mask, kernel):
         def run():
-            out, lse = block_forward(q, k, v, mask, scale, kernel)
-            return (out, *block_backward(q, k, v, mask, scale, out, lse, grad_out, kernel))
+            out, lse = tile_forward(q, k, v, mask, scale, kernel)
+            return (out, *tile_backward(q, k, v, mask, scale, out, lse, grad_out, kernel))
 
         return run
 
@@ -207,7 +207,7 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
         return run
 
     rows, ok = [], True
-    for case, fused_mask, plain_mask, causal in block_cases(args, device):
+    for case, fused_mask, plain_mask, causal in tile_cases(args, device):
         reference = [t.float() for t in meshtron(plain_mask, "math")()]  # the fp32 plain kernel (inputs as given)
         documents = "documents" in case
         sdpa_name = f"SDPA {'flash' if flash else 'default'}" + (" (causal, no documents)" if documents else "")
@@ -219,11 +219,11 @@ def block_figures(args, device: torch.device) -> tuple[list[dict], bool]:
         for name, run, comparable in kernels:
             error = max(relative_error(got, want) for got, want in zip(run(), reference)) if comparable else None
             if name == "meshtron (auto)":
-                ok &= error <= BLOCK_TOLERANCE[dtype]
+                ok &= error <= TILE_TOLERANCE[dtype]
             seconds = time_ms(run, args.iters, args.warmup, device)
             rows.append(
                 {
-                    "block": case,
+                    "tile": case,
                     "kernel": name,
                     "fwd_bwd_ms": seconds,
                     "peak_bytes": _peak_bytes(run, device),
@@ -245,29 +245,29 @@ def _peak_bytes(run, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
-def blocks_table(rows: list[dict]) -> str:
-    lines = ["| sub-block | kernel | fwd+bwd ms | peak MiB | rel. error vs fp32 |", "|---|---|---:|---:|---:|"]
+def tiles_table(rows: list[dict]) -> str:
+    lines = ["| tile | kernel | fwd+bwd ms | peak MiB | rel. error vs fp32 |", "|---|---|---:|---:|---:|"]
     for r in rows:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
         error = "-" if r["rel_error"] is None else f"{r['rel_error']:.1e}"
-        lines.append(f"| {r['block']} | {r['kernel']} | {r['fwd_bwd_ms']:.2f} | {peak} | {error} |")
+        lines.append(f"| {r['tile']} | {r['kernel']} | {r['fwd_bwd_ms']:.2f} | {peak} | {error} |")
     return "\n".join(lines)
 
 
-def run_blocks(args) -> tuple[dict, bool]:
+def run_tiles(args) -> tuple[dict, bool]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings say nothing about a GPU)"
     print(
-        f"sub-block {args.block_len} x {args.block_len}, batch {args.block_batch}, heads {args.heads}/{args.kv_heads}, "
-        f"head dim {args.head_dim}, {args.block_dtype}, on {name}, torch {torch.__version__}",
+        f"tile {args.tile_len} x {args.tile_len}, batch {args.tile_batch}, heads {args.heads}/{args.kv_heads}, "
+        f"head dim {args.head_dim}, {args.tile_dtype}, on {name}, torch {torch.__version__}",
         flush=True,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        rows, ok = block_figures(args, device)
-    print(blocks_table(rows))
+        rows, ok = tile_figures(args, device)
+    print(tiles_table(rows))
     print("check:", "PASS" if ok else "FAIL")
-    return {"device": name, "dtype": args.block_dtype, "length": args.block_len, "rows": rows}, ok
+    return {"device": name, "dtype": args.tile_dtype, "length": args.tile_len, "rows": rows}, ok
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -282,20 +282,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", help="tokenized-data cache (default ~/.cache/meshtron)")
     parser.add_argument("--out", type=Path, help="write the JSON results here (default: a temp dir)")
     cuda = torch.cuda.is_available()
-    blocks = parser.add_argument_group("sub-block kernels (default on CUDA)")
-    blocks.add_argument("--blocks", action="store_true", help="measure the sub-block kernels (also off CUDA)")
-    blocks.add_argument("--train", action="store_true", help="run the training launches after the sub-blocks too")
-    blocks.add_argument("--block-len", type=int, default=4096 if cuda else 256)
-    blocks.add_argument("--block-batch", type=int, default=1)
-    blocks.add_argument("--heads", type=int, default=32 if cuda else 4)
-    blocks.add_argument("--kv-heads", type=int, default=8 if cuda else 2)
-    blocks.add_argument("--head-dim", type=int, default=128 if cuda else 16)
-    blocks.add_argument("--block-documents", type=int, default=8, help="documents per row of the masked block")
-    blocks.add_argument(
-        "--block-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16" if cuda else "float32"
+    tiles = parser.add_argument_group("tile kernels (default on CUDA)")
+    tiles.add_argument("--tiles", action="store_true", help="measure the tile kernels (also off CUDA)")
+    tiles.add_argument("--train", action="store_true", help="run the training launches after the tiles too")
+    tiles.add_argument("--tile-len", type=int, default=4096 if cuda else 256)
+    tiles.add_argument("--tile-batch", type=int, default=1)
+    tiles.add_argument("--heads", type=int, default=32 if cuda else 4)
+    tiles.add_argument("--kv-heads", type=int, default=8 if cuda else 2)
+    tiles.add_argument("--head-dim", type=int, default=128 if cuda else 16)
+    tiles.add_argument("--tile-documents", type=int, default=8, help="documents per row of the masked tile")
+    tiles.add_argument(
+        "--tile-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16" if cuda else "float32"
     )
-    blocks.add_argument("--iters", type=int, default=20 if cuda else 3)
-    blocks.add_argument("--warmup", type=int, default=5 if cuda else 1)
+    tiles.add_argument("--iters", type=int, default=20 if cuda else 3)
+    tiles.add_argument("--warmup", type=int, default=5 if cuda else 1)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -307,13 +307,13 @@ def main() -> int:
     if args.worker:
         return worker(args)
     workdir = Path(tempfile.mkdtemp(prefix="meshtron-cp-bench-"))
-    ok, block_summary = True, None
-    if args.blocks or cuda:
-        block_summary, ok = run_blocks(args)
+    ok, tile_summary = True, None
+    if args.tiles or cuda:
+        tile_summary, ok = run_tiles(args)
         if not args.train:
-            out = args.out or workdir / "context_parallel_blocks.json"
+            out = args.out or workdir / "context_parallel_tiles.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"blocks": block_summary}, indent=2))
+            out.write_text(json.dumps({"tiles": tile_summary}, indent=2))
             print(f"results: {out}")
             return 0 if ok else 1
     results = []
@@ -328,8 +328,8 @@ def main() -> int:
         "cpu_cores": os.cpu_count(),
         "results": results,
     }
-    if block_summary is not None:
-        summary["blocks"] = block_summary
+    if tile_summary is not None:
+        summary["tiles"] = tile_summary
     if args.budget_mb:
         summary["longest_within_budget"] = longest_within(results, args.budget_mb)
         for cp, length in summary["longest_within_budget"].items():

@@ -3,8 +3,8 @@
 Usage: torchrun --nproc-per-node 4 tests/cp_attention_worker.py OUT.json
 cp=4 uses all ranks; cp=2 runs on ranks {0,1} and {2,3}. For each case rank 0 writes the largest
 relative error (max abs error / max abs reference) of the output and of dq, dk, dv over all ranks.
-Kernels: ``auto`` (CPU flash op for unmasked sub-blocks, plain PyTorch for masked ones), ``math`` (plain
-PyTorch everywhere) and, with documents, ``flex`` (masked sub-blocks by eager FlexAttention with the
+Kernels: ``auto`` (CPU flash op for unmasked tiles, plain PyTorch for masked ones), ``math`` (plain
+PyTorch everywhere) and, with documents, ``flex`` (masked tiles by eager FlexAttention with the
 planned ``BlockMask``; forward only, as FlexAttention has no CPU backward).
 Sliding-window cases (``sliding_window_cases``: windows shorter than, equal to and longer than a chunk of
 16 tokens at cp=2 and of 8 at cp=4, documents crossing chunk borders inside the window) go to a second
@@ -77,7 +77,7 @@ def run_case(cp, method, masked, kernel, group, rank, window=None) -> dict:
 
 def sliding_window_cases():
     """(cp, method, masked, kernel, window): every window with documents, both methods, the fastest kernels;
-    without documents and with the plain kernel and FlexAttention sub-blocks (output only) a few."""
+    without documents and with the plain kernel and FlexAttention tiles (output only) a few."""
     for cp, method, window in itertools.product((2, 4), ("ring", "allgather"), (5, 8, 16, 27)):
         yield cp, method, True, "auto", window
     for cp, window in itertools.product((2, 4), (5, 16)):
@@ -96,7 +96,7 @@ def main() -> None:
     cases = itertools.product((2, 4), ("ring", "allgather"), (False, True), ("auto", "math", "flex"))
     for cp, method, masked, kernel in cases:
         if kernel == "flex" and not masked:
-            continue  # without documents no sub-block is masked: the same as auto
+            continue  # without documents no tile is masked: the same as auto
         group = dist.group.WORLD if cp == 4 else pairs[rank // 2]
         name = f"cp{cp}-{method}-{'documents' if masked else 'causal'}-{kernel}"
         results[name] = run_case(cp, method, masked, kernel, group, rank % cp)

@@ -10,9 +10,9 @@ from conftest import full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from meshtron.config import ModelConfig
-from meshtron.distributed.context_parallel import SequenceLayout
+from meshtron.distributed.context_parallel import SequenceLayout, register_attention
 from meshtron.models import attention_kernels as kernels
-from meshtron.models.attention import document_ids, register_attention
+from meshtron.models.attention import document_ids
 from meshtron.models.build import build_meta_model, load_hf_config, materialize
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 
@@ -69,7 +69,7 @@ def test_mask_mod_and_dense_mask_match_the_documents():
 @pytest.mark.parametrize("with_documents", [True, False])
 def test_block_mask_lists_exactly_the_visible_blocks(with_documents):
     """Built from per-block document ranges, the block mask equals torch's ``create_block_mask`` (which
-    evaluates every position) and each 128 x 128 tile is skipped / full / partial as the dense mask says."""
+    evaluates every position) and each 128 x 128 block is skipped / full / partial as the dense mask says."""
     tokens = packed_tokens()
     docs = document_ids(tokens, EOS) if with_documents else None
     ours = kernels.document_block_mask(docs, "cpu", SEQ)
@@ -83,10 +83,10 @@ def test_block_mask_lists_exactly_the_visible_blocks(with_documents):
     listed, full = ours.to_dense()[:, 0].bool(), full_blocks(ours)
     for q in range(blocks):
         for kv in range(blocks):
-            tile = dense[:, q * BLOCK : (q + 1) * BLOCK, kv * BLOCK : (kv + 1) * BLOCK]
-            complete = tile.shape[1:] == (BLOCK, BLOCK)
-            assert torch.equal(listed[:, q, kv], tile.flatten(1).any(1))
-            assert torch.equal(full[:, q, kv], tile.flatten(1).all(1) & complete)
+            part = dense[:, q * BLOCK : (q + 1) * BLOCK, kv * BLOCK : (kv + 1) * BLOCK]
+            complete = part.shape[1:] == (BLOCK, BLOCK)
+            assert torch.equal(listed[:, q, kv], part.flatten(1).any(1))
+            assert torch.equal(full[:, q, kv], part.flatten(1).all(1) & complete)
     if with_documents:
         assert not listed[0, 2, 0]  # row 0: the documents of block 0 end before block 2 starts
         # The one-document row: an earlier block needs no mask_mod, except in the last (cut) query block.

@@ -352,7 +352,7 @@ def test_export_loads_in_plain_transformers(runs, tmp_path):
     meshtron's model with the same trained weights."""
     from meshtron.config import load_config
     from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.attention import register_attention
+    from meshtron.distributed.context_parallel import register_attention
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.train.batch import SequenceSplit, sequence_inputs
 

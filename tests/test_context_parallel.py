@@ -1,4 +1,4 @@
-"""Context-parallel attention: sharding, document ids, the sub-block plan and kernels, and exactness
+"""Context-parallel attention: sharding, document ids, the tile plan and kernels, and exactness
 against single-device attention."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import torch
 from conftest import REPO, full_blocks, run_torchrun
 from torch.nn.attention.flex_attention import create_mask
 
-from meshtron.distributed import attention_blocks as blocks
-from meshtron.distributed import fused_blocks as fused
-from meshtron.distributed import sub_blocks as plans
 from meshtron.distributed.context_parallel import (
     SequenceLayout,
-    chunk_ids,
     context_parallel_attention,
     local_token_index,
     shard_sequence,
+    tile_kernels,
 )
+from meshtron.distributed.context_parallel import fused_tile_kernels as fused
+from meshtron.distributed.context_parallel import tiles as plans
+from meshtron.distributed.context_parallel.layout import chunk_ids
 from meshtron.models.attention import document_ids, document_positions
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 
@@ -62,7 +62,7 @@ def test_document_ids_and_positions_restart_after_each_eos():
     ]
 
 
-def test_sub_blocks_are_classified_from_the_chunks_document_ranges():
+def test_tiles_are_classified_from_the_chunks_document_ranges():
     docs = torch.tensor([[0] * 4 + [1] * 2 + [2] * 10])  # 4 chunks of 4 at cp=2
     layout = SequenceLayout(16, cp=2, rank=0, document_ids=docs)
     ends = docs.reshape(1, 4, 4)
@@ -76,27 +76,27 @@ def test_sub_blocks_are_classified_from_the_chunks_document_ranges():
     assert {plans.classify(None, None, q, kv) for q, kv in [(1, 0), (3, 0)]} == {"full"}
     assert (plans.classify(None, None, 2, 2), plans.classify(None, None, 1, 2)) == ("causal", "skip")
 
-    plan = plans.plan_sub_blocks(layout, "cpu")  # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    plan = plans.plan_tiles(layout, "cpu")  # rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
     assert plan[0] == [(0, 0, "causal"), (1, 1, "causal")]  # (0, 3) future, (3, 0) earlier document
     assert [(qi, ki) for qi, ki, _ in plan[1]] == [(1, 0), (1, 1)]  # (3, 1) masked, (3, 2) full
     assert plan[1][0][2].shape == (1, 4, 4) and plan[1][1][2] is None
 
 
-def test_sequence_inputs_plan_the_sub_blocks_once_per_micro_batch(monkeypatch):
+def test_sequence_inputs_plan_the_tiles_once_per_micro_batch(monkeypatch):
     calls = []
-    plan = plans.plan_sub_blocks
-    monkeypatch.setattr(plans, "plan_sub_blocks", lambda *args: calls.append(args) or plan(*args))
+    plan = plans.plan_tiles
+    monkeypatch.setattr(plans, "plan_tiles", lambda *args: calls.append(args) or plan(*args))
     tokens = torch.tensor([[5, 0, 7, 8, 0, 0, 9, 9, 4, 4, 0, 3, 3, 3, 3, 0]])
     split = SequenceSplit(cp=2, cp_rank=1, mask_documents=True, eos_token_id=0)
     layout = sequence_inputs(tokens, split)["sequence_layout"]
     assert len(calls) == 1 and list(layout.attention_cache) == [("cp", "cpu", "dense")]
     for _ in range(3):  # every layer, forward and backward
-        assert plans.sub_blocks(layout, torch.device("cpu")) is layout.attention_cache["cp", "cpu", "dense"]
+        assert plans.planned_tiles(layout, torch.device("cpu")) is layout.attention_cache["cp", "cpu", "dense"]
     assert len(calls) == 1
 
 
 def test_kernel_choice_per_device_dtype_and_mask():
-    choose = blocks.choose_block_kernel
+    choose = tile_kernels.choose_tile_kernel
     dense = torch.ones(1, 4, 4, dtype=torch.bool)
     block_mask = plans.chunk_block_mask(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), True)
     h100, v100 = (9, 0), (7, 0)
@@ -117,8 +117,8 @@ def test_kernel_choice_per_device_dtype_and_mask():
 
 
 def chunk_docs():
-    """Two rows of two 18-token chunks (tiles of 4, the last one cut): documents that end inside and on
-    tile borders, and a query chunk starting with the key chunk's last document, over whole tiles."""
+    """Two rows of two 18-token chunks (BlockMask blocks of 4, the last one cut): documents that end inside and
+    on block borders, and a query chunk starting with the key chunk's last document, over whole blocks."""
     ends = ([2, 7, 11, 20, 23, 27, 35], [9, 30])
     tokens = torch.ones(2, 36, dtype=torch.long)
     for row, positions in enumerate(ends):
@@ -128,24 +128,24 @@ def chunk_docs():
 
 
 @pytest.mark.parametrize("diagonal", [True, False])
-def test_chunk_block_mask_lists_exactly_the_visible_tiles(diagonal):
+def test_chunk_block_mask_lists_exactly_the_visible_blocks(diagonal):
     kv_docs, q_docs = chunk_docs()
     if diagonal:
         kv_docs = q_docs
-    tile, length = 4, q_docs.shape[1]
+    size, length = 4, q_docs.shape[1]
     dense = plans.dense_chunk_mask(q_docs, kv_docs, diagonal)
     expected = (q_docs[:, :, None] == kv_docs[:, None, :]) & (torch.ones(length, length).tril().bool() | (not diagonal))
     assert torch.equal(dense, expected)
-    block_mask = plans.chunk_block_mask(q_docs, kv_docs, diagonal, block_size=tile)
+    block_mask = plans.chunk_block_mask(q_docs, kv_docs, diagonal, block_size=size)
     assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, length, length, device="cpu")[:, 0], dense)
     listed, full = block_mask.to_dense()[:, 0].bool(), full_blocks(block_mask)
-    tiles = -(-length // tile)
-    for q, kv in itertools.product(range(tiles), repeat=2):
-        part = dense[:, q * tile : (q + 1) * tile, kv * tile : (kv + 1) * tile]
-        complete = part.shape[1:] == (tile, tile)
+    blocks = -(-length // size)
+    for q, kv in itertools.product(range(blocks), repeat=2):
+        part = dense[:, q * size : (q + 1) * size, kv * size : (kv + 1) * size]
+        complete = part.shape[1:] == (size, size)
         assert torch.equal(listed[:, q, kv], part.flatten(1).any(1)), (q, kv)
         assert torch.equal(full[:, q, kv], part.flatten(1).all(1) & complete), (q, kv)
-    assert full.any() and (listed & ~full).any() and not listed.all()  # every kind of tile occurs
+    assert full.any() and (listed & ~full).any() and not listed.all()  # every kind of block occurs
 
 
 def qkv(length, dtype=torch.float32, seed=0):
@@ -154,25 +154,25 @@ def qkv(length, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.parametrize("diagonal", [True, False])
-def test_flex_sub_block_forward_matches_the_dense_kernel(diagonal):
-    """Eager FlexAttention with the planned BlockMask (tiles of 4 and of 128) against the plain-PyTorch
+def test_flex_tile_forward_matches_the_dense_kernel(diagonal):
+    """Eager FlexAttention with the planned BlockMask (blocks of 4 and of 128) against the plain-PyTorch
     kernel with the boolean mask: output and log-sum-exp, rows without a visible key included (out 0, -inf)."""
     kv_docs, q_docs = chunk_docs()
     if diagonal:
         kv_docs = q_docs
     q, k, v = qkv(q_docs.shape[1])
-    want_out, want_lse = blocks.math_forward(q, k, v, plans.dense_chunk_mask(q_docs, kv_docs, diagonal), 0.3)
+    want_out, want_lse = tile_kernels.math_forward(q, k, v, plans.dense_chunk_mask(q_docs, kv_docs, diagonal), 0.3)
     assert diagonal or torch.isinf(want_lse).any()  # queries whose document starts after the key chunk
-    for tile in (4, 128):
-        block_mask = plans.chunk_block_mask(q_docs, kv_docs, diagonal, block_size=tile)
-        out, lse = blocks.block_forward(q, k, v, block_mask, 0.3)
+    for size in (4, 128):
+        block_mask = plans.chunk_block_mask(q_docs, kv_docs, diagonal, block_size=size)
+        out, lse = tile_kernels.tile_forward(q, k, v, block_mask, 0.3)
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_recomputed_backward_through_the_log_sum_exp_gives_each_block_its_share():
+def test_recomputed_backward_through_the_log_sum_exp_gives_each_tile_its_share():
     """The flex backward's formula, with the differentiable plain-PyTorch forward in FlexAttention's place
-    (which has no CPU backward): the shares of two masked key blocks, each recomputed from the merged
+    (which has no CPU backward): the shares of two masked tiles, each recomputed from the merged
     output and log-sum-exp, add up to the gradients of attention over both, in float64."""
     kv_docs, q_docs = chunk_docs()
     masks = [plans.dense_chunk_mask(q_docs, kv_docs, False), plans.dense_chunk_mask(q_docs, q_docs, True)]
@@ -180,13 +180,14 @@ def test_recomputed_backward_through_the_log_sum_exp_gives_each_block_its_share(
     _, k1, v1 = (t.double() for t in qkv(18, seed=2))
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k0, v0, k1, v1)]
-    merged = blocks.merge_partial(
-        *blocks.math_forward(*leaves[:3], masks[0], 0.3), *blocks.math_forward(leaves[0], *leaves[3:], masks[1], 0.3)
+    merged = tile_kernels.merge_partial(
+        *tile_kernels.math_forward(*leaves[:3], masks[0], 0.3),
+        *tile_kernels.math_forward(leaves[0], *leaves[3:], masks[1], 0.3),
     )
     merged[0].backward(grad_out)
     out, lse = (t.detach() for t in merged)
     shares = [
-        fused.recomputed_backward(lambda *t, m=mask: blocks.math_forward(*t, m, 0.3), q, k, v, out, lse, grad_out)
+        fused.recomputed_backward(lambda *t, m=mask: tile_kernels.math_forward(*t, m, 0.3), q, k, v, out, lse, grad_out)
         for mask, k, v in zip(masks, (k0, k1), (v0, v1))
     ]
     torch.testing.assert_close(shares[0][0] + shares[1][0], leaves[0].grad.float(), atol=1e-6, rtol=1e-5)
@@ -195,7 +196,7 @@ def test_recomputed_backward_through_the_log_sum_exp_gives_each_block_its_share(
         torch.testing.assert_close(dv, v_leaf.grad.float(), atol=1e-6, rtol=1e-5)
     # The same shares as the plain-PyTorch backward that takes the final output and log-sum-exp.
     for share, mask, k, v in zip(shares, masks, (k0, k1), (v0, v1)):
-        for got, want in zip(share, blocks.block_backward(q, k, v, mask, 0.3, out, lse, grad_out, kernel="math")):
+        for got, want in zip(share, tile_kernels.tile_backward(q, k, v, mask, 0.3, out, lse, grad_out, kernel="math")):
             torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-5)
 
 
@@ -220,7 +221,7 @@ def test_attention_layers_make_no_host_sync(monkeypatch):
     q, k, v = (t.requires_grad_() for t in qkv(16))
     for kernel in ("auto", "math"):
         layout = SequenceLayout(16, cp=1, document_ids=docs, kernel=kernel)
-        plans.sub_blocks(layout, torch.device("cpu"))
+        plans.planned_tiles(layout, torch.device("cpu"))
         assert any(isinstance(mask, torch.Tensor) for _, _, mask in layout.attention_cache["cp", "cpu", "dense"][0])
         with monkeypatch.context() as patch:
             for name in ("__bool__", "item", "tolist"):
@@ -235,7 +236,7 @@ def _no_sync(*args, **kwargs):
     raise AssertionError("host sync inside attention")
 
 
-def test_planner_charges_fused_sub_blocks_on_cuda_and_fp32_ones_elsewhere():
+def test_planner_charges_fused_tiles_on_cuda_and_fp32_ones_elsewhere():
     """On CUDA, CP attention runs at the compute-dtype rate (a cp layout computes as long as FSDP over the
     same ranks) and its transient buffers are (chunk x head dim); on CPU the fp32 rate and scores stay."""
     from meshtron.models.presets import make_preset_config
@@ -261,32 +262,32 @@ def test_planner_charges_fused_sub_blocks_on_cuda_and_fp32_ones_elsewhere():
     assert transient["cpu"] - transient["cuda"] == 3 * 4 * rows * chunk - 4 * 4 * rows * shape.head_dim
 
 
-def test_sub_block_benchmark_runs_every_kernel(monkeypatch):
-    """``bench/context_parallel.py --blocks`` at a tiny shape on CPU: every (sub-block, kernel) row, meshtron's
+def test_tile_benchmark_runs_every_kernel(monkeypatch):
+    """``bench/context_parallel.py --tiles`` at a tiny shape on CPU: every (tile, kernel) row, meshtron's
     kernels within tolerance of the fp32 plain kernel (on a GPU it adds peak memory and the fused kernels)."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     try:
         bench = importlib.import_module("context_parallel")
         args = bench.parse_args(
-            ["--blocks", "--block-len", "48", "--block-documents", "3", "--iters", "1", "--warmup", "0"]
+            ["--tiles", "--tile-len", "48", "--tile-documents", "3", "--iters", "1", "--warmup", "0"]
         )
-        rows, ok = bench.block_figures(args, torch.device("cpu"))
+        rows, ok = bench.tile_figures(args, torch.device("cpu"))
     finally:  # the benchmark's modules are top-level names: leave none behind
         for name in ("context_parallel", "attention_kernels", "launch"):
             sys.modules.pop(name, None)
     assert (
         ok
         and len(rows) == 9
-        and {r["block"] for r in rows} == {"causal (diagonal)", "full (off-diagonal)", "3 documents (diagonal)"}
+        and {r["tile"] for r in rows} == {"causal (diagonal)", "full (off-diagonal)", "3 documents (diagonal)"}
     )
     assert all(r["rel_error"] < 1e-5 for r in rows if r["rel_error"] is not None)
-    assert "| 3 documents (diagonal) | meshtron (auto) |" in bench.blocks_table(rows)
+    assert "| 3 documents (diagonal) | meshtron (auto) |" in bench.tiles_table(rows)
 
 
 @pytest.mark.slow
 def test_context_parallel_attention_matches_single_device(tmp_path):
     """Output and q/k/v gradients, cp 2 and 4, ring and all-gather, causal and document masks, GQA,
-    with the fastest kernel and the plain-PyTorch one (and FlexAttention sub-blocks, output only),
+    with the fastest kernel and the plain-PyTorch one (and FlexAttention tiles, output only),
     against float64 whole-sequence attention."""
     out = tmp_path / "errors.json"
     proc = run_torchrun(4, ["tests/cp_attention_worker.py", str(out)], timeout=300)

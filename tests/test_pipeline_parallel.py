@@ -43,8 +43,8 @@ def test_chained_stages_compute_the_whole_model():
     """Every stage of pp=2 x 2 stages per rank, materialized on its own, chained by hand, gives the
     full model's logits: names, initialization and the stage forward all match the unsplit model."""
     from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.distributed.context_parallel import register_attention
     from meshtron.distributed.pipeline_parallel import set_stage_forward
-    from meshtron.models.attention import register_attention
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.train.batch import SequenceSplit, sequence_inputs
 

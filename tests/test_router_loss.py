@@ -235,8 +235,8 @@ def test_pipeline_stages_carry_the_routing_to_transformers_value_and_gradient():
     """Two pipeline stages (layers 0-1, 2-3 of a 4-layer Qwen3-MoE), chained by hand with the routing carry
     (meshtron.train.pipeline_router_loss): the last stage's aux and the gradient of its share reaching every
     parameter of both stages equal transformers' aux_loss of the whole model and its gradient."""
+    from meshtron.distributed.context_parallel import register_attention
     from meshtron.distributed.pipeline_parallel import set_stage_forward, split_pipeline
-    from meshtron.models.attention import register_attention
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.moe import moe_layer_indices
     from meshtron.train.batch import SequenceSplit, sequence_inputs

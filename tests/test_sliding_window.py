@@ -3,7 +3,7 @@
 A query at index i sees a key at index j iff j <= i, i - j < window (transformers' ``sliding_window_overlay``:
 kv_idx > q_idx - sliding_window) and both are in the same document. The multi-process CP cases (ring and
 all-gather, cp 2 and 4) run in ``tests/cp_attention_worker.py`` with the other CP attention cases; here the
-CP sub-blocks are checked in one process by running every rank's share of the computation in turn.
+CP tiles are checked in one process by running every rank's share of the computation in turn.
 """
 
 from __future__ import annotations
@@ -16,18 +16,12 @@ import torch
 from conftest import full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from meshtron.distributed import sub_blocks as plans
-from meshtron.distributed.context_parallel import (
-    SequenceLayout,
-    _backward_block,
-    _forward_block,
-    _halves,
-    _own_first,
-    chunk_ids,
-    local_token_index,
-)
+from meshtron.distributed.context_parallel import SequenceLayout, hf_attention, local_token_index, register_attention
+from meshtron.distributed.context_parallel import tiles as plans
+from meshtron.distributed.context_parallel.layout import chunk_ids
+from meshtron.distributed.context_parallel.ring import _backward_tiles, _forward_tiles, _halves, _own_first
 from meshtron.models import attention_kernels as kernels
-from meshtron.models.attention import document_ids, hf_attention, register_attention
+from meshtron.models.attention import document_ids
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 
 EOS = 0
@@ -123,7 +117,7 @@ def test_window_of_the_sequence_length_or_more_is_none():
 @pytest.mark.parametrize("with_documents", [True, False])
 @pytest.mark.parametrize("window", [1, 5, 16, 64, 127, 128, 129, 200, 299])
 def test_block_mask_skips_blocks_outside_the_window(window, with_documents, block_size):
-    """Listed tiles are exactly those with a visible pair, full tiles those where every pair is visible
+    """Listed blocks are exactly those with a visible pair, full blocks those where every pair is visible
     (never a partly windowed one); the same as torch's ``create_block_mask`` evaluating every position."""
     tokens = packed_tokens()
     docs = document_ids(tokens, EOS) if with_documents else None
@@ -139,10 +133,10 @@ def test_block_mask_skips_blocks_outside_the_window(window, with_documents, bloc
     listed, full = ours.to_dense()[:, 0].bool(), full_blocks(ours)
     blocks = -(-SEQ // block_size)
     for q, kv in itertools.product(range(blocks), repeat=2):
-        tile = dense[:, q * block_size : (q + 1) * block_size, kv * block_size : (kv + 1) * block_size]
-        complete = tile.shape[1:] == (block_size, block_size)
-        assert torch.equal(listed[:, q, kv], tile.flatten(1).any(1)), (q, kv)
-        assert torch.equal(full[:, q, kv], tile.flatten(1).all(1) & complete), (q, kv)
+        part = dense[:, q * block_size : (q + 1) * block_size, kv * block_size : (kv + 1) * block_size]
+        complete = part.shape[1:] == (block_size, block_size)
+        assert torch.equal(listed[:, q, kv], part.flatten(1).any(1)), (q, kv)
+        assert torch.equal(full[:, q, kv], part.flatten(1).all(1) & complete), (q, kv)
     if (blocks - 1) * block_size - (block_size - 1) >= window:  # the last query block is beyond the first key block
         assert not listed[:, -1, 0].any()
 
@@ -284,10 +278,10 @@ def test_packed_documents_match_each_document_alone_with_the_models_own_attentio
     assert (unwindowed - packed).abs().max() > 1e-3
 
 
-# --- context parallelism: sub-blocks on global indices ---------------------------------------------------------
+# --- context parallelism: tiles on global indices --------------------------------------------------------------
 
 
-def test_sub_blocks_are_classified_by_the_window_on_global_indices():
+def test_tiles_are_classified_by_the_window_on_global_indices():
     """Chunks of 4 (cp=2, 16 tokens): (query chunk, key chunk) pairs 4 apart hold distances 1..7, 8 apart 5..11;
     the diagonal 0..3."""
     chunk = 4
@@ -318,7 +312,7 @@ def test_sub_blocks_are_classified_by_the_window_on_global_indices():
 @pytest.mark.parametrize("window", [1, 3, 4, 6, 9, 13])
 @pytest.mark.parametrize("diagonal", [True, False])
 def test_chunk_masks_apply_the_window_at_the_chunks_offset(diagonal, window, with_documents):
-    """The dense sub-block mask, the BlockMask's tiles (of 4) and its mask_mod against the whole-sequence naive
+    """The dense tile mask, the BlockMask's blocks (of 4) and its mask_mod against the whole-sequence naive
     mask cut at the chunks' global offsets (query chunk 3, key chunk 2 or 3 of 8-token chunks); without
     documents (masked by the window only) both have batch 1."""
     tokens = torch.ones(2, 32, dtype=torch.long)
@@ -335,14 +329,14 @@ def test_chunk_masks_apply_the_window_at_the_chunks_offset(diagonal, window, wit
     offset = (q_chunk - kv_chunk) * c
     dense = plans.dense_chunk_mask(q_docs, kv_docs, diagonal, window=window, offset=offset, length=c)
     assert torch.equal(dense, expected)
-    tile = 4
-    block_mask = plans.chunk_block_mask(q_docs, kv_docs, diagonal, tile, window=window, offset=offset, length=c)
+    size = 4
+    block_mask = plans.chunk_block_mask(q_docs, kv_docs, diagonal, size, window=window, offset=offset, length=c)
     batch = expected.shape[0]
     assert torch.equal(create_mask(block_mask.mask_mod, batch, 1, c, c, device="cpu")[:, 0], expected)
     listed, full = block_mask.to_dense()[:, 0].bool(), full_blocks(block_mask)
     assert listed.shape[0] == batch
-    for q, kv in itertools.product(range(c // tile), repeat=2):
-        part = expected[:, q * tile : (q + 1) * tile, kv * tile : (kv + 1) * tile]
+    for q, kv in itertools.product(range(c // size), repeat=2):
+        part = expected[:, q * size : (q + 1) * size, kv * size : (kv + 1) * size]
         assert torch.equal(listed[:, q, kv], part.flatten(1).any(1)), (q, kv)
         assert torch.equal(full[:, q, kv], part.flatten(1).all(1)), (q, kv)
 
@@ -354,20 +348,20 @@ def test_plans_are_cached_per_window_and_read_document_ranges_once(monkeypatch):
     assert list(layout.attention_cache) == [("cp", "cpu", "dense")]
     with monkeypatch.context() as patch:  # a later layer's window: no host sync
         patch.setattr(torch.Tensor, "tolist", lambda *a: (_ for _ in ()).throw(AssertionError("host sync")))
-        windowed = plans.sub_blocks(layout, torch.device("cpu"), 3)
-        assert plans.sub_blocks(layout, torch.device("cpu"), 3) is windowed
-        assert plans.sub_blocks(layout, torch.device("cpu"), 16) is layout.attention_cache["cp", "cpu", "dense"]
+        windowed = plans.planned_tiles(layout, torch.device("cpu"), 3)
+        assert plans.planned_tiles(layout, torch.device("cpu"), 3) is windowed
+        assert plans.planned_tiles(layout, torch.device("cpu"), 16) is layout.attention_cache["cp", "cpu", "dense"]
     assert list(layout.attention_cache) == [("cp", "cpu", "dense"), ("cp", "cpu", "dense", 3)]
     # rank 1 holds chunks 1 and 2 (of 4 tokens), rank 0 chunks 0 and 3: with window 3 the pair of chunks 2 and 0
     # (distances 5 to 11) is skipped, those 4 apart are masked
     assert [(qi, ki) for qi, ki, _ in windowed[1]] == [(0, 0), (1, 0), (1, 1)]
     assert [(qi, ki) for qi, ki, _ in windowed[0]] == [(0, 0)]
-    assert all(isinstance(mask, torch.Tensor) for blocks in windowed.values() for _, _, mask in blocks)
+    assert all(isinstance(mask, torch.Tensor) for tiles in windowed.values() for _, _, mask in tiles)
 
 
 def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out):
     """Every rank's share of CP attention in one process, from the plan each rank makes: each rank's queries
-    against every rank's K/V (as all-gather does), then the backward of every sub-block. Returns the output
+    against every rank's K/V (as all-gather does), then the backward of every tile. Returns the output
     and the q/k/v gradients in global order."""
     seq = q.shape[2]
     c = seq // (2 * cp)
@@ -380,12 +374,12 @@ def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out
         q_halves = _halves(q[:, :, index[rank]], c)
         state = [(torch.zeros(h.shape), torch.full(h.shape[:-1], float("-inf"))) for h in q_halves]
         for source in _own_first(layout):
-            _forward_block(q_halves, kv[source], source, layout, scale, state, window)
+            _forward_tiles(q_halves, kv[source], source, layout, scale, state, window)
         local_out, local_lse = torch.cat([s[0] for s in state], 2), torch.cat([s[1] for s in state], 2)
         out[:, :, index[rank]] = local_out
         dq_halves = [torch.zeros(h.shape) for h in q_halves]
         for source in range(cp):
-            grads = _backward_block(
+            grads = _backward_tiles(
                 q_halves,
                 kv[source],
                 source,
@@ -405,10 +399,10 @@ def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out
 @pytest.mark.parametrize("kernel", ["auto", "math"])
 @pytest.mark.parametrize("with_documents", [True, False])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_sub_blocks_match_single_device_attention(cp, with_documents, kernel):
+def test_context_parallel_tiles_match_single_device_attention(cp, with_documents, kernel):
     """Output and q/k/v gradients for windows shorter than, equal to and longer than a chunk (48 tokens: chunks
     of 12 at cp=2, 6 at cp=4), with documents crossing chunk borders inside the window; and that windows skip
-    sub-blocks."""
+    tiles."""
     seq = 48
     tokens = packed_tokens(seq)
     tokens[0, [9, 10, 22, 35]] = EOS
@@ -424,9 +418,9 @@ def test_context_parallel_sub_blocks_match_single_device_attention(cp, with_docu
             torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{window} {name}: {m}")
     computed = {
         w: sum(
-            len(blocks)
+            len(tiles)
             for r in range(cp)
-            for blocks in plans.plan_sub_blocks(SequenceLayout(seq, cp, r, document_ids=docs), "cpu", w).values()
+            for tiles in plans.plan_tiles(SequenceLayout(seq, cp, r, document_ids=docs), "cpu", w).values()
         )
         for w in (None, chunk)
     }
@@ -435,9 +429,9 @@ def test_context_parallel_sub_blocks_match_single_device_attention(cp, with_docu
 
 @pytest.mark.parametrize("with_documents", [True, False])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_flex_sub_blocks_forward(cp, with_documents):
-    """FlexAttention sub-blocks (forced on CPU: eager, forward only) with windows, against the reference
-    (without documents the window-masked sub-blocks have a batch-1 BlockMask)."""
+def test_context_parallel_flex_tiles_forward(cp, with_documents):
+    """FlexAttention tiles (forced on CPU: eager, forward only) with windows, against the reference
+    (without documents the window-masked tiles have a batch-1 BlockMask)."""
     seq = 48
     tokens = packed_tokens(seq)
     tokens[0, [9, 10, 22, 35]] = EOS
@@ -454,7 +448,7 @@ def test_context_parallel_flex_sub_blocks_forward(cp, with_documents):
             state = [(torch.zeros(h.shape), torch.full(h.shape[:-1], float("-inf"))) for h in q_halves]
             for source in _own_first(layout):
                 kv = torch.stack([k[:, :, index[source]], v[:, :, index[source]]])
-                _forward_block(q_halves, kv, source, layout, 0.3, state, window)
+                _forward_tiles(q_halves, kv, source, layout, 0.3, state, window)
             out = torch.cat([s[0] for s in state], 2)
             torch.testing.assert_close(out.double(), want[:, :, index[rank]], atol=1e-5, rtol=1e-5)
             assert chunk_ids(cp, rank) == (rank, 2 * cp - 1 - rank)

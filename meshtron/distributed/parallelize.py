@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshtron.config import Config
+from meshtron.distributed.context_parallel import register_attention
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
 from meshtron.distributed.float8 import apply_float8
@@ -23,7 +24,7 @@ from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.precision import apply_compute_casts, precision_policy
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
-from meshtron.models.attention import register_attention, uses_meshtron_attention
+from meshtron.models.attention import uses_meshtron_attention
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
 _SAVED_OPS = {

@@ -1,10 +1,10 @@
-"""meshtron's attention for Hugging Face models: document masks for packed sequences and context parallelism.
+"""What a model's attention is made of: documents of packed sequences, layer types and sliding windows, the
+masks the model's own forward builds, and which settings meshtron's attention can honour.
 
 Packed training blocks hold several documents, each ended by EOS. With document masking a token
-attends only to earlier tokens of its own document and position ids restart at every document. The
-model's attention modules reach ``hf_attention`` through transformers' attention-function registry
-(the adapter switches the model's ``attn_implementation``); per-call information travels in the
-``sequence_layout`` keyword argument that transformers passes down to the attention function.
+attends only to earlier tokens of its own document and position ids restart at every document. For document
+masks and context parallelism the model's attention is replaced by meshtron's (``hf_attention`` in
+``distributed/context_parallel/routing.py``).
 
 Without document masks and context parallelism the model keeps its own attention (sdpa, eager, ...):
 also under pipeline parallelism, whose stages build the masks the model's forward would build
@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from meshtron.distributed.context_parallel import SequenceLayout, context_parallel_attention
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.models.attention_kernels import document_attention
-
-ATTENTION_NAME = "meshtron"
-"""The name under which ``hf_attention`` is registered with transformers."""
 
 
 def document_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -117,47 +112,3 @@ def check_attention(hf_config, attn_implementation: str, cp: int, mask_documents
             f"the model's attention_dropout {hf_config.attention_dropout} is not supported with {needs}; "
             "set attention_dropout to 0 in the model config" + alternative
         )
-
-
-def _single_device_attention(query, key, value, layout: SequenceLayout, scale: float, window: int | None = None):
-    """Whole-sequence attention with the document mask (and the layer's sliding ``window``), by the device's
-    kernel (see ``attention_kernels``)."""
-    return document_attention(
-        query, key, value, layout.document_ids, scale, cache=layout.attention_cache, window=window
-    )
-
-
-def hf_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling=None,
-    dropout=0.0,
-    sequence_layout=None,
-    sliding_window=None,
-    **kwargs,
-):
-    """A transformers attention function: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) -> (B, L, H, D).
-    ``sliding_window``: what the layer's attention module passes (Gemma 2/3, Qwen2/3: the window on sliding
-    layers, None on full ones; Mistral, Phi-3, Starcoder2: ``config.sliding_window``); a query at index i then
-    sees a key at index j only if i - j < sliding_window, as transformers' ``sliding_window_overlay``."""
-    if sequence_layout is None:
-        raise MeshtronError("meshtron attention was called without a sequence_layout; call the model through meshtron")
-    if dropout:
-        raise MeshtronError("attention dropout is not supported with document masking or context parallelism")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if sequence_layout.cp == 1:
-        out = _single_device_attention(query, key, value, sequence_layout, scale, sliding_window)
-    else:
-        out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_attention() -> str:
-    """Make ``hf_attention`` known to transformers (idempotent) and return its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, hf_attention)
-    return ATTENTION_NAME

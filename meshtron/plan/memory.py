@@ -36,7 +36,7 @@ class MemoryEstimate:
     """FSDP's all-gathered parameters and unreduced gradients of the blocks being computed."""
     temporaries: int
     """Transient buffers outside autograd's saved set: one loss chunk's logits, their fp32 copy and
-    gradient; a block's recomputation under activation checkpointing; CP attention's sub-block buffers."""
+    gradient; a block's recomputation under activation checkpointing; CP attention's tile buffers."""
 
     @property
     def state(self) -> int:
@@ -175,7 +175,7 @@ def meshtron_attention(layout: Layout, workload: Workload) -> bool:
 
 def dense_document_mask(layout: Layout, workload: Workload) -> bool:
     """Whether whole-sequence attention takes a (B, 1, S, S) document mask: SDPA off CUDA (on CUDA,
-    FlexAttention's block mask is negligible; context parallelism builds per sub-block masks)."""
+    FlexAttention's block mask is negligible; context parallelism builds per-tile masks)."""
     return layout.cp == 1 and workload.mask_documents and workload.device != "cuda"
 
 
@@ -347,11 +347,11 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         chunk = workload.seq_len / (2 * layout.cp)
         query_rows = layout.micro_batch * (shape.heads // layout.tp) * chunk
         if workload.device == "cuda":
-            # fused sub-block kernels (flash, FlexAttention): a few fp32 (query chunk x head dim) buffers of a
-            # sub-block's output, merge and gradients, never its (chunk x chunk) scores
+            # fused tile kernels (flash, FlexAttention): a few fp32 (query chunk x head dim) buffers of a
+            # tile's output, merge and gradients, never its (chunk x chunk) scores
             temporaries += 4 * FP32 * query_rows * shape.head_dim
         else:
-            # one (query chunk, key chunk) sub-block's fp32 scores, probabilities and their gradient
+            # one (query chunk, key chunk) tile's fp32 scores, probabilities and their gradient
             temporaries += 3 * FP32 * query_rows * chunk
     logits = logits_bytes(shape, layout, workload)
     estimates = []

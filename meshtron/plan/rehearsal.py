@@ -3,7 +3,7 @@
 The process joins PyTorch's fake process group as rank R of N (collectives return at once and move no
 data: an all-gather hands back copies of this rank's input, an all-to-all its own input, a receive leaves
 its buffer as it was) and runs meshtron's real training loop for a few steps on the real device: its TP
-shards, FSDP shards, pipeline stage, context-parallel sub-blocks and experts, with its share of the global
+shards, FSDP shards, pipeline stage, context-parallel tiles and experts, with its share of the global
 batch. What that rank holds and how long its computation takes are measured; what the other ranks would
 have sent is not, so:
 

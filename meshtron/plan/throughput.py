@@ -100,9 +100,9 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
     efficiency = hw.compiled_matmul_efficiency if workload.compiled else hw.matmul_efficiency
     compute = model_flops * recompute / (peak * efficiency)
-    # meshtron's context-parallel attention runs fused sub-block kernels on CUDA (flash, FlexAttention): the
-    # compute-dtype rate, as without cp (the one extra forward of document-masked sub-blocks in backward is
-    # left out, as is document sparsity). Elsewhere its masked sub-blocks are plain fp32 matmuls: the fp32 rate.
+    # meshtron's context-parallel attention runs fused tile kernels on CUDA (flash, FlexAttention): the
+    # compute-dtype rate, as without cp (the one extra forward of document-masked tiles in backward is
+    # left out, as is document sparsity). Elsewhere its masked tiles are plain fp32 matmuls: the fp32 rate.
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world
     attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
     if layout.cp > 1:

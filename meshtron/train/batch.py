@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtron.distributed.context_parallel import SequenceLayout, shard_sequence
-from meshtron.distributed.sub_blocks import sub_blocks
+from meshtron.distributed.context_parallel import SequenceLayout, planned_tiles, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 from meshtron.models.attention_kernels import prepare_masks
 
@@ -45,12 +44,12 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
     }
     if uses_meshtron_attention(split.cp, split.mask_documents):
         layout = SequenceLayout(input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs)
-        # Every layer's attention finds its masks built, outside any compiled block (with cp: the sub-block
+        # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
         # plan, whose one host sync happens here and not in the layers).
         if split.cp == 1:
             prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1], split.attention_windows)
         else:
             for window in split.attention_windows:
-                sub_blocks(layout, input_ids.device, window)
+                planned_tiles(layout, input_ids.device, window)
         kwargs["sequence_layout"] = layout
     return kwargs

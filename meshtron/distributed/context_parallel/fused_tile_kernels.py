@@ -1,13 +1,13 @@
-"""Fused kernels for one context-parallel sub-block: forward -> (out, log-sum-exp), and the backward of a
-sub-block from the *final* output and log-sum-exp of its queries (what ring attention needs).
+"""Fused kernels for one context-parallel tile: forward -> (out, log-sum-exp), and the backward of a
+tile from the *final* output and log-sum-exp of its queries (what ring attention needs).
 
 * ``flash``: PyTorch's flash-attention ops (CUDA, fp16 / bf16, sm80+, grouped-query heads natively).
 * ``efficient``: PyTorch's memory-efficient ops (CUDA, fp32 or older GPUs; key/value heads repeated).
   Both ops return the log-sum-exp and have a backward that takes an output and log-sum-exp.
-* ``flex``: FlexAttention with the sub-block's ``BlockMask`` (document-masked sub-blocks; compiled on
-  CUDA, eager elsewhere). Its backward takes only its own output and log-sum-exp, so the sub-block is
+* ``flex``: FlexAttention with the tile's ``BlockMask`` (document-masked tiles; compiled on
+  CUDA, eager elsewhere). Its backward takes only its own output and log-sum-exp, so the tile is
   recomputed in backward and differentiated through its output *and* its log-sum-exp
-  (``recomputed_backward``): one extra forward of the masked sub-blocks, never a score matrix.
+  (``recomputed_backward``): one extra forward of the masked tiles, never a score matrix.
 
 On CUDA none of them materializes the (Lq, Lk) scores (eager FlexAttention, off CUDA, does). The CUDA
 paths have not been run on a GPU yet: see docs/context-parallel.md.
@@ -118,21 +118,21 @@ def flex_backward(q, k, v, block_mask, scale: float, out, lse, grad_out):
 
 
 def recomputed_backward(forward, q, k, v, out, lse, grad_out):
-    """(dq, dk, dv) float32 of a sub-block whose ``forward(q, k, v) -> (out_b, lse_b)`` is differentiable.
+    """(dq, dk, dv) float32 of a tile whose ``forward(q, k, v) -> (out_t, lse_t)`` is differentiable.
 
-    The merged output is ``out = sum_b w_b out_b`` with ``w_b = exp(lse_b - lse)``, so this sub-block gets
-    ``d out_b = w_b d out`` and ``d lse_b = w_b (d out . (out_b - out))`` (rows it hides: ``w_b = 0``)."""
+    The merged output is ``out = sum_t w_t out_t`` with ``w_t = exp(lse_t - lse)``, so this tile gets
+    ``d out_t = w_t d out`` and ``d lse_t = w_t (d out . (out_t - out))`` (rows it hides: ``w_t = 0``)."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        block_out, block_lse = forward(*leaves)
+        tile_out, tile_lse = forward(*leaves)
         finite = torch.where(torch.isinf(lse), 0.0, lse)
-        weight = torch.exp(block_lse.float() - finite)
+        weight = torch.exp(tile_lse.float() - finite)
         grad_out = grad_out.float()
-        grad_block_out = weight[..., None] * grad_out
-        grad_block_lse = weight * (grad_out * (block_out.float() - out.float())).sum(-1)
+        grad_tile_out = weight[..., None] * grad_out
+        grad_tile_lse = weight * (grad_out * (tile_out.float() - out.float())).sum(-1)
         grads = torch.autograd.grad(
-            (block_out, block_lse),
+            (tile_out, tile_lse),
             leaves,
-            (grad_block_out.to(block_out.dtype), grad_block_lse.to(block_lse.dtype)),
+            (grad_tile_out.to(tile_out.dtype), grad_tile_lse.to(tile_lse.dtype)),
         )
     return tuple(g.float() for g in grads)

@@ -1,20 +1,17 @@
-"""Context parallelism: each sequence split over the ``cp`` ranks, with exact attention across them.
-
-Load balancing: the sequence is cut into ``2*cp`` chunks and rank r holds chunks r and 2*cp-1-r, so
-under the causal mask every rank does the same attention work. Token ids, labels and position ids
-are sharded with the same index (``shard_sequence``); RoPE gets the global positions.
+"""Context-parallel attention: each sequence split over the ``cp`` ranks (``layout``), with exact attention
+across them.
 
 Attention (``context_parallel_attention``) computes the rank's queries against every rank's key /
-value chunks, sub-block by sub-block, skipping sub-blocks that the causal mask, the document mask or
-the layer's sliding window hides entirely, and merges the partial results by log-sum-exp. Which
-sub-blocks to compute and their masks are planned once per micro-batch and window (``sub_blocks``); each
-sub-block runs a fused kernel where the device has one (``attention_blocks``). The window is decided on
+value chunks tile by tile (a tile: one query chunk against one key chunk), skipping tiles that the causal
+mask, the document mask or the layer's sliding window hides entirely, and merges the partial results by
+log-sum-exp. Which tiles to compute and their masks are planned once per micro-batch and window
+(``tiles``); each tile runs a fused kernel where the device has one (``tile_kernels``). The window is decided on
 global token indices: a rank's two query chunks and every key chunk have known global offsets. Two ways
 to get the other ranks' K/V:
 
-* ``ring``: K/V travel around the ring with point-to-point ops; the next block's transfer runs while
-  the current block is computed. In backward the K/V gradients travel with their blocks and arrive
-  home after a full turn. Memory: two K/V blocks at a time.
+* ``ring``: each rank's K/V travel around the ring with point-to-point ops; the next rank's K/V arrive
+  while the current ones' tiles are computed. In backward the K/V gradients travel with their K/V and
+  arrive home after a full turn. Memory: two ranks' K/V at a time.
 * ``allgather``: one all-gather of K/V (small with grouped-query attention), and one reduce-scatter
   of their gradients in backward. Memory: the whole sequence's K/V on every rank.
 
@@ -24,67 +21,14 @@ only q, k, v, the output and the log-sum-exp of the local chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
-from meshtron.distributed.attention_blocks import block_backward, block_forward, merge_partial
+from meshtron.distributed.context_parallel.layout import SequenceLayout
+from meshtron.distributed.context_parallel.tile_kernels import merge_partial, tile_backward, tile_forward
+from meshtron.distributed.context_parallel.tiles import planned_tiles
 from meshtron.distributed.mesh import is_fake_group
-from meshtron.distributed.sub_blocks import chunk_ids, sub_blocks
-from meshtron.errors import ConfigError
 from meshtron.models.attention_kernels import effective_window
-
-
-def check_context_parallel(cp: int, seq_len: int) -> None:
-    """Refuse a sequence length the load-balanced split cannot cut into ``2*cp`` equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(
-            f"data.seq_len {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp rank holds two "
-            f"equal chunks); use a data.seq_len that is a multiple of {2 * cp}"
-        )
-
-
-def local_token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions of the tokens ``rank`` holds, in its local order."""
-    chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp, rank)])
-
-
-def shard_sequence(tensor: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """This rank's load-balanced share of ``tensor`` (B, S, ...) along dim 1."""
-    if cp == 1:
-        return tensor
-    return tensor.index_select(1, local_token_index(tensor.shape[1], cp, rank, tensor.device))
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """What attention needs to know about the sequence: its sharding and its documents.
-
-    ``document_ids`` covers the *whole* sequence (B, S) (every cp rank has the full micro-batch), or is
-    None when all tokens of a row form one document.
-    """
-
-    seq_len: int
-    cp: int = 1
-    rank: int = 0
-    group: dist.ProcessGroup | None = None
-    method: str = "ring"
-    document_ids: torch.Tensor | None = None
-    kernel: str = "auto"
-    """``auto`` (the device's fused kernels), ``math`` (plain PyTorch) or ``flex`` (FlexAttention for the
-    document-masked sub-blocks on any device), for tests: see ``sub_blocks.KERNELS``."""
-    attention_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Masks that attention builds once for this micro-batch and every layer reuses (the sub-block plan
-    with cp, one per sliding window)."""
-    document_ranges: dict = field(default_factory=dict, compare=False, repr=False)
-    """Each cp chunk's first and last document id, read on the host once per micro-batch by the first plan
-    and reused by the plans of other sliding windows (``sub_blocks``)."""
-
-    @property
-    def chunk(self) -> int:
-        return self.seq_len // (2 * self.cp)
 
 
 def _halves(t: torch.Tensor, chunk: int) -> list[torch.Tensor]:
@@ -115,23 +59,23 @@ def _finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
     return received
 
 
-def _forward_block(q_halves, kv, source: int, layout, scale, state, window=None) -> None:
-    """Attend the local queries to the K/V chunks of rank ``source``, merging into ``state``."""
+def _forward_tiles(q_halves, kv, source: int, layout, scale, state, window=None) -> None:
+    """Attend the local queries to the K/V chunks of rank ``source``, tile by tile, merging into ``state``."""
     k_halves, v_halves = _halves(kv[0], layout.chunk), _halves(kv[1], layout.chunk)
-    for qi, ki, mask in sub_blocks(layout, q_halves[0].device, window)[source]:
-        out, lse = block_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
+    for qi, ki, mask in planned_tiles(layout, q_halves[0].device, window)[source]:
+        out, lse = tile_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
         state[qi] = merge_partial(*state[qi], out, lse)
 
 
-def _backward_block(
+def _backward_tiles(
     q_halves, kv, source: int, layout, scale, outs, lses, grad_outs, dq_halves, window=None
 ) -> torch.Tensor:
     """Add the local queries' gradient from rank ``source``'s K/V and return that K/V's gradient (2, ...)."""
     c = layout.chunk
     k_halves, v_halves = _halves(kv[0], c), _halves(kv[1], c)
     grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for qi, ki, mask in sub_blocks(layout, kv.device, window)[source]:
-        dq, dk, dv = block_backward(
+    for qi, ki, mask in planned_tiles(layout, kv.device, window)[source]:
+        dq, dk, dv = tile_backward(
             q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, outs[qi], lses[qi], grad_outs[qi], layout.kernel
         )
         dq_halves[qi] += dq
@@ -156,12 +100,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         if layout.method == "allgather" and layout.cp > 1:
             gathered = _all_gather_kv(kv, layout)
             for source in _own_first(layout):
-                _forward_block(q_halves, gathered[source], source, layout, scale, state, window)
+                _forward_tiles(q_halves, gathered[source], source, layout, scale, state, window)
         else:
             current = kv
             for step, source in enumerate(_own_first(layout)):
                 pending = _exchange(current, layout) if step < layout.cp - 1 else None
-                _forward_block(q_halves, current, source, layout, scale, state, window)
+                _forward_tiles(q_halves, current, source, layout, scale, state, window)
                 if pending is not None:
                     current = _finish(pending)
         out = torch.cat([s[0] for s in state], dim=2)
@@ -182,7 +126,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             gathered = _all_gather_kv(kv, layout)
             grads = torch.cat(
                 [
-                    _backward_block(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves, window)
+                    _backward_tiles(q_halves, gathered[s], s, layout, scale, outs, lses, grad_outs, dq_halves, window)
                     for s in range(layout.cp)
                 ]
             )
@@ -193,15 +137,15 @@ class _ContextParallelAttention(torch.autograd.Function):
             grad_kv = None
             for step, source in enumerate(_own_first(layout)):
                 pending = _exchange(current, layout) if step < layout.cp - 1 else None
-                block_grad = _backward_block(
+                source_grad = _backward_tiles(
                     q_halves, current, source, layout, scale, outs, lses, grad_outs, dq_halves, window
                 )
-                if grad_kv is not None:  # the gradient this block gathered on the ranks before
-                    block_grad += grad_kv
+                if grad_kv is not None:  # the gradient these K/V gathered on the ranks before
+                    source_grad += grad_kv
                 if pending is not None:
                     current = _finish(pending)
-                # Pass the block's gradient on; after a full turn it is home.
-                grad_kv = _finish(_exchange(block_grad, layout)) if layout.cp > 1 else block_grad
+                # Pass the K/V's gradient on; after a full turn it is home.
+                grad_kv = _finish(_exchange(source_grad, layout)) if layout.cp > 1 else source_grad
         dq = torch.cat(dq_halves, dim=2).to(q.dtype)
         return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None, None
 
@@ -214,7 +158,7 @@ def _all_gather_kv(kv: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
 
 
 def _own_first(layout: SequenceLayout) -> list[int]:
-    """Source ranks with the local one first (the ring's arrival order), so the diagonal block starts every
+    """Source ranks with the local one first (the ring's arrival order), so the diagonal tiles start every
     query's running result."""
     return [(layout.rank - step) % layout.cp for step in range(layout.cp)]
 

@@ -1,15 +1,15 @@
-"""The sub-blocks of context-parallel attention and their masks, planned once per micro-batch.
+"""The tiles of context-parallel attention and their masks, planned once per micro-batch.
 
 The sequence is cut into ``2*cp`` chunks; a rank's queries (two chunks) meet every rank's keys chunk by
-chunk. Each (query chunk, key chunk) sub-block is skipped (the causal future, keys of earlier
+chunk. Each (query chunk, key chunk) tile of the attention matrix is skipped (the causal future, keys of earlier
 documents only, or keys all outside the sliding window), full (every key visible), causal (the diagonal,
 one document, no window inside it) or masked (by documents and / or the window).
-The plan lists, per source rank, the sub-blocks to compute with their mask: ``None`` (full), ``"causal"``,
+The plan lists, per source rank, the tiles to compute with their mask: ``None`` (full), ``"causal"``,
 a (B, Lq, Lk) boolean tensor (plain-PyTorch kernel) or a FlexAttention ``BlockMask`` (CUDA).
 
 Sliding window (per layer, so one plan per window): a query at global index i sees a key at global index
 j only if i - j < window. Chunks have known global offsets (chunk ``n`` starts at ``n * chunk``), so the
-window is decided per sub-block from the distance between its chunks, and masks get the offset between
+window is decided per tile from the distance between its chunks, and masks get the offset between
 the query chunk's and the key chunk's starts.
 
 Planning reads each chunk's first and last document id on the host once (one device sync per
@@ -23,20 +23,16 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from meshtron.distributed.context_parallel.layout import chunk_ids
 from meshtron.models.attention_kernels import BLOCK_SIZE, _ordered, effective_window
 
 KERNELS = ("auto", "math", "flex")
-"""``SequenceLayout.kernel``: ``auto`` (fused kernels: see ``attention_blocks.choose_block_kernel``), ``math``
-(plain PyTorch, float32) or ``flex`` (document-masked sub-blocks by FlexAttention on any device, for tests)."""
-
-
-def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
-    """The two sequence chunks (of ``2*cp``) that ``rank`` holds."""
-    return rank, 2 * cp - 1 - rank
+"""``SequenceLayout.kernel``: ``auto`` (fused kernels: see ``tile_kernels.choose_tile_kernel``), ``math``
+(plain PyTorch, float32) or ``flex`` (document-masked tiles by FlexAttention on any device, for tests)."""
 
 
 def mask_kind(device, kernel: str) -> str:
-    """How masked sub-blocks are given: ``flex`` (a ``BlockMask``) on CUDA or when forced, else ``dense``."""
+    """How masked tiles are given: ``flex`` (a ``BlockMask``) on CUDA or when forced, else ``dense``."""
     if kernel not in KERNELS:
         raise ValueError(f"context-parallel kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     return "flex" if kernel == "flex" or (kernel == "auto" and torch.device(device).type == "cuda") else "dense"
@@ -50,9 +46,9 @@ def classify(
     window: int | None = None,
     chunk: int | None = None,
 ) -> str:
-    """``skip``, ``full``, ``causal`` or ``masked`` for one sub-block, from each row's first and last
+    """``skip``, ``full``, ``causal`` or ``masked`` for one tile, from each row's first and last
     document id per chunk (``first[row][chunk]``); without documents (one per row) pass None. With a sliding
-    ``window``, ``chunk`` is the chunk length: the sub-block is skipped when every (query, key) pair is at
+    ``window``, ``chunk`` is the chunk length: the tile is skipped when every (query, key) pair is at
     least ``window`` apart, and masked when some causal pair is."""
     if kv_chunk > q_chunk:
         return "skip"
@@ -91,8 +87,8 @@ def _document_ranges(layout, device):
     return ranges[key]
 
 
-def plan_sub_blocks(layout, device, window: int | None = None) -> dict[int, list[tuple[int, int, object]]]:
-    """Per source rank: (query half, key half, mask) of every sub-block of the local queries x that rank's
+def plan_tiles(layout, device, window: int | None = None) -> dict[int, list[tuple[int, int, object]]]:
+    """Per source rank: (query half, key half, mask) of every tile of the local queries x that rank's
     keys that the masks (causal, documents, the sliding ``window``) do not hide entirely."""
     device = torch.device(device)
     kind = mask_kind(device, layout.kernel)
@@ -101,7 +97,7 @@ def plan_sub_blocks(layout, device, window: int | None = None) -> dict[int, list
     docs, first, last = _document_ranges(layout, device)
     plan = {}
     for source in range(layout.cp):
-        blocks = []
+        kept = []
         for qi, q_chunk in enumerate(chunk_ids(layout.cp, layout.rank)):
             for ki, kv_chunk in enumerate(chunk_ids(layout.cp, source)):
                 what = classify(first, last, q_chunk, kv_chunk, window, c)
@@ -118,8 +114,8 @@ def plan_sub_blocks(layout, device, window: int | None = None) -> dict[int, list
                     )
                 else:
                     mask = "causal" if what == "causal" else None
-                blocks.append((qi, ki, mask))
-        plan[source] = blocks
+                kept.append((qi, ki, mask))
+        plan[source] = kept
     return plan
 
 
@@ -130,13 +126,13 @@ def plan_key(device, kernel: str, window: int | None = None) -> tuple:
     return key if window is None else (*key, window)
 
 
-def sub_blocks(layout, device, window: int | None = None) -> dict[int, list[tuple[int, int, object]]]:
+def planned_tiles(layout, device, window: int | None = None) -> dict[int, list[tuple[int, int, object]]]:
     """The micro-batch's plan for ``device`` and sliding ``window`` (None: none), made on first use and kept in
     ``layout.attention_cache``."""
     window = effective_window(window, layout.seq_len)
     key = plan_key(device, layout.kernel, window)
     if key not in layout.attention_cache:
-        layout.attention_cache[key] = plan_sub_blocks(layout, device, window)
+        layout.attention_cache[key] = plan_tiles(layout, device, window)
     return layout.attention_cache[key]
 
 
@@ -176,10 +172,10 @@ def chunk_block_mask(
     length: int | None = None,
     device=None,
 ) -> BlockMask:
-    """FlexAttention ``BlockMask`` of ``dense_chunk_mask`` from per-tile document ranges (no Lq x Lk tensor).
-    Off the diagonal every key precedes every query: a tile pair shares a document iff its last key's id
+    """FlexAttention ``BlockMask`` of ``dense_chunk_mask`` from per-block document ranges (no Lq x Lk tensor).
+    Off the diagonal every key precedes every query: a block pair shares a document iff its last key's id
     reaches the first query's, and is full iff its first key's id equals the last query's. With a sliding
-    ``window``, tile pairs whose every (query, key) pair is at least ``window`` apart are skipped, and only
+    ``window``, block pairs whose every (query, key) pair is at least ``window`` apart are skipped, and only
     those whose every pair is closer than ``window`` can be full. Without documents (``q_docs`` and ``kv_docs``
     None: chunks of ``length`` tokens on ``device``, masked by the window) the mask has batch 1."""
     documents = q_docs is not None
@@ -199,7 +195,7 @@ def chunk_block_mask(
         index = torch.arange(blocks, device=device)
         visible = visible & (index[None, :] <= index[:, None])
         full = full & (index[None, :] < index[:, None])
-    if window is not None:  # global query index - key index over a tile pair: from the nearest to the farthest pair
+    if window is not None:  # global query index - key index over a block pair: from the nearest to the farthest pair
         nearest = offset + starts[:, None] - ends[None, :]
         farthest = offset + ends[:, None] - starts[None, :]
         visible = visible & (nearest < window)

@@ -1,18 +1,18 @@
-"""Exact attention on one (query block, key/value block) pair, returning the log-sum-exp.
+"""Exact attention on one tile, a (query chunk, key/value chunk) pair, returning the log-sum-exp.
 
-Context-parallel attention computes a rank's queries against key/value blocks one at a time and
-merges the partial results by their log-sum-exp; the backward of a block needs the *final* output
+Context-parallel attention computes a rank's queries against key/value chunks one tile at a time and
+merges the partial results by their log-sum-exp; the backward of a tile needs the *final* output
 and log-sum-exp of its queries. These functions do both for grouped-query attention (``q``:
 ``(B, H, Lq, D)``, ``k``/``v``: ``(B, Hkv, Lk, D)``, ``H`` a multiple of ``Hkv``), returning float32.
 
-``mask`` is ``None`` (every key visible), the string ``"causal"`` (block on the diagonal), a boolean
+``mask`` is ``None`` (every key visible), the string ``"causal"`` (tile on the diagonal), a boolean
 tensor broadcastable to ``(B, Lq, Lk)`` (True where a query may attend a key) or a FlexAttention
-``BlockMask``. ``choose_block_kernel`` picks the kernel from the device, dtype and mask:
+``BlockMask``. ``choose_tile_kernel`` picks the kernel from the device, dtype and mask:
 
-* CPU: PyTorch's CPU flash op for blocks without a tensor mask; the plain-PyTorch float32 kernel
+* CPU: PyTorch's CPU flash op for tiles without a tensor mask; the plain-PyTorch float32 kernel
   (``math``) for boolean masks.
-* CUDA: the flash op (fp16 / bf16 on sm80+) or the memory-efficient op (otherwise) for blocks without
-  a mask; FlexAttention for ``BlockMask`` blocks (``fused_blocks``). Never run on a GPU yet.
+* CUDA: the flash op (fp16 / bf16 on sm80+) or the memory-efficient op (otherwise) for tiles without
+  a mask; FlexAttention for tiles with a ``BlockMask`` (``fused_tile_kernels``). Never run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from meshtron.distributed import fused_blocks as fused
-from meshtron.distributed.fused_blocks import expand_kv, fold_kv
+from meshtron.distributed.context_parallel import fused_tile_kernels as fused
+from meshtron.distributed.context_parallel.fused_tile_kernels import expand_kv, fold_kv
 
 Mask = torch.Tensor | BlockMask | str | None
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def choose_block_kernel(
+def choose_tile_kernel(
     device,
     dtype: torch.dtype,
     head_dim: int,
@@ -35,7 +35,7 @@ def choose_block_kernel(
     kernel: str = "auto",
     capability: tuple[int, int] | None = None,
 ) -> str:
-    """``cpu_flash``, ``cuda_flash``, ``cuda_efficient``, ``flex`` or ``math`` for one block.
+    """``cpu_flash``, ``cuda_flash``, ``cuda_efficient``, ``flex`` or ``math`` for one tile.
     ``capability``: the CUDA device's (major, minor), looked up when None."""
     if isinstance(mask, BlockMask):
         return "flex"
@@ -69,10 +69,10 @@ def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float) -
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def block_forward(q, k, v, mask: Mask, scale: float, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def tile_forward(q, k, v, mask: Mask, scale: float, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq)), both float32; rows with no visible key get out 0 and lse -inf."""
     groups = q.shape[1] // k.shape[1]
-    name = choose_block_kernel(q.device, q.dtype, q.shape[-1], mask, kernel)
+    name = choose_tile_kernel(q.device, q.dtype, q.shape[-1], mask, kernel)
     causal = isinstance(mask, str) and mask == "causal"
     if name == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -91,7 +91,7 @@ def block_forward(q, k, v, mask: Mask, scale: float, kernel: str = "auto") -> tu
 
 
 def math_forward(q, k, v, mask: Mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain-PyTorch float32 forward of ``block_forward`` (differentiable)."""
+    """The plain-PyTorch float32 forward of ``tile_forward`` (differentiable)."""
     scores = _masked_scores(q, k, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
@@ -99,10 +99,10 @@ def math_forward(q, k, v, mask: Mask, scale: float) -> tuple[torch.Tensor, torch
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def block_backward(q, k, v, mask: Mask, scale: float, out, lse, grad_out, kernel: str = "auto"):
-    """(dq, dk, dv) float32 of this block's share, given the queries' final ``out`` and ``lse``."""
+def tile_backward(q, k, v, mask: Mask, scale: float, out, lse, grad_out, kernel: str = "auto"):
+    """(dq, dk, dv) float32 of this tile's share, given the queries' final ``out`` and ``lse``."""
     groups = q.shape[1] // k.shape[1]
-    name = choose_block_kernel(q.device, q.dtype, q.shape[-1], mask, kernel)
+    name = choose_tile_kernel(q.device, q.dtype, q.shape[-1], mask, kernel)
     causal = isinstance(mask, str) and mask == "causal"
     if name == "cpu_flash":
         dtype = q.dtype
@@ -136,9 +136,9 @@ def block_backward(q, k, v, mask: Mask, scale: float, out, lse, grad_out, kernel
     return dq.flatten(1, 2), dk, dv
 
 
-def merge_partial(out_acc, lse_acc, out_block, lse_block) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partial(out_acc, lse_acc, out_tile, lse_tile) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial softmax-attention results over disjoint key sets by their log-sum-exp."""
-    lse = torch.logaddexp(lse_acc, lse_block)
+    lse = torch.logaddexp(lse_acc, lse_tile)
     finite = torch.where(torch.isinf(lse), 0.0, lse)  # both parts empty: keep 0, not NaN
-    out = out_acc * torch.exp(lse_acc - finite)[..., None] + out_block * torch.exp(lse_block - finite)[..., None]
+    out = out_acc * torch.exp(lse_acc - finite)[..., None] + out_tile * torch.exp(lse_tile - finite)[..., None]
     return out, lse

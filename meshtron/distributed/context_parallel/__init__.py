@@ -1,0 +1,31 @@
+"""Context parallelism and meshtron's attention routing (docs/context-parallel.md).
+
+* ``layout``: the load-balanced split of a sequence over the ``cp`` ranks and ``SequenceLayout``.
+* ``ring``: ``context_parallel_attention``, the ring / all-gather exchange of K/V and its autograd.
+* ``tiles``: which tiles of the attention matrix, (query chunk, key chunk) pairs, to compute and their masks,
+  planned once per micro-batch.
+* ``tile_kernels``, ``fused_tile_kernels``: attention on one tile, returning the log-sum-exp.
+* ``routing``: ``hf_attention``, the attention function transformers calls, and its registration.
+"""
+
+from meshtron.distributed.context_parallel.layout import (
+    SequenceLayout,
+    check_context_parallel,
+    local_token_index,
+    shard_sequence,
+)
+from meshtron.distributed.context_parallel.ring import context_parallel_attention
+from meshtron.distributed.context_parallel.routing import ATTENTION_NAME, hf_attention, register_attention
+from meshtron.distributed.context_parallel.tiles import planned_tiles
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SequenceLayout",
+    "check_context_parallel",
+    "context_parallel_attention",
+    "hf_attention",
+    "local_token_index",
+    "planned_tiles",
+    "register_attention",
+    "shard_sequence",
+]
