@@ -1,5 +1,3 @@
-import sys
+from meshtron.cli import run
 
-from meshtron.cli import main
-
-sys.exit(main())
+run()

@@ -309,5 +309,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The ``meshtron`` command (and ``python -m meshtron``): ``main`` with its exit status.
+
+    A torchrun worker whose process group is destroyed leaves with ``os._exit``, skipping the interpreter's
+    teardown: that destroys C++ objects of torch.distributed that can still own threads (gloo's, the rendezvous
+    store's), and in CI it once aborted a rank of a restarted run after the run had finished ("terminate called
+    without an active exception", exit -6), which torchrun counted as a failure of the whole run. Everything a
+    run writes is closed by then; stdout, stderr and logging are flushed here.
+    """
+    code = main()
+    if _under_torchrun() and "torch.distributed" in sys.modules:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

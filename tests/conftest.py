@@ -35,6 +35,7 @@ def worker_env(**extra: str) -> dict[str, str]:
     env.update(
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES=""
     )
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that crashes (SIGABRT, SIGSEGV) prints its threads' Python stacks
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

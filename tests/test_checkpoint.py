@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, assert_same_tensors, run_cli, run_layouts, run_torchrun, worker_env
 
-STEPS, HALF = 8, 4
+STEPS, HALF = 6, 3
 LOSS_RTOL = 1e-5
 
 
@@ -78,7 +78,7 @@ def in_process(name: str, overrides: list[str], out: Path, cache_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
-    """Uninterrupted runs that save at step 4 and 8, and runs resumed from their step-4 checkpoint."""
+    """Uninterrupted runs that save at step 3 and 6, and runs resumed from their step-3 checkpoint."""
     out = tmp_path_factory.mktemp("checkpoint")
     write_mixture_documents(cache_dir)
     run_layouts(
@@ -90,14 +90,14 @@ def runs(tmp_path_factory, cache_dir):
             "dp2_tp2_from_fsdp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "fsdp4")],
             "pp2_tp2": ["parallel.pp=2", "parallel.tp=2"],
             "pp2_tp2_resumed": ["parallel.pp=2", "parallel.tp=2", from_half(out, "pp2_tp2")],
-            # train.on_nonfinite=rollback across ranks: step 6 made NaN, back to step 4 without batch 6.
+            # train.on_nonfinite=rollback across ranks: step 5 made NaN, back to step 3 without batch 5.
             "pp2_tp2_rollback": [
                 "parallel.pp=2",
                 "parallel.tp=2",
                 "train.on_nonfinite=rollback",
-                "env:MESHTRON_FAULT=nan:step=6",
+                "env:MESHTRON_FAULT=nan:step=5",
             ],
-            "pp2_tp2_skip_batch_6": ["parallel.pp=2", "parallel.tp=2", "data.skip_batches=6"],
+            "pp2_tp2_skip_batch_5": ["parallel.pp=2", "parallel.tp=2", "data.skip_batches=5"],
             # A mixture's order is a function of the seed, weights and step: FSDP4 -> DP2 x TP2 continues it.
             "fsdp4_mixture": [mixture(cache_dir), "parallel.dp_shard=4"],
             "dp2_tp2_mixture_from_fsdp4_mixture": [
@@ -121,13 +121,13 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.pp=2",
                 "parallel.dp_shard=2",
                 "train.on_nonfinite=rollback",
-                "env:MESHTRON_FAULT=nan:step=6",
+                "env:MESHTRON_FAULT=nan:step=5",
             ],
-            "pp2_dp2_stream_skip_batch_6": [
+            "pp2_dp2_stream_skip_batch_5": [
                 *streamed(cache_dir),
                 "parallel.pp=2",
                 "parallel.dp_shard=2",
-                "data.skip_batches=6",
+                "data.skip_batches=5",
             ],
             "dp2_cp2_async": ["parallel.dp_shard=2", "parallel.cp=2", "checkpoint.async=true"],
             "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
@@ -194,24 +194,24 @@ def losses(out: Path, name: str) -> list[float]:
 
 @pytest.mark.slow
 def test_rollback_across_ranks_continues_as_a_run_that_skipped_the_batch(runs):
-    """pp2 x tp2: the NaN step rolls every rank back to step 4; the trajectory and final weights are those of
-    a run given data.skip_batches=[6] (test_faults.py has the one-process case and the limits)."""
-    assert losses(runs, "pp2_tp2_rollback") == losses(runs, "pp2_tp2_skip_batch_6")
-    assert losses(runs, "pp2_tp2_rollback")[:5] == losses(runs, "pp2_tp2")[:5]
-    rolled, skipped = torch.load(runs / "pp2_tp2_rollback.pt"), torch.load(runs / "pp2_tp2_skip_batch_6.pt")
+    """pp2 x tp2: the NaN step rolls every rank back to step 3; the trajectory and final weights are those of
+    a run given data.skip_batches=[5] (test_faults.py has the one-process case and the limits)."""
+    assert losses(runs, "pp2_tp2_rollback") == losses(runs, "pp2_tp2_skip_batch_5")
+    assert losses(runs, "pp2_tp2_rollback")[:4] == losses(runs, "pp2_tp2")[:4]
+    rolled, skipped = torch.load(runs / "pp2_tp2_rollback.pt"), torch.load(runs / "pp2_tp2_skip_batch_5.pt")
     assert rolled.keys() == skipped.keys() and all(torch.equal(rolled[k], skipped[k]) for k in skipped)
     rows = [json.loads(line) for line in (runs / "pp2_tp2_rollback" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8] and rows[5]["rolled_back_to"] == 4
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 4, 5, 6] and rows[4]["rolled_back_to"] == 3
 
 
 @pytest.mark.slow
 def test_a_streamed_run_rolls_back_as_a_run_that_skipped_the_batch(runs):
-    """pp2 x dp2 streaming: the rollback to step 4 rewinds the lanes (and drops the step read ahead), batch 6 is
-    skipped, and the trajectory and weights are those of data.skip_batches=[6]."""
-    assert losses(runs, "pp2_dp2_stream_rollback") == losses(runs, "pp2_dp2_stream_skip_batch_6")
+    """pp2 x dp2 streaming: the rollback to step 3 rewinds the lanes (and drops the step read ahead), batch 5 is
+    skipped, and the trajectory and weights are those of data.skip_batches=[5]."""
+    assert losses(runs, "pp2_dp2_stream_rollback") == losses(runs, "pp2_dp2_stream_skip_batch_5")
     rolled, skipped = (
         torch.load(runs / "pp2_dp2_stream_rollback.pt"),
-        torch.load(runs / "pp2_dp2_stream_skip_batch_6.pt"),
+        torch.load(runs / "pp2_dp2_stream_skip_batch_5.pt"),
     )
     assert all(torch.equal(rolled[k], skipped[k]) for k in skipped)
 
@@ -294,8 +294,8 @@ def test_damaged_latest_checkpoint_is_skipped_by_auto_and_refused_by_path(runs, 
     in_process("damaged", [], tmp_path, cache_dir)
     log = capfd.readouterr()
     assert f"checkpoint {newest.name} is damaged ({shard.name} has" in log.out + log.err
-    assert losses(tmp_path, "damaged") == losses(runs, "single")[HALF:]  # resumed at step 4, exactly
-    assert damage_free(newest)  # the resumed run saved step 8 again, whole
+    assert losses(tmp_path, "damaged") == losses(runs, "single")[HALF:]  # resumed at step 3, exactly
+    assert damage_free(newest)  # the resumed run saved step 6 again, whole
 
     for folder in (newest, previous):
         (folder / ".metadata").write_bytes(b"")
@@ -305,8 +305,8 @@ def test_damaged_latest_checkpoint_is_skipped_by_auto_and_refused_by_path(runs, 
 
 @pytest.mark.slow
 def test_killed_ranks_restart_the_run_which_continues_exactly(runs, tmp_path, cache_dir):
-    """pp2 x tp2 over 4 ranks (checkpoints at steps 4 and 8), `--max-restarts 3`: one rank SIGKILLed before
-    the first checkpoint (step 3), right after one (step 5) and between two (step 7), each time a different
+    """pp2 x tp2 over 4 ranks (checkpoints at steps 3 and 6), `--max-restarts 3`: one rank SIGKILLed before
+    the first checkpoint (step 2), right after one (step 4) and between two (step 5), each time a different
     rank. The workers restart and resume by themselves; the last metrics row of every step and the final
     checkpoint equal the uninterrupted run's, bit for bit (the 2-rank kills are in test_recovery.py)."""
     out = tmp_path / "restarted"
@@ -321,18 +321,18 @@ def test_killed_ranks_restart_the_run_which_continues_exactly(runs, tmp_path, ca
         "--parallel.tp=2",
         f"--run.output_dir={out}",
     ]
-    faults = "kill:step=3:rank=1,kill:step=5:rank=2:attempt=1,kill:step=7:rank=3:attempt=2"
+    faults = "kill:step=2:rank=1,kill:step=4:rank=2:attempt=1,kill:step=5:rank=3:attempt=2"
     proc = run_cli(args, env=worker_env(MESHTRON_FAULT=faults), timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for line in (
-        "restart 1 of this run after a failure: no checkpoint yet: starting over; 2 step(s)",
-        "restart 2 of this run after a failure: resumed from step-00000004 (step 4); 0 step(s)",
-        "restart 3 of this run after a failure: resumed from step-00000004 (step 4); 2 step(s)",
+        "restart 1 of this run after a failure: no checkpoint yet: starting over; 1 step(s)",
+        "restart 2 of this run after a failure: resumed from step-00000003 (step 3); 0 step(s)",
+        "restart 3 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)",
     ):
         assert line in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
-    assert [row.get("restart", 0) for row in rows] == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3]
+    assert [row["step"] for row in rows] == [1, 1, 2, 3, 4, 4, 5, 6]
+    assert [row.get("restart", 0) for row in rows] == [0, 1, 1, 1, 2, 3, 3, 3]
     last = {row["step"]: row["loss"] for row in rows}
     assert [last[step] for step in range(1, STEPS + 1)] == losses(runs, "pp2_tp2")
     assert_same_tensors(
@@ -612,8 +612,8 @@ def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monk
 
 @pytest.fixture(scope="module")
 def vocab_250_runs(tmp_path_factory, cache_dir):
-    """A Llama with a vocabulary of 250 trained under tp=4 (rows split 63/63/63/61), saving at step 4 and 8,
-    then resumed from step 4 under dp=2 x tp=2 (125/125), in one launch; and the same run in one process."""
+    """A Llama with a vocabulary of 250 trained under tp=4 (rows split 63/63/63/61), saving at step 3 and 6,
+    then resumed from step 3 under dp=2 x tp=2 (125/125), in one launch; and the same run in one process."""
     from test_parity import VOCAB_250, write_vocab_250_model
 
     out = tmp_path_factory.mktemp("checkpoint-vocab-250")

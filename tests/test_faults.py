@@ -117,6 +117,15 @@ def test_hang_watchdog_fires_only_without_progress():
     assert codes == [124] and "step 10 made no progress" in streams[0].getvalue()
 
 
+def test_a_closed_hang_watchdog_leaves_no_thread_behind():
+    """close() returns once the watching thread has ended (no thread of the run outlives it at exit)."""
+    from torch.distributed import HashStore
+
+    watchdog = _watchdog(0, 1, HashStore(), [], []).start()
+    watchdog.close()
+    assert not watchdog._thread.is_alive()
+
+
 def test_main_thread_location_tells_waiting_from_busy():
     """Seen from another thread (as the watchdog sees it): busy in this test, or waiting in a host sync."""
     import threading

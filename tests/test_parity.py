@@ -1,6 +1,6 @@
 """The core guarantee: every layout trains the same model as one process.
 
-Per-step losses and gradient norms (12 steps, fp32, CPU) and final weights of DDP, FSDP, HSDP, gradient accumulation,
+Per-step losses and gradient norms (6 steps, fp32, CPU) and final weights of DDP, FSDP, HSDP, gradient accumulation,
 activation checkpointing, tensor parallelism (with and without sequence / loss parallel, alone
 and under FSDP / HSDP) and context parallelism (ring and all-gather, with document masks, alone and
 with FSDP / HSDP / TP) are compared with a plain single-process run of the same config. All layouts
@@ -21,17 +21,23 @@ import torch
 from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
 from conftest import failure_report, run_layouts
 
-STEPS = 12
+# Six steps: two of warmup, four of cosine decay, each on a new global batch; every check below is on every step.
+# (Twelve until issue 29: the parity launches, 572 s of the suite's 1,535 s, spent about 85% of that in steps.)
+STEPS = 6
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
+# At 6 steps the references' losses fall by 0.10 (granite-tiny, whose scalings slow learning) to 1.16 (llama-mini):
+# a layout that matches one that fell this much cannot be matching an untrained model.
+LEARNED = 0.05
 # Final weights: relative L2 error per tensor, and a bound on any single element. Layouts that split
-# matmuls (TP) or sums (FSDP, accumulation) round differently from one process by ~1e-7; over 12
+# matmuls (TP) or sums (FSDP, accumulation) round differently from one process by ~1e-7; over 6 to 12
 # Adam steps that grows to a few 1e-6 relative, and an element whose gradient is ~0 can move by a few
 # 1e-5, because Adam divides by sqrt(v). A real bug (a wrong shard, a missing or doubled reduction,
 # a wrong loss scale) moves whole rows or tensors by orders of magnitude more, and one lr-sized step
 # (1e-3) of a single element is still 10x over the element bound. The worst case is the embedding of
 # tp4_mini (a vocabulary split 4 ways, rare tokens' rows moved by Adam on ~0 gradients): 1.06e-5 on the 2-core
-# CI machine before issue 28's fused loss (so 1e-5 was already at the noise floor there), 1.37e-5 with it.
+# CI machine before issue 28's fused loss (so 1e-5 was already at the noise floor there), 1.37e-5 with it (12 steps);
+# at 6 steps the worst is again tp4_mini: 6.5e-6 relative L2, 3.7e-5 max abs.
 WEIGHT_REL_L2 = 2e-5
 WEIGHT_MAX_ABS = 1e-4
 # A key bias adds the same q.b_k to every score of a query, which softmax ignores: its true gradient
@@ -526,13 +532,15 @@ PRECISION_LAYOUTS = {
 # - Step 1 starts from identical weights, so its loss differs only by the forward's rounding. FSDP's casts
 #   and meshtron's casts without FSDP do the same bf16 arithmetic: DP / FSDP / PP measured 8e-8; TP splits
 #   the matmuls, whose bf16 outputs round differently: 8e-6. Bound 3e-5.
-# - Over 12 steps, bf16 rounding of differently split sums feeds back through Adam: losses measured up to
-#   1.1e-4, gradient norms 5.9e-3, final weights 5.2e-3 (relative L2). Bounds 3e-4, 2e-2, 2e-2.
+# - Over the steps, bf16 rounding of differently split sums feeds back through Adam: losses measured up to
+#   1.0e-4, gradient norms 1.9e-2 (step 6, where the norm jumps from 3.3 to 4.6; 5.9e-3 over 12 steps with their
+#   slower decay), final weights 4.7e-3 (relative L2). Bounds 3e-4, 5e-2, 2e-2. A missing or doubled reduction
+#   moves a gradient norm by 30% or more.
 # - Proof that bf16 ran: the fp32 layouts match the fp32 run within 1e-5 (above); these differ from it by
-#   2.7e-4 to 3.0e-4 (max over steps). Required: at least 1e-4, 10x what fp32 layouts ever differ.
+#   2.2e-4 to 2.7e-4 (max over steps). Required: at least 1e-4, 10x what fp32 layouts ever differ.
 BF16_FIRST_STEP_RTOL = 3e-5
 BF16_LOSS_RTOL = 3e-4
-BF16_GRAD_NORM_RTOL = 2e-2
+BF16_GRAD_NORM_RTOL = 5e-2
 BF16_WEIGHT_REL_L2 = 2e-2
 BF16_MIN_DISTANCE_FROM_FP32 = 1e-4
 
@@ -565,8 +573,8 @@ FUSED_VS_UNFUSED = {
 # Float8 (torchao, emulated on CPU) under FSDP (float8 all-gather) and TP, against 1-process float8. Input
 # scales come from each micro-batch, so the reference uses the layouts' micro-batch of 4. The first steps
 # agree at the fp32 tolerances; after them float8 rounding amplifies last-bit differences of the
-# reductions (measured: losses within 7e-5, weights within 4.4e-3 relative L2 after 12 steps, where a
-# run without float8 differs by 4e-4 from step 1 and 2e-2 in weights).
+# reductions (measured: losses within 7e-5, weights within 4.4e-3 relative L2 after 12 steps, 5.5e-5 and 1.8e-3
+# after 6, where a run without float8 differs by 4e-4 from step 1 and 2e-2 in weights).
 REFERENCES["llama-tiny-float8"] = ["model.preset=llama-tiny", "train.float8=true", "train.micro_batch_size=4"]
 FLOAT8_LAYOUTS = {
     "fsdp2_float8": (2, ["parallel.dp_shard=2"], "llama-tiny-float8"),
@@ -664,7 +672,7 @@ def test_layout_matches_single_process(layout, parity_runs, references):
     # Adam hides a uniform gradient scale (a missing or doubled mean) almost entirely; the norm does not.
     for step, (norm, ref) in enumerate(zip(got["grad_norms"], ref_norms), start=1):
         assert abs(norm - ref) <= GRAD_NORM_RTOL * ref, f"step {step}: gradient norm {norm} vs single-process {ref}"
-    assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run did not learn; the comparison would be vacuous"
+    assert ref_losses[-1] < ref_losses[0] - LEARNED, "the reference run did not learn; the comparison would be vacuous"
     weights = torch.load(parity_runs / f"{layout}.pt", weights_only=True)
     assert set(weights) == set(ref_weights)
     failures, worst_rel, worst_abs = [], 0.0, 0.0

@@ -85,7 +85,10 @@ class HangWatchdog:
         self.step, self.phase, self.last = step, phase, time.monotonic()
 
     def close(self) -> None:
+        """Stop watching; the thread is gone when this returns (unless it is already stopping the process)."""
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.poll_s)
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
