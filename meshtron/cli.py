@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -99,12 +100,20 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _print_error(err: MeshtronError) -> None:
+UNIFORM_ERROR_GRACE_S = 2.0
+"""How long a rank other than 0 waits before leaving with an error that every rank has and only rank 0 prints:
+torchrun stops all workers as soon as one exits with an error, which could stop rank 0 before its line is out."""
+
+
+def _report_error(err: MeshtronError) -> None:
+    """Print ``err`` as one line: rank 0 for an error every rank has, each rank its own otherwise."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         print(f"meshtron: error: {err}", file=sys.stderr, flush=True)
     elif not err.uniform:
         print(f"meshtron: error [rank {rank}]: {err}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(UNIFORM_ERROR_GRACE_S)
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -304,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size, args.trust_remote_code)
             print(f"meshtron: exported {args.checkpoint} to {out}/ (loads with AutoModelForCausalLM.from_pretrained)")
     except MeshtronError as err:
-        _print_error(err)
+        _report_error(err)
         return 2 if isinstance(err, ConfigError) else 1
     return 0
 

@@ -58,13 +58,16 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path
     )
 
 
-def run_layouts(world: int, base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900):
-    """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes forked by
-    tests/parity_worker.py (results in ``out``); fails the test with every rank's first errors if a layout fails.
-    Returns the CompletedProcess, whose stdout has each layout's time."""
-    spec = out / f"spec{world}-{len(list(out.glob('spec*.json')))}.json"
-    spec.write_text(json.dumps({"base": base, "layouts": layouts}))
-    cmd = [sys.executable, str(REPO / "tests" / "parity_worker.py"), str(world), str(spec), str(out)]
+def run_layouts(
+    world: int | dict[str, int], base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900
+):
+    """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes (or
+    ``world[name]``) forked by tests/parity_worker.py (results in ``out``); fails the test with every rank's first
+    errors if a layout fails. Returns the CompletedProcess, whose stdout has each layout's time."""
+    worlds = world if isinstance(world, dict) else dict.fromkeys(layouts, world)
+    spec = out / f"spec-{len(list(out.glob('spec*.json')))}.json"
+    spec.write_text(json.dumps({"base": base, "layouts": layouts, "worlds": worlds}))
+    cmd = [sys.executable, str(REPO / "tests" / "parity_worker.py"), str(spec), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, failure_report(proc)
     return proc
@@ -76,6 +79,20 @@ def failure_report(proc, tail: int = 4000) -> str:
     text = proc.stdout + proc.stderr
     errors = [line for line in text.splitlines() if "Error" in line and "Connection closed by peer" not in line]
     return "first errors:\n" + "\n".join(errors[:20]) + "\n...\n" + text[-tail:]
+
+
+def run_main(args: list[str]) -> subprocess.CompletedProcess:
+    """Run ``meshtron ARGS`` in this process (``meshtron.cli.main``), its output captured: for commands that start
+    no process group, without a new interpreter's imports (~6 s of CPU each)."""
+    import contextlib
+    import io
+
+    from meshtron.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return subprocess.CompletedProcess(["meshtron", *args], code, out.getvalue(), err.getvalue())
 
 
 def run_cli(args: list[str], *, timeout: float = 300, cwd: Path | None = None, env=None):

@@ -1,8 +1,9 @@
-"""Runs training layouts one after another, each on WORLD processes forked from this one.
+"""Runs training layouts one after another, each on its own number of processes forked from this one.
 
-Usage: python tests/parity_worker.py WORLD SPEC.json OUT_DIR
-SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}}; an override ``env:VAR=VALUE`` sets an
-environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``). For each layout, rank 0 writes
+Usage: python tests/parity_worker.py SPEC.json OUT_DIR
+SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}, "worlds": {name: processes}}; an override
+``env:VAR=VALUE`` sets an environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``). For each
+layout, rank 0 writes
 OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter + gradient + optimizer
 bytes of any rank, the largest activation peak and the largest gradient bytes held between accumulated
 micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may resume from an
@@ -167,11 +168,11 @@ def import_before_forking() -> None:
 
 
 def main() -> None:
-    world, spec, out = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
+    spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     import_before_forking()
     context = multiprocessing.get_context("fork")
     for name, overrides in spec["layouts"].items():
-        started = time.perf_counter()
+        started, world = time.perf_counter(), spec["worlds"][name]
         run_layout(context, world, name, overrides, spec["base"], out, spec.get("timeout_s", 600))
         print(f"layout {name}: {world} processes, {time.perf_counter() - started:.1f} s", flush=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same_tensors, run_cli, run_layouts, run_torchrun, worker_env
+from conftest import REPO, assert_same_tensors, run_cli, run_layouts, run_main, run_torchrun, worker_env
 
 STEPS, HALF = 6, 3
 LOSS_RTOL = 1e-5
@@ -358,12 +358,12 @@ def test_export_loads_in_plain_transformers(runs, tmp_path):
 
     checkpoint = runs / "single" / "checkpoints" / f"step-{STEPS:08d}"
     exported, sharded = tmp_path / "hf", tmp_path / "hf-sharded"
-    proc = run_cli(["export", str(checkpoint), str(exported)])
+    proc = run_main(["export", str(checkpoint), str(exported)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli(["export", str(checkpoint), str(sharded), "--max-shard-size=200KB"])
+    proc = run_main(["export", str(checkpoint), str(sharded), "--max-shard-size=200KB"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
-    refused = run_cli(["export", str(checkpoint), str(exported)])  # never writes into a non-empty directory
+    refused = run_main(["export", str(checkpoint), str(exported)])  # never writes into a non-empty directory
     assert refused.returncode != 0 and "is not empty" in refused.stderr
     input_ids = torch.randint(1, 250, (2, 32), generator=torch.Generator().manual_seed(0))  # no EOS: one document
     torch.save(input_ids, tmp_path / "ids.pt")
@@ -411,7 +411,7 @@ def test_tied_pipeline_checkpoint_keeps_one_weight_and_exports_a_tied_model(runs
     assert not any(key.startswith("optim.") and "lm_head" in key for key in keys)
     final = torch.load(runs / "pp2_dp2_tied.pt", weights_only=True)
     exported = tmp_path / "hf-tied"
-    proc = run_cli(["export", str(checkpoint), str(exported)])
+    proc = run_main(["export", str(checkpoint), str(exported)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
@@ -473,7 +473,7 @@ def test_mixed_precision_checkpoints_and_exports_hold_float32(runs, tmp_path):
     }
     assert dtypes == {torch.float32}, dtypes
     exported = tmp_path / "hf-bf16"
-    proc = run_cli(["export", str(checkpoint), str(exported)])
+    proc = run_main(["export", str(checkpoint), str(exported)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for file in exported.glob("*.safetensors"):
         with safe_open(str(file), "pt") as handle:
@@ -648,7 +648,7 @@ def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(vocab_
 
     checkpoint = runs / "tp4" / "checkpoints" / f"step-{STEPS:08d}"
     exported = tmp_path / "hf"
-    proc = run_cli(["export", str(checkpoint), str(exported)])
+    proc = run_main(["export", str(checkpoint), str(exported)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((exported / "config.json").read_text())["vocab_size"] == 250
     with safe_open(str(exported / "model.safetensors"), "pt") as handle:

@@ -4,7 +4,7 @@ Per-step losses and gradient norms (6 steps, fp32, CPU) and final weights of DDP
 activation checkpointing, tensor parallelism (with and without sequence / loss parallel, alone
 and under FSDP / HSDP) and context parallelism (ring and all-gather, with document masks, alone and
 with FSDP / HSDP / TP) are compared with a plain single-process run of the same config. All layouts
-of one world size run from one launcher, each on fresh forked processes (tests/parity_worker.py).
+run from one launcher, each on fresh processes forked from it (tests/parity_worker.py).
 """
 
 from __future__ import annotations
@@ -605,16 +605,18 @@ def reference_overrides(name: str, cache_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory, cache_dir):
-    """Every multi-process layout, each on fresh processes forked from one launcher per world size."""
+    """Every multi-process layout, each on fresh processes forked from one launcher (smallest world sizes first)."""
     out = tmp_path_factory.mktemp("parity")
-    base = base_overrides(cache_dir)
     write_short_documents(cache_dir)
-    for world in sorted({world for world, _, _ in ALL_LAYOUTS.values()} - {1}):
-        layouts = {n: reference_overrides(ref, cache_dir) + o for n, (w, o, ref) in ALL_LAYOUTS.items() if w == world}
-        started = time.perf_counter()
-        proc = run_layouts(world, base, layouts, out)
-        print(f"world size {world}: {len(layouts)} layouts in {time.perf_counter() - started:.0f} s")
-        print(proc.stdout)
+    launched = sorted(((w, n) for n, (w, _, _) in ALL_LAYOUTS.items() if w > 1), key=lambda item: item[0])
+    layouts = {
+        name: reference_overrides(ALL_LAYOUTS[name][2], cache_dir) + ALL_LAYOUTS[name][1] for _, name in launched
+    }
+    started = time.perf_counter()
+    worlds = {name: world for world, name in launched}
+    proc = run_layouts(worlds, base_overrides(cache_dir), layouts, out, timeout=1800)
+    print(f"{len(layouts)} layouts in {time.perf_counter() - started:.0f} s")
+    print(proc.stdout)
     return out
 
 
