@@ -21,7 +21,7 @@ LOSS_RTOL = 1e-5
 
 def base(cache_dir) -> list[str]:
     return [
-        "model.preset=llama-deep",
+        "model.preset=llama-tiny",
         "data.max_documents=40",
         "data.seq_len=32",
         f"data.cache_dir={cache_dir}",

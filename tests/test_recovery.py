@@ -22,7 +22,7 @@ def command(cache_dir, out: Path, *extra: str) -> list[str]:
         "train",
         "--nproc",
         "2",
-        "--model.preset=llama-deep",
+        "--model.preset=llama-tiny",
         "--data.max_documents=40",
         "--data.seq_len=32",
         f"--data.cache_dir={cache_dir}",

@@ -201,14 +201,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         with guard:
             step = _train_steps(cfg, runtime, plan, result, step_context, inputs, scheduler, guard, logger)
             guard.finish(step)
-        trained = (
-            f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
-        )
-        logger.message(
-            f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {output_dir}/ (config.toml, "
-            "metrics.jsonl); "
-            f"see the curves with: meshtron plot {output_dir}"
-        )
+        logger.message(_done_message(cfg, result))
     finally:
         inputs.close()
         logger.close()
@@ -336,6 +329,14 @@ def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: Seque
     # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
     attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
     return _Built(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
+
+
+def _done_message(cfg: Config, result: TrainResult) -> str:
+    trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
+    return (
+        f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {result.output_dir}/ (config.toml, "
+        f"metrics.jsonl); see the curves with: meshtron plot {result.output_dir}"
+    )
 
 
 def _startup_message(cfg: Config, plan: Plan, built: _Built, policy, dataset) -> str:
