@@ -79,8 +79,12 @@ def in_process(name: str, overrides: list[str], out: Path, cache_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     """Uninterrupted runs that save at step 3 and 6, and runs resumed from their step-3 checkpoint."""
+    from test_parity import VOCAB_250, write_vocab_250_model
+
     out = tmp_path_factory.mktemp("checkpoint")
     write_mixture_documents(cache_dir)
+    vocab_250 = ["model.preset=none", f"model.name_or_path={write_vocab_250_model(cache_dir)}"]
+    vocab_250 += [f"data.tokenizer={cache_dir / VOCAB_250}"]
     run_layouts(
         4,
         base(cache_dir),
@@ -176,6 +180,14 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.dp_shard=2",
                 "parallel.ep=2",
                 from_half(out, "ep2_fsdp4_moe"),
+            ],
+            # A vocabulary of 250, which tp=4 does not divide (rows 63/63/63/61), resumed under dp=2 x tp=2 (125/125).
+            "vocab250_tp4": [*vocab_250, "parallel.tp=4"],
+            "vocab250_dp2_tp2_from_tp4": [
+                *vocab_250,
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "vocab250_tp4"),
             ],
         },
         out,
@@ -610,43 +622,19 @@ def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monk
 # ---------------------------------------------------------------- a vocabulary tp does not divide
 
 
-@pytest.fixture(scope="module")
-def vocab_250_runs(tmp_path_factory, cache_dir):
-    """A Llama with a vocabulary of 250 trained under tp=4 (rows split 63/63/63/61), saving at step 3 and 6,
-    then resumed from step 3 under dp=2 x tp=2 (125/125), in one launch; and the same run in one process."""
-    from test_parity import VOCAB_250, write_vocab_250_model
-
-    out = tmp_path_factory.mktemp("checkpoint-vocab-250")
-    model_dir = write_vocab_250_model(cache_dir)
-    assert model_dir == cache_dir / VOCAB_250
-    vocab_base = [o for o in base(cache_dir) if not o.startswith("model.preset=")]
-    vocab_base += [f"model.name_or_path={model_dir}", f"data.tokenizer={model_dir}"]
-    run_layouts(
-        4,
-        vocab_base,
-        {
-            "tp4": ["parallel.tp=4"],
-            "dp2_tp2_from_tp4": ["parallel.dp_shard=2", "parallel.tp=2", from_half(out, "tp4")],
-        },
-        out,
-    )
-    return out
-
-
 @pytest.mark.slow
-def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(vocab_250_runs, tmp_path):
+def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(runs, tmp_path):
     """A checkpoint of a model whose vocabulary (250) tp=4 does not divide holds the true vocabulary: it
     resumes under tp=2 with the uninterrupted run's losses, and exports to a directory whose config and
     weights have 250 rows, which plain transformers loads with the run's final weights."""
     from safetensors import safe_open
 
-    runs = vocab_250_runs
-    full, continued = losses(runs, "tp4"), losses(runs, "dp2_tp2_from_tp4")
+    full, continued = losses(runs, "vocab250_tp4"), losses(runs, "vocab250_dp2_tp2_from_tp4")
     assert len(full) == STEPS and len(continued) == STEPS - HALF
     for step, (got, want) in enumerate(zip(continued, full[HALF:]), start=HALF + 1):
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs uninterrupted {want}"
 
-    checkpoint = runs / "tp4" / "checkpoints" / f"step-{STEPS:08d}"
+    checkpoint = runs / "vocab250_tp4" / "checkpoints" / f"step-{STEPS:08d}"
     exported = tmp_path / "hf"
     proc = run_main(["export", str(checkpoint), str(exported)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -655,7 +643,7 @@ def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(vocab_
         for key in ("model.embed_tokens.weight", "lm_head.weight"):
             assert tuple(handle.get_slice(key).get_shape()) == (250, 64)
     assert (exported / "tokenizer.json").is_file()
-    final = torch.load(runs / "tp4.pt", weights_only=True)  # the run's final weights, gathered
+    final = torch.load(runs / "vocab250_tp4.pt", weights_only=True)  # the run's final weights, gathered
     torch.save(final, tmp_path / "final.pt")
     script = (
         "import torch; from transformers import AutoModelForCausalLM\n"
