@@ -2,12 +2,11 @@
 
 Usage: python tests/parity_worker.py SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}, "worlds": {name: processes}}; an override
-``env:VAR=VALUE`` sets an environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``). For each
-layout, rank 0 writes
-OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter + gradient + optimizer
-bytes of any rank, the largest activation peak and the largest gradient bytes held between accumulated
-micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may resume from an
-earlier one's checkpoint); the first that fails ends the launch with its name and exit codes.
+``env:VAR=VALUE`` sets an environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``).
+For each layout, rank 0 writes OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter +
+gradient + optimizer bytes of any rank, the largest activation peak and the largest gradient bytes held between
+accumulated micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may
+resume from an earlier one's checkpoint); the first that fails ends the launch with its name and exit codes.
 
 Why forks rather than one torchrun launch for all layouts: the imports (transformers' is ~5 s of CPU) happen once,
 here, and every layout starts from fresh processes. Layouts that shared processes slowed each other down (each

@@ -79,12 +79,12 @@ def in_process(name: str, overrides: list[str], out: Path, cache_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     """Uninterrupted runs that save at step 3 and 6, and runs resumed from their step-3 checkpoint."""
-    from test_parity import VOCAB_250, write_vocab_250_model
+    from test_parity import write_vocab_250_model
 
     out = tmp_path_factory.mktemp("checkpoint")
     write_mixture_documents(cache_dir)
-    vocab_250 = ["model.preset=none", f"model.name_or_path={write_vocab_250_model(cache_dir)}"]
-    vocab_250 += [f"data.tokenizer={cache_dir / VOCAB_250}"]
+    vocab_250_dir = write_vocab_250_model(cache_dir)
+    vocab_250 = ["model.preset=none", f"model.name_or_path={vocab_250_dir}", f"data.tokenizer={vocab_250_dir}"]
     run_layouts(
         4,
         base(cache_dir),
