@@ -24,8 +24,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# Two pytest workers (tests/conftest.py says how the modules are spread); `$(PY) -m pytest tests/...` runs in one.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

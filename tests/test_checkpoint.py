@@ -317,34 +317,30 @@ def test_damaged_latest_checkpoint_is_skipped_by_auto_and_refused_by_path(runs, 
 
 @pytest.mark.slow
 def test_killed_ranks_restart_the_run_which_continues_exactly(runs, tmp_path, cache_dir):
-    """pp2 x tp2 over 4 ranks (checkpoints at steps 3 and 6), `--max-restarts 3`: one rank SIGKILLed before
-    the first checkpoint (step 2), right after one (step 4) and between two (step 5), each time a different
-    rank. The workers restart and resume by themselves; the last metrics row of every step and the final
-    checkpoint equal the uninterrupted run's, bit for bit (the 2-rank kills are in test_recovery.py)."""
+    """pp2 x tp2 over 4 ranks (checkpoints at steps 3 and 6), `--max-restarts 1`: the last stage's second tensor-
+    parallel rank SIGKILLed between the two checkpoints (step 5). The workers restart and resume from step 3 by
+    themselves; the last metrics row of every step and the final checkpoint equal the uninterrupted run's, bit for
+    bit. Kills before the first checkpoint, right after one and during a save are in test_recovery.py (2 ranks:
+    each restart re-imports torch and transformers in every rank, ~8 s of CPU each)."""
     out = tmp_path / "restarted"
     args = [
         "train",
         "--nproc",
         "4",
         "--max-restarts",
-        "3",
+        "1",
         *[f"--{item}" for item in base(cache_dir)],
         "--parallel.pp=2",
         "--parallel.tp=2",
         f"--run.output_dir={out}",
     ]
-    faults = "kill:step=2:rank=1,kill:step=4:rank=2:attempt=1,kill:step=5:rank=3:attempt=2"
-    proc = run_cli(args, env=worker_env(MESHTRON_FAULT=faults), timeout=500)
+    proc = run_cli(args, env=worker_env(MESHTRON_FAULT="kill:step=5:rank=3"), timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for line in (
-        "restart 1 of this run after a failure: no checkpoint yet: starting over; 1 step(s)",
-        "restart 2 of this run after a failure: resumed from step-00000003 (step 3); 0 step(s)",
-        "restart 3 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)",
-    ):
-        assert line in proc.stdout, proc.stdout[-3000:]
+    restarted = "restart 1 of this run after a failure: resumed from step-00000003 (step 3); 1 step(s)"
+    assert restarted in proc.stdout, proc.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 1, 2, 3, 4, 4, 5, 6]
-    assert [row.get("restart", 0) for row in rows] == [0, 1, 1, 1, 2, 3, 3, 3]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 4, 5, 6]
+    assert [row.get("restart", 0) for row in rows] == [0, 0, 0, 0, 1, 1, 1]
     last = {row["step"]: row["loss"] for row in rows}
     assert [last[step] for step in range(1, STEPS + 1)] == losses(runs, "pp2_tp2")
     assert_same_tensors(

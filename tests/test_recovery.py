@@ -1,6 +1,6 @@
 """Faults in real 2-process runs (FSDP over 2 ranks, gloo, CPU), each compared with one uninterrupted run:
 ranks killed at three points and during a sync and an async save, a save that fails, a stop by SIGTERM and
-its rerun, and a hung rank. The 4-rank (pp2 x tp2) kills are in test_checkpoint.py; the pieces without
+its rerun, and a hung rank. The 4-rank (pp2 x tp2) kill is in test_checkpoint.py; the pieces without
 processes in test_faults.py."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_kills_and_failed_saves_restart_the_run_which_continues_exactly(straight
     (step 2), right after one (step 4, the step-3 checkpoint just written) and between two (step 5); SIGKILL
     during the sync save of step 6 (its partial folder is reported and removed, the run resumes from step 3);
     and a save of step 6 that fails with a full disk (a clear error on every rank, step 3 still loads). Losses
-    and final weights equal the uninterrupted run's. (The 4-rank pp2 x tp2 kills: test_checkpoint.py.)"""
+    and final weights equal the uninterrupted run's. (The 4-rank pp2 x tp2 kill: test_checkpoint.py.)"""
     out = tmp_path / "run"
     faults = (
         "kill:step=2:rank=1,kill:step=4:rank=0:attempt=1,kill:step=5:rank=1:attempt=2,"

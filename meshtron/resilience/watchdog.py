@@ -85,10 +85,12 @@ class HangWatchdog:
         self.step, self.phase, self.last = step, phase, time.monotonic()
 
     def close(self) -> None:
-        """Stop watching; the thread is gone when this returns (unless it is already stopping the process)."""
+        """Stop watching; the thread is gone when this returns (or, if it was already giving up, the process)."""
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.poll_s)
+            # Not a few polls: on a loaded machine the woken thread may wait that long for a core. Giving up takes
+            # at most two bounded store waits (``_in_time``) before it ends the process.
+            self._thread.join(timeout=self.poll_s + 2 * (self.report_wait_s + 5.0) + 5.0)
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
