@@ -29,6 +29,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip", "rollback")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -101,6 +103,14 @@ class TrainConfig:
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 10
+    lr_schedule: str = "cosine"
+    """After warmup_steps of linear warmup: ``cosine`` or ``linear`` decay to min_lr over the other steps,
+    ``constant`` (lr), or ``wsd`` (warmup-stable-decay: lr until the last decay_fraction of train.steps, then down
+    to min_lr along decay_shape). See docs/schedules.md."""
+    decay_fraction: float = 0.2
+    """``wsd``: the share of train.steps spent decaying (the cooldown), at the end of the run."""
+    decay_shape: str = "linear"
+    """``wsd``: the cooldown's shape, ``linear``, ``cosine`` or ``1-sqrt`` (1 - sqrt(progress))."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -415,6 +425,8 @@ def validate_config(cfg: Config) -> None:
     _choice("model.attn_implementation", m.attn_implementation, ATTN_IMPLEMENTATIONS)
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
     _choice("train.mixed_precision", t.mixed_precision, MIXED_PRECISION)
     _choice("train.float8_recipe", t.float8_recipe, FLOAT8_RECIPES)
     t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
@@ -465,6 +477,11 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(cfg.checkpoint, key)}")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError(
+            f"train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), "
+            f"got {t.decay_fraction}"
+        )
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -89,6 +89,12 @@ def causal_lm_dir(tmp_path):
         ),
         (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"], "data.seq_len 18 is not divisible by parallel.tp=4"),
         (["--run.collective_timeout_s=0"], "run.collective_timeout_s: must be > 0 seconds, got 0.0"),
+        (["--train.lr_schedule=step"], "train.lr_schedule: 'step' is not one of cosine, linear, constant, wsd"),
+        (["--train.decay_shape=exp"], "train.decay_shape: 'exp' is not one of linear, cosine, 1-sqrt"),
+        (
+            ["--train.lr_schedule=wsd", "--train.decay_fraction=0"],
+            "train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), got 0.0",
+        ),
         (["--rehearse"], "--rehearse needs --nproc N"),
         (
             ["--rehearse", "--nproc", "2", "--rank", "2", "--parallel.dp_shard=2"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,50 @@ def test_lr_schedule_shape():
     assert lr_at(60, cfg) == pytest.approx(0.55)
     assert lr_at(109, cfg) == pytest.approx(0.1, abs=1e-3)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 109))
+
+
+def schedule(name: str, *extra: str):
+    overrides = ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"]
+    return load_config(None, [*overrides, f"train.lr_schedule={name}", *extra], env={}).train
+
+
+def test_linear_constant_and_wsd_schedules():
+    linear, constant = schedule("linear"), schedule("constant")
+    assert lr_at(0, linear) == pytest.approx(0.1) and lr_at(9, linear) == pytest.approx(1.0)
+    assert lr_at(60, linear) == pytest.approx(0.55) and lr_at(109, linear) == pytest.approx(0.109)
+    assert lr_at(0, constant) == pytest.approx(0.1) and all(lr_at(s, constant) == 1.0 for s in range(9, 110))
+    # WSD: 22 of the 110 steps decay (decay_fraction 0.2), from step 88 (0-based) on; lr before that.
+    for shape, halfway in (("linear", 0.55), ("cosine", 0.55), ("1-sqrt", 0.1 + 0.9 * (1 - 0.5**0.5))):
+        wsd = schedule("wsd", f"train.decay_shape={shape}")
+        assert lr_at(5, wsd) == pytest.approx(0.6)
+        assert all(lr_at(s, wsd) == 1.0 for s in range(9, 89))
+        assert lr_at(99, wsd) == pytest.approx(halfway), shape
+        assert lr_at(109, wsd) < 0.2 and all(lr_at(s, wsd) >= lr_at(s + 1, wsd) for s in range(88, 109))
+    late = schedule("wsd", "train.decay_fraction=1.0", "train.decay_shape=linear")  # all of it: decay after warmup
+    assert [lr_at(s, late) for s in (9, 10, 60)] == pytest.approx([1.0, 1.0, 0.55])
+
+
+def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, cache_dir):
+    """8 steps of WSD (decay from step 7) saved at step 4 and resumed with train.steps=16: the same losses and
+    learning rates as 16 steps from the start (decay from step 13). A run resumed under another schedule trains
+    with that schedule's rate from its first step (not the one the checkpoint's run would have used)."""
+    wsd = ["train.lr_schedule=wsd", "train.decay_fraction=0.25", "checkpoint.interval=4", "train.min_lr=3e-4"]
+    short = small_config(tmp_path / "short", cache_dir, *wsd)
+    train(short, CPU_RUNTIME)
+    saved = f"checkpoint.resume={tmp_path / 'short' / 'run' / 'checkpoints' / 'step-00000004'}"
+    longer = small_config(tmp_path / "longer", cache_dir, *wsd, "train.steps=16", saved)
+    resumed = train(longer, CPU_RUNTIME)
+    straight = train(small_config(tmp_path / "straight", cache_dir, *wsd, "train.steps=16"), CPU_RUNTIME)
+    assert resumed.losses == straight.losses[4:]
+
+    def rates(folder: Path) -> list[float]:
+        return [json.loads(line)["lr"] for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+
+    assert rates(tmp_path / "longer") == rates(tmp_path / "straight")[4:]
+    assert rates(tmp_path / "straight")[4:12] == [3e-3] * 8 and rates(tmp_path / "straight")[-1] < 1e-3
+    cosine = small_config(tmp_path / "cosine", cache_dir, *wsd, "train.steps=16", saved, "train.lr_schedule=cosine")
+    train(cosine, CPU_RUNTIME)
+    assert rates(tmp_path / "cosine")[0] == pytest.approx(lr_at(4, cosine.train)) and lr_at(4, cosine.train) < 3e-3
 
 
 def test_clipping_uses_the_global_norm():

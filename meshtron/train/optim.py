@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and linear warmup + cosine decay."""
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules (warmup, then cosine,
+linear, constant or warmup-stable-decay)."""
 
 from __future__ import annotations
 
@@ -32,14 +33,37 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
 
+# How much of the way from lr down to min_lr is left at a fraction ``progress`` of the decay.
+DECAY_FACTORS = {
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "1-sqrt": lambda progress: 1.0 - math.sqrt(progress),
+}
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for 0-based optimizer step ``step``: linear warmup, then cosine from lr down to min_lr."""
+    """Learning rate for 0-based optimizer step ``step``: linear warmup over ``warmup_steps``, then
+    ``cfg.lr_schedule`` (docs/schedules.md). A function of the step and this run's settings only, so a run
+    resumed with a larger ``train.steps`` follows the longer schedule from where it is (WSD: a longer stable phase)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
+        decay_start, shape = max(cfg.warmup_steps, cfg.steps - decay_steps), cfg.decay_shape
+    else:  # cosine or linear, over every step after the warmup
+        decay_start, shape = cfg.warmup_steps, cfg.lr_schedule
+    progress = min(1.0, max(0.0, (step - decay_start) / max(1, cfg.steps - decay_start)))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * DECAY_FACTORS[shape](progress)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr if cfg.lr else 0.0)
+
+
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set the optimizer's learning rates to this run's schedule at the scheduler's step (after a resume: the
+    checkpoint holds the rate its own settings gave, which a resumed run with other ones must not train with)."""
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)

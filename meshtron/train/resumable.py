@@ -11,6 +11,7 @@ from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory,
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_toml
 from meshtron.data.streaming import load_stream_states, save_stream_state
+from meshtron.train.optim import apply_schedule
 
 SKIPPED_KEY = "data.skip_batches"
 """meshtron.json's list of the global batches the run leaves out (data.skip_batches and rollbacks)."""
@@ -71,6 +72,7 @@ class Resumable:
         """Load checkpoint ``path`` into the model, optimizer, LR schedule, loss scale and data order; its meta."""
         meta = self.checkpoints.load(path, self.state)
         self.scheduler.load_state_dict(meta["scheduler"])
+        apply_schedule(self.scheduler)
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self.schedule.skip(meta.get(SKIPPED_KEY, []))
