@@ -413,14 +413,16 @@ LAYOUTS["dp2_tp2_stream_accum"] = (
     ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=2"],
     "llama-stream",
 )
-# Chat: masked labels; every rank counts the global batch's assistant tokens itself.
-for _name, _overrides in {
+# Each parallelism alone on 2 ranks, for features that every layout must leave unchanged (chat data, schedules).
+TWO_RANK_LAYOUTS = {
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp2": ["parallel.dp_shard=2"],
     "tp2": ["parallel.tp=2"],
     "pp2": ["parallel.pp=2"],
     "cp2": ["parallel.cp=2"],
-}.items():
+}
+# Chat: masked labels; every rank counts the global batch's assistant tokens itself.
+for _name, _overrides in TWO_RANK_LAYOUTS.items():
     LAYOUTS[f"{_name}_chat"] = (2, _overrides, "llama-chat")
 LAYOUTS["cp2_causal_only"] = (2, ["parallel.cp=2"], "llama-docs-causal")
 LAYOUTS["cp2_selective_ac"] = (2, ["parallel.cp=2", "train.activation_checkpointing=selective"], "llama-docs")
@@ -440,13 +442,7 @@ LAYOUTS["cp2_qwen3_accum_ac"] = (
 # cooling down along 1 - sqrt (the last 3 steps' share, from progress 0), so that steps 3 and 4 train at lower rates.
 _WSD = ["train.lr_schedule=wsd", "train.warmup_steps=1", "train.decay_fraction=0.75", "train.decay_shape=1-sqrt"]
 REFERENCES["llama-wsd"] = ["model.preset=llama-tiny", *_WSD]
-for _name, _overrides in {
-    "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
-    "fsdp2": ["parallel.dp_shard=2"],
-    "tp2": ["parallel.tp=2"],
-    "pp2": ["parallel.pp=2"],
-    "cp2": ["parallel.cp=2"],
-}.items():
+for _name, _overrides in TWO_RANK_LAYOUTS.items():
     LAYOUTS[f"{_name}_wsd"] = (2, _overrides, "llama-wsd")
 
 
