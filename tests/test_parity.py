@@ -438,8 +438,8 @@ LAYOUTS["cp2_qwen3_accum_ac"] = (
     "qwen3-docs",
 )
 
-# Learning-rate schedules (docs/schedules.md): warmup-stable-decay over the 4 steps: 1 of warmup, 1 at train.lr, then
-# cooling down along 1 - sqrt (the last 3 steps' share, from progress 0), so that steps 3 and 4 train at lower rates.
+# Learning-rate schedules (docs/schedules.md): warmup-stable-decay over the 4 steps: 1 of warmup, then the last 3 cool
+# down along 1 - sqrt from progress 0 (step 2 still at train.lr), so that steps 3 and 4 train at lower rates.
 _WSD = ["train.lr_schedule=wsd", "train.warmup_steps=1", "train.decay_fraction=0.75", "train.decay_shape=1-sqrt"]
 REFERENCES["llama-wsd"] = ["model.preset=llama-tiny", *_WSD]
 for _name, _overrides in TWO_RANK_LAYOUTS.items():

@@ -66,20 +66,18 @@ def test_same_config_same_losses(tmp_path, cache_dir):
     assert first != third
 
 
+def schedule(name: str, *extra: str):
+    overrides = ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"]
+    return load_config(None, [*overrides, f"train.lr_schedule={name}", *extra], env={}).train
+
+
 def test_lr_schedule_shape():
-    cfg = load_config(
-        None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"], env={}
-    ).train
+    cfg = schedule("cosine")
     assert lr_at(0, cfg) == pytest.approx(0.1)
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(60, cfg) == pytest.approx(0.55)
     assert lr_at(109, cfg) == pytest.approx(0.1, abs=1e-3)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 109))
-
-
-def schedule(name: str, *extra: str):
-    overrides = ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"]
-    return load_config(None, [*overrides, f"train.lr_schedule={name}", *extra], env={}).train
 
 
 def test_linear_constant_and_wsd_schedules():

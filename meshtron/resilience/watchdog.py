@@ -26,6 +26,8 @@ EXIT_HUNG = 124
 """Exit status of a rank that gave up waiting (as ``timeout`` uses)."""
 COLLECTIVE_GRACE_S = 60.0
 REPORT_WAIT_S = 10.0
+STORE_GRACE_S = 5.0
+"""Beyond the report wait, how long a store operation may take before a rank that is giving up stops waiting."""
 # Functions in which a main thread waits for the other ranks: host syncs of the step, the stop flag and the
 # async-save flag (on GPUs the host waits there, not inside torch.distributed).
 WAITING_FUNCTIONS = {"host_values", "agreed", "commit_if_done", "synchronize", "barrier"}
@@ -90,7 +92,7 @@ class HangWatchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             # Not a few polls: on a loaded machine the woken thread may wait that long for a core. Giving up takes
             # at most two bounded store waits (``_in_time``) before it ends the process.
-            self._thread.join(timeout=self.poll_s + 2 * (self.report_wait_s + 5.0) + 5.0)
+            self._thread.join(timeout=self.poll_s + 2 * self._store_wait_s + STORE_GRACE_S)
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
@@ -145,7 +147,12 @@ class HangWatchdog:
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        thread.join(self.report_wait_s + 5.0)
+        thread.join(self._store_wait_s)
+
+    @property
+    def _store_wait_s(self) -> float:
+        """The longest one store operation of ``give_up`` may hold it (``_in_time``)."""
+        return self.report_wait_s + STORE_GRACE_S
 
     def _wait_for(self, key: str) -> None:
         deadline = time.monotonic() + self.report_wait_s
