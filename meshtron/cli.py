@@ -1,5 +1,6 @@
 """``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``,
 ``meshtron plan ...`` (see meshtron.plan.cli), ``meshtron data prepare ...`` (meshtron.data.cli) and
+``meshtron eval CHECKPOINT_OR_MODEL_DIR --eval.path=DATA`` (docs/evaluation.md),
 ``meshtron export CHECKPOINT OUT_DIR``, ``meshtron plot RUN_DIR ...``, ``meshtron compare RUN_A RUN_B``
 (meshtron.metrics.cli) and ``meshtron generate CKPT_OR_EXPORT --prompt TEXT`` (meshtron.checkpoint.generate).
 
@@ -21,6 +22,9 @@ from meshtron.errors import ConfigError, MeshtronError
 from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
+EVAL_USAGE = (
+    "meshtron eval CHECKPOINT_OR_MODEL_DIR [--config FILE] [--nproc N] --eval.path=DATA [--section.key=value ...]"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="steps --rehearse trains (default 4: warm-up, activations, timing)",
     )
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a checkpoint or a model directory on [eval] data, under any layout", usage=EVAL_USAGE
+    )
+    evaluate.add_argument("model", help="a checkpoint folder (step-N) or a Hugging Face model directory")
+    evaluate.add_argument("--config", help="TOML config file (default: the checkpoint's own)")
+    evaluate.add_argument("--nproc", type=int, help="launch this many processes on this machine")
+    evaluate.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    evaluate.set_defaults(max_restarts=0)
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
     export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
@@ -158,6 +170,31 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     return _self_launch(args, extra, cfg, world_size, nodes)
 
 
+def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
+    """``meshtron eval MODEL``: one evaluation of a checkpoint or model directory, in one process or ``--nproc N``."""
+    from meshtron.checkpoint.eval_config import check_eval_output_dir, eval_config
+    from meshtron.config import parse_overrides
+    from meshtron.train.runtime import check_torch_version
+
+    check_torch_version()
+    overrides = parse_overrides(extra, EVAL_USAGE)
+    cfg = eval_config(args.model, args.config, overrides)
+    if _under_torchrun():
+        return _run_worker(cfg, evaluate_only=True)
+    chosen = any(item.startswith("run.output_dir=") for item in overrides)
+    if not chosen:  # never the checkpoint's run directory, which its config names
+        cfg.run.output_dir = str(Path("runs") / f"eval-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]
+    check_eval_output_dir(cfg.run.output_dir)
+    world_size = args.nproc or 1
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    _check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
+    if world_size == 1:
+        return _run_worker(cfg, evaluate_only=True)
+    return _self_launch(args, extra, cfg, world_size, command=["eval", args.model])
+
+
 def _rehearse(args: argparse.Namespace, cfg) -> int:
     from meshtron.plan.rehearsal import DEFAULT_STEPS, format_rehearsal, rehearse
 
@@ -188,8 +225,9 @@ def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
         )
 
 
-def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> int:
-    """Check everything once here, then start ``world_size`` workers with torch's elastic launcher.
+def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, command=("train",)) -> int:
+    """Check everything once here, then start ``world_size`` workers with torch's elastic launcher, each running
+    ``meshtron <command> ...`` with the same settings.
 
     Exit status: 0, the first failed worker's (e.g. 124 after a hang), or 75 when a signal stopped the
     run after its checkpoint was saved (docs/faults.md)."""
@@ -220,7 +258,7 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> in
     else:
         launcher_args += ["--standalone"]
     parser = get_args_parser()
-    worker = ["-m", "meshtron", "train"] + (["--config", args.config] if args.config else []) + extra
+    worker = ["-m", "meshtron", *command] + (["--config", args.config] if args.config else []) + extra
     started = time.time()
     with forward_stop_signals(parser, launcher_args, cfg.run.collective_timeout_s) as stopped:
         try:
@@ -233,7 +271,7 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None) -> in
     return 0
 
 
-def _run_worker(cfg) -> int:
+def _run_worker(cfg, evaluate_only: bool = False) -> int:
     from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
     from meshtron.train.preflight import preflight
@@ -253,7 +291,7 @@ def _run_worker(cfg) -> int:
         host_collectives=cfg.fsdp.cpu_offload,
     )
     try:
-        train(cfg, runtime, plan)
+        train(cfg, runtime, plan, evaluate_only=evaluate_only)
     except Preempted as stop:
         if runtime.is_main:
             print(stop, flush=True)
@@ -271,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, extra)
+        if args.command == "eval":
+            return _evaluate(args, extra)
         if args.command == "plan":
             if extra:
                 raise ConfigError(f"unexpected arguments {extra}; usage: {PLAN_USAGE}")

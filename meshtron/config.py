@@ -235,10 +235,31 @@ class RunConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation (docs/evaluation.md): the loss on data the run does not train on, under every layout."""
+
+    path: str | None = None
+    """Evaluation data: any source data.path takes (prepared directories included), in data.format, read in order."""
+    holdout_documents: int = 0
+    """Instead of path: the last N documents (conversations with data.format=chat) of data.path, left out of
+    training and evaluated on."""
+    interval: int = 0
+    """Evaluate every this many optimizer steps (0: only after the last step, which always evaluates)."""
+    batches: int = 4
+    """Global batches of train.global_batch_size sequences per evaluation: the first ones of the evaluation data,
+    the same every time (fewer when the data holds fewer)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path) or self.holdout_documents > 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -477,10 +498,28 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(cfg.checkpoint, key)}")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    _validate_eval(cfg)
     if not 0 < t.decay_fraction <= 1:
         raise ConfigError(
             f"train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), "
             f"got {t.decay_fraction}"
+        )
+
+
+def _validate_eval(cfg: Config) -> None:
+    e, d = cfg.eval, cfg.data
+    for key in ("holdout_documents", "interval"):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"eval.{key}: must be >= 0 (0 turns it off), got {getattr(e, key)}")
+    _positive("eval.batches", e.batches)
+    if e.path and e.holdout_documents:
+        raise ConfigError("set only one of eval.path and eval.holdout_documents (the evaluation data)")
+    if e.interval and not e.enabled:
+        raise ConfigError(f"eval.interval={e.interval} needs evaluation data: set eval.path or eval.holdout_documents")
+    if e.holdout_documents and (d.sources or d.streaming):
+        what = "data.sources (a mixture)" if d.sources else "data.streaming"
+        raise ConfigError(
+            f"eval.holdout_documents holds out documents of one data.path, not of {what}; set eval.path instead"
         )
 
 

@@ -3,7 +3,8 @@
 Usage: python tests/parity_worker.py SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}, "worlds": {name: processes}}; an override
 ``env:VAR=VALUE`` sets an environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``).
-For each layout, rank 0 writes OUT_DIR/<name>.json (per-step losses and grad norms, the largest parameter +
+For each layout, rank 0 writes OUT_DIR/<name>.json (per-step losses and grad norms, [step, loss] of each
+evaluation, the largest parameter +
 gradient + optimizer bytes of any rank, the largest activation peak and the largest gradient bytes held between
 accumulated micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may
 resume from an earlier one's checkpoint); the first that fails ends the launch with its name and exit codes.
@@ -102,6 +103,7 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
                 {
                     "losses": result.losses,
                     "grad_norms": result.grad_norms,
+                    "eval_losses": result.eval_losses,
                     "state_bytes": int(measured[0]),
                     "activation_bytes": int(measured[1]),
                     "accumulation_grad_bytes": int(measured[2]),

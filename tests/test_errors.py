@@ -95,6 +95,18 @@ def causal_lm_dir(tmp_path):
             ["--train.lr_schedule=wsd", "--train.decay_fraction=0"],
             "train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), got 0.0",
         ),
+        (
+            ["--eval.path=x.txt", "--eval.holdout_documents=2"],
+            "set only one of eval.path and eval.holdout_documents",
+        ),
+        (["--eval.interval=5"], "eval.interval=5 needs evaluation data: set eval.path or eval.holdout_documents"),
+        (["--eval.batches=0"], "eval.batches: must be a positive integer, got 0"),
+        (
+            ["--eval.holdout_documents=1", "--data.streaming=true"],
+            "eval.holdout_documents holds out documents of one data.path, not of data.streaming",
+        ),
+        (["--eval.holdout_documents=5"], "eval.holdout_documents=5 leaves nothing to train on: data.path"),
+        (["--eval.path=/no/such/file.txt"], "eval.path: could not load"),
         (["--rehearse"], "--rehearse needs --nproc N"),
         (
             ["--rehearse", "--nproc", "2", "--rank", "2", "--parallel.dp_shard=2"],
@@ -127,6 +139,13 @@ def test_empty_dataset(capsys, tmp_path):
     empty.write_text("")
     code, err = run_main(capsys, [*FAST, f"--data.path={empty}"])
     assert code != 0 and "data.path" in error_lines(err)[0]
+
+
+def test_evaluation_data_smaller_than_a_global_batch(capsys, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("a few words, not eight sequences of sixteen tokens\n")
+    code, err = run_main(capsys, [*FAST, f"--eval.path={small}", f"--data.cache_dir={tmp_path}"])
+    assert code != 0 and "fewer than one global batch (train.global_batch_size=8)" in error_lines(err)[0]
 
 
 def test_output_dir_with_a_run_is_not_overwritten(capsys, tmp_path):

@@ -164,6 +164,10 @@ def base_overrides(cache_dir) -> list[str]:
         "train.warmup_steps=2",
         "train.seed=7",
         "run.progress=false",
+        # Evaluation after the last step (docs/evaluation.md) on one batch of the short documents: every layout's
+        # evaluation loss must equal the 1-process run's too. MID_RUN_EVALUATION layouts also evaluate after step 2.
+        f"eval.path={cache_dir}/{SHORT_DOCUMENTS}",
+        "eval.batches=1",
     ]
 
 
@@ -211,6 +215,9 @@ REFERENCES = {
         f"data.path={{cache_dir}}/{CHAT_DATA}",
         "data.seq_len=128",
         "data.max_documents=300",
+        # Evaluation on the last 40 conversations, held out of training (masked labels too).
+        "eval.path=",
+        "eval.holdout_documents=40",
     ],
     "llama-docs-causal": [
         "model.preset=llama-tiny",
@@ -597,6 +604,20 @@ FLOAT8_EXACT_STEPS = 3
 FLOAT8_LOSS_RTOL = 3e-4
 FLOAT8_WEIGHT_REL_L2 = 1e-2
 
+# Layouts that also evaluate after step 2 and then train on: their training losses must still be the reference's,
+# which evaluates only at the end (a forward without backward once left FSDP x TP x EP's last experts with doubled
+# gradients in the next step; meshtron.distributed.data_parallel.reshard_all). Every parallelism and pipeline schedule,
+# FSDP's variants, expert parallelism, chat data and the precisions; the others evaluate only after the last step.
+MID_RUN_EVALUATION = {
+    *("fsdp2", "hsdp2x2", "fsdp2_accum_unsharded", "fsdp2_cpu_offload", "fsdp2_compile", "fsdp2_qwen3_tied"),
+    *("tp2_llama", "dp2_tp2_llama", "cp2_ring", "cp2_allgather", "dp2_cp2_ring", "tp2_cp2_ring"),
+    *("pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp4_1f1b", "pp4_interleaved", "pp2_zero_bubble_interleaved"),
+    *("pp2_zbv", "pp2_dp2", "pp2_tp2", "pp2_cp2", "pp2_qwen3_tied", "pp2_zbv_moe_aux"),
+    *("ep2_moe_aux", "ep2_tp2_moe_aux", "ep2_pp2_moe_aux", "ep2_tp2_olmoe", "ep2_hsdp2x2_accum_moe_aux"),
+    *(f"{name}_chat" for name in TWO_RANK_LAYOUTS),
+    *("fsdp2_bf16", "pp2_bf16", "fsdp2_fp16", "fsdp2_float8"),
+}
+
 # Everything the torchrun launches run, by world size (1-process entries run in-process).
 ALL_LAYOUTS = {
     **LAYOUTS,
@@ -622,7 +643,10 @@ def parity_runs(tmp_path_factory, cache_dir):
     write_short_documents(cache_dir)
     launched = sorted(((w, n) for n, (w, _, _) in ALL_LAYOUTS.items() if w > 1), key=lambda item: item[0])
     layouts = {
-        name: reference_overrides(ALL_LAYOUTS[name][2], cache_dir) + ALL_LAYOUTS[name][1] for _, name in launched
+        name: reference_overrides(ALL_LAYOUTS[name][2], cache_dir)
+        + ALL_LAYOUTS[name][1]
+        + (["eval.interval=2"] if name in MID_RUN_EVALUATION else [])
+        for _, name in launched
     }
     started = time.perf_counter()
     worlds = {name: world for world, name in launched}
@@ -662,6 +686,7 @@ def references(tmp_path_factory, cache_dir):
             sum(result.state_bytes.values()),
             result.grad_norms,
             result.activation_bytes,
+            result.eval_losses,
         )
     return results
 
@@ -678,11 +703,12 @@ def test_a_prepared_directory_trains_exactly_as_the_source_read_on_the_fly(refer
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, parity_runs, references):
-    ref_losses, ref_weights, _, ref_norms, _ = references[LAYOUTS[layout][2]]
+    ref_losses, ref_weights, _, ref_norms, _, ref_evals = references[LAYOUTS[layout][2]]
     got = json.loads((parity_runs / f"{layout}.json").read_text())
     assert len(got["losses"]) == STEPS
     for step, (loss, ref) in enumerate(zip(got["losses"], ref_losses), start=1):
         assert abs(loss - ref) <= LOSS_RTOL * abs(ref), f"step {step}: {loss} vs single-process {ref}"
+    check_evaluations(layout, got["eval_losses"], ref_evals, LOSS_RTOL)
     # Adam hides a uniform gradient scale (a missing or doubled mean) almost entirely; the norm does not.
     for step, (norm, ref) in enumerate(zip(got["grad_norms"], ref_norms), start=1):
         assert abs(norm - ref) <= GRAD_NORM_RTOL * ref, f"step {step}: gradient norm {norm} vs single-process {ref}"
@@ -712,6 +738,16 @@ def test_layout_matches_single_process(layout, parity_runs, references):
             failures.append(f"{name}: relative L2 error {rel_l2:.2e}, max abs error {max_abs:.2e}")
     print(f"{layout}: worst relative L2 {worst_rel:.2e}, worst max abs {worst_abs:.2e}")
     assert not failures, "; ".join(failures)
+
+
+def check_evaluations(layout: str, got: list, ref: list, rtol: float) -> None:
+    """The evaluation after the last step has the reference's loss within ``rtol``; a MID_RUN_EVALUATION layout also
+    evaluated after step 2 (its training losses, checked separately, are those of the reference, which did not)."""
+    assert [step for step, _ in ref] == [STEPS]
+    assert [step for step, _ in got] == ([2, STEPS] if layout in MID_RUN_EVALUATION else [STEPS])
+    loss, expected = got[-1][1], ref[0][1]
+    print(f"evaluation loss {loss}: {abs(loss - expected) / expected:.1e} from the reference's")
+    assert abs(loss - expected) <= rtol * expected, f"evaluation after step {STEPS}: {loss} vs {expected}"
 
 
 @pytest.mark.slow
@@ -827,7 +863,7 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
     cases += [(name, world, overrides, ref) for name, (world, overrides, ref) in ALL_LAYOUTS.items()]
     for name, world, overrides, ref in cases:
         if name.startswith("single:") or world == 1:
-            _, _, state, _, activations = references[name.removeprefix("single:")]
+            _, _, state, _, activations, _ = references[name.removeprefix("single:")]
         else:
             got = json.loads((parity_runs / f"{name}.json").read_text())
             state, activations = got["state_bytes"], got["activation_bytes"]
@@ -867,10 +903,16 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
 def _layout_run(name: str, parity_runs, references) -> tuple[list[float], list[float], dict]:
     """(losses, gradient norms, final weights) of a layout, from the launches or the in-process runs."""
     if name in references:
-        losses, weights, _, norms, _ = references[name]
+        losses, weights, _, norms, _, _ = references[name]
         return losses, norms, weights
     got = json.loads((parity_runs / f"{name}.json").read_text())
     return got["losses"], got["grad_norms"], torch.load(parity_runs / f"{name}.pt", weights_only=True)
+
+
+def _evaluations(name: str, parity_runs, references) -> list:
+    if name in references:
+        return references[name][5]
+    return json.loads((parity_runs / f"{name}.json").read_text())["eval_losses"]
 
 
 def _relative(values, refs) -> list[float]:
@@ -897,6 +939,12 @@ def test_bf16_layout_matches_single_process_bf16(layout, parity_runs, references
     assert max(loss_diffs) <= BF16_LOSS_RTOL, f"losses {losses} vs 1-process bf16 {ref_losses}"
     assert max(norm_diffs) <= BF16_GRAD_NORM_RTOL, f"gradient norms {norms} vs 1-process bf16 {ref_norms}"
     assert worst_weight <= BF16_WEIGHT_REL_L2
+    check_evaluations(
+        layout,
+        _evaluations(layout, parity_runs, references),
+        _evaluations("deep-bf16", parity_runs, references),
+        BF16_LOSS_RTOL,
+    )
     assert from_fp32 >= BF16_MIN_DISTANCE_FROM_FP32, "the losses are the fp32 run's: bf16 compute did not run"
     assert all(w.dtype == torch.float32 for w in weights.values()), "master weights must stay float32"
 
@@ -954,3 +1002,5 @@ def test_float8_layout_matches_single_process_float8(layout, parity_runs, refere
     worst = max(((weights[k].float() - w.float()).norm() / w.float().norm()).item() for k, w in ref_weights.items())
     print(f"{layout}: losses {max(_relative(losses, ref_losses)):.1e}, weights {worst:.1e} from 1-process float8")
     assert worst <= FLOAT8_WEIGHT_REL_L2
+    evaluations = _evaluations(layout, parity_runs, references)
+    check_evaluations(layout, evaluations, _evaluations("llama-tiny-float8", parity_runs, references), FLOAT8_LOSS_RTOL)

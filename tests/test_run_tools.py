@@ -30,6 +30,9 @@ def train_run(out: Path, *overrides: str) -> Path:
             "train.global_batch_size=4",
             "run.progress=false",
             f"run.output_dir={out}",
+            "eval.holdout_documents=4",  # evaluated after steps 3 and 6
+            "eval.interval=3",
+            "eval.batches=1",
             *overrides,
         ],
         env={},
@@ -92,6 +95,11 @@ def test_tensorboard_events_hold_the_metrics_rows(runs):
         scalars = events.Scalars(f"train/{key}")
         assert [s.step for s in scalars] == [row["step"] for row in rows] == list(range(1, STEPS + 1))
         assert [s.value for s in scalars] == pytest.approx([row[key] for row in rows], rel=1e-6)
+    evaluations = events.Scalars("eval/loss")
+    assert [(s.step, s.value) for s in evaluations] == [
+        (row["step"], pytest.approx(row["eval_loss"], rel=1e-6)) for row in rows if "eval_loss" in row
+    ]
+    assert [s.step for s in evaluations] == [3, 6]
     assert "single process" in events.Tensors("layout/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "global_batch_size = 4" in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
 
@@ -106,6 +114,7 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(runs):
     rows = metrics(runs / "logged")
     assert [h["_step"] for h in history] == [row["step"] for row in rows]
     assert [h["train/loss"] for h in history] == pytest.approx([row["loss"] for row in rows], rel=1e-9)
+    assert [h["eval/loss"] for h in history if "eval/loss" in h] == [r["eval_loss"] for r in rows if "eval_loss" in r]
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in run.config.update}
     assert config["layout"] == "single process" and config["train"]["global_batch_size"] == 4
@@ -158,9 +167,10 @@ def test_compare_passes_a_rerun_and_fails_another_seed(runs, capsys):
 
     assert main(["compare", str(runs / "logged"), str(runs / "rerun")]) == 0
     out = capsys.readouterr().out
-    assert f"losses equal within --tol 1e-05 over {STEPS} steps" in out and "throughput is" in out
+    assert f"losses equal within --tol 1e-05 over {STEPS} steps and 2 evaluations" in out and "throughput is" in out
     assert main(["compare", str(runs / "logged"), str(runs / "other-seed")]) == 1
-    assert "losses differ beyond --tol 1e-05" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "losses differ beyond --tol 1e-05" in out and "evaluation losses differ beyond --tol 1e-05 after 2" in out
     assert main(["compare", str(runs / "logged"), str(runs / "other-seed"), "--tol", "10"]) == 0
 
 

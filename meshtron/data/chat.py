@@ -190,12 +190,36 @@ class ChatDataset:
 
 
 def build_chat_dataset(data: DataConfig, tokenizer) -> ChatDataset:
+    return build_chat_datasets(data, tokenizer)[0]
+
+
+def build_chat_datasets(
+    data: DataConfig, tokenizer, held_out: int = 0, separator: int | None = None
+) -> tuple[ChatDataset, ChatDataset | None]:
+    """(the packed conversations of ``data.path``, None), or with ``held_out`` (``eval.holdout_documents``) the
+    conversations but the last ``held_out`` and, packed apart, those last ones. Both use one separator: ``separator``
+    when given (evaluation data takes the training data's, where document masks cut), else one chosen here."""
     conversations = [
         render(tokenizer, messages, data.train_on)
         for messages in iter_conversations(data.path, data.messages_field, data.max_documents)
     ]
     if not conversations:
         raise MeshtronError(f"data.path '{data.path}' has no conversations; check data.messages_field")
-    separator = choose_separator(tokenizer, conversations)
-    tokens, trained, cut = pack(conversations, data.seq_len + 1, separator)
-    return ChatDataset(tokens, trained, len(conversations), cut, separator)
+    if held_out >= len(conversations):
+        raise ConfigError(
+            f"eval.holdout_documents={held_out} leaves nothing to train on: data.path '{data.path}' has "
+            f"{len(conversations)} conversations; hold out fewer or set eval.path"
+        )
+    if separator is None:
+        separator = choose_separator(tokenizer, conversations)
+    elif any(separator in ids for ids, _ in conversations):
+        raise MeshtronError(
+            f"data.path '{data.path}' uses token {separator}, which separates the training conversations; "
+            "evaluate on conversations without it"
+        )
+    kept = conversations[: len(conversations) - held_out]
+    datasets = []
+    for part in (kept, conversations[len(kept) :]) if held_out else (kept,):
+        tokens, trained, cut = pack(part, data.seq_len + 1, separator)
+        datasets.append(ChatDataset(tokens, trained, len(part), cut, separator))
+    return datasets[0], datasets[1] if held_out else None

@@ -40,20 +40,43 @@ class PackedDataset:
     def __init__(self, sequences: np.ndarray, path: Path | None = None):
         if sequences.ndim != 2 or sequences.shape[1] < 2:
             raise ValueError(f"sequences must have shape (num_sequences, seq_len + 1), got {sequences.shape}")
-        self._sequences, self._corpus = sequences, None
+        self._sequences, self._corpus, self._start = sequences, None, 0
         self._len = sequences.shape[0]
         self.path = path
         self.seq_len = sequences.shape[1] - 1
 
     @classmethod
-    def from_corpus(cls, corpus: TokenCorpus, seq_len: int, path: Path | None = None) -> PackedDataset:
+    def from_corpus(
+        cls, corpus: TokenCorpus, seq_len: int, path: Path | None = None, start: int = 0, stop: int | None = None
+    ) -> PackedDataset:
+        """The windows of tokens ``[start, stop)`` of the corpus's stream (all of it by default)."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        stop = corpus.num_tokens if stop is None else stop
+        if not 0 <= start <= stop <= corpus.num_tokens:
+            raise ValueError(f"tokens [{start}, {stop}) outside the corpus's {corpus.num_tokens}")
         dataset = cls.__new__(cls)
-        dataset._sequences, dataset._corpus = None, corpus
-        dataset._len = corpus.num_tokens // (seq_len + 1)
+        dataset._sequences, dataset._corpus, dataset._start = None, corpus, start
+        dataset._len = (stop - start) // (seq_len + 1)
         dataset.path, dataset.seq_len = path, seq_len
         return dataset
+
+    def split_documents(self, held_out: int, source: str = "") -> tuple[PackedDataset, PackedDataset]:
+        """(the sequences before the corpus's last ``held_out`` documents, the sequences of those documents): no
+        sequence of the first holds a token of the held-out documents (``eval.holdout_documents``). ``source``:
+        the data.path the corpus was prepared from (for the error)."""
+        if self._corpus is None or self._start:
+            raise ValueError("split_documents needs a whole prepared corpus")
+        ends = self._corpus.document_ends()
+        if held_out >= len(ends):
+            raise ConfigError(
+                f"eval.holdout_documents={held_out} leaves nothing to train on: data.path '{source or self.path}' has "
+                f"{len(ends)} documents; hold out fewer or set eval.path"
+            )
+        boundary = int(ends[-held_out - 1])
+        kept = PackedDataset.from_corpus(self._corpus, self.seq_len, self.path, stop=boundary)
+        held = PackedDataset.from_corpus(self._corpus, self.seq_len, self.path, start=boundary)
+        return kept, held
 
     def __len__(self) -> int:
         return self._len
@@ -68,11 +91,11 @@ class PackedDataset:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self._corpus is None:
             return np.asarray(self._sequences[indices], dtype=np.int64)
-        width = self.seq_len + 1
+        width, start = self.seq_len + 1, self._start
         if indices.size and (indices.min() < 0 or indices.max() >= self._len):
             raise IndexError(f"sequence indices outside [0, {self._len})")
         return (
-            np.stack([self._corpus.read(int(i) * width, (int(i) + 1) * width) for i in indices])
+            np.stack([self._corpus.read(start + int(i) * width, start + (int(i) + 1) * width) for i in indices])
             if indices.size
             else np.zeros((0, width), dtype=np.int64)
         )
@@ -124,14 +147,14 @@ def _build(data_cfg: DataConfig, tokenizer, path: Path) -> None:
         shutil.rmtree(building, ignore_errors=True)
 
 
-def _empty_error(data_cfg: DataConfig, path: Path) -> MeshtronError:
+def _empty_error(data_cfg: DataConfig, path: Path, setting: str) -> MeshtronError:
     try:
         meta = json.loads((path / MANIFEST).read_text())
         counts = f"{meta['tokens']:,} tokens from {meta['documents']:,} documents"
     except (OSError, ValueError, KeyError):
         counts = "too few tokens"
     return MeshtronError(
-        f"data.path '{data_cfg.path}' gave {counts} (EOS included), not one sequence of data.seq_len + 1 = "
+        f"{setting} '{data_cfg.path}' gave {counts} (EOS included), not one sequence of data.seq_len + 1 = "
         f"{data_cfg.seq_len + 1} tokens; add more data (or raise data.max_documents) or lower data.seq_len"
     )
 
@@ -175,7 +198,13 @@ def _wait_for_build(path: Path, run_id: str) -> None:
 
 
 def build_packed_dataset(
-    data_cfg: DataConfig, tokenizer, *, is_builder: bool, run_id: str = "", barrier: Callable[[], None] = lambda: None
+    data_cfg: DataConfig,
+    tokenizer,
+    *,
+    is_builder: bool,
+    run_id: str = "",
+    barrier: Callable[[], None] = lambda: None,
+    setting: str = "data.path",
 ) -> PackedDataset:
     """The packed sequences of ``data.seq_len + 1`` tokens of a prepared ``data.path``, or of the cache built from it.
 
@@ -195,5 +224,5 @@ def build_packed_dataset(
     barrier()
     dataset = PackedDataset.from_corpus(TokenCorpus(path), data_cfg.seq_len, path)
     if len(dataset) == 0:
-        raise _empty_error(data_cfg, path)
+        raise _empty_error(data_cfg, path, setting)
     return dataset

@@ -1,37 +1,85 @@
-"""The training data of a run: the dataset and its global batch order, from ``data.path`` or ``data.sources``."""
+"""The data of a run: the training dataset and its global batch order, from ``data.path`` or ``data.sources``, and
+the evaluation dataset (``eval.path``, or the documents ``eval.holdout_documents`` keeps out of training)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from meshtron.config import DataConfig
-from meshtron.data.chat import build_chat_dataset
+from meshtron.config import DataConfig, EvalConfig
+from meshtron.data.chat import build_chat_datasets
 from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.mixture import MixedDataset, MixtureSchedule, parse_sources
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.streaming import StreamingDataset, StreamSchedule
+from meshtron.errors import ConfigError, MeshtronError
 
 
-def build_training_data(data: DataConfig, tokenizer, global_batch_size: int, *, is_builder: bool, run_id: str = ""):
-    """(dataset, schedule): one corpus, or a weighted mixture of several (meshtron.data.mixture).
+@dataclass
+class RunData:
+    """What a run reads: the training dataset, its global batch order, and the evaluation dataset."""
+
+    dataset: object
+    schedule: GlobalBatchSchedule
+    eval_dataset: object = None
+    """Sequences to evaluate on, in order (None without ``[eval]``); see meshtron.train.evaluate."""
+
+
+def build_training_data(
+    data: DataConfig,
+    tokenizer,
+    global_batch_size: int,
+    *,
+    is_builder: bool,
+    run_id: str = "",
+    evaluation: EvalConfig | None = None,
+) -> RunData:
+    """One corpus, or a weighted mixture of several (meshtron.data.mixture), and the evaluation data.
 
     Each source is a prepared directory or any other source, prepared into ``data.cache_dir`` first; local
     rank 0 of each machine builds what is missing (the others wait outside any collective). With ``data.streaming``
     the source is read while training runs (meshtron.data.streaming)."""
+    evaluation = evaluation or EvalConfig()
+    held_out = evaluation.holdout_documents
+    eval_dataset = None
     if data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
-        dataset = build_chat_dataset(data, tokenizer)
-        return dataset, GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
-    if data.streaming:
-        return StreamingDataset(data, tokenizer, global_batch_size), StreamSchedule(global_batch_size, data.seed)
-    if not data.sources:
+        dataset, eval_dataset = build_chat_datasets(data, tokenizer, held_out)
+        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
+    elif data.streaming:
+        dataset = StreamingDataset(data, tokenizer, global_batch_size)
+        schedule = StreamSchedule(global_batch_size, data.seed)
+    elif not data.sources:
         dataset = build_packed_dataset(data, tokenizer, is_builder=is_builder, run_id=run_id)
-        return dataset, GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
-    sources = parse_sources(data.sources)
-    datasets = [
-        build_packed_dataset(replace(data, path=path), tokenizer, is_builder=is_builder, run_id=run_id)
-        for path, _ in sources
-    ]
-    schedule = MixtureSchedule(
-        [len(d) for d in datasets], [w for _, w in sources], global_batch_size, data.shuffle, data.seed
-    )
-    return MixedDataset(datasets), schedule
+        if held_out:
+            dataset, eval_dataset = dataset.split_documents(held_out, data.path)
+        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
+    else:
+        sources = parse_sources(data.sources)
+        datasets = [
+            build_packed_dataset(replace(data, path=path), tokenizer, is_builder=is_builder, run_id=run_id)
+            for path, _ in sources
+        ]
+        schedule = MixtureSchedule(
+            [len(d) for d in datasets], [w for _, w in sources], global_batch_size, data.shuffle, data.seed
+        )
+        dataset = MixedDataset(datasets)
+    if evaluation.path:
+        eval_dataset = _build_eval_path(data, evaluation.path, tokenizer, dataset, is_builder, run_id)
+    if eval_dataset is not None and len(eval_dataset) < global_batch_size:
+        source = f"eval.path '{evaluation.path}'" if evaluation.path else f"eval.holdout_documents={held_out}"
+        raise ConfigError(
+            f"{source} gives {len(eval_dataset)} sequences of data.seq_len + 1 = {data.seq_len + 1} tokens, fewer "
+            f"than one global batch (train.global_batch_size={global_batch_size}); evaluate on more data"
+        )
+    return RunData(dataset, schedule, eval_dataset)
+
+
+def _build_eval_path(data: DataConfig, path: str, tokenizer, training, is_builder: bool, run_id: str):
+    """``eval.path`` read as ``data.path`` would be (whole: ``data.max_documents`` limits the training data only)."""
+    source = replace(data, path=path, max_documents=None, streaming=False, sources=[])
+    try:
+        if data.format == "chat":
+            return build_chat_datasets(source, tokenizer, separator=training.separator)[0]
+        return build_packed_dataset(source, tokenizer, is_builder=is_builder, run_id=run_id, setting="eval.path")
+    except MeshtronError as err:  # the readers name data.path, whose reading eval.path shares
+        text = str(err)
+        raise type(err)(text.replace("data.path", "eval.path", 1) if text.startswith("data.path") else text) from None

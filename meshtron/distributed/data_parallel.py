@@ -58,6 +58,17 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
 
 
+def reshard_all(*models: nn.Module) -> None:
+    """Shard every FSDP module's parameters again, as a step's backward leaves them. After a forward that no backward
+    follows (evaluation), modules that keep their parameters gathered after forward (the last block, the root) would
+    otherwise enter the next training step gathered, and FSDP then left some gradients undivided (measured: the last
+    block's expert-parallel experts under FSDP x TP got twice their gradient)."""
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def check_data_parallel(fsdp_cfg: FSDPConfig, dims) -> None:
     """Refuse FSDP settings the layout cannot honour (``dims``: the run's ParallelDims)."""
     if fsdp_cfg.cpu_offload and not dims.fsdp_enabled:

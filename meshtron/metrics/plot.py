@@ -13,12 +13,13 @@ from pathlib import Path
 from meshtron.errors import ConfigError
 from meshtron.metrics.runs import Run, read_run
 
-FIGSIZE = (12.0, 13.0)
+FIGSIZE = (12.0, 16.0)
 DPI = 100
-"""A PNG is FIGSIZE x DPI pixels: 1200 x 1300."""
+"""A PNG is FIGSIZE x DPI pixels: 1200 x 1600."""
 PANELS = (  # (title, y key, x axis)
     ("loss", "loss", "step"),
     ("loss against tokens", "loss", "tokens"),
+    ("evaluation loss", "eval_loss", "step"),
     ("tokens/s (global)", "tokens_per_s", "step"),
     ("MFU", "mfu", "step"),
     ("peak memory per rank (GB)", "max_memory_gb", "step"),
@@ -35,7 +36,7 @@ def _figure(runs: list[Run], dpi: int):
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(4, 2, figsize=FIGSIZE, dpi=dpi)
+    figure, axes = plt.subplots(5, 2, figsize=FIGSIZE, dpi=dpi)
     for ax, (title, key, x_axis) in zip(axes.flat, PANELS):
         drawn = False
         for index, run in enumerate(runs):
@@ -63,14 +64,17 @@ def _figure(runs: list[Run], dpi: int):
             ax.text(
                 0.5,
                 0.5,
-                "not measured" + (" (no GPU peak known)" if key == "mfu" else ""),
+                {"mfu": "not measured (no GPU peak known)", "eval_loss": "no evaluation ([eval])"}.get(
+                    key, "not measured"
+                ),
                 ha="center",
                 va="center",
                 transform=ax.transAxes,
                 color="gray",
             )
+    for spare in axes.flat[len(PANELS) :]:
+        spare.axis("off")
     legend = axes.flat[-1]
-    legend.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     legend.legend(handles, labels, loc="center", fontsize=9, title="runs (layout)")
     figure.tight_layout()
@@ -107,14 +111,21 @@ def plot_runs(paths: list[str | Path], out: str | Path | None = None, dpi: int =
 def _html_page(runs: list[Run], svg: str) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(run.label)}</td><td>{run.steps[-1]}</td><td>{run.rows[0]['loss']:.4f}</td>"
-        f"<td>{run.rows[-1]['loss']:.4f}</td><td>{_median_throughput(run):,.0f}</td></tr>"
+        f"<td>{run.rows[-1]['loss']:.4f}</td><td>{_last_evaluation(run)}</td><td>{_median_throughput(run):,.0f}</td>"
+        "</tr>"
         for run in runs
     )
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>meshtron runs</title></head><body>"
         "<table border='1' cellpadding='4'><tr><th>run (layout)</th><th>steps</th><th>first loss</th>"
-        f"<th>last loss</th><th>median tokens/s</th></tr>{rows}</table>{svg[svg.index('<svg') :]}</body></html>"
+        "<th>last loss</th><th>last evaluation loss</th><th>median tokens/s</th></tr>"
+        f"{rows}</table>{svg[svg.index('<svg') :]}</body></html>"
     )
+
+
+def _last_evaluation(run: Run) -> str:
+    evaluations = run.evaluations
+    return f"{evaluations[max(evaluations)]:.4f} (step {max(evaluations)})" if evaluations else "-"
 
 
 def _median_throughput(run: Run, steps: set[int] | None = None) -> float:
@@ -158,7 +169,8 @@ def compare_runs(path_a: str | Path, path_b: str | Path, tol: float, out=print) 
     if not common:
         out("meshtron: the runs have no step in common")
         return 1
-    if beyond or only:
+    eval_beyond, eval_only = _compare_evaluations(a, b, tol, out)
+    if beyond or only or eval_beyond or eval_only:
         parts = []
         if beyond:
             parts.append(
@@ -167,10 +179,40 @@ def compare_runs(path_a: str | Path, path_b: str | Path, tol: float, out=print) 
             )
         if only:
             parts.append(f"{len(only)} step(s) logged by one run only (first: {only[0]})")
+        if eval_beyond:
+            parts.append(f"evaluation losses differ beyond --tol {tol:g} after {len(eval_beyond)} step(s)")
+        if eval_only:
+            parts.append(f"{len(eval_only)} evaluation(s) in one run only (first after step {eval_only[0]})")
         out(f"meshtron: {'; '.join(parts)}; B's throughput is {speed:.2f}x A's")
         return 1
+    evaluated = f" and {len(set(a.evaluations) & set(b.evaluations))} evaluations" if a.evaluations else ""
     out(
-        f"meshtron: losses equal within --tol {tol:g} over {len(common)} steps; B's throughput is {speed:.2f}x A's "
-        "(median over the steps after the first)"
+        f"meshtron: losses equal within --tol {tol:g} over {len(common)} steps{evaluated}; B's throughput is "
+        f"{speed:.2f}x A's (median over the steps after the first)"
     )
     return 0
+
+
+def _compare_evaluations(a: Run, b: Run, tol: float, out) -> tuple[list[int], list[int]]:
+    """Print both runs' evaluation losses (``[eval]``) where either evaluated; (steps whose evaluation losses differ
+    beyond ``tol``, steps only one run evaluated after when both evaluate)."""
+    eval_a, eval_b = a.evaluations, b.evaluations
+    if not (eval_a or eval_b):
+        return [], []
+    out(f"{'step':>6}  {'eval A':>12}  {'eval B':>12}  {'rel. diff':>10}")
+    beyond = []
+    for step in sorted(set(eval_a) | set(eval_b)):
+        la, lb = eval_a.get(step), eval_b.get(step)
+        if la is None or lb is None:
+            out(f"{step:>6}  {_or_dash(la):>12}  {_or_dash(lb):>12}  {'-':>10}")
+            continue
+        diff = abs(la - lb) / abs(la) if la else abs(lb)
+        if not (diff <= tol):
+            beyond.append(step)
+        out(f"{step:>6}  {la:12.6f}  {lb:12.6f}  {diff:10.2e}")
+    only = sorted(set(eval_a) ^ set(eval_b)) if eval_a and eval_b else []
+    return beyond, only
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6f}"

@@ -30,6 +30,11 @@ class Run:
         return [row.get(key) for row in self.rows]
 
     @property
+    def evaluations(self) -> dict[int, float]:
+        """{step: evaluation loss} of the steps that evaluated (``[eval]``)."""
+        return {row["step"]: row["eval_loss"] for row in self.rows if row.get("eval_loss") is not None}
+
+    @property
     def steps(self) -> list[int]:
         return [row["step"] for row in self.rows]
 
@@ -53,7 +58,7 @@ def _tokens_per_step_from_config(path: Path) -> int | None:
     return cfg.train.global_batch_size * cfg.data.seq_len
 
 
-NUMBERS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "max_memory_gb")
+NUMBERS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "max_memory_gb", "eval_loss", "eval_perplexity")
 """The columns of a metrics row that ``meshtron plot`` and ``compare`` read: each a number when present."""
 
 

@@ -53,6 +53,8 @@ class MetricsLogger:
             self._print_progress(record)
 
     def _print_progress(self, r: dict) -> None:
+        if "loss" not in r:  # an evaluation without training (meshtron eval): its result is printed at the end
+            return
         mfu = f" | mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
         aux = f" (aux {r['aux_loss']:.4f}, expert load {r['expert_load_max']:.2f}x)" if "aux_loss" in r else ""
         line = (
@@ -60,6 +62,8 @@ class MetricsLogger:
             f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s{mfu} | "
             f"mem {r['max_memory_gb']:.2f} GB | {r['elapsed_s']:.0f}s"
         )
+        if "eval_loss" in r:
+            line += f" | eval loss {r['eval_loss']:.4f} (perplexity {r['eval_perplexity']:.2f})"
         if self.live:
             self.stream.write("\r\x1b[2K" + line)
             if r["step"] == self.total_steps:

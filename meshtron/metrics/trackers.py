@@ -51,9 +51,10 @@ def _wandb_api_key(env) -> bool:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """The numbers of a metrics row (not its step), as a tracker takes them."""
+    """The numbers of a metrics row (not its step) as a tracker names them: ``eval/loss`` for ``eval_loss`` (the
+    evaluation's), ``train/loss`` for ``loss`` and the step's other numbers."""
     return {
-        key: float(value)
+        (f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"): float(value)
         for key, value in record.items()
         if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)
     }
@@ -71,7 +72,7 @@ class TensorBoardTracker:
 
     def log(self, record: dict) -> None:
         for key, value in scalars(record).items():
-            self.writer.add_scalar(f"train/{key}", value, record["step"])
+            self.writer.add_scalar(key, value, record["step"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -100,7 +101,7 @@ class WandbTracker:
             ) from None
 
     def log(self, record: dict) -> None:
-        self.run.log({f"train/{key}": value for key, value in scalars(record).items()}, step=record["step"])
+        self.run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
         self.run.finish()

@@ -69,6 +69,10 @@ class RunGuard:
         self.faults.before_step(step + 1, self.runtime.rank)
         return self.faults.nonfinite(step + 1)
 
+    def evaluating(self, step: int) -> None:
+        """Before the evaluation after ``step`` steps (the hang watchdog names it if a rank does not arrive)."""
+        self._progress(step, "evaluating")
+
     def rolled_back(self, step: int, outcome, lr: float, start_step: int) -> int | None:
         """After 0-based ``step`` trained (``outcome``: its meshtron.train.step.StepResult): the step to go on from
         when it was non-finite and rolled back, else None."""

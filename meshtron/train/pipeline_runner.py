@@ -11,7 +11,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.distributed.parallelize import compile_enabled
-from meshtron.distributed.pipeline_parallel import pipeline_schedule, set_stage_forward, split_layers
+from meshtron.distributed.pipeline_parallel import (
+    local_stage_ids,
+    pipeline_schedule,
+    set_stage_forward,
+    split_layers,
+)
 from meshtron.distributed.precision import release_compute_weights
 from meshtron.models.moe import num_experts
 from meshtron.tensors import local_tensor
@@ -50,13 +55,26 @@ class PipelineRunner:
     lm_losses: list = field(default_factory=list)
     modules: list = field(default_factory=list)
     """This rank's stage modules."""
+    stage_ids: list = field(default_factory=list)
+    """Their stage ids, in increasing order."""
+    stage_ranks: dict = field(default_factory=dict)
+    """Every stage's pipeline rank (meshtron.distributed.pipeline_parallel.local_stage_ids)."""
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's,
         plus this rank's scaled share of the router loss (``output`` then carries the routing statistics)."""
         hidden, carry = output if self.router is not None else (output, None)
+        loss = self.loss_sum(hidden, labels)
+        self.lm_losses.append(local_tensor(loss.detach()))
+        loss = loss * self.scale
+        if carry is not None:
+            loss = add_share(loss, self.router.micro_batch(carry).share * self.aux_scale)
+        return loss
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's summed token loss of a microbatch (the caller holds loss parallel's context)."""
         weight, bias = self.head()
-        loss = head_loss_sum(
+        return head_loss_sum(
             hidden,
             labels,
             weight,
@@ -67,11 +85,6 @@ class PipelineRunner:
             softcap=self.softcap,
             compiled=self.compiled_loss,
         )
-        self.lm_losses.append(local_tensor(loss.detach()))
-        loss = loss * self.scale
-        if carry is not None:
-            loss = add_share(loss, self.router.micro_batch(carry).share * self.aux_scale)
-        return loss
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, aux_scale: float = 0.0) -> torch.Tensor:
         """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage).
@@ -163,6 +176,8 @@ def build_pipeline_runner(
         microbatches=plan.pp_microbatches,
         pp_group=pp_mesh.get_group(),
         modules=[module for _, module in stages],
+        stage_ids=[stage_id for stage_id, _ in stages],
+        stage_ranks={stage: rank for rank in range(dims.pp) for stage in local_stage_ids(rank, cfg.parallel)},
     )
     if routes:
         dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None

@@ -83,6 +83,22 @@ class StepResult:
     """With ``measure_activations``: the peak bytes autograd kept for backward."""
 
 
+def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """The summed token loss of ``model``'s head on ``hidden`` (the caller holds loss parallel's context)."""
+    weight, bias = ctx.adapter.head_parameters(model)
+    return head_loss_sum(
+        hidden,
+        labels,
+        weight,
+        bias,
+        compute_dtype=ctx.precision.compute_dtype if ctx.precision else None,
+        chunk_size=ctx.cfg.train.loss_chunk_size,
+        loss_parallel=ctx.loss_parallel,
+        softcap=ctx.adapter.logit_softcap(model),
+        compiled=compile_enabled(ctx.cfg.train.compile, ctx.device.type),
+    )
+
+
 def _forward_backward(
     model,
     batches,
@@ -100,7 +116,6 @@ def _forward_backward(
     goes into backward times ``aux_scale``.
     """
     local_loss_sum = torch.zeros((), device=ctx.device)
-    compute_dtype = ctx.precision.compute_dtype if ctx.precision else None
     for index, (input_ids, labels) in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.cfg.fsdp.accumulate_unsharded)
@@ -110,20 +125,9 @@ def _forward_backward(
         if routing is not None:  # one all-reduce of the routers' counts over the dp x cp ranks
             aux = ctx.router.micro_batch()
             routing.add(aux)
-        weight, bias = ctx.adapter.head_parameters(model)
         # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
-            loss_sum = head_loss_sum(
-                hidden,
-                labels,
-                weight,
-                bias,
-                compute_dtype=compute_dtype,
-                chunk_size=ctx.cfg.train.loss_chunk_size,
-                loss_parallel=ctx.loss_parallel,
-                softcap=ctx.adapter.logit_softcap(model),
-                compiled=compile_enabled(ctx.cfg.train.compile, ctx.device.type),
-            )
+            loss_sum = model_head_loss(model, hidden, labels, ctx)
             if aux is None:
                 (loss_sum * scale).backward()
             else:  # one backward for both (the LM loss may be a DTensor under loss parallel)

@@ -56,6 +56,15 @@ def global_loss_and_grad_norm(
     return both[0] / targets, both[1].sqrt()
 
 
+@torch.no_grad()
+def global_loss_sum(local_loss_sum: torch.Tensor, targets: int, *, loss_copies: int = 1) -> torch.Tensor:
+    """The global batch's loss (summed over every rank, / ``targets``) without a gradient norm (evaluation)."""
+    loss_share = local_loss_sum.detach().float() / loss_copies
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(loss_share)
+    return loss_share / targets
+
+
 def host_values(*tensors: torch.Tensor) -> list[float]:
     """The values of scalar tensors as Python floats, in one device-to-host transfer."""
     return torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
+from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.memory import max_memory_gb
 from meshtron.metrics.step_log import MetricsLogger
@@ -34,12 +34,14 @@ from meshtron.models.build import build_meta_model, materialize
 from meshtron.models.moe import moe_layer_indices
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.batch import SequenceSplit
+from meshtron.train.evaluate import Evaluator, build_evaluator
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, preflight
 from meshtron.train.resumable import Resumable
 from meshtron.train.router_loss import build_router_loss
+from meshtron.train.run_messages import done_message, evaluated_message, startup_message
 from meshtron.train.runtime import Runtime
 from meshtron.train.step import StepContext, step_reader, train_step
 
@@ -69,6 +71,8 @@ class TrainResult:
     activation_bytes: int = 0
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
     also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, evaluation loss) of each evaluation of this start (``[eval]``; meshtron.train.evaluate)."""
 
     def record(self, outcome, seconds: float) -> None:
         """Keep a finished step's figures (``outcome``: its meshtron.train.step.StepResult) and measurements."""
@@ -85,6 +89,7 @@ class TrainResult:
         """Forget the steps after the first ``steps_kept`` of this start (a rollback trains them again)."""
         del self.losses[steps_kept:], self.grad_norms[steps_kept:], self.tokens_per_s[steps_kept:]
         del self.step_seconds[steps_kept:]
+        self.eval_losses = [(step, loss) for step, loss in self.eval_losses if step <= self.start_step + steps_kept]
 
 
 def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
@@ -132,15 +137,24 @@ class _Built:
     pp_group: object
 
 
-def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResult:
-    """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config."""
+def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_only: bool = False) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config.
+
+    ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
+    ``checkpoint.resume`` names, once, on the ``[eval]`` data."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     dims = plan.dims
     output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, plan)
     torch.manual_seed(cfg.train.seed)
-    dataset, schedule = build_training_data(  # the others wait for local rank 0's build outside any collective
-        cfg.data, plan.tokenizer, cfg.train.global_batch_size, is_builder=runtime.local_rank == 0, run_id=run_id
+    data = build_training_data(  # the others wait for local rank 0's build outside any collective
+        cfg.data,
+        plan.tokenizer,
+        cfg.train.global_batch_size,
+        is_builder=runtime.local_rank == 0,
+        run_id=run_id,
+        evaluation=cfg.eval,
     )
+    dataset, schedule = data.dataset, data.schedule
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
     separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
@@ -162,22 +176,10 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
         loss_scaler(policy, cfg),
         router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
     )
-    logger = MetricsLogger(
-        output_dir,
-        cfg.train.steps,
-        enabled=runtime.is_main,
-        progress=cfg.run.progress,
-        trackers=build_trackers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
-    )
-    logger.message(_startup_message(cfg, plan, built, policy, dataset))
-    logger.describe_run(
-        {
-            "layout": dims.describe(),
-            "world_size": runtime.world_size,
-            "family": built.adapter.family,
-            "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
-        }
-    )
+    logger = _metrics_logger(cfg, runtime, output_dir, dims, built.adapter.family)
+    # A rehearsal (one rank on a fake process group) measures training only.
+    evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
+    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
@@ -199,20 +201,59 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None) -> TrainResul
     guard.resumed(plan.resume_from, result.start_step)
     try:
         with guard:
-            step = _train_steps(cfg, runtime, plan, result, step_context, inputs, scheduler, guard, logger)
-            guard.finish(step)
-        logger.message(_done_message(cfg, result))
+            loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator)
+            if evaluate_only:
+                logger.log({"step": result.start_step, **_evaluate(loop, result.start_step, model, result)})
+            else:
+                step = _train_steps(cfg, runtime, plan, result, loop)
+                guard.finish(step)
+        logger.message(evaluated_message(result) if evaluate_only else done_message(cfg, result))
     finally:
         inputs.close()
+        if evaluator is not None:
+            evaluator.close()
         logger.close()
     return result
 
 
-def _train_steps(cfg, runtime, plan, result: TrainResult, step_context, inputs, scheduler, guard, logger) -> int:
+@dataclass(frozen=True)
+class _Loop:
+    """What the loop drives besides the model and optimizer."""
+
+    step_context: StepContext
+    inputs: object
+    scheduler: object
+    guard: RunGuard
+    logger: MetricsLogger
+    evaluator: Evaluator | None
+
+
+def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: ParallelDims, family: str) -> MetricsLogger:
+    """Rank 0's metrics.jsonl, progress line and trackers, with run.json written."""
+    logger = MetricsLogger(
+        output_dir,
+        cfg.train.steps,
+        enabled=runtime.is_main,
+        progress=cfg.run.progress,
+        trackers=build_trackers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
+    )
+    logger.describe_run(
+        {
+            "layout": dims.describe(),
+            "world_size": runtime.world_size,
+            "family": family,
+            "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
+        }
+    )
+    return logger
+
+
+def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
     """The loop: optimizer steps from ``result.start_step`` to ``train.steps`` (a rollback goes back); the last step."""
     model, optimizer = result.model, result.optimizer
+    guard, logger = loop.guard, loop.logger
     activation_step = min(result.start_step + 1, cfg.train.steps - 1)
-    row = _MetricsRow(cfg, plan, runtime, step_context)
+    row = _MetricsRow(cfg, plan, runtime, loop.step_context)
     step = result.start_step
     while step < cfg.train.steps:
         inject_nonfinite = guard.before_step(step)
@@ -221,9 +262,9 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, step_context, inputs, 
         outcome = train_step(
             model,
             optimizer,
-            inputs,
+            loop.inputs,
             step,
-            step_context,
+            loop.step_context,
             measure_state=not result.state_bytes,  # the first update
             measure_activations=step == activation_step,
             inject_nonfinite=inject_nonfinite,
@@ -232,7 +273,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, step_context, inputs, 
         if rolled_to is not None:  # train.on_nonfinite=rollback: on from the last checkpoint
             step = rolled_to
             continue
-        scheduler.step()
+        loop.scheduler.step()
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)
         elapsed = time.perf_counter() - started
@@ -243,10 +284,28 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, step_context, inputs, 
                 f"meshtron: step {step}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
                 f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
             )
-        if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics()})
+        evaluation = _evaluate_if_due(loop, step, model, result)
+        if step % cfg.run.log_every == 0 or step == cfg.train.steps or evaluation:
+            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
         guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
     return step
+
+
+def _evaluate_if_due(loop: _Loop, step: int, model, result: TrainResult) -> dict:
+    """The evaluation's metrics after ``step`` steps when one is due (``eval.interval``, the last step), else {}."""
+    if loop.evaluator is None or not loop.evaluator.due(step):
+        return {}
+    return _evaluate(loop, step, model, result)
+
+
+def _evaluate(loop: _Loop, step: int, model, result: TrainResult) -> dict:
+    """Evaluate after ``step`` steps; the metrics row's fields."""
+    if loop.evaluator is None:
+        raise ConfigError("nothing to evaluate on: set eval.path or eval.holdout_documents")
+    loop.guard.evaluating(step)
+    evaluated = loop.evaluator.evaluate(model)
+    result.eval_losses.append((step, evaluated.loss))
+    return evaluated.metrics()
 
 
 class _MetricsRow:
@@ -331,30 +390,6 @@ def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: Seque
     return _Built(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
 
 
-def _done_message(cfg: Config, result: TrainResult) -> str:
-    trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
-    return (
-        f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {result.output_dir}/ (config.toml, "
-        f"metrics.jsonl); see the curves with: meshtron plot {result.output_dir}"
-    )
-
-
-def _startup_message(cfg: Config, plan: Plan, built: _Built, policy, dataset) -> str:
-    """The first log line: family, parameters, layout, precision, data and how a step splits the batch."""
-    dims = plan.dims
-    if dims.pp > 1:
-        batching = (
-            f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches of "
-            f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})"
-        )
-    else:
-        batching = f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation"
-    return (
-        f"meshtron: {built.adapter.family} model, {_count_params(built.model, built.pp_group):,} parameters | "
-        f"layout: {dims.describe()} | {policy.describe()} | {_data_summary(dataset, cfg.data.seq_len)} | {batching}"
-    )
-
-
 def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
     """Restore the checkpoint the run continues from, if any, and say so; the step it starts after."""
     if not plan.resume_from:
@@ -368,27 +403,3 @@ def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
         logger.message(f"meshtron: {line}; skipped it")
     logger.message(f"meshtron: resumed from {plan.resume_from} (step {meta['step']}, saved as {meta['layout']})")
     return meta["step"]
-
-
-def _data_summary(dataset, seq_len: int) -> str:
-    if isinstance(dataset, (StreamingDataset, ChatDataset)):
-        return dataset.describe()
-    return f"{len(dataset):,} sequences of {seq_len} tokens"
-
-
-def _count_params(model: nn.Module, pp_group=None) -> int:
-    """Parameters of the whole model (DTensors counted at full size, pipeline stages summed)."""
-    from torch.distributed.tensor import DTensor
-
-    from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
-
-    count = sum(
-        p.numel() if not isinstance(p, DTensor) else math.prod(p.shape)
-        for p in model.parameters()
-        if not getattr(p, DUPLICATE_GRADIENT, False)
-    )  # a tied head copy is the embeddings again
-    if pp_group is None:
-        return count
-    total = torch.tensor([count], dtype=torch.int64, device=next(model.parameters()).device)
-    dist.all_reduce(total, group=pp_group)
-    return int(total.item())

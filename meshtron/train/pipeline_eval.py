@@ -1,0 +1,83 @@
+"""Forward-only pipeline passes for evaluation: the stages run in turn, each microbatch handed on with send / recv.
+
+Evaluation does not go through the training schedule (``torch.distributed.pipelining``'s ``eval()``): switching a
+schedule between forward-only and training re-initializes its stages' transfer buffers, which torch releases before
+2.13 get wrong when evaluation comes first (pytorch/pytorch#162822), and a forward pass needs none of a schedule's
+interleaving of backward work. Here every rank walks the (microbatch, stage) pairs in the same order and runs the
+stages it holds: a stage's input comes from the rank of the stage before it (or from this rank's own previous
+stage, as with the V-shaped schedule's last stage), its output goes to the next stage's rank. Every transfer is
+matched by one in the same order on the other rank, so the walk cannot deadlock. The stage modules and their
+forwards are those of training (meshtron.distributed.pipeline_parallel.set_stage_forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshtron.tensors import local_tensor
+
+
+def _send(tensors: tuple, to_rank: int, group, device: torch.device) -> None:
+    """Shapes and dtypes first (the receiver cannot know them: the carry of the router loss comes and goes),
+    then each tensor."""
+    dist.send_object_list(
+        [[(tuple(t.shape), t.dtype) for t in tensors]], group_dst=to_rank, group=group, device=_object_device(device)
+    )
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), group_dst=to_rank, group=group)
+
+
+def _recv(from_rank: int, group, device: torch.device) -> tuple:
+    meta = [None]
+    dist.recv_object_list(meta, group_src=from_rank, group=group, device=_object_device(device))
+    tensors = []
+    for shape, dtype in meta[0]:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, group_src=from_rank, group=group)
+        tensors.append(tensor)
+    return tuple(tensors)
+
+
+def _object_device(device: torch.device):
+    """Where send/recv_object_list stage their bytes: the GPU under NCCL, the host under gloo."""
+    return device if device.type == "cuda" else None
+
+
+@torch.no_grad()
+def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor:
+    """This rank's summed token loss of one batch (0 off the last stage), forward only.
+
+    ``runner``: the run's meshtron.train.pipeline_runner.PipelineRunner; ``input_ids`` (on the first stage's
+    ranks) and ``labels`` (on the last's, already cut to this rank's context-parallel shard) are this
+    data-parallel rank's sequences, split into ``runner.microbatches`` microbatches as training splits them.
+    """
+    group, device = runner.pp_group, runner.modules[0].parameters().__next__().device
+    my_rank = dist.get_rank(group)
+    last_stage = max(runner.stage_ranks)
+    inputs = input_ids.tensor_split(runner.microbatches) if runner.holds_first else None
+    targets = labels.tensor_split(runner.microbatches) if runner.holds_last else None
+    total = torch.zeros((), device=device)
+    for micro in range(runner.microbatches):
+        kept = None  # the output of this rank's previous stage, when the next stage is this rank's too
+        for stage_id, module in zip(runner.stage_ids, runner.modules):
+            if stage_id == 0:
+                args = (inputs[micro],)
+            elif kept is not None:
+                args = kept
+            else:
+                args = _recv(runner.stage_ranks[stage_id - 1], group, device)
+            output = module(*args)
+            kept = None
+            if stage_id == last_stage:
+                hidden = output[0] if runner.router is not None else output
+                with loss_parallel() if runner.loss_parallel else contextlib.nullcontext():
+                    total += local_tensor(runner.loss_sum(hidden, targets[micro]))
+            elif runner.stage_ranks[stage_id + 1] == my_rank:
+                kept = output
+            else:
+                _send(output, runner.stage_ranks[stage_id + 1], group, device)
+    return total
