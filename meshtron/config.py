@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -229,6 +230,12 @@ class RunConfig:
     wandb_mode: str = "online"
     """``online`` (needs ``wandb login`` or WANDB_API_KEY), ``offline`` (a run folder to ``wandb sync`` later; no
     network, no key) or ``disabled``."""
+    profile_steps: str = ""
+    """``A-B``: record steps A to B (1-based) with the torch profiler: a trace per rank in ``<output_dir>/profile``
+    and a time summary by category in the log (docs/profiling.md). Empty: off."""
+    memory_snapshot_steps: str = ""
+    """``A-B``: record the CUDA allocator's history over steps A to B and write a snapshot per rank to
+    ``<output_dir>/memory`` (CUDA only). Empty: off."""
     collective_timeout_s: float = 600.0
     """Seconds a step (or a save) may go without every rank arriving: then every rank stops with one line naming
     the step and the rank(s) that did not arrive (see docs/faults.md). Collectives themselves time out 60 s later."""
@@ -499,11 +506,30 @@ def validate_config(cfg: Config) -> None:
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     _validate_eval(cfg)
+    for key in ("profile_steps", "memory_snapshot_steps"):
+        steps = parse_step_range(f"run.{key}", getattr(cfg.run, key))
+        if steps is not None and steps[1] > t.steps:
+            raise ConfigError(
+                f"run.{key}={getattr(cfg.run, key)} goes past the last step (train.steps={t.steps}); profile steps "
+                f"up to {t.steps}"
+            )
     if not 0 < t.decay_fraction <= 1:
         raise ConfigError(
             f"train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), "
             f"got {t.decay_fraction}"
         )
+
+
+def parse_step_range(setting: str, value: str) -> tuple[int, int] | None:
+    """``"A-B"`` (or ``"A"``) -> (A, B), 1-based and inclusive; ``""`` -> None. ``setting`` names it in the error."""
+    text = value.strip()
+    if not text:
+        return None
+    match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+    first, last = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
+    if not 1 <= first <= last:
+        raise ConfigError(f"{setting}: '{value}' is not a range of steps; write A-B with 1 <= A <= B (e.g. 5-7)")
+    return first, last
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -208,6 +209,7 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
             "--train.lr=3e-3",
             "--run.log_every=2",
             "--checkpoint.interval=3",
+            "--run.profile_steps=2-3",  # docs/profiling.md: a trace per rank, FSDP's collectives in the summary
         ],
         timeout=240,
         cwd=tmp_path,
@@ -220,3 +222,7 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
     assert [r["step"] for r in records] == [2, 4, 6]
     assert (out / "checkpoints" / "latest").read_text() == "step-00000006"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000003", "step-00000006"]
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["rank-0.json", "rank-1.json"]
+    assert all(json.loads(p.read_text())["traceEvents"] for p in (out / "profile").iterdir())
+    communication = re.search(r"^  communication\s+([\d.]+) ms", proc.stdout, re.MULTILINE)
+    assert communication and float(communication.group(1)) > 0, proc.stdout

@@ -27,6 +27,7 @@ from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token
 from meshtron.metrics.memory import max_memory_gb
+from meshtron.metrics.profiling import StepProfiler
 from meshtron.metrics.step_log import MetricsLogger
 from meshtron.metrics.trackers import build_trackers
 from meshtron.models.attention import attention_windows
@@ -179,6 +180,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     logger = _metrics_logger(cfg, runtime, output_dir, dims, built.adapter.family)
     # A rehearsal (one rank on a fake process group) measures training only.
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
+    profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
     logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
@@ -201,7 +203,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     guard.resumed(plan.resume_from, result.start_step)
     try:
         with guard:
-            loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator)
+            loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator, profiler)
             if evaluate_only:
                 logger.log({"step": result.start_step, **_evaluate(loop, result.start_step, model, result)})
             else:
@@ -210,6 +212,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         logger.message(evaluated_message(result) if evaluate_only else done_message(cfg, result))
     finally:
         inputs.close()
+        profiler.close()
         if evaluator is not None:
             evaluator.close()
         logger.close()
@@ -226,6 +229,7 @@ class _Loop:
     guard: RunGuard
     logger: MetricsLogger
     evaluator: Evaluator | None
+    profiler: StepProfiler
 
 
 def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: ParallelDims, family: str) -> MetricsLogger:
@@ -257,6 +261,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
     step = result.start_step
     while step < cfg.train.steps:
         inject_nonfinite = guard.before_step(step)
+        loop.profiler.before_step(step, logger.message)
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         outcome = train_step(
@@ -287,6 +292,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
         evaluation = _evaluate_if_due(loop, step, model, result)
         if step % cfg.run.log_every == 0 or step == cfg.train.steps or evaluation:
             logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
+        loop.profiler.after_step(step, logger.message)
         guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
     return step
 
