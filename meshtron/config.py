@@ -112,6 +112,10 @@ class TrainConfig:
     """``wsd``: the share of train.steps spent decaying (the cooldown), at the end of the run."""
     decay_shape: str = "linear"
     """``wsd``: the cooldown's shape, ``linear``, ``cosine`` or ``1-sqrt`` (1 - sqrt(progress))."""
+    batch_rampup: str = ""
+    """``START:STEPS``: the global batch starts at START sequences and grows in steps of START to global_batch_size
+    over STEPS optimizer steps (Megatron's rampup-batch-size); empty: global_batch_size throughout. See
+    docs/data.md, "Changing the batch size"."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -506,6 +510,12 @@ def validate_config(cfg: Config) -> None:
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     _validate_eval(cfg)
+    parse_batch_rampup(t.batch_rampup, t.global_batch_size)
+    if t.batch_rampup.strip() and d.streaming:
+        raise ConfigError(
+            "train.batch_rampup needs indexed data: a stream's lanes are one per sequence of the global batch; "
+            "set data.streaming=false (prepare the data) or leave train.batch_rampup empty"
+        )
     for key in ("profile_steps", "memory_snapshot_steps"):
         steps = parse_step_range(f"run.{key}", getattr(cfg.run, key))
         if steps is not None and steps[1] > t.steps:
@@ -530,6 +540,26 @@ def parse_step_range(setting: str, value: str) -> tuple[int, int] | None:
     if not 1 <= first <= last:
         raise ConfigError(f"{setting}: '{value}' is not a range of steps; write A-B with 1 <= A <= B (e.g. 5-7)")
     return first, last
+
+
+def parse_batch_rampup(value: str, global_batch_size: int) -> tuple[int, int] | None:
+    """``train.batch_rampup`` ``"START:STEPS"`` -> (START, STEPS); ``""`` -> None."""
+    text = value.strip()
+    if not text:
+        return None
+    match = re.fullmatch(r"(\d+)\s*:\s*(\d+)", text)
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise ConfigError(
+            f"train.batch_rampup: '{value}' is not START:STEPS; write e.g. 64:1000 (64 sequences at first, "
+            "growing to train.global_batch_size over 1000 steps)"
+        )
+    start, steps = int(match.group(1)), int(match.group(2))
+    if global_batch_size % start or start >= global_batch_size:
+        raise ConfigError(
+            f"train.batch_rampup: START {start} must be smaller than train.global_batch_size {global_batch_size} "
+            "and divide it (the batch grows in steps of START)"
+        )
+    return start, steps
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -512,3 +512,26 @@ def test_mixture_settings_are_checked(tmp_path):
         [PackedDataset(np.zeros((2, 5), dtype=np.int32)), PackedDataset(np.ones((3, 5), dtype=np.int32))]
     )
     assert len(mixed) == 5 and mixed.rows([4, 0, 2]).tolist() == [[1] * 5, [0] * 5, [1] * 5]
+
+
+def test_batch_sizes_ramp_up_in_steps_of_start_and_follow_on_after_a_rebase():
+    """train.batch_rampup=2:3 to 8: batches of 2, 4, 6, then 8, back to back in the data order; a checkpoint after
+    batch 3 (position 12) resumed with batches of 4 goes on at 12."""
+    from meshtron.data.sampler import BatchSizes
+
+    ramp = BatchSizes(8, (2, 3))
+    assert [ramp.size(b) for b in range(1, 7)] == [2, 4, 6, 8, 8, 8]
+    assert [ramp.start(b) for b in range(1, 7)] == [0, 2, 6, 12, 20, 28]
+    slow = BatchSizes(8, (2, 6))  # more steps than sizes: each size held for two steps
+    assert [slow.size(b) for b in range(1, 9)] == [2, 2, 4, 4, 6, 6, 8, 8]
+    plain = BatchSizes(4)
+    plain.rebase(3, ramp.start(4))
+    assert [plain.start(b) for b in (4, 5, 6)] == [12, 16, 20] and plain.size(4) == 4
+    with pytest.raises(ValueError, match="before the resumed position"):
+        plain.start(3)
+    schedule = GlobalBatchSchedule(100, 8, True, 0, BatchSizes(8, (2, 3)))
+    batches = [schedule.global_batch(step) for step in range(5)]
+    assert [len(b) for b in batches] == [2, 4, 6, 8, 8]
+    assert np.array_equal(np.concatenate(batches), schedule.indices(0, 28))
+    assert [len(m) for m in schedule.local_micro_batches(1, 0, 2, 1)] == [1, 1]  # 4 sequences over 2 ranks
+    assert schedule.position_after(3) == (3, 12)

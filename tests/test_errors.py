@@ -107,6 +107,17 @@ def causal_lm_dir(tmp_path):
         ),
         (["--eval.holdout_documents=5"], "eval.holdout_documents=5 leaves nothing to train on: data.path"),
         (["--eval.path=/no/such/file.txt"], "eval.path: could not load"),
+        (["--train.batch_rampup=abc"], "train.batch_rampup: 'abc' is not START:STEPS"),
+        (["--train.batch_rampup=3:10"], "START 3 must be smaller than train.global_batch_size 8 and divide it"),
+        (
+            ["--train.batch_rampup=2:4", "--parallel.pp=2", "--nproc", "2"],
+            "train.batch_rampup with parallel.pp > 1 is not supported",
+        ),
+        (
+            ["--train.batch_rampup=2:4", "--nproc", "4", "--parallel.dp_shard=4"],
+            "train.batch_rampup: START 2 is not divisible by data-parallel degree 4",
+        ),
+        (["--train.batch_rampup=2:4", "--data.streaming=true"], "train.batch_rampup needs indexed data"),
         (["--rehearse"], "--rehearse needs --nproc N"),
         (
             ["--rehearse", "--nproc", "2", "--rank", "2", "--parallel.dp_shard=2"],
@@ -243,7 +254,7 @@ def test_tensor_parallel_divisibility(changes, expected):
 
 
 def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache_dir):
-    """Resuming refuses, before any work, a missing checkpoint, another model, or another global batch."""
+    """Resuming refuses, before any work, a missing checkpoint, another model, or another sequence length."""
     common = [*FAST, f"--data.cache_dir={cache_dir}"]
     code, err = run_main(capsys, [*common, "--checkpoint.interval=1", f"--run.output_dir={tmp_path / 'a'}"])
     assert code == 0, err
@@ -254,9 +265,9 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
             [f"--checkpoint.resume={saved}", "--model.preset=llama-deep"],
             "is of another model: num_hidden_layers 2 (checkpoint) vs 8 (this run)",
         ),
-        (
-            [f"--checkpoint.resume={saved}", "--train.global_batch_size=4"],
-            "was saved with train.global_batch_size=8 but this run has 4",
+        (  # another train.global_batch_size resumes (docs/data.md); another sequence length cannot
+            [f"--checkpoint.resume={saved}", "--data.seq_len=8"],
+            "was saved with data.seq_len=16 but this run has 8",
         ),
     ]
     for index, (args, expected) in enumerate(cases):

@@ -14,6 +14,8 @@ from conftest import run_cli
 
 from meshtron.cli import main
 from meshtron.config import load_config
+from meshtron.data.tokenizer import load_tokenizer
+from meshtron.data.training_data import build_training_data
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
 from meshtron.errors import MeshtronError
 from meshtron.train.optim import lr_at
@@ -118,6 +120,49 @@ def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, 
     cosine = small_config(tmp_path / "cosine", cache_dir, *wsd, "train.steps=16", saved, "train.lr_schedule=cosine")
     train(cosine, CPU_RUNTIME)
     assert rates(tmp_path / "cosine")[0] == pytest.approx(lr_at(4, cosine.train)) and lr_at(4, cosine.train) < 3e-3
+
+
+def trained_sequences(monkeypatch) -> list[list[int]]:
+    """Records the global batch (sequence indices) of every step a run trains, as the step reads it."""
+    from meshtron.data.prefetch import StepReader
+
+    seen: list[list[int]] = []
+    original = StepReader.get
+
+    def get(self, step):
+        seen.append([int(i) for i in self.sequences(step).global_batch])
+        return original(self, step)
+
+    monkeypatch.setattr(StepReader, "get", get)
+    return seen
+
+
+def test_a_run_resumed_with_another_global_batch_trains_every_sequence_once(tmp_path, cache_dir, monkeypatch):
+    """4 steps of 8 sequences saved at step 2, resumed with train.global_batch_size=4 (and a batch size rampup from
+    2): the sequences the two starts trained are the first ones of the data order, each once, none skipped; a
+    rampup of 2:3 trains batches of 2, 4, 6, then 8 sequences."""
+    seen = trained_sequences(monkeypatch)
+    first = small_config(
+        tmp_path / "a", cache_dir, "train.steps=4", "train.global_batch_size=8", "checkpoint.interval=2"
+    )
+    train(first, CPU_RUNTIME)
+    before, seen[:] = seen[:2], []  # steps 1-2 of the first start are what the checkpoint holds
+    saved = f"checkpoint.resume={tmp_path / 'a' / 'run' / 'checkpoints' / 'step-00000002'}"
+    resumed = small_config(tmp_path / "b", cache_dir, "train.steps=6", "train.global_batch_size=4", saved)
+    result = train(resumed, CPU_RUNTIME)
+    assert result.start_step == 2 and [len(batch) for batch in seen] == [4, 4, 4, 4]
+    trained = [i for batch in before + seen for i in batch]
+    assert len(trained) == len(set(trained)) == 2 * 8 + 4 * 4
+    order = build_training_data(resumed.data, load_tokenizer("byte"), 4, is_builder=True).schedule  # positions 0..
+    assert sorted(trained) == sorted(int(i) for i in order.indices(0, len(trained)))
+    seen[:] = []
+    ramp = small_config(
+        tmp_path / "ramp", cache_dir, "train.steps=5", "train.global_batch_size=8", "train.batch_rampup=2:3"
+    )
+    train(ramp, CPU_RUNTIME)
+    assert [len(batch) for batch in seen] == [2, 4, 6, 8, 8]
+    ramped = [i for batch in seen for i in batch]
+    assert ramped == [int(i) for i in order.indices(0, 28)]
 
 
 def test_clipping_uses_the_global_norm():

@@ -55,6 +55,10 @@ MODEL_KEYS = (
 )
 
 
+DATA_POSITION = "data.position"
+"""meshtron.json's [last global batch trained, data position after it] (meshtron.data.sampler.BatchSizes.rebase)."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -122,7 +126,11 @@ def check_compatible(meta: dict, path: Path, hf_config, global_batch_size: int, 
         raise ConfigError(
             f"checkpoint '{path}' is of another model: {'; '.join(differs)}; use the model it was saved with"
         )
-    for key, value in (("train.global_batch_size", global_batch_size), ("data.seq_len", seq_len)):
+    # A checkpoint that records its data position (DATA_POSITION) resumes with any global batch size.
+    settings = [("data.seq_len", seq_len)]
+    if DATA_POSITION not in meta:
+        settings.append(("train.global_batch_size", global_batch_size))
+    for key, value in settings:
         if meta[key] != value:
             raise ConfigError(
                 f"checkpoint '{path}' was saved with {key}={meta[key]} but this run has {value}; the data "

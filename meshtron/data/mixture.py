@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshtron.data.dataset import inputs_and_labels
-from meshtron.data.sampler import GlobalBatchSchedule
+from meshtron.data.sampler import BatchSizes, GlobalBatchSchedule
 from meshtron.errors import ConfigError
 
 
@@ -39,8 +39,16 @@ def parse_sources(sources: list[str]) -> list[tuple[str, float]]:
 class MixtureSchedule(GlobalBatchSchedule):
     """The global order over several sources (see the module docstring); ``sizes`` are their sequence counts."""
 
-    def __init__(self, sizes: list[int], weights: list[float], global_batch_size: int, shuffle: bool, seed: int):
-        super().__init__(sum(sizes), global_batch_size, shuffle, seed)
+    def __init__(
+        self,
+        sizes: list[int],
+        weights: list[float],
+        global_batch_size: int,
+        shuffle: bool,
+        seed: int,
+        batch_sizes: BatchSizes | None = None,
+    ):
+        super().__init__(sum(sizes), global_batch_size, shuffle, seed, batch_sizes)
         if len(sizes) != len(weights) or min(sizes) < 1:
             raise ValueError(f"every source needs at least one sequence: {sizes}")
         self.weights = np.asarray(weights, dtype=np.float64)

@@ -5,6 +5,51 @@ from __future__ import annotations
 import numpy as np
 
 
+class BatchSizes:
+    """How many sequences each global batch (numbered from 1) holds, and where in the data order it starts.
+
+    ``final`` (``train.global_batch_size``) throughout, or with ``rampup`` = (START, STEPS) (``train.batch_rampup``)
+    START sequences at first, growing in steps of START to ``final`` over STEPS optimizer steps: batch ``k + 1``
+    holds ``START * min(final / START, 1 + k * (final / START - 1) // STEPS)``. The sizes depend on the settings
+    only, never on the layout. Batches follow one another in the data order; ``rebase`` (a resumed checkpoint) makes
+    the batches after the checkpoint's last one start where it stopped, whatever the batch size it was saved with.
+    """
+
+    def __init__(self, final: int, rampup: tuple[int, int] | None = None):
+        if final < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {final}")
+        self.final = final
+        ramp = []
+        if rampup is not None:
+            start, steps = rampup
+            multiples = final // start
+            ramp = [start * min(multiples, 1 + k * (multiples - 1) // steps) for k in range(steps)]
+        self._ramp = np.asarray(ramp, dtype=np.int64)
+        self._ramp_starts = np.concatenate([[0], np.cumsum(self._ramp)]).astype(np.int64)
+        self.base_batch, self.base_position = 0, 0
+
+    def size(self, batch: int) -> int:
+        """Sequences of global batch ``batch`` (from 1)."""
+        return int(self._ramp[batch - 1]) if batch - 1 < len(self._ramp) else self.final
+
+    def _from_first(self, batch: int) -> int:
+        """Sequences of the batches before ``batch``."""
+        done = batch - 1
+        if done <= len(self._ramp):
+            return int(self._ramp_starts[done])
+        return int(self._ramp_starts[-1]) + (done - len(self._ramp)) * self.final
+
+    def start(self, batch: int) -> int:
+        """Position in the data order of the first sequence of global batch ``batch``."""
+        if batch <= self.base_batch:
+            raise ValueError(f"global batch {batch} comes before the resumed position (after batch {self.base_batch})")
+        return self.base_position + self._from_first(batch) - self._from_first(self.base_batch + 1)
+
+    def rebase(self, batch: int, position: int) -> None:
+        """The batches after ``batch`` start at ``position`` (what a checkpoint saved after ``batch`` recorded)."""
+        self.base_batch, self.base_position = int(batch), int(position)
+
+
 class GlobalBatchSchedule:
     """Deterministic order of packed sequences, as a series of epochs.
 
@@ -14,15 +59,19 @@ class GlobalBatchSchedule:
     is simply ``step * global_batch_size``: no sampler state needs saving, and a run resumes on
     the same sequences under any data-parallel layout.
 
+    With ``sizes`` (BatchSizes: a batch size rampup, or a resume with another batch size) batch ``n`` starts at
+    ``sizes.start(n)`` instead.
+
     ``skipped_batches`` (``data.skip_batches``, and what ``train.on_nonfinite=rollback`` adds) are global
     batches numbered from 1 that the order leaves out: step ``k`` then trains the ``k``-th batch not skipped.
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, shuffle: bool, seed: int):
+    def __init__(
+        self, num_samples: int, global_batch_size: int, shuffle: bool, seed: int, sizes: BatchSizes | None = None
+    ):
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        self.sizes = sizes or BatchSizes(global_batch_size)
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.shuffle = shuffle
@@ -66,8 +115,16 @@ class GlobalBatchSchedule:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def global_batch(self, step: int) -> np.ndarray:
-        """The ``global_batch_size`` sequence indices of optimizer step ``step``."""
-        return self.indices((self.batch_number(step) - 1) * self.global_batch_size, self.global_batch_size)
+        """The sequence indices of optimizer step ``step`` (``sizes.size`` of them: ``global_batch_size`` without a
+        rampup)."""
+        batch = self.batch_number(step)
+        return self.indices(self.sizes.start(batch), self.sizes.size(batch))
+
+    def position_after(self, step: int) -> tuple[int, int]:
+        """(the global batch the ``step``-th step trained, the data position after it), for a checkpoint saved after
+        ``step`` steps: a run resumed from it goes on from there (BatchSizes.rebase) whatever its batch size."""
+        last = self.batch_number(step - 1) if step > 0 else 0
+        return last, self.sizes.start(last + 1)
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[np.ndarray]:
         """Rank ``dp_rank``'s micro-batches of step ``step``: its slice of each global micro-batch.
@@ -80,7 +137,8 @@ class GlobalBatchSchedule:
         micro-batch, needs (meshtron.train.router_loss); a one-process run with the same ``A`` has them in
         its micro-batches.
         """
-        g = self.global_batch_size
+        batch = self.global_batch(step)
+        g = len(batch)
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"bad data-parallel rank {dp_rank} of {dp_size}")
         if g % dp_size:
@@ -88,7 +146,6 @@ class GlobalBatchSchedule:
         per_rank = g // dp_size
         if micro_batch_size < 1 or per_rank % micro_batch_size:
             raise ValueError(f"{per_rank} sequences per rank are not divisible by micro-batch size {micro_batch_size}")
-        batch = self.global_batch(step)
         group = dp_size * micro_batch_size  # one global micro-batch
         offset = dp_rank * micro_batch_size
         return [batch[start + offset : start + offset + micro_batch_size] for start in range(0, g, group)]

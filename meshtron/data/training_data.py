@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from meshtron.config import DataConfig, EvalConfig
+from meshtron.config import DataConfig, EvalConfig, parse_batch_rampup
 from meshtron.data.chat import build_chat_datasets
 from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.mixture import MixedDataset, MixtureSchedule, parse_sources
-from meshtron.data.sampler import GlobalBatchSchedule
+from meshtron.data.sampler import BatchSizes, GlobalBatchSchedule
 from meshtron.data.streaming import StreamingDataset, StreamSchedule
 from meshtron.errors import ConfigError, MeshtronError
 
@@ -32,18 +32,21 @@ def build_training_data(
     is_builder: bool,
     run_id: str = "",
     evaluation: EvalConfig | None = None,
+    batch_rampup: str = "",
 ) -> RunData:
     """One corpus, or a weighted mixture of several (meshtron.data.mixture), and the evaluation data.
 
     Each source is a prepared directory or any other source, prepared into ``data.cache_dir`` first; local
     rank 0 of each machine builds what is missing (the others wait outside any collective). With ``data.streaming``
-    the source is read while training runs (meshtron.data.streaming)."""
+    the source is read while training runs (meshtron.data.streaming). ``batch_rampup``: ``train.batch_rampup``
+    (meshtron.data.sampler.BatchSizes)."""
     evaluation = evaluation or EvalConfig()
     held_out = evaluation.holdout_documents
+    sizes = BatchSizes(global_batch_size, parse_batch_rampup(batch_rampup, global_batch_size))
     eval_dataset = None
     if data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
         dataset, eval_dataset = build_chat_datasets(data, tokenizer, held_out)
-        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
+        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed, sizes)
     elif data.streaming:
         dataset = StreamingDataset(data, tokenizer, global_batch_size)
         schedule = StreamSchedule(global_batch_size, data.seed)
@@ -51,7 +54,7 @@ def build_training_data(
         dataset = build_packed_dataset(data, tokenizer, is_builder=is_builder, run_id=run_id)
         if held_out:
             dataset, eval_dataset = dataset.split_documents(held_out, data.path)
-        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed)
+        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed, sizes)
     else:
         sources = parse_sources(data.sources)
         datasets = [
@@ -59,7 +62,7 @@ def build_training_data(
             for path, _ in sources
         ]
         schedule = MixtureSchedule(
-            [len(d) for d in datasets], [w for _, w in sources], global_batch_size, data.shuffle, data.seed
+            [len(d) for d in datasets], [w for _, w in sources], global_batch_size, data.shuffle, data.seed, sizes
         )
         dataset = MixedDataset(datasets)
     if evaluation.path:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtron.checkpoint.manager import check_fixed_directory, resume_point
-from meshtron.config import BUILTIN_CORPUS, Config
+from meshtron.config import BUILTIN_CORPUS, Config, parse_batch_rampup
 from meshtron.data.chat import check_chat_tokenizer
 from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
@@ -53,15 +53,34 @@ def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     splits into microbatches of ``train.micro_batch_size`` (see check_pipeline), without accumulation.
     """
     batch, dp = cfg.train.global_batch_size, dims.dp
-    micro = cfg.train.micro_batch_size or max(1, batch // dp)
+    rampup = parse_batch_rampup(cfg.train.batch_rampup, batch)
+    # With a rampup the first batches are the smallest: by default they run without accumulation.
+    micro = cfg.train.micro_batch_size or max(1, (rampup[0] if rampup else batch) // dp)
     if batch % (dp * micro):
         raise ConfigError(
             f"train.global_batch_size {batch} is not divisible by data-parallel degree {dp} x "
             f"train.micro_batch_size {micro} = {dp * micro}; make the global batch a multiple of {dp * micro}"
         )
+    if rampup is not None:
+        _check_rampup(rampup, dp, micro, dims.pp)
     if dims.pp > 1:
         return batch // dp, 1
     return micro, batch // (dp * micro)
+
+
+def _check_rampup(rampup: tuple[int, int], dp: int, micro: int, pp: int) -> None:
+    start = rampup[0]
+    if pp > 1:
+        raise ConfigError(
+            "train.batch_rampup with parallel.pp > 1 is not supported: the pipeline schedule's microbatch count is "
+            "fixed for the run; ramp up without pipeline parallelism, or leave train.batch_rampup empty"
+        )
+    if start % (dp * micro):
+        raise ConfigError(
+            f"train.batch_rampup: START {start} is not divisible by data-parallel degree {dp} x "
+            f"train.micro_batch_size {micro} = {dp * micro}; every batch of the rampup (a multiple of START) must "
+            "split over the data-parallel ranks' micro-batches"
+        )
 
 
 def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory, checkpoint_meta
+from meshtron.checkpoint.manager import DATA_POSITION, CheckpointManager, checkpoint_directory, checkpoint_meta
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_toml
 from meshtron.data.streaming import load_stream_states, save_stream_state
@@ -49,6 +49,7 @@ class Resumable:
             )
         meta = checkpoint_meta(step, self.scheduler, self.hf_config, self.cfg, self.runtime, self.layout)
         meta[SKIPPED_KEY] = sorted(self.schedule.skipped_batches)
+        meta[DATA_POSITION] = list(self.schedule.position_after(step))
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
         if stopped_by:
@@ -76,6 +77,8 @@ class Resumable:
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self.schedule.skip(meta.get(SKIPPED_KEY, []))
+        if DATA_POSITION in meta:  # on from where it stopped, whatever global batch size it trained with
+            self.schedule.sizes.rebase(*meta[DATA_POSITION])
         if self.stream is not None:
             self.stream.restore(load_stream_states(path))
         if self.cfg.train.float8:

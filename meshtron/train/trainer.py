@@ -147,14 +147,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     dims = plan.dims
     output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, plan)
     torch.manual_seed(cfg.train.seed)
-    data = build_training_data(  # the others wait for local rank 0's build outside any collective
-        cfg.data,
-        plan.tokenizer,
-        cfg.train.global_batch_size,
-        is_builder=runtime.local_rank == 0,
-        run_id=run_id,
-        evaluation=cfg.eval,
-    )
+    data = _load_data(cfg, plan, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
@@ -230,6 +223,20 @@ class _Loop:
     logger: MetricsLogger
     evaluator: Evaluator | None
     profiler: StepProfiler
+
+
+def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
+    """The training and evaluation data (meshtron.data.training_data.RunData); local rank 0 builds what is missing,
+    the others wait for it outside any collective."""
+    return build_training_data(
+        cfg.data,
+        plan.tokenizer,
+        cfg.train.global_batch_size,
+        is_builder=runtime.local_rank == 0,
+        run_id=run_id,
+        evaluation=cfg.eval,
+        batch_rampup=cfg.train.batch_rampup,
+    )
 
 
 def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: ParallelDims, family: str) -> MetricsLogger:
