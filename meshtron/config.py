@@ -31,6 +31,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip", "rollback")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+OPTIMIZERS = ("adamw", "muon")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -116,6 +117,12 @@ class TrainConfig:
     """``START:STEPS``: the global batch starts at START sequences and grows in steps of START to global_batch_size
     over STEPS optimizer steps (Megatron's rampup-batch-size); empty: global_batch_size throughout. See
     docs/data.md, "Changing the batch size"."""
+    optimizer: str = "adamw"
+    """``adamw``, or ``muon``: Muon (orthogonalized momentum) for the decoder blocks' matrices, AdamW for the
+    embeddings, head, norms, biases and routers (meshtron.train.muon)."""
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    """``muon``: the momentum, and the Newton-Schulz iterations that orthogonalize it."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -458,6 +465,10 @@ def validate_config(cfg: Config) -> None:
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    _positive("train.muon_ns_steps", t.muon_ns_steps)
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum: must be in [0, 1), got {t.muon_momentum}")
     _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
     _choice("train.mixed_precision", t.mixed_precision, MIXED_PRECISION)
     _choice("train.float8_recipe", t.float8_recipe, FLOAT8_RECIPES)

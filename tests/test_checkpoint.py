@@ -181,6 +181,15 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.ep=2",
                 from_half(out, "ep2_fsdp4_moe"),
             ],
+            # Muon's momentum buffers are sharded like their parameters and resharded like AdamW's moments.
+            "fsdp4_muon": ["train.optimizer=muon", "parallel.dp_shard=4"],
+            "fsdp4_muon_resumed": ["train.optimizer=muon", "parallel.dp_shard=4", from_half(out, "fsdp4_muon")],
+            "dp2_tp2_muon_from_fsdp4_muon": [
+                "train.optimizer=muon",
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "fsdp4_muon"),
+            ],
             # A vocabulary of 250, which tp=4 does not divide (rows 63/63/63/61), resumed under dp=2 x tp=2 (125/125).
             "vocab250_tp4": [*vocab_250, "parallel.tp=4"],
             "vocab250_dp2_tp2_from_tp4": [
@@ -241,6 +250,7 @@ def test_a_streamed_run_rolls_back_as_a_run_that_skipped_the_batch(runs):
         "fsdp4_fp16",
         "pp2_dp2_tied",
         "ep2_fsdp4_moe",
+        "fsdp4_muon",
     ],
 )
 def test_resume_is_exact(runs, straight):
@@ -272,6 +282,7 @@ def test_resume_is_exact(runs, straight):
         ("fsdp4_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> no EP
         ("ep2_pp2_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP2 x PP2
         ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
+        ("dp2_tp2_muon_from_fsdp4_muon", "fsdp4_muon"),  # Muon's momentum: FSDP4 -> DP2 x TP2
     ],
 )
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):

@@ -107,6 +107,8 @@ def causal_lm_dir(tmp_path):
         ),
         (["--eval.holdout_documents=5"], "eval.holdout_documents=5 leaves nothing to train on: data.path"),
         (["--eval.path=/no/such/file.txt"], "eval.path: could not load"),
+        (["--train.optimizer=sgd"], "train.optimizer: 'sgd' is not one of adamw, muon"),
+        (["--train.optimizer=muon", "--train.muon_momentum=1"], "train.muon_momentum: must be in [0, 1), got 1.0"),
         (["--train.batch_rampup=abc"], "train.batch_rampup: 'abc' is not START:STEPS"),
         (["--train.batch_rampup=3:10"], "START 3 must be smaller than train.global_batch_size 8 and divide it"),
         (

@@ -324,7 +324,8 @@ TP_LAYOUTS = {
 }
 for _family in ("llama", "qwen3"):
     for _name, (_world, _overrides) in TP_LAYOUTS.items():
-        if _family == "llama" or _name not in ("tp2_no_sp", "tp2_no_lp"):  # the options are the family's own on llama
+        # The options are the family's own on llama; HSDP x TP (8 processes, ~9 s) too: FSDP's sharding is the same.
+        if _family == "llama" or _name not in ("tp2_no_sp", "tp2_no_lp", "hsdp2x2_tp2"):
             LAYOUTS[f"{_name}_{_family}"] = (_world, _overrides, f"{_family}-tiny")
 
 # More families: TP, PP and CP (document masks) where the family supports them, FSDP for the tied ones (FSDP
@@ -490,6 +491,15 @@ REFERENCES["moe-aux-rampup"] = _MOE_AUX + _RAMPUP
 for _name in ("ddp2", "fsdp2", "tp2", "cp2"):  # not pp: a pipeline's microbatch count is fixed (refused)
     LAYOUTS[f"{_name}_rampup"] = (2, TWO_RANK_LAYOUTS[_name], "llama-rampup")
 LAYOUTS["ep2_moe_aux_rampup"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-rampup")
+# Muon (train.optimizer=muon): Newton-Schulz needs whole matrices, gathered from FSDP's and TP's shards (experts
+# whole on their EP rank); every layout must take the one-process step.
+_MUON = ["train.optimizer=muon"]
+REFERENCES["llama-muon"] = ["model.preset=llama-tiny", *_MUON]
+REFERENCES["moe-aux-muon"] = _MOE_AUX + _MUON
+for _name, _overrides in TWO_RANK_LAYOUTS.items():
+    LAYOUTS[f"{_name}_muon"] = (2, _overrides, "llama-muon")
+LAYOUTS["pp2_dp2_tp2_muon"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon")
+LAYOUTS["ep2_moe_aux_muon"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-muon")
 REFERENCES["mixtral-aux"] = [f"model.name_or_path={{cache_dir}}/{MIXTRAL_AUX}", "train.router_aux_loss=true"]
 LAYOUTS.update(
     {
@@ -864,7 +874,7 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
     """
     from meshtron.config import load_config
     from meshtron.plan.layout import DTYPE_BYTES
-    from meshtron.plan.memory import activation_bytes, config_view, held_gradient_bytes, state_numel
+    from meshtron.plan.memory import activation_bytes, config_view, held_gradient_bytes, muon_numel, state_numel
 
     failures, lines = [], []
     cases = [(f"single:{name}", 1, [], name) for name in sorted(REFERENCES) if name in references]
@@ -877,7 +887,9 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
             state, activations = got["state_bytes"], got["activation_bytes"]
         cfg = load_config(None, base_overrides(cache_dir) + reference_overrides(ref, cache_dir) + overrides, env={})
         shape, layout, workload = config_view(cfg, world, device="cpu")
-        planned_state = max(state_numel(shape, layout, workload)) * DTYPE_BYTES[cfg.model.dtype] * 4
+        # Parameters, gradients and AdamW's two moments, or Muon's one momentum buffer for the blocks' matrices.
+        per_rank = zip(state_numel(shape, layout, workload), muon_numel(shape, layout, workload))
+        planned_state = max(4 * numel - muon for numel, muon in per_rank) * DTYPE_BYTES[cfg.model.dtype]
         planned_activations = max(activation_bytes(shape, layout, workload))
         state_ratio = planned_state / state
         activation_ratio = planned_activations / activations if activations else float("inf")

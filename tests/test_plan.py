@@ -721,3 +721,36 @@ def test_the_planner_refuses_eager_attention_with_document_masks_or_cp_as_prefli
         ConfigError, match="model.attn_implementation=eager cannot be combined with data.mask_documents"
     ):
         plan_layouts(shape, hf_config, Workload(256, 16, attn_implementation="eager"), 4, hardware("h100"))
+
+
+def test_muon_holds_one_buffer_per_block_matrix_and_costs_its_gathers_and_iterations():
+    """llama-1b on H100s, train.optimizer=muon: AdamW's two moments become one momentum buffer for the blocks'
+    matrices (embeddings, head and norms keep two); the step adds Newton-Schulz on every block matrix, plus each
+    sharded matrix's all-gather under FSDP / TP, nothing under AdamW."""
+    from dataclasses import replace
+
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import estimate_memory, muon_numel, state_numel
+    from meshtron.plan.throughput import estimate_step
+
+    hf_config, shape = _llama_1b()
+    hw = hardware("h100")
+    adamw = Workload(seq_len=2048, global_batch=16)
+    muon = replace(adamw, optimizer="muon")
+    single = Layout(micro_batch=1)
+    block_matrices = sum(math.prod(p.shape) for p in shape.block if len(p.shape) == 2) * shape.layers
+    assert muon_numel(shape, single, muon) == [block_matrices] and muon_numel(shape, single, adamw) == [0]
+    saved = estimate_memory(shape, single, adamw).optimizer - estimate_memory(shape, single, muon).optimizer
+    assert saved == block_matrices * 4 and block_matrices < max(state_numel(shape, single, adamw))
+    steps = {
+        name: estimate_step(shape, layout, workload, hw, hf_config).optimizer_s
+        for name, layout, workload in (
+            ("adamw", single, adamw),
+            ("muon", single, muon),
+            ("muon-fsdp8", Layout(dp_shard=8, micro_batch=1), muon),
+            ("muon-tp8", Layout(tp=8, micro_batch=1), muon),
+        )
+    }
+    print("optimizer step:", {name: f"{seconds * 1e3:.1f} ms" for name, seconds in steps.items()})
+    assert steps["adamw"] == 0 and 0 < steps["muon"] < steps["muon-fsdp8"] and steps["muon"] < steps["muon-tp8"]

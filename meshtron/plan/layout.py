@@ -51,6 +51,10 @@ class Workload:
     ``Hardware.compiled_matmul_efficiency`` instead of ``matmul_efficiency``."""
     attn_implementation: str = "sdpa"
     """``model.attn_implementation`` (``eager`` for a family that cannot use sdpa, as Gemma 2)."""
+    optimizer: str = "adamw"
+    """``train.optimizer``: under ``muon`` the blocks' matrices keep one momentum buffer, not AdamW's two moments."""
+    muon_ns_steps: int = 5
+    """``train.muon_ns_steps``: Newton-Schulz iterations per Muon step (its time in the step estimate)."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -82,6 +86,8 @@ class Workload:
             accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
             compiled=compile_enabled(cfg.train.compile, device),
             attn_implementation=cfg.model.attn_implementation,
+            optimizer=cfg.train.optimizer,
+            muon_ns_steps=cfg.train.muon_ns_steps,
         )
 
 

@@ -1,7 +1,8 @@
 """Per-rank memory of a layout: model state from the real parameter shapes, activations from the model's
 anatomy, plus FSDP's gathered buffers and the loss's temporaries.
 
-Model state (parameters, gradients, AdamW's two moments) is exact up to FSDP's padding: every
+Model state (parameters, gradients, AdamW's two moments, or Muon's one momentum buffer for the blocks' matrices) is
+exact up to FSDP's padding: every
 parameter is split by tensor parallelism as meshtron's TP plan splits it, then on dim 0 over
 ``dp_shard x cp`` with the first rank taking the ceiling. Activations count what autograd keeps
 for backward, term by term as Hugging Face's Llama-family code saves it (see docs/planning.md);
@@ -84,6 +85,15 @@ def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = N
         )
         for stages in stage_layout(shape, layout, workload)
     ]
+
+
+def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
+    """Per pipeline rank: the parameter elements of ``state_numel`` that Muon steps (``train.optimizer=muon``: one
+    momentum buffer each instead of AdamW's two moments); 0 under AdamW."""
+    if workload is None or workload.optimizer != "muon":
+        return [0] * layout.pp
+    block = _numel([p for p in shape.block if p.muon], layout, shape)
+    return [sum(layers * block for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload)]
 
 
 def compute_bytes(workload: Workload) -> int:
@@ -360,8 +370,9 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         state_numel(shape, layout, workload),
         activation_bytes(shape, layout, workload),
         held_gradient_bytes(shape, layout, workload),
+        muon_numel(shape, layout, workload),
     )
-    for stages, numel, acts, held_grads in per_rank:
+    for stages, numel, acts, held_grads, muon in per_rank:
         holds_head = any(last for _, _, last in stages)
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
@@ -370,7 +381,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
             MemoryEstimate(
                 params=numel * state_bytes,
                 grads=int(max(numel * state_bytes, held_grads)),
-                optimizer=2 * numel * state_bytes,
+                optimizer=(2 * numel - muon) * state_bytes,
                 activations=int(acts),
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from meshtron.config import ModelConfig
 from meshtron.models.adapter import canonical_name
 from meshtron.models.moe import experts_per_token, is_moe, num_experts
+from meshtron.train.muon import muon_parameters
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     role: str
+    muon: bool = False
+    """Stepped by Muon under ``train.optimizer=muon`` (a block matrix: one momentum buffer instead of two moments)."""
 
     def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
         if tp == 1 or self.role in ("norm", "head_norm", "gathered_norm", "replicated"):
@@ -120,10 +123,11 @@ class ModelShape:
         # every parameter whole; FSDP still splits dim 0 (the experts of [E, ...] parameters).
         replicated = tuple(path + "." for path, role in roles.items() if role == "replicated_block")
         block_specs = []
+        muon = {id(p) for p in muon_parameters([blocks[0][1]], _SingleBlock())}
         for name, param in blocks[0][1].named_parameters():
             module = name.rsplit(".", 1)[0]
             role = "replicated" if name.startswith(replicated) else roles.get(module, "norm")
-            block_specs.append(ParamSpec(name, tuple(param.shape), role))
+            block_specs.append(ParamSpec(name, tuple(param.shape), role, id(param) in muon))
         shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
         if len(shapes) != 1:
             raise ValueError(
@@ -166,6 +170,14 @@ class ModelShape:
             moe_intermediate=_moe_intermediate(hf_config),
             shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
         )
+
+
+class _SingleBlock:
+    """An adapter stand-in whose model is one decoder block (for muon_parameters)."""
+
+    @staticmethod
+    def named_blocks(block):
+        return [("", block)]
 
 
 def _moe_intermediate(hf_config) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from meshtron.metrics.flops import flops_per_token
 from meshtron.plan.hardware import Hardware
-from meshtron.plan.layout import Layout, Workload
+from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
 from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, stage_layout, state_numel
 from meshtron.plan.model_shape import ModelShape
 
@@ -29,6 +29,9 @@ class StepEstimate:
     all_to_all_s: float = 0.0
     """Expert parallelism's all-to-alls (token dispatch and combine, forward and backward), part of
     ``exposed_comm_s``; 0 without EP."""
+    optimizer_s: float = 0.0
+    """Muon's step (``train.optimizer=muon``): gathering sharded matrices and their Newton-Schulz iterations, on the
+    critical path; 0 under AdamW (whose elementwise step the model leaves out)."""
 
 
 def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: float = 1.0) -> float:
@@ -161,7 +164,8 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         pp_s = 2 * send * forwards * layout.pp_stages_per_rank
 
     exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s
-    seconds = compute + exposed
+    optimizer_s = muon_step_s(shape, layout, workload, hw)
+    seconds = compute + exposed + optimizer_s
     return StepEstimate(
         seconds=seconds,
         compute_s=compute,
@@ -169,7 +173,35 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         tokens_per_s=tokens / seconds,
         mfu=model_flops / (seconds * hw.peak_tflops * 1e12),
         all_to_all_s=a2a_s,
+        optimizer_s=optimizer_s,
     )
+
+
+def muon_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware) -> float:
+    """Muon's optimizer step on the busiest rank (meshtron.train.muon): every block matrix a rank holds a shard of is
+    all-gathered whole over its FSDP x TP ranks (model dtype) and orthogonalized there, by every one of them, with
+    ``workload.muon_ns_steps`` Newton-Schulz iterations of ``4 m^2 n + 2 m^3`` FLOPs for an (m, n) matrix, m <= n, at
+    the compute dtype's matmul rate; expert matrices are whole on their rank (only its own experts). 0 under AdamW."""
+    if workload.optimizer != "muon":
+        return 0.0
+    rate = (hw.peak_tflops if compute_bytes(workload) == 2 else hw.fp32_tflops) * 1e12 * hw.matmul_efficiency
+    group = layout.fsdp_size * layout.tp
+    one_block = 0.0
+    for spec in shape.block:
+        if not spec.muon:
+            continue
+        rows, cols = spec.shape[-2:]
+        small, large = min(rows, cols), max(rows, cols)
+        matrix_flops = workload.muon_ns_steps * (4 * small * small * large + 2 * small**3)
+        if spec.expert:
+            local = spec.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep)
+            one_block += local // (rows * cols) * matrix_flops / rate
+            continue
+        one_block += matrix_flops / rate
+        if group > 1:
+            one_block += _collective_s(rows * cols * DTYPE_BYTES[workload.model_dtype], group, group, hw)
+    layers = max(sum(layers for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload))
+    return layers * one_block
 
 
 def expert_shard_numel(shape: ModelShape, layout: Layout, workload: Workload) -> int:

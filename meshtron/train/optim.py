@@ -1,5 +1,6 @@
-"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules (warmup, then cosine,
-linear, constant or warmup-stable-decay)."""
+"""The optimizer: AdamW with decoupled weight decay on matrices only, or Muon for the blocks' matrices
+(meshtron.train.muon); and the learning-rate schedules (warmup, then cosine, linear, constant or
+warmup-stable-decay)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,28 @@ import torch
 from torch import nn
 
 from meshtron.config import TrainConfig
+from meshtron.train.muon import MuonAdamW, muon_parameters
 
 FUSED_DEVICES = ("cpu", "cuda")
 """Devices whose fused AdamW kernel meshtron uses (one kernel per parameter group instead of a dozen
 foreach ops): on the CPU it takes about a third of the foreach step's time."""
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay applies to 2-D+ parameters (matrices, embeddings), not to norms or biases.
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, parts=None, adapter=None, compute_dtype: torch.dtype | None = None
+) -> torch.optim.AdamW:
+    """AdamW (``train.optimizer=adamw``); weight decay applies to 2-D+ parameters (matrices, embeddings), not to norms
+    or biases. With ``train.optimizer=muon``, Muon for the decoder blocks' matrices of ``parts`` (the model, or this
+    rank's pipeline stages; ``adapter``: their family's) and AdamW for the rest (meshtron.train.muon); its
+    Newton-Schulz iterations run in bf16 when ``compute_dtype`` (the mixed precision's) is bf16, else in float32.
 
     Fused on CPU and CUDA parameters, foreach elsewhere (the meta device of ``--dry-run``).
     """
+    muon = muon_parameters(parts or [model], adapter) if cfg.optimizer == "muon" else []
+    taken = {id(p) for p in muon}
     decay, no_decay = [], []
     for param in model.parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in taken:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
@@ -30,7 +39,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     ]
     fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in decay + no_decay)
     kernel = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
+    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **kernel)
+    if cfg.optimizer == "muon":
+        ns_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+        return MuonAdamW(
+            muon, groups, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, ns_dtype=ns_dtype, **adamw
+        )
+    return torch.optim.AdamW(groups, **adamw)
 
 
 # How much of the way from lr down to min_lr is left at a fraction ``progress`` of the decay.

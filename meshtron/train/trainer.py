@@ -155,7 +155,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)
     policy = plan.precision or precision_policy(cfg, runtime.device.type)
     built = _build_model(cfg, runtime, plan, meshes, split, policy)
-    model, optimizer = built.model, build_optimizer(built.model, cfg.train)
+    model = built.model
+    optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg.train)
     step_context = StepContext(
         _dp_rank(meshes, dims),

@@ -1,0 +1,85 @@
+"""Muon vs AdamW (``train.optimizer``): step time and tokens/s of the same training run, per layout, on CPU.
+
+Each cell is one ``meshtron train`` run (self-launched with ``--nproc`` for the multi-process layouts) of
+``--steps`` steps of the preset on the builtin corpus; the figure is the median over the steps after the first
+``--warmup`` of the step time (``tokens_per_s`` of metrics.jsonl turned back into seconds per step). Muon's extra
+work is its Newton-Schulz iterations on every block matrix (in float32 on CPU) and, under FSDP and TP, the
+all-gather of each matrix's update (meshtron/train/muon.py). Rounds alternate the order of the optimizers. Example:
+
+    python bench/optimizer.py                                   # llama-small, 1 process, FSDP2, TP2; 2 rounds
+    python bench/optimizer.py --layouts single --rounds 1 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYOUTS = {
+    "single": [],
+    "fsdp2": ["--nproc", "2", "--parallel.dp_shard=2"],
+    "tp2": ["--nproc", "2", "--parallel.tp=2", "--parallel.dp_shard=1"],
+}
+
+
+def run(optimizer: str, layout: str, args, out: Path) -> float:
+    """Median seconds per optimizer step after the warm-up steps of one run."""
+    command = [
+        sys.executable,
+        "-m",
+        "meshtron",
+        "train",
+        *LAYOUTS[layout],
+        f"--model.preset={args.preset}",
+        f"--data.seq_len={args.seq_len}",
+        "--data.max_documents=200",
+        f"--train.global_batch_size={args.batch}",
+        f"--train.steps={args.steps}",
+        f"--train.optimizer={optimizer}",
+        "--run.device=cpu",
+        "--run.progress=false",
+        f"--run.output_dir={out}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    if proc.returncode != 0:
+        raise SystemExit(f"{optimizer} / {layout} failed:\n{proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tokens = args.batch * args.seq_len
+    return statistics.median(tokens / row["tokens_per_s"] for row in rows[args.warmup :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-small")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    args = parser.parse_args()
+    times: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(args.rounds):
+            order = ("adamw", "muon") if round_index % 2 == 0 else ("muon", "adamw")
+            for layout in args.layouts:
+                for optimizer in order:
+                    out = Path(tmp) / f"{layout}-{optimizer}-{round_index}"
+                    times.setdefault((layout, optimizer), []).append(run(optimizer, layout, args, out))
+    print(f"{args.preset}, seq {args.seq_len}, global batch {args.batch}, median s/step over {args.rounds} round(s)")
+    print(f"{'layout':<8} {'adamw s/step':>13} {'muon s/step':>12} {'muon / adamw':>13}")
+    for layout in args.layouts:
+        adamw = statistics.median(times[(layout, "adamw")])
+        muon = statistics.median(times[(layout, "muon")])
+        print(f"{layout:<8} {adamw:>13.3f} {muon:>12.3f} {muon / adamw:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Muon (train.optimizer=muon): the orthogonalization, one step against the formulas, which parameters it takes.
+Every layout's Muon run is checked against one process in test_parity.py, resharded checkpoints in
+test_checkpoint.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshtron.config import load_config
+from meshtron.train.muon import RMS_MATCH, MuonAdamW, muon_parameters, newton_schulz
+from meshtron.train.optim import build_optimizer
+
+
+def test_newton_schulz_brings_every_singular_value_near_one():
+    torch.manual_seed(0)
+    for shape in ((16, 40), (40, 16), (3, 8, 24)):  # wide, tall (transposed inside), a batch of expert matrices
+        matrix = torch.randn(*shape) * torch.logspace(-1, 0.5, shape[-1])  # columns scaled over 1.5 decades
+        singular = torch.linalg.svdvals(newton_schulz(matrix, steps=5))
+        assert singular.min() > 0.5 and singular.max() < 1.3, (shape, singular)
+        before = torch.linalg.svdvals(matrix)
+        assert (before.max(-1).values / before.min(-1).values).min() > 5  # the input was far from orthogonal
+
+
+def test_one_muon_step_follows_the_formulas():
+    """A matrix steps along NS5 of its Nesterov momentum, scaled by 0.2 sqrt(max dim), after decoupled decay;
+    a bias steps exactly as torch's AdamW steps it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 5)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.weight.grad, layer.bias.grad = torch.randn(5, 12), torch.randn(5)
+    lr, decay, momentum = 0.02, 0.1, 0.95
+    optimizer = MuonAdamW(
+        [layer.weight],
+        [{"params": [layer.bias], "weight_decay": 0.0}],
+        momentum=momentum,
+        ns_steps=5,
+        lr=lr,
+        weight_decay=decay,
+    )
+    reference_bias = nn.Parameter(bias.clone())
+    reference_bias.grad = layer.bias.grad.clone()
+    adamw = torch.optim.AdamW([{"params": [reference_bias], "weight_decay": 0.0}], lr=lr)
+    optimizer.step()
+    adamw.step()
+    buffer = (1 - momentum) * layer.weight.grad
+    nesterov = layer.weight.grad + momentum * (buffer - layer.weight.grad)
+    expected = weight * (1 - lr * decay) - lr * RMS_MATCH * math.sqrt(12) * newton_schulz(nesterov, 5)
+    torch.testing.assert_close(layer.weight.detach(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(layer.bias.detach(), reference_bias.detach())
+    assert set(optimizer.state[layer.weight]) == {"momentum_buffer", "step"}
+    assert {"exp_avg", "exp_avg_sq"} <= set(optimizer.state[layer.bias])
+
+
+def test_muon_takes_the_blocks_matrices_and_experts_not_embeddings_head_norms_or_routers():
+    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.models.build import build_meta_model
+    from meshtron.models.presets import make_preset_config
+
+    cfg = load_config(None, ["model.preset=qwen3moe-tiny", "train.optimizer=muon"], env={})
+    model, adapter = build_meta_model(make_preset_config("qwen3moe-tiny", load_tokenizer("byte").vocab_size), cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    chosen = sorted(names[id(p)] for p in muon_parameters([model], adapter))
+    assert "model.layers.0.self_attn.q_proj.weight" in chosen and "model.layers.1.mlp.experts.gate_up_proj" in chosen
+    assert not any(n.endswith(("norm.weight", "mlp.gate.weight")) or "embed" in n or "lm_head" in n for n in chosen), (
+        chosen
+    )
+    optimizer = build_optimizer(model, cfg.train, [model], adapter)
+    groups = {bool(g.get("muon")): g for g in optimizer.param_groups}
+    assert len(groups[True]["params"]) == len(chosen)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
