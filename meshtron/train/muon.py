@@ -108,11 +108,12 @@ class MuonAdamW(torch.optim.AdamW):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
-                state["step"] = torch.zeros((), dtype=torch.float32)  # AdamW's load_state_dict expects every entry's
+                state["step"] = torch.zeros((), dtype=torch.float32)  # AdamW's load_state_dict wants one in every entry
             state["step"] += 1
             buffer = state["momentum_buffer"]
             buffer.lerp_(param.grad, 1 - momentum)
-            direction = orthogonalize(param.grad.lerp(buffer, momentum), group["ns_steps"], self.ns_dtype)  # Nesterov
+            nesterov = param.grad.lerp(buffer, momentum)
+            direction = orthogonalize(nesterov, group["ns_steps"], self.ns_dtype)
             param.mul_(1 - lr * decay)
             param.add_(direction, alpha=-lr * RMS_MATCH * math.sqrt(max(param.shape[-2:])))
 
