@@ -498,7 +498,9 @@ REFERENCES["llama-muon"] = ["model.preset=llama-tiny", *_MUON]
 REFERENCES["moe-aux-muon"] = _MOE_AUX + _MUON
 for _name, _overrides in TWO_RANK_LAYOUTS.items():
     LAYOUTS[f"{_name}_muon"] = (2, _overrides, "llama-muon")
-LAYOUTS["pp2_dp2_tp2_muon"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon")
+# 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
+REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
+LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")
 LAYOUTS["ep2_moe_aux_muon"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-muon")
 REFERENCES["mixtral-aux"] = [f"model.name_or_path={{cache_dir}}/{MIXTRAL_AUX}", "train.router_aux_loss=true"]
 LAYOUTS.update(
