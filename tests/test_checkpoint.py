@@ -190,6 +190,13 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.tp=2",
                 from_half(out, "fsdp4_muon"),
             ],
+            # Another data.seq_len: the rest of the epoch cut to 64 (meshtron.data.carry) is read under any layout.
+            "dp2_tp2_seq64_from_fsdp4": [
+                "data.seq_len=64",
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "fsdp4"),
+            ],
             # A vocabulary of 250, which tp=4 does not divide (rows 63/63/63/61), resumed under dp=2 x tp=2 (125/125).
             "vocab250_tp4": [*vocab_250, "parallel.tp=4"],
             "vocab250_dp2_tp2_from_tp4": [
@@ -206,6 +213,7 @@ def runs(tmp_path_factory, cache_dir):
     in_process("single_from_fsdp4", [from_half(out, "fsdp4")], out, cache_dir)
     in_process("single_tied_from_pp2_dp2_tied", [TIED, from_half(out, "pp2_dp2_tied")], out, cache_dir)
     in_process("single_moe_from_ep2_fsdp4_moe", [MOE, from_half(out, "ep2_fsdp4_moe")], out, cache_dir)
+    in_process("single_seq64_from_fsdp4", ["data.seq_len=64", from_half(out, "fsdp4")], out, cache_dir)
     return out
 
 
@@ -290,6 +298,17 @@ def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
     assert len(continued) == STEPS - HALF
     for step, (got, want) in enumerate(zip(continued, full[HALF:]), start=HALF + 1):
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs uninterrupted {want}"
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_seq_len_trains_the_same_under_another_layout(runs):
+    """FSDP4's step-3 checkpoint resumed with data.seq_len=64 under DP2 x TP2 and in one process: the same losses
+    (the carried sequences are a function of the checkpoint and the settings, not of the layout)."""
+    single, layout = losses(runs, "single_seq64_from_fsdp4"), losses(runs, "dp2_tp2_seq64_from_fsdp4")
+    assert len(single) == STEPS - HALF
+    assert single != losses(runs, "single_from_fsdp4")  # other data than a resume at seq_len 32
+    for step, (got, want) in enumerate(zip(layout, single), start=HALF + 1):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs one process {want}"
 
 
 @pytest.mark.slow

@@ -535,3 +535,58 @@ def test_batch_sizes_ramp_up_in_steps_of_start_and_follow_on_after_a_rebase():
     assert np.array_equal(np.concatenate(batches), schedule.indices(0, 28))
     assert [len(m) for m in schedule.local_micro_batches(1, 0, 2, 1)] == [1, 1]  # 4 sequences over 2 ranks
     assert schedule.position_after(3) == (3, 12)
+
+
+def _stream_positions(dataset: PackedDataset, indices) -> np.ndarray:
+    """Every stream position the sequences ``indices`` hold, in reading order."""
+    return np.concatenate(
+        [np.arange(a, b) for index in indices for a, b in dataset.sequence_ranges(int(index))] or [np.zeros(0, int)]
+    )
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_resume_with_another_seq_len_trains_the_rest_of_the_epoch_once(tmp_path, shuffle):
+    """Sequences of 16 + 1 tokens, 13 of them trained (epoch 1 of a seed-3 order), then data.seq_len=25: the carry
+    holds every stream token the first 13 did not, each once, but its last incomplete sequence; its sequences read
+    those tokens; the order goes on with whole epochs of 25 + 1. A second change (to 7) inside the carry
+    carries what the first carry had not trained, and so on to the end of the epoch."""
+    from meshtron.data.carry import replay_changes, resume_with_changes
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 90, size=rng.integers(1, 30)).tolist() for _ in range(60)]
+    corpus = corpus_of(tmp_path, docs, [25, 35])
+    stream = corpus.read(0, corpus.num_tokens)
+    old = PackedDataset.from_corpus(corpus, 16)
+    old_order = GlobalBatchSchedule(len(old), 4, shuffle, 3)
+    epoch_start = len(old)  # positions [len, len + 13) of the data order: epoch 1
+    trained = _stream_positions(old, old_order.indices(epoch_start, 13))
+
+    changes = [[epoch_start + 13, 16, 25]]
+    new = PackedDataset.from_corpus(corpus, 25)
+    order = GlobalBatchSchedule(len(new), 4, shuffle, 3)
+    resume_with_changes(new, order, changes, shuffle, 3)
+    carry = order.carry
+    assert carry is new.carry and carry.start == epoch_start + 13 and carry.next_epoch == 2
+    carried = _stream_positions(new, order.indices(carry.start, carry.count))
+    assert len(np.intersect1d(carried, trained)) == 0 and len(np.unique(carried)) == len(carried)
+    left_out = np.setdiff1d(np.arange(corpus.num_tokens), np.concatenate([trained, carried]))
+    assert len(left_out) < 26 and len(carried) == carry.count * 26
+    rows = new.rows(order.indices(carry.start, carry.count))
+    assert np.array_equal(rows.ravel(), stream[carried])  # each carried sequence reads its stream positions
+    assert carry.count > 0 and (order.indices(carry.start, carry.count) >= len(new)).all()
+    after = order.indices(carry.end, len(new))  # epoch 2 of the new length, whole
+    assert np.array_equal(after, GlobalBatchSchedule(len(new), 4, shuffle, 3).epoch_order(2))
+    with pytest.raises(ValueError, match="before the resumed position"):
+        order.indices(carry.start - 1, 1)
+
+    # A second change, to 7, after 5 carried sequences: the untrained rest of the carry, cut into sequences of 8.
+    second = [*changes, [carry.start + 5, 25, 7]]
+    shortest = PackedDataset.from_corpus(corpus, 7)
+    again = GlobalBatchSchedule(len(shortest), 4, shuffle, 3)
+    resume_with_changes(shortest, again, second, shuffle, 3)
+    trained_before = np.concatenate([trained, carried[: 5 * 26]])
+    recarried = _stream_positions(shortest, again.indices(again.carry.start, again.carry.count))
+    assert len(np.intersect1d(recarried, trained_before)) == 0 and len(np.unique(recarried)) == len(recarried)
+    assert len(np.setdiff1d(np.arange(corpus.num_tokens), np.concatenate([trained_before, recarried]))) < 8
+    assert again.carry.next_epoch == 2
+    assert replay_changes(second, shortest.stream_tokens, shuffle, 3).order.tolist() == again.carry.order.tolist()

@@ -256,7 +256,8 @@ def test_tensor_parallel_divisibility(changes, expected):
 
 
 def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache_dir):
-    """Resuming refuses, before any work, a missing checkpoint, another model, or another sequence length."""
+    """Resuming refuses, before any work, a missing checkpoint, another model, or another sequence length of a
+    mixture."""
     common = [*FAST, f"--data.cache_dir={cache_dir}"]
     code, err = run_main(capsys, [*common, "--checkpoint.interval=1", f"--run.output_dir={tmp_path / 'a'}"])
     assert code == 0, err
@@ -267,15 +268,21 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
             [f"--checkpoint.resume={saved}", "--model.preset=llama-deep"],
             "is of another model: num_hidden_layers 2 (checkpoint) vs 8 (this run)",
         ),
-        (  # another train.global_batch_size resumes (docs/data.md); another sequence length cannot
-            [f"--checkpoint.resume={saved}", "--data.seq_len=8"],
-            "was saved with data.seq_len=16 but this run has 8",
+        (  # another global batch or sequence length resumes (docs/data.md), but not another length of a mixture
+            [f"--checkpoint.resume={saved}", "--data.seq_len=8", "--data.sources=builtin:python-stdlib:1"],
+            "was saved with data.seq_len=16 but this run has 8; the data position would not carry over (not with "
+            "data.sources)",
         ),
     ]
     for index, (args, expected) in enumerate(cases):
         code, err = run_main(capsys, [*common, *args, f"--run.output_dir={tmp_path / f'b{index}'}"])
         lines = error_lines(err)
         assert code != 0 and len(lines) == 1 and expected in lines[0], err
+    meta = json.loads((saved / "meshtron.json").read_text())
+    (saved / "meshtron.json").write_text(json.dumps({**meta, "data.seq_len_changes": [[4, 8, 16]]}))
+    mixed = ["--data.sources=builtin:python-stdlib:1", f"--run.output_dir={tmp_path / 'mixed'}"]
+    code, err = run_main(capsys, [*common, f"--checkpoint.resume={saved}", *mixed])
+    assert code != 0 and "goes on from a change of data.seq_len" in error_lines(err)[0], err
     (saved / "meshtron.json").write_text("{ broken")
     code, err = run_main(capsys, [*common, f"--checkpoint.resume={saved}", f"--run.output_dir={tmp_path / 'c'}"])
     assert code != 0 and "meshtron.json is unreadable" in error_lines(err)[0], err

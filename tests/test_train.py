@@ -165,6 +165,43 @@ def test_a_run_resumed_with_another_global_batch_trains_every_sequence_once(tmp_
     assert ramped == [int(i) for i in order.indices(0, 28)]
 
 
+def test_a_run_resumed_with_another_seq_len_trains_on_from_the_rest_of_its_epoch(tmp_path, cache_dir, monkeypatch):
+    """2 steps at data.seq_len=32 saved, resumed with data.seq_len=48: the resumed steps read the carry (the epoch's
+    untrained tokens cut into sequences of 48 + 1, meshtron.data.carry), no stream token twice; a checkpoint saved
+    inside the carry records the change, and a run resumed from it reads and trains as the run that saved it."""
+    import meshtron.train.trainer as trainer_module
+    from meshtron.data.carry import SEQ_LEN_CHANGES
+
+    seen, datasets = trained_sequences(monkeypatch), []
+
+    def keep_dataset(*args, **kwargs):
+        data = build_training_data(*args, **kwargs)
+        datasets.append(data.dataset)
+        return data
+
+    monkeypatch.setattr(trainer_module, "build_training_data", keep_dataset)
+    train(small_config(tmp_path / "a", cache_dir, "train.steps=4", "checkpoint.interval=2"), CPU_RUNTIME)
+    short, before, seen[:] = datasets[-1], seen[:2], []
+    saved = f"checkpoint.resume={tmp_path / 'a' / 'run' / 'checkpoints' / 'step-00000002'}"
+    longer = small_config(tmp_path / "b", cache_dir, "data.seq_len=48", "checkpoint.interval=2", "train.steps=6", saved)
+    resumed = train(longer, CPU_RUNTIME)
+    carried, after = datasets[-1], seen[:]
+    assert carried.carry is not None and carried.carry.start == 2 * 4 and carried.seq_len == 48
+    assert [i for batch in after for i in batch] == [len(carried) + j for j in carried.carry.order[:16]]
+
+    def positions(dataset, batches) -> list[int]:
+        return [p for batch in batches for i in batch for a, b in dataset.sequence_ranges(i) for p in range(a, b)]
+
+    trained = positions(short, before) + positions(carried, after)
+    assert len(trained) == len(set(trained)) == 2 * 4 * 33 + 4 * 4 * 49
+    meta = json.loads((tmp_path / "b" / "run" / "checkpoints" / "step-00000004" / "meshtron.json").read_text())
+    assert meta[SEQ_LEN_CHANGES] == [[8, 32, 48]]
+    seen[:] = []
+    inside = f"checkpoint.resume={tmp_path / 'b' / 'run' / 'checkpoints' / 'step-00000004'}"
+    again = train(small_config(tmp_path / "c", cache_dir, "data.seq_len=48", "train.steps=6", inside), CPU_RUNTIME)
+    assert seen == after[2:] and again.losses == resumed.losses[2:]
+
+
 def test_clipping_uses_the_global_norm():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
     params[0].grad = torch.tensor([3.0, 0.0, 0.0])

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import CheckpointException
 from meshtron.checkpoint.integrity import FILES, META, damage, file_manifest
 from meshtron.checkpoint.shared_directory import check_shared_directory, on_every_rank, on_main
 from meshtron.checkpoint.state import TrainingState
+from meshtron.data.carry import SEQ_LEN_CHANGES
 from meshtron.errors import ConfigError, MeshtronError
 
 LATEST = "latest"
@@ -114,7 +115,7 @@ def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = No
     return None
 
 
-def check_compatible(meta: dict, path: Path, hf_config, global_batch_size: int, seq_len: int) -> None:
+def check_compatible(meta: dict, path: Path, hf_config, data_cfg, global_batch_size: int) -> None:
     """Refuse a checkpoint of another model or another data layout, naming what differs."""
     ours = model_signature(hf_config)
     differs = [
@@ -126,15 +127,31 @@ def check_compatible(meta: dict, path: Path, hf_config, global_batch_size: int, 
         raise ConfigError(
             f"checkpoint '{path}' is of another model: {'; '.join(differs)}; use the model it was saved with"
         )
-    # A checkpoint that records its data position (DATA_POSITION) resumes with any global batch size.
-    settings = [("data.seq_len", seq_len)]
+    # A checkpoint that records its data position (DATA_POSITION) resumes with any global batch size and, on one
+    # corpus, any sequence length (meshtron.data.carry).
     if DATA_POSITION not in meta:
-        settings.append(("train.global_batch_size", global_batch_size))
-    for key, value in settings:
+        settings = [("data.seq_len", data_cfg.seq_len, ""), ("train.global_batch_size", global_batch_size, "")]
+    else:
+        fixed_by = [
+            setting
+            for setting, used in (
+                ("data.sources", bool(data_cfg.sources)),
+                ("data.format=chat", data_cfg.format == "chat"),
+                ("data.streaming", data_cfg.streaming),
+            )
+            if used
+        ]
+        settings = [("data.seq_len", data_cfg.seq_len, f" (not with {fixed_by[0]})")] if fixed_by else []
+        if fixed_by and SEQ_LEN_CHANGES in meta:
+            raise ConfigError(
+                f"checkpoint '{path}' goes on from a change of data.seq_len, whose rest of the epoch is cut from one "
+                f"corpus (data.path); resume it on that corpus, not with {fixed_by[0]}"
+            )
+    for key, value, why in settings:
         if meta[key] != value:
             raise ConfigError(
                 f"checkpoint '{path}' was saved with {key}={meta[key]} but this run has {value}; the data "
-                f"position would not carry over: resume with {key}={meta[key]}"
+                f"position would not carry over{why}: resume with {key}={meta[key]}"
             )
 
 
@@ -335,7 +352,7 @@ def resume_point(cfg, hf_config, skipped: list[str] | None = None) -> Path | Non
         return None
     path = find_checkpoint(directory, cfg.checkpoint.resume, skipped)
     if path is not None:
-        check_compatible(read_meta(path), path, hf_config, cfg.train.global_batch_size, cfg.data.seq_len)
+        check_compatible(read_meta(path), path, hf_config, cfg.data, cfg.train.global_batch_size)
     return path
 
 

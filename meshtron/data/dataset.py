@@ -44,6 +44,9 @@ class PackedDataset:
         self._len = sequences.shape[0]
         self.path = path
         self.seq_len = sequences.shape[1] - 1
+        self.stream_tokens = self._len * (self.seq_len + 1)
+        self.carry = None
+        """meshtron.data.carry.Carry of a run resumed with another data.seq_len: sequences ``len(self) + j``."""
 
     @classmethod
     def from_corpus(
@@ -59,6 +62,7 @@ class PackedDataset:
         dataset._sequences, dataset._corpus, dataset._start = None, corpus, start
         dataset._len = (stop - start) // (seq_len + 1)
         dataset.path, dataset.seq_len = path, seq_len
+        dataset.stream_tokens, dataset.carry = stop - start, None
         return dataset
 
     def split_documents(self, held_out: int, source: str = "") -> tuple[PackedDataset, PackedDataset]:
@@ -91,13 +95,23 @@ class PackedDataset:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if self._corpus is None:
             return np.asarray(self._sequences[indices], dtype=np.int64)
-        width, start = self.seq_len + 1, self._start
-        if indices.size and (indices.min() < 0 or indices.max() >= self._len):
-            raise IndexError(f"sequence indices outside [0, {self._len})")
-        return (
-            np.stack([self._corpus.read(start + int(i) * width, start + (int(i) + 1) * width) for i in indices])
-            if indices.size
-            else np.zeros((0, width), dtype=np.int64)
+        limit = self._len + (self.carry.count if self.carry is not None else 0)
+        if indices.size and (indices.min() < 0 or indices.max() >= limit):
+            raise IndexError(f"sequence indices outside [0, {limit})")
+        if not indices.size:
+            return np.zeros((0, self.seq_len + 1), dtype=np.int64)
+        return np.stack([self._read(int(i)) for i in indices])
+
+    def sequence_ranges(self, index: int) -> np.ndarray:
+        """The ranges ``[a, b)`` of the token stream that sequence ``index`` holds (one, or a carried sequence's)."""
+        if index >= self._len:
+            return self.carry.sequence_ranges(index - self._len)
+        width = self.seq_len + 1
+        return np.array([[index * width, (index + 1) * width]], dtype=np.int64)
+
+    def _read(self, index: int) -> np.ndarray:
+        return np.concatenate(
+            [self._corpus.read(self._start + a, self._start + b) for a, b in self.sequence_ranges(index)]
         )
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

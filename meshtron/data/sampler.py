@@ -50,6 +50,24 @@ class BatchSizes:
         self.base_batch, self.base_position = int(batch), int(position)
 
 
+def epoch_permutation(count: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The order of ``count`` sequences in epoch ``epoch``: ``default_rng([seed, epoch]).permutation(count)``, or
+    ``arange`` without shuffling."""
+    if shuffle:
+        return np.random.default_rng([seed, epoch]).permutation(count).astype(np.int64)
+    return np.arange(count, dtype=np.int64)
+
+
+def epoch_position(carry, position: int, count: int) -> int:
+    """Where data-order ``position``, after the carry ``carry`` (meshtron.data.carry.Carry, or None), falls in the run
+    of whole epochs of ``count`` sequences: ``epoch * count + offset``."""
+    if carry is None:
+        return position
+    if position < carry.end:
+        raise ValueError(f"position {position} is inside the carry [{carry.start}, {carry.end})")
+    return position - carry.end + carry.next_epoch * count
+
+
 class GlobalBatchSchedule:
     """Deterministic order of packed sequences, as a series of epochs.
 
@@ -64,6 +82,10 @@ class GlobalBatchSchedule:
 
     ``skipped_batches`` (``data.skip_batches``, and what ``train.on_nonfinite=rollback`` adds) are global
     batches numbered from 1 that the order leaves out: step ``k`` then trains the ``k``-th batch not skipped.
+
+    ``carry`` (meshtron.data.carry, a resume with another ``data.seq_len``): positions ``[carry.start, carry.end)``
+    are the carried sequences, numbered ``num_samples + j`` (the dataset reads them), and whole epochs follow from
+    epoch ``carry.next_epoch`` on.
     """
 
     def __init__(
@@ -78,6 +100,7 @@ class GlobalBatchSchedule:
         self.seed = seed
         self._cached: tuple[int, np.ndarray] | None = None
         self.skipped_batches: set[int] = set()
+        self.carry = None
 
     def skip(self, batches) -> None:
         """Leave these global batches (numbered from 1) out of the order from now on."""
@@ -94,11 +117,7 @@ class GlobalBatchSchedule:
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sequence order of one epoch (the latest one asked for is cached)."""
         if self._cached is None or self._cached[0] != epoch:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples)
-            self._cached = (epoch, order.astype(np.int64))
+            self._cached = (epoch, epoch_permutation(self.num_samples, self.shuffle, self.seed, epoch))
         return self._cached[1]
 
     def indices(self, start: int, count: int) -> np.ndarray:
@@ -107,10 +126,17 @@ class GlobalBatchSchedule:
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         parts = []
         pos, end = start, start + count
+        carry = self.carry
         while pos < end:
-            epoch, offset = divmod(pos, self.num_samples)
-            take = min(self.num_samples - offset, end - pos)
-            parts.append(self.epoch_order(epoch)[offset : offset + take])
+            if carry is not None and pos < carry.end:
+                if pos < carry.start:
+                    raise ValueError(f"position {pos} comes before the resumed position {carry.start}")
+                take = min(carry.end, end) - pos
+                parts.append(self.num_samples + carry.order[pos - carry.start : pos - carry.start + take])
+            else:
+                epoch, offset = divmod(epoch_position(carry, pos, self.num_samples), self.num_samples)
+                take = min(self.num_samples - offset, end - pos)
+                parts.append(self.epoch_order(epoch)[offset : offset + take])
             pos += take
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 

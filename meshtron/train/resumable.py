@@ -4,12 +4,13 @@ and restored together: at the save interval, at a stop by signal, at resume and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshtron.checkpoint.manager import DATA_POSITION, CheckpointManager, checkpoint_directory, checkpoint_meta
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_toml
+from meshtron.data.carry import SEQ_LEN_CHANGES, resume_with_changes
 from meshtron.data.streaming import load_stream_states, save_stream_state
 from meshtron.train.optim import apply_schedule
 
@@ -37,6 +38,11 @@ class Resumable:
     """Called after each save (NonfiniteRollback.checkpoint_saved)."""
     stream: object = None
     """The StreamingDataset of a ``data.streaming`` run, whose position each rank saves and restores."""
+    dataset: object = None
+    """The training dataset; a resume with another ``data.seq_len`` gives it the rest of the epoch to read
+    (meshtron.data.carry)."""
+    seq_len_changes: list = field(default_factory=list)
+    """The run's changes of ``data.seq_len`` so far (meshtron.data.carry.SEQ_LEN_CHANGES), saved in checkpoints."""
 
     def save_due(self, step: int) -> bool:
         return self.checkpoints is not None and self.checkpoints.due(step, self.cfg.train.steps)
@@ -50,6 +56,8 @@ class Resumable:
         meta = checkpoint_meta(step, self.scheduler, self.hf_config, self.cfg, self.runtime, self.layout)
         meta[SKIPPED_KEY] = sorted(self.schedule.skipped_batches)
         meta[DATA_POSITION] = list(self.schedule.position_after(step))
+        if self.seq_len_changes:
+            meta[SEQ_LEN_CHANGES] = self.seq_len_changes
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
         if stopped_by:
@@ -79,6 +87,7 @@ class Resumable:
         self.schedule.skip(meta.get(SKIPPED_KEY, []))
         if DATA_POSITION in meta:  # on from where it stopped, whatever global batch size it trained with
             self.schedule.sizes.rebase(*meta[DATA_POSITION])
+            self._carry_over(meta)
         if self.stream is not None:
             self.stream.restore(load_stream_states(path))
         if self.cfg.train.float8:
@@ -86,3 +95,13 @@ class Resumable:
 
             refresh_float8_scales(self.parts)
         return meta
+
+    def _carry_over(self, meta: dict) -> None:
+        """After a checkpoint saved with another ``data.seq_len`` (or after one that followed such a change), read the
+        rest of its epoch cut to this run's length first (meshtron.data.carry)."""
+        changes = list(meta.get(SEQ_LEN_CHANGES, []))
+        if meta["data.seq_len"] != self.cfg.data.seq_len:
+            changes.append([meta[DATA_POSITION][1], meta["data.seq_len"], self.cfg.data.seq_len])
+        self.seq_len_changes = changes
+        if changes:
+            resume_with_changes(self.dataset, self.schedule, changes, self.cfg.data.shuffle, self.cfg.data.seed)

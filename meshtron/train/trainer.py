@@ -191,6 +191,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         dims.describe(),
         built.parts,
         stream=dataset if isinstance(dataset, StreamingDataset) else None,
+        dataset=dataset,
     )
     guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
     result.start_step = _resume(resumable, plan, logger)
