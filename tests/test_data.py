@@ -550,7 +550,7 @@ def test_a_resume_with_another_seq_len_trains_the_rest_of_the_epoch_once(tmp_pat
     holds every stream token the first 13 did not, each once, but its last incomplete sequence; its sequences read
     those tokens; the order goes on with whole epochs of 25 + 1. A second change (to 7) inside the carry
     carries what the first carry had not trained, and so on to the end of the epoch."""
-    from meshtron.data.carry import replay_changes, resume_with_changes
+    from meshtron.data.carry import replay_changes, resume_with_changes, stream_ranges
 
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 90, size=rng.integers(1, 30)).tolist() for _ in range(60)]
@@ -571,6 +571,9 @@ def test_a_resume_with_another_seq_len_trains_the_rest_of_the_epoch_once(tmp_pat
     assert len(np.intersect1d(carried, trained)) == 0 and len(np.unique(carried)) == len(carried)
     left_out = np.setdiff1d(np.arange(corpus.num_tokens), np.concatenate([trained, carried]))
     assert len(left_out) < 26 and len(carried) == carry.count * 26
+    for number in range(carry.count):  # the look-up a read uses = the general mapping of stream ranges
+        window = np.array([[number * 26, (number + 1) * 26]])
+        assert np.array_equal(carry.sequence_ranges(number), stream_ranges(carry.intervals, window))
     rows = new.rows(order.indices(carry.start, carry.count))
     assert np.array_equal(rows.ravel(), stream[carried])  # each carried sequence reads its stream positions
     assert carry.count > 0 and (order.indices(carry.start, carry.count) >= len(new)).all()

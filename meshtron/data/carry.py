@@ -42,6 +42,8 @@ class Carry:
     next_epoch: int
     order: np.ndarray
     """Carried sequence numbers in the order the positions take them."""
+    offsets: np.ndarray
+    """Where each interval starts in the concatenation of the intervals, and their total last (K + 1 values)."""
 
     @property
     def count(self) -> int:
@@ -52,8 +54,15 @@ class Carry:
         return self.start + self.count
 
     def sequence_ranges(self, number: int) -> np.ndarray:
-        """The stream ranges that carried sequence ``number`` reads, in order."""
-        return stream_ranges(self.intervals, np.array([[number * self.width, (number + 1) * self.width]]))
+        """The stream ranges that carried sequence ``number`` reads, in order (a look-up in ``offsets``: a step reads
+        many sequences, and the intervals can be many)."""
+        low, high = number * self.width, (number + 1) * self.width
+        first = int(np.searchsorted(self.offsets, low, side="right")) - 1
+        last = int(np.searchsorted(self.offsets, high, side="left"))  # the intervals [first, last) hold the sequence
+        pieces = self.intervals[first:last].copy()
+        pieces[0, 0] += low - self.offsets[first]
+        pieces[-1, 1] -= self.offsets[last] - high
+        return pieces
 
 
 def merge_ranges(ranges: np.ndarray) -> np.ndarray:
@@ -98,8 +107,8 @@ def carry_after(
     sequences of ``old_width`` tokens (with the carry ``previous`` of an earlier change, or None)."""
     if previous is not None and previous.start <= position < previous.end:  # a change inside an earlier carry
         virtual = _untrained_sequences(previous.order[: position - previous.start], previous.count, old_width)
-        total = int((previous.intervals[:, 1] - previous.intervals[:, 0]).sum())
-        virtual = merge_ranges(np.concatenate([virtual, [[previous.count * old_width, total]]]))
+        tail = [[previous.count * old_width, int(previous.offsets[-1])]]
+        virtual = merge_ranges(np.concatenate([virtual, tail]))
         intervals, next_epoch = stream_ranges(previous.intervals, virtual), previous.next_epoch
     else:
         count = stream_tokens // old_width
@@ -108,9 +117,9 @@ def carry_after(
         tail = [[count * old_width, stream_tokens]]  # never in a sequence of the old length: untrained too
         intervals = merge_ranges(np.concatenate([_untrained_sequences(trained, count, old_width), tail]))
         next_epoch = epoch + 1
-    total = int((intervals[:, 1] - intervals[:, 0]).sum())
-    order = epoch_permutation(total // new_width, shuffle, seed + CARRY_SEED, next_epoch)
-    return Carry(position, intervals, new_width, next_epoch, order)
+    offsets = np.concatenate([[0], np.cumsum(intervals[:, 1] - intervals[:, 0])]).astype(np.int64)
+    order = epoch_permutation(int(offsets[-1]) // new_width, shuffle, seed + CARRY_SEED, next_epoch)
+    return Carry(position, intervals, new_width, next_epoch, order, offsets)
 
 
 def replay_changes(changes: list, stream_tokens: int, shuffle: bool, seed: int) -> Carry | None:
