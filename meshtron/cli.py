@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", help="new directory for config.json + safetensors (+ tokenizer)")
     export.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
     export.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run's adapters as a peft adapter directory (default: the merged model)",
+    )
+    export.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="run the model's and tokenizer's own Python code (never taken from the checkpoint)",
@@ -350,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"unexpected arguments {extra}; usage: meshtron export CHECKPOINT OUT_DIR")
             from meshtron.checkpoint.export import export_checkpoint
 
-            out = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size, args.trust_remote_code)
-            print(f"meshtron: exported {args.checkpoint} to {out}/ (loads with AutoModelForCausalLM.from_pretrained)")
+            out = export_checkpoint(
+                args.checkpoint, args.out_dir, args.max_shard_size, args.trust_remote_code, args.adapter
+            )
+            loads_with = "peft.PeftModel.from_pretrained" if args.adapter else "AutoModelForCausalLM.from_pretrained"
+            print(f"meshtron: exported {args.checkpoint} to {out}/ (loads with {loads_with})")
     except MeshtronError as err:
         _report_error(err)
         return 2 if isinstance(err, ConfigError) else 1

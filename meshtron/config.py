@@ -273,11 +273,35 @@ class EvalConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning (docs/lora.md): low-rank adapters beside the blocks' projections, the base weights frozen."""
+
+    rank: int = 0
+    """Rank of each adapter (0: off, every weight trains)."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (draws different masks on every data-parallel rank, like model dropout)."""
+    targets: list[str] = field(default_factory=list)
+    """Names of the blocks' linear modules that get adapters (e.g. q_proj, v_proj); empty: every attention and MLP
+    projection."""
+    train_embeddings: bool = False
+    """Train the token embeddings too (whole, not low-rank)."""
+    train_head: bool = False
+    """Train the output head too (whole, not low-rank)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -521,6 +545,7 @@ def validate_config(cfg: Config) -> None:
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     _validate_eval(cfg)
+    _validate_lora(cfg)
     parse_batch_rampup(t.batch_rampup, t.global_batch_size)
     if t.batch_rampup.strip() and d.streaming:
         raise ConfigError(
@@ -571,6 +596,26 @@ def parse_batch_rampup(value: str, global_batch_size: int) -> tuple[int, int] | 
             "and divide it (the batch grows in steps of START)"
         )
     return start, steps
+
+
+def _validate_lora(cfg: Config) -> None:
+    lora = cfg.lora
+    if lora.rank < 0:
+        raise ConfigError(f"lora.rank: must be >= 0 (0 turns LoRA off), got {lora.rank}")
+    if not lora.enabled:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"lora.alpha: must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
+    if cfg.train.float8:
+        raise ConfigError("lora.rank > 0 with train.float8 is not supported yet; set train.float8=false")
+    if cfg.parallel.ep > 1:
+        raise ConfigError("lora.rank > 0 with parallel.ep > 1 is not supported yet; set parallel.ep=1")
+    if cfg.train.optimizer != "adamw":
+        raise ConfigError(
+            f"lora.rank > 0 with train.optimizer={cfg.train.optimizer} is not supported yet; set train.optimizer=adamw"
+        )
 
 
 def _validate_eval(cfg: Config) -> None:

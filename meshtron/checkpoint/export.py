@@ -19,21 +19,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from meshtron.checkpoint.integrity import damage
+from meshtron.checkpoint.lora_export import merge_adapters, write_peft_adapter
 from meshtron.checkpoint.manager import quiet_single_process, read_meta
 from meshtron.errors import ConfigError
 
 
 def export_checkpoint(
-    checkpoint: str, out_dir: str, max_shard_size: str = "2GB", trust_remote_code: bool = False
+    checkpoint: str,
+    out_dir: str,
+    max_shard_size: str = "2GB",
+    trust_remote_code: bool = False,
+    adapter_only: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model to ``out_dir`` (which must not exist or be empty); returns the directory.
 
     ``trust_remote_code``: the caller's choice (``meshtron export --trust-remote-code``); the value in the
-    checkpoint's config is ignored.
+    checkpoint's config is ignored. A LoRA run (``[lora]``) exports the merged model, or with ``adapter_only``
+    (``--adapter``) a peft adapter directory (meshtron.checkpoint.lora_export).
     """
     from meshtron.config import load_config
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import build_meta_model, load_hf_config
+    from meshtron.models.lora import add_lora
 
     source, target = Path(checkpoint), Path(out_dir)
     reason = damage(source)
@@ -50,6 +57,12 @@ def export_checkpoint(
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     model, adapter = build_meta_model(hf_config, cfg.model)
+    if adapter_only and not cfg.lora.enabled:
+        raise ConfigError(
+            f"meshtron export --adapter: checkpoint '{source}' is not of a LoRA run (lora.rank=0); export it "
+            "without --adapter"
+        )
+    targets = add_lora(model, adapter, cfg.lora) if cfg.lora.enabled else []
     model.to_empty(device=torch.device("cpu"))
     adapter.tie_weights(model)
     adapter.init_buffers(model, torch.device("cpu"))
@@ -63,6 +76,10 @@ def export_checkpoint(
     if set(missing) - {"lm_head.weight"}:
         raise ConfigError(f"checkpoint '{source}' lacks model weights {sorted(missing)[:3]}; it is incomplete")
     adapter.tie_weights(model)
+    if adapter_only:
+        write_peft_adapter(model, adapter, cfg.lora, targets, cfg.model.name_or_path, target)
+        return target
+    merge_adapters(model)
     adapter.fuse_projections(model)  # the family's own layout (Phi-3's fused qkv_proj and gate_up_proj)
     target.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [type(model).__name__]

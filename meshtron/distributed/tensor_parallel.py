@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.utils.stateless import _reparametrize_module
 
 from meshtron.distributed.float8 import float8_tp_paths
+from meshtron.distributed.lora_tensor_parallel import put_back_adapters, take_off_adapters
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.families import check_family
@@ -321,15 +322,23 @@ def apply_tensor_parallel(
     """
     tp = tp_mesh.size()
     shape = adapter.attention_shape(model.config)
+    # PyTorch's styles make new Parameters (trainable) for what they split or replicate: keep frozen ones frozen.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     for _, block in adapter.named_blocks(model):
         float8_paths = float8_tp_paths(block) if float8 else frozenset()
-        styles = _block_styles(adapter.block_tp_roles(block), shape, tp, sequence_parallel, float8_paths)
+        roles = adapter.block_tp_roles(block)
+        styles = _block_styles(roles, shape, tp, sequence_parallel, float8_paths)
+        adapters = take_off_adapters(block, roles)  # LoRA: split as their projections (lora_tensor_parallel)
         parallelize_module(block, tp_mesh, styles, src_data_rank=None)
+        put_back_adapters(block, adapters, roles, tp_mesh, kv_replicated=shape.num_kv_heads < tp)
     parallelize_module(
         model, tp_mesh, _top_styles(adapter.top_tp_roles(model), sequence_parallel, loss_parallel), src_data_rank=None
     )
     adapter.tie_weights(model)
     adapter.set_local_heads(model, shape.num_heads // tp, max(shape.num_kv_heads // tp, 1))
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def loss_context(logits: torch.Tensor):

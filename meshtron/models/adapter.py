@@ -243,6 +243,11 @@ class DecoderAdapter:
     def fuse_projections(self, model: nn.Module) -> None:
         """Undo ``split_fused_projections`` (before saving a Hugging Face model)."""
 
+    @property
+    def fuses_projections(self) -> bool:
+        """Whether the family's Hugging Face model fuses projections that meshtron trains apart (Phi-3)."""
+        return type(self).split_fused_projections is not DecoderAdapter.split_fused_projections
+
     def embedding_name(self) -> str:
         """Name of the embedding weight in the model's state dict and checkpoints."""
         return "model.embed_tokens.weight"

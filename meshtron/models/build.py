@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
+from meshtron.models.lora import is_lora_parameter, lora_init
 from meshtron.models.moe import read_experts
 from meshtron.models.presets import make_preset_config
 from meshtron.tensors import local_tensor
@@ -254,7 +255,10 @@ def materialize(
         name = canonical_name(raw_name)
         name = tied_to.get(name, name)
         region = _local_region(param)
-        if reader is not None:
+        if is_lora_parameter(name):  # never in a pretrained model: LoRA's own start, from the seed and the name
+            full = lora_init(name, param.shape, torch.Generator().manual_seed(_name_seed(seed, name)))
+            local = full if region is None else full[region]
+        elif reader is not None:
             local = _weight_for(name, param, reader, adapter, model.config, region)
         else:
             # The full tensor is drawn so that the values never depend on the layout; only the shard is kept.

@@ -45,8 +45,11 @@ def startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only:
         )
     else:
         batching = f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation"
+    counted = f"{count_params(built.model, built.pp_group):,} parameters"
+    if cfg.lora.enabled:
+        counted += f" ({count_params(built.model, built.pp_group, trainable_only=True):,} trained: LoRA)"
     return (
-        f"meshtron: {built.adapter.family} model, {count_params(built.model, built.pp_group):,} parameters | "
+        f"meshtron: {built.adapter.family} model, {counted} | "
         f"layout: {dims.describe()} | {policy.describe()} | {data_summary(dataset, cfg.data.seq_len)} | {batching}"
         + (f" | {evaluator.describe(once=evaluate_only)}" if evaluator is not None else "")
     )
@@ -58,8 +61,9 @@ def data_summary(dataset, seq_len: int) -> str:
     return f"{len(dataset):,} sequences of {seq_len} tokens"
 
 
-def count_params(model: nn.Module, pp_group=None) -> int:
-    """Parameters of the whole model (DTensors counted at full size, pipeline stages summed)."""
+def count_params(model: nn.Module, pp_group=None, trainable_only: bool = False) -> int:
+    """Parameters of the whole model (DTensors counted at full size, pipeline stages summed); ``trainable_only``:
+    those that train."""
     from torch.distributed.tensor import DTensor
 
     from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
@@ -67,7 +71,7 @@ def count_params(model: nn.Module, pp_group=None) -> int:
     count = sum(
         p.numel() if not isinstance(p, DTensor) else math.prod(p.shape)
         for p in model.parameters()
-        if not getattr(p, DUPLICATE_GRADIENT, False)
+        if not getattr(p, DUPLICATE_GRADIENT, False) and (p.requires_grad or not trainable_only)
     )  # a tied head copy is the embeddings again
     if pp_group is None:
         return count

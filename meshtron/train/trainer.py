@@ -32,6 +32,7 @@ from meshtron.metrics.step_log import MetricsLogger
 from meshtron.metrics.trackers import build_trackers
 from meshtron.models.attention import attention_windows
 from meshtron.models.build import build_meta_model, materialize
+from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.batch import SequenceSplit
@@ -370,6 +371,8 @@ def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: Seque
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1."""
     dims = plan.dims
     model, adapter = build_meta_model(plan.hf_config, cfg.model)
+    if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
+        add_lora(model, adapter, cfg.lora)
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
     moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
