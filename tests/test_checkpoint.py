@@ -57,6 +57,7 @@ def streamed(cache_dir) -> list[str]:
 
 
 MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
+LORA = ["lora.rank=4", "lora.train_head=true"]
 
 
 def from_half(out: Path, name: str) -> str:
@@ -190,6 +191,15 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.tp=2",
                 from_half(out, "fsdp4_muon"),
             ],
+            # LoRA: checkpoints hold the adapters (and the trained head) only; the base is the seed's, as at the start.
+            "fsdp4_lora": [*LORA, "parallel.dp_shard=4"],
+            "fsdp4_lora_resumed": [*LORA, "parallel.dp_shard=4", from_half(out, "fsdp4_lora")],
+            "dp2_tp2_lora_from_fsdp4_lora": [
+                *LORA,
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "fsdp4_lora"),
+            ],
             # Another data.seq_len: the rest of the epoch cut to 64 (meshtron.data.carry) is read under any layout.
             "dp2_tp2_seq64_from_fsdp4": [
                 "data.seq_len=64",
@@ -259,6 +269,7 @@ def test_a_streamed_run_rolls_back_as_a_run_that_skipped_the_batch(runs):
         "pp2_dp2_tied",
         "ep2_fsdp4_moe",
         "fsdp4_muon",
+        "fsdp4_lora",
     ],
 )
 def test_resume_is_exact(runs, straight):
@@ -291,6 +302,7 @@ def test_resume_is_exact(runs, straight):
         ("ep2_pp2_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> EP2 x PP2
         ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
         ("dp2_tp2_muon_from_fsdp4_muon", "fsdp4_muon"),  # Muon's momentum: FSDP4 -> DP2 x TP2
+        ("dp2_tp2_lora_from_fsdp4_lora", "fsdp4_lora"),  # LoRA adapters: FSDP4 -> DP2 x TP2
     ],
 )
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):
@@ -309,6 +321,19 @@ def test_a_resume_with_another_seq_len_trains_the_same_under_another_layout(runs
     assert single != losses(runs, "single_from_fsdp4")  # other data than a resume at seq_len 32
     for step, (got, want) in enumerate(zip(layout, single), start=HALF + 1):
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs one process {want}"
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_holds_only_what_trains(runs):
+    """The adapters and the head (lora.train_head), with their AdamW moments: no frozen base weight is saved."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(runs / "fsdp4_lora" / "checkpoints" / f"step-{HALF:08d}")).read_metadata()
+    model_keys = {key.removeprefix("model.") for key in keys.state_dict_metadata if key.startswith("model.")}
+    assert model_keys and all(".lora_" in key or key == "lm_head.weight" for key in model_keys), sorted(model_keys)
+    assert "lm_head.weight" in model_keys and not any(
+        "exp_avg" in key and "q_proj.weight" in key for key in keys.state_dict_metadata
+    )
 
 
 @pytest.mark.slow

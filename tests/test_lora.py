@@ -129,3 +129,21 @@ def test_a_lora_run_exports_a_merged_model_and_a_peft_adapter_with_the_same_logi
     assert set(saved) == {
         f"base_model.model.{name}" for name, p in result.model.named_parameters() if p.requires_grad
     } | {"base_model.model.lm_head.weight"}
+
+
+def test_a_lora_checkpoint_resumes_only_on_its_base_and_with_lora():
+    from pathlib import Path
+
+    from meshtron.checkpoint.manager import LORA_BASE, check_lora_checkpoint, lora_base
+
+    path = Path("step-00000004")
+    lora = load_config(None, ["model.preset=llama-tiny", "lora.rank=4", "train.seed=3"], env={})
+    meta = {LORA_BASE: lora_base(lora)}
+    check_lora_checkpoint(meta, path, lora)  # its own base
+    other_seed = load_config(None, ["model.preset=llama-tiny", "lora.rank=4", "train.seed=4"], env={})
+    with pytest.raises(ConfigError, match="holds LoRA adapters of another base .*train.seed=3"):
+        check_lora_checkpoint(meta, path, other_seed)
+    with pytest.raises(ConfigError, match="holds only LoRA adapters"):
+        check_lora_checkpoint(meta, path, load_config(None, ["model.preset=llama-tiny"], env={}))
+    with pytest.raises(ConfigError, match="is of a run without LoRA; to fine-tune it with LoRA, export it"):
+        check_lora_checkpoint({}, path, lora)

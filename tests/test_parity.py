@@ -504,6 +504,9 @@ REFERENCES["llama-lora"] = ["model.preset=llama-tiny", "lora.rank=4", "lora.alph
 for _name, _overrides in TWO_RANK_LAYOUTS.items():
     LAYOUTS[f"{_name}_lora"] = (2, _overrides, "llama-lora")
 LAYOUTS["fsdp2_tp2_lora"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "llama-lora")
+# LoRA on a pretrained model's chat data (the loss on the assistant's tokens only), under FSDP x TP.
+REFERENCES["llama-chat-lora"] = [*REFERENCES["llama-chat"], "lora.rank=4", "lora.alpha=8", "lora.train_head=true"]
+LAYOUTS["fsdp2_tp2_chat_lora"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "llama-chat-lora")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")

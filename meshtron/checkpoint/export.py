@@ -39,7 +39,7 @@ def export_checkpoint(
     """
     from meshtron.config import load_config
     from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.build import build_meta_model, load_hf_config
+    from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.lora import add_lora
 
     source, target = Path(checkpoint), Path(out_dir)
@@ -63,17 +63,21 @@ def export_checkpoint(
             "without --adapter"
         )
     targets = add_lora(model, adapter, cfg.lora) if cfg.lora.enabled else []
-    model.to_empty(device=torch.device("cpu"))
-    adapter.tie_weights(model)
-    adapter.init_buffers(model, torch.device("cpu"))
-    weights = {name: tensor for name, tensor in model.state_dict().items()}
+    if cfg.lora.enabled:  # the checkpoint holds what trained: the frozen base is made as the run made it
+        materialize(model, adapter, torch.device("cpu"), seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
+    else:
+        model.to_empty(device=torch.device("cpu"))
+        adapter.tie_weights(model)
+        adapter.init_buffers(model, torch.device("cpu"))
+    trained = {name for name, param in model.named_parameters() if param.requires_grad}
+    weights = {name: t for name, t in model.state_dict().items() if not cfg.lora.enabled or name in trained}
     if getattr(hf_config, "tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # saved once, as the embeddings
     state = {"model": weights}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(source), no_dist=True)
     missing = model.load_state_dict(state["model"], strict=False).missing_keys
-    if set(missing) - {"lm_head.weight"}:
+    if set(missing) - {"lm_head.weight"} - (set(model.state_dict()) - trained if cfg.lora.enabled else set()):
         raise ConfigError(f"checkpoint '{source}' lacks model weights {sorted(missing)[:3]}; it is incomplete")
     adapter.tie_weights(model)
     if adapter_only:

@@ -352,13 +352,45 @@ def resume_point(cfg, hf_config, skipped: list[str] | None = None) -> Path | Non
         return None
     path = find_checkpoint(directory, cfg.checkpoint.resume, skipped)
     if path is not None:
-        check_compatible(read_meta(path), path, hf_config, cfg.data, cfg.train.global_batch_size)
+        meta = read_meta(path)
+        check_compatible(meta, path, hf_config, cfg.data, cfg.train.global_batch_size)
+        check_lora_checkpoint(meta, path, cfg)
     return path
+
+
+LORA_BASE = "lora.base"
+"""meshtron.json's record, in a LoRA run's checkpoints (which hold only what trains), of the frozen base."""
+
+
+def lora_base(cfg) -> dict:
+    """Where a LoRA run's frozen base weights come from: a model directory, or a preset initialized from a seed."""
+    if cfg.model.name_or_path:
+        return {"model.name_or_path": cfg.model.name_or_path}
+    return {"model.preset": cfg.model.preset, "train.seed": cfg.train.seed}
+
+
+def check_lora_checkpoint(meta: dict, path: Path, cfg) -> None:
+    """Refuse a resume that would put a LoRA checkpoint's adapters on another base, or mix LoRA and full runs."""
+    saved = meta.get(LORA_BASE)
+    if saved is None and cfg.lora.enabled:
+        raise ConfigError(
+            f"checkpoint '{path}' is of a run without LoRA; to fine-tune it with LoRA, export it (meshtron export) and "
+            "set model.name_or_path to the export"
+        )
+    if saved is not None and not cfg.lora.enabled:
+        raise ConfigError(
+            f"checkpoint '{path}' holds only LoRA adapters (and what else trained); resume it with its [lora] "
+            "settings, or export it merged (meshtron export) and train the export"
+        )
+    if saved is not None and saved != lora_base(cfg):
+        differs = ", ".join(f"{key}={value}" for key, value in saved.items())
+        raise ConfigError(f"checkpoint '{path}' holds LoRA adapters of another base ({differs}); resume with that base")
 
 
 def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime, layout: str) -> dict:
     """What meshtron.json records besides the tensors."""
     return {
+        **({LORA_BASE: lora_base(cfg)} if cfg.lora.enabled else {}),
         "step": step,
         "scheduler": scheduler.state_dict(),
         "model": model_signature(hf_config),

@@ -47,8 +47,13 @@ class TrainingState:
     only one a tied model without pipelining has (its model entries keep both names, as there).
     """
 
-    def __init__(self, parts: list[nn.Module], container: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self, parts: list[nn.Module], container: nn.Module, optimizer: torch.optim.Optimizer, trained_only: bool = False
+    ):
         self.parts, self.container, self.optimizer = parts, container, optimizer
+        self.trained_only = trained_only
+        """LoRA: the model entries are the weights that train (adapters, a trained head or embeddings) only; the frozen
+        base comes from where the run took it (``model.name_or_path``, or the seed), as at its start."""
         self.pipelined = container is not parts[0]
         self.tied = {
             head: embeddings
@@ -56,10 +61,18 @@ class TrainingState:
             for head, embeddings in getattr(part, "pipeline_tied_weights", {}).items()
         }
 
+    def _kept(self, part: nn.Module) -> dict:
+        """The part's model entries under canonical names (with ``trained_only``, those of trained weights)."""
+        entries = {canonical_name(k): v for k, v in get_model_state_dict(part).items()}
+        if not self.trained_only:
+            return entries
+        trained = {canonical_name(name) for name, param in part.named_parameters() if param.requires_grad}
+        return {k: v for k, v in entries.items() if k in trained}
+
     def state_dict(self) -> dict:
         model = {}
         for part in self.parts:
-            model.update({canonical_name(k): v for k, v in get_model_state_dict(part).items()})
+            model.update(self._kept(part))
         optim = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIM)
         return {
             "model": model,
@@ -69,8 +82,9 @@ class TrainingState:
     def load_state_dict(self, state: dict) -> None:
         """Put a state loaded in place into ``state_dict()``'s structure back into the model and optimizer."""
         for part in self.parts:
-            own = {canonical_name(k) for k in get_model_state_dict(part)}
-            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own})
+            own = set(self._kept(part))
+            options = StateDictOptions(strict=not self.trained_only)
+            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own}, options=options)
         template = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIM)
         optim = {key: state["optim"][_optimizer_key_names(key, self.pipelined, self.tied)] for key in template}
         set_optimizer_state_dict(self.container, self.optimizer, optim, options=_OPTIM)

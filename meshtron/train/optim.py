@@ -33,9 +33,10 @@ def build_optimizer(
     for param in model.parameters():
         if param.requires_grad and id(param) not in taken:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    groups = [  # an empty group (LoRA trains no norm) would break the checkpoint's flattened optimizer state
+        group
+        for group in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if group["params"]
     ]
     fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in decay + no_decay)
     kernel = {"fused": True} if fused else {"foreach": True}

@@ -184,7 +184,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         cfg,
         runtime,
         checkpoints,
-        TrainingState(built.parts, model, optimizer),
+        TrainingState(built.parts, model, optimizer, trained_only=cfg.lora.enabled),
         scheduler,
         step_context.scaler,
         schedule,
