@@ -30,6 +30,11 @@ LAYOUTS = {
 
 def run(optimizer: str, layout: str, args, out: Path) -> float:
     """Median seconds per optimizer step after the warm-up steps of one run."""
+    return run_steps([f"--train.optimizer={optimizer}"], layout, args, out)[0]
+
+
+def run_steps(settings: list[str], layout: str, args, out: Path) -> tuple[float, float]:
+    """(median seconds per optimizer step after the warm-up steps, peak memory GB) of one run with ``settings``."""
     command = [
         sys.executable,
         "-m",
@@ -41,7 +46,7 @@ def run(optimizer: str, layout: str, args, out: Path) -> float:
         "--data.max_documents=200",
         f"--train.global_batch_size={args.batch}",
         f"--train.steps={args.steps}",
-        f"--train.optimizer={optimizer}",
+        *settings,
         "--run.device=cpu",
         "--run.progress=false",
         f"--run.output_dir={out}",
@@ -49,10 +54,11 @@ def run(optimizer: str, layout: str, args, out: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     if proc.returncode != 0:
-        raise SystemExit(f"{optimizer} / {layout} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"{' '.join(settings)} / {layout} failed:\n{proc.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tokens = args.batch * args.seq_len
-    return statistics.median(tokens / row["tokens_per_s"] for row in rows[args.warmup :])
+    seconds = statistics.median(tokens / row["tokens_per_s"] for row in rows[args.warmup :])
+    return seconds, max(row["max_memory_gb"] for row in rows)
 
 
 def main() -> None:

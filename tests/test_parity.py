@@ -885,14 +885,19 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
     """
     from meshtron.config import load_config
     from meshtron.plan.layout import DTYPE_BYTES
-    from meshtron.plan.memory import activation_bytes, config_view, held_gradient_bytes, muon_numel, state_numel
+    from meshtron.plan.memory import (
+        activation_bytes,
+        config_view,
+        held_gradient_bytes,
+        muon_numel,
+        state_numel,
+        trained_numel,
+    )
 
     failures, lines = [], []
     cases = [(f"single:{name}", 1, [], name) for name in sorted(REFERENCES) if name in references]
     cases += [(name, world, overrides, ref) for name, (world, overrides, ref) in ALL_LAYOUTS.items()]
     for name, world, overrides, ref in cases:
-        if ref.endswith("lora"):  # the planner does not count LoRA's frozen base yet (issue 31)
-            continue
         if name.startswith("single:") or world == 1:
             _, _, state, _, activations, _ = references[name.removeprefix("single:")]
         else:
@@ -900,9 +905,12 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
             state, activations = got["state_bytes"], got["activation_bytes"]
         cfg = load_config(None, base_overrides(cache_dir) + reference_overrides(ref, cache_dir) + overrides, env={})
         shape, layout, workload = config_view(cfg, world, device="cpu")
-        # Parameters, gradients and AdamW's two moments, or Muon's one momentum buffer for the blocks' matrices.
-        per_rank = zip(state_numel(shape, layout, workload), muon_numel(shape, layout, workload))
-        planned_state = max(4 * numel - muon for numel, muon in per_rank) * DTYPE_BYTES[cfg.model.dtype]
+        # Parameters, and for those that train (LoRA: the adapters and head) gradients and AdamW's two moments, or
+        # Muon's one momentum buffer for the blocks' matrices.
+        per_rank = zip(*(count(shape, layout, workload) for count in (state_numel, trained_numel, muon_numel)))
+        planned_state = (
+            max(numel + 3 * trained - muon for numel, trained, muon in per_rank) * DTYPE_BYTES[cfg.model.dtype]
+        )
         planned_activations = max(activation_bytes(shape, layout, workload))
         state_ratio = planned_state / state
         activation_ratio = planned_activations / activations if activations else float("inf")

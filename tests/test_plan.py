@@ -754,3 +754,33 @@ def test_muon_holds_one_buffer_per_block_matrix_and_costs_its_gathers_and_iterat
     }
     print("optimizer step:", {name: f"{seconds * 1e3:.1f} ms" for name, seconds in steps.items()})
     assert steps["adamw"] == 0 and 0 < steps["muon"] < steps["muon-fsdp8"] and steps["muon"] < steps["muon-tp8"]
+
+
+def test_lora_plans_the_whole_model_but_gradients_and_adam_state_of_what_trains():
+    """llama-1b with LoRA rank 16 on every projection: the parameters are the base's plus the adapters'; gradients
+    and AdamW's moments are the adapters' only (2 x 4 bytes each in fp32), under one process and under TP4 (each
+    adapter split like its projection: B of q_proj by rows, A of o_proj by columns)."""
+    from meshtron.config import LoraConfig
+    from meshtron.models.presets import make_preset_config
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import estimate_memory, state_numel, trained_numel
+    from meshtron.plan.model_shape import ModelShape
+
+    hf_config = make_preset_config("llama-1b", 259)
+    full = ModelShape.from_hf_config(hf_config)
+    lora = ModelShape.from_hf_config(hf_config, lora=LoraConfig(rank=16))
+    workload, single = Workload(seq_len=2048, global_batch=16), Layout(micro_batch=1)
+    hidden, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    kv = hf_config.num_key_value_heads * (hidden // hf_config.num_attention_heads)
+    per_block = 16 * ((hidden + hidden) * 2 + (hidden + kv) * 2 + 3 * (hidden + inter))  # q, o, k, v, gate/up/down
+    assert trained_numel(lora, single, workload) == [per_block * layers]
+    assert state_numel(lora, single, workload) == [state_numel(full, single, workload)[0] + per_block * layers]
+    memory = estimate_memory(lora, single, workload)
+    assert memory.grads == 4 * per_block * layers and memory.optimizer == 8 * per_block * layers
+    specs = {spec.name: spec for spec in lora.block}
+    assert specs["self_attn.q_proj.lora_B.weight"].tp_dim(4, 8) == 0
+    assert specs["self_attn.q_proj.lora_A.weight"].tp_dim(4, 8) is None
+    assert specs["self_attn.o_proj.lora_A.weight"].tp_dim(4, 8) == 1
+    assert specs["self_attn.o_proj.lora_B.weight"].tp_dim(4, 8) is None
+    tp4 = Layout(tp=4, micro_batch=1)
+    assert trained_numel(lora, tp4, workload)[0] < per_block * layers / 2

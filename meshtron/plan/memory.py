@@ -13,6 +13,7 @@ which autograd keeps too.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
@@ -85,6 +86,18 @@ def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = N
         )
         for stages in stage_layout(shape, layout, workload)
     ]
+
+
+def trained_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
+    """Per pipeline rank: the parameter elements of ``state_numel`` that train (gradients, optimizer state): all of
+    them, but under LoRA (``[lora]``) the adapters and a trained head / embeddings only."""
+    trained = dataclasses.replace(
+        shape,
+        block=tuple(p for p in shape.block if p.trained),
+        embedding=tuple(p for p in shape.embedding if p.trained),
+        final=tuple(p for p in shape.final if p.trained),
+    )
+    return state_numel(trained, layout, workload)
 
 
 def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
@@ -292,12 +305,14 @@ def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -
     (model dtype), or, when FSDP defers the reduction, the full tensor-parallel-local gradients in the
     reduce dtype (``fsdp.reduce_dtype``, fp32 by default)."""
     if not defers_gradient_reduction(layout, workload):
-        return [numel * DTYPE_BYTES[workload.model_dtype] for numel in state_numel(shape, layout, workload)]
-    block = _local_numel(shape.block, layout, shape)
-    embedding = _local_numel(shape.embedding, layout, shape)
+        return [numel * DTYPE_BYTES[workload.model_dtype] for numel in trained_numel(shape, layout, workload)]
+    block = _local_numel([p for p in shape.block if p.trained], layout, shape)
+    embedding = _local_numel([p for p in shape.embedding if p.trained], layout, shape)
     return [
         sum(
-            layers * block + embedding * first + _local_numel(_final_specs(shape, first, last), layout, shape)
+            layers * block
+            + embedding * first
+            + _local_numel([p for p in _final_specs(shape, first, last) if p.trained], layout, shape)
             for layers, first, last in stages
         )
         * FP32
@@ -320,7 +335,8 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
         + _local_numel(_final_specs(shape, first, last), layout, shape)
         for _, first, last in stages
     )
-    unreduced = 0 if defers_gradient_reduction(layout, workload) else block * FP32  # else in held gradients
+    trained_block = _local_numel([p for p in shape.block if p.trained], layout, shape)
+    unreduced = 0 if defers_gradient_reduction(layout, workload) else trained_block * FP32  # else in held gradients
     return layers * block * e + unreduced + outer * e
 
 
@@ -371,8 +387,9 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         activation_bytes(shape, layout, workload),
         held_gradient_bytes(shape, layout, workload),
         muon_numel(shape, layout, workload),
+        trained_numel(shape, layout, workload),
     )
-    for stages, numel, acts, held_grads, muon in per_rank:
+    for stages, numel, acts, held_grads, muon, trained in per_rank:
         holds_head = any(last for _, _, last in stages)
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
@@ -380,8 +397,8 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         estimates.append(
             MemoryEstimate(
                 params=numel * state_bytes,
-                grads=int(max(numel * state_bytes, held_grads)),
-                optimizer=(2 * numel - muon) * state_bytes,
+                grads=int(max(trained * state_bytes, held_grads)),
+                optimizer=(2 * trained - muon) * state_bytes,
                 activations=int(acts),
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
@@ -397,7 +414,7 @@ def config_view(cfg, world_size: int, device: str = "cuda") -> tuple[ModelShape,
 
     hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
     return (
-        ModelShape.from_hf_config(hf_config, cfg.model),
+        ModelShape.from_hf_config(hf_config, cfg.model, cfg.lora),
         Layout.from_config(cfg, world_size, hf_config),
         Workload.from_config(cfg, device),
     )

@@ -10,8 +10,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from meshtron.config import ModelConfig
+from meshtron.config import LoraConfig, ModelConfig
 from meshtron.models.adapter import canonical_name
+from meshtron.models.lora import LORA_A, add_lora, is_lora_parameter
 from meshtron.models.moe import experts_per_token, is_moe, num_experts
 from meshtron.train.muon import muon_parameters
 
@@ -25,6 +26,8 @@ class ParamSpec:
     role: str
     muon: bool = False
     """Stepped by Muon under ``train.optimizer=muon`` (a block matrix: one momentum buffer instead of two moments)."""
+    trained: bool = True
+    """Takes gradients and optimizer state (False: a base weight frozen by LoRA, ``[lora]``)."""
 
     def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
         if tp == 1 or self.role in ("norm", "head_norm", "gathered_norm", "replicated"):
@@ -109,7 +112,11 @@ class ModelShape:
         return block * self.layers + outer
 
     @classmethod
-    def from_hf_config(cls, hf_config, model_cfg: ModelConfig | None = None) -> "ModelShape":
+    def from_hf_config(
+        cls, hf_config, model_cfg: ModelConfig | None = None, lora: LoraConfig | None = None
+    ) -> "ModelShape":
+        """``lora``: a LoRA run's settings (its adapters are parameters too, and only they and what else trains
+        take gradients and optimizer state)."""
         from meshtron.models.build import build_meta_model
         from meshtron.models.families import family_of
 
@@ -117,6 +124,8 @@ class ModelShape:
         if family_of(hf_config).eager_only:  # the family runs only with eager attention (Gemma 2)
             model_cfg = dataclasses.replace(model_cfg, attn_implementation="eager")
         model, adapter = build_meta_model(hf_config, model_cfg)
+        if lora is not None and lora.enabled:
+            add_lora(model, adapter, lora)
         blocks = adapter.named_blocks(model)
         roles = adapter.block_tp_roles(blocks[0][1])
         # Inside a replicated block (a sparse MoE block: router, 3-D experts, shared expert) every tp rank holds
@@ -127,7 +136,10 @@ class ModelShape:
         for name, param in blocks[0][1].named_parameters():
             module = name.rsplit(".", 1)[0]
             role = "replicated" if name.startswith(replicated) else roles.get(module, "norm")
-            block_specs.append(ParamSpec(name, tuple(param.shape), role, id(param) in muon))
+            if is_lora_parameter(name):  # split as meshtron.distributed.lora_tensor_parallel splits it
+                role = _lora_role(name, roles.get(module.rsplit(".", 1)[0], "replicated"))
+            spec = ParamSpec(name, tuple(param.shape), role, id(param) in muon, param.requires_grad)
+            block_specs.append(spec)
         shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
         if len(shapes) != 1:
             raise ValueError(
@@ -140,7 +152,7 @@ class ModelShape:
             if ".layers." in name:
                 continue
             module = name.rsplit(".", 1)[0]
-            spec = ParamSpec(name, tuple(param.shape), top_roles.get(module, "norm"))
+            spec = ParamSpec(name, tuple(param.shape), top_roles.get(module, "norm"), trained=param.requires_grad)
             (embedding if spec.role == "embedding" else final).append(spec)
         shape = adapter.attention_shape(hf_config)
         return cls(
@@ -170,6 +182,14 @@ class ModelShape:
             moe_intermediate=_moe_intermediate(hf_config),
             shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
         )
+
+
+def _lora_role(name: str, projection_role: str) -> str:
+    """The tensor-parallel role of an adapter weight: ``A`` of a row-parallel projection is split like it (by
+    columns), ``B`` of a column-parallel one too (by rows); the other one is whole on every tp rank."""
+    if f".{LORA_A}." in name:
+        return "rowwise" if projection_role == "rowwise" else "replicated"
+    return projection_role if projection_role in ("colwise", "kv_colwise") else "replicated"
 
 
 class _SingleBlock:
