@@ -9,34 +9,17 @@ two runs first. Example:
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
-from pathlib import Path
 
-from optimizer import LAYOUTS, run_steps
+from optimizer import bench_parser, compare
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="llama-small")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
     variants = {"full": [], "lora": [f"--lora.rank={args.rank}", f"--lora.alpha={2 * args.rank}"]}
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_index in range(args.rounds):
-            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
-            for layout in args.layouts:
-                for name in order:
-                    out = Path(tmp) / f"{layout}-{name}-{round_index}"
-                    results.setdefault((layout, name), []).append(run_steps(variants[name], layout, args, out))
+    results = compare(variants, args)
     print(
         f"{args.preset}, seq {args.seq_len}, global batch {args.batch}, LoRA rank {args.rank}, {args.rounds} round(s)"
     )

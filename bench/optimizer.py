@@ -28,11 +28,6 @@ LAYOUTS = {
 }
 
 
-def run(optimizer: str, layout: str, args, out: Path) -> float:
-    """Median seconds per optimizer step after the warm-up steps of one run."""
-    return run_steps([f"--train.optimizer={optimizer}"], layout, args, out)[0]
-
-
 def run_steps(settings: list[str], layout: str, args, out: Path) -> tuple[float, float]:
     """(median seconds per optimizer step after the warm-up steps, peak memory GB) of one run with ``settings``."""
     command = [
@@ -61,8 +56,9 @@ def run_steps(settings: list[str], layout: str, args, out: Path) -> tuple[float,
     return seconds, max(row["max_memory_gb"] for row in rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_parser(description: str) -> argparse.ArgumentParser:
+    """The settings every comparison of two runs per layout takes (bench/optimizer.py, bench/lora.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", default="llama-small")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
@@ -70,20 +66,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    args = parser.parse_args()
-    times: dict[tuple[str, str], list[float]] = {}
+    return parser
+
+
+def compare(variants: dict[str, list[str]], args) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """{(layout, variant): [(s/step, peak GB) per round]} of every variant's settings under every layout; rounds
+    alternate which variant runs first."""
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            order = ("adamw", "muon") if round_index % 2 == 0 else ("muon", "adamw")
+            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
             for layout in args.layouts:
-                for optimizer in order:
-                    out = Path(tmp) / f"{layout}-{optimizer}-{round_index}"
-                    times.setdefault((layout, optimizer), []).append(run(optimizer, layout, args, out))
+                for name in order:
+                    out = Path(tmp) / f"{layout}-{name}-{round_index}"
+                    results.setdefault((layout, name), []).append(run_steps(variants[name], layout, args, out))
+    return results
+
+
+def main() -> None:
+    args = bench_parser(__doc__.splitlines()[0]).parse_args()
+    results = compare({name: [f"--train.optimizer={name}"] for name in ("adamw", "muon")}, args)
     print(f"{args.preset}, seq {args.seq_len}, global batch {args.batch}, median s/step over {args.rounds} round(s)")
     print(f"{'layout':<8} {'adamw s/step':>13} {'muon s/step':>12} {'muon / adamw':>13}")
     for layout in args.layouts:
-        adamw = statistics.median(times[(layout, "adamw")])
-        muon = statistics.median(times[(layout, "muon")])
+        adamw, muon = (statistics.median(s for s, _ in results[(layout, name)]) for name in ("adamw", "muon"))
         print(f"{layout:<8} {adamw:>13.3f} {muon:>12.3f} {muon / adamw:>13.2f}")
 
 
