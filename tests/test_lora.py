@@ -147,3 +147,30 @@ def test_a_lora_checkpoint_resumes_only_on_its_base_and_with_lora():
         check_lora_checkpoint(meta, path, load_config(None, ["model.preset=llama-tiny"], env={}))
     with pytest.raises(ConfigError, match="is of a run without LoRA; to fine-tune it with LoRA, export it"):
         check_lora_checkpoint({}, path, lora)
+
+
+def test_the_peft_adapter_of_a_run_that_trains_the_embeddings_holds_them(tmp_path):
+    """lora.train_embeddings: the embeddings go into the adapter as peft's modules_to_save, and peft loads them."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from meshtron.checkpoint.lora_export import write_peft_adapter
+
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    model = tiny_llama()
+    lora = LoraConfig(rank=2, targets=["q_proj"], train_embeddings=True)
+    targets = add_lora(model, adapter_for(model.config), lora)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)  # "trained"
+    write_peft_adapter(model, adapter_for(model.config), lora, targets, str(base), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["embed_tokens"]
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.embed_tokens.weight" in saved
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    ids = torch.randint(0, BYTE_VOCAB, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

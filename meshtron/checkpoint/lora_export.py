@@ -45,15 +45,12 @@ def write_peft_adapter(
             f"meshtron export --adapter: the {adapter.family} family fuses projections that meshtron trains apart "
             "(peft would not find them); export the merged model (without --adapter)"
         )
-    saved_whole = []
-    if lora.train_embeddings:
-        saved_whole.append(adapter.embedding_name())
-    if lora.train_head:
-        saved_whole.append("lm_head")
+    # Weights that trained whole (lora.train_embeddings / train_head) go in as peft's modules_to_save.
+    whole = [name for name, param in model.named_parameters() if param.requires_grad and not is_lora_parameter(name)]
     tensors = {
         f"base_model.model.{name}": param.detach().contiguous()
         for name, param in model.named_parameters()
-        if is_lora_parameter(name) or (param.requires_grad and any(name.startswith(m + ".") for m in saved_whole))
+        if is_lora_parameter(name) or name in whole
     }
     config = {
         "peft_type": "LORA",
@@ -63,7 +60,7 @@ def write_peft_adapter(
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": sorted(targets),
-        "modules_to_save": [name.rsplit(".", 1)[-1] for name in saved_whole] or None,
+        "modules_to_save": sorted({name.rsplit(".", 2)[-2] for name in whole}) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
