@@ -132,5 +132,4 @@ def replay_changes(changes: list, stream_tokens: int, shuffle: bool, seed: int) 
 
 def resume_with_changes(dataset, schedule, changes: list, shuffle: bool, seed: int) -> None:
     """Give ``dataset`` (a PackedDataset) and its ``schedule`` the carry of the recorded ``changes``."""
-    carry = replay_changes(changes, dataset.stream_tokens, shuffle, seed) if changes else None
-    dataset.carry = schedule.carry = carry
+    dataset.carry = schedule.carry = replay_changes(changes, dataset.stream_tokens, shuffle, seed)

@@ -92,12 +92,14 @@ def trained_numel(shape: ModelShape, layout: Layout, workload: Workload | None =
     """Per pipeline rank: the parameter elements of ``state_numel`` that train (gradients, optimizer state): all of
     them, but under LoRA (``[lora]``) the adapters and a trained head / embeddings only."""
     trained = dataclasses.replace(
-        shape,
-        block=tuple(p for p in shape.block if p.trained),
-        embedding=tuple(p for p in shape.embedding if p.trained),
-        final=tuple(p for p in shape.final if p.trained),
+        shape, block=_trained(shape.block), embedding=_trained(shape.embedding), final=_trained(shape.final)
     )
     return state_numel(trained, layout, workload)
+
+
+def _trained(specs) -> tuple:
+    """The parameters of ``specs`` that train (all but LoRA's frozen base)."""
+    return tuple(p for p in specs if p.trained)
 
 
 def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
@@ -306,13 +308,11 @@ def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -
     reduce dtype (``fsdp.reduce_dtype``, fp32 by default)."""
     if not defers_gradient_reduction(layout, workload):
         return [numel * DTYPE_BYTES[workload.model_dtype] for numel in trained_numel(shape, layout, workload)]
-    block = _local_numel([p for p in shape.block if p.trained], layout, shape)
-    embedding = _local_numel([p for p in shape.embedding if p.trained], layout, shape)
+    block = _local_numel(_trained(shape.block), layout, shape)
+    embedding = _local_numel(_trained(shape.embedding), layout, shape)
     return [
         sum(
-            layers * block
-            + embedding * first
-            + _local_numel([p for p in _final_specs(shape, first, last) if p.trained], layout, shape)
+            layers * block + embedding * first + _local_numel(_trained(_final_specs(shape, first, last)), layout, shape)
             for layers, first, last in stages
         )
         * FP32
@@ -335,7 +335,7 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
         + _local_numel(_final_specs(shape, first, last), layout, shape)
         for _, first, last in stages
     )
-    trained_block = _local_numel([p for p in shape.block if p.trained], layout, shape)
+    trained_block = _local_numel(_trained(shape.block), layout, shape)
     unreduced = 0 if defers_gradient_reduction(layout, workload) else trained_block * FP32  # else in held gradients
     return layers * block * e + unreduced + outer * e
 
