@@ -77,7 +77,8 @@ def export_checkpoint(
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(source), no_dist=True)
     missing = model.load_state_dict(state["model"], strict=False).missing_keys
-    if set(missing) - {"lm_head.weight"} - (set(model.state_dict()) - trained if cfg.lora.enabled else set()):
+    frozen = set(model.state_dict()) - trained if cfg.lora.enabled else set()  # LoRA: the base, made above
+    if set(missing) - {"lm_head.weight"} - frozen:
         raise ConfigError(f"checkpoint '{source}' lacks model weights {sorted(missing)[:3]}; it is incomplete")
     adapter.tie_weights(model)
     if adapter_only:
