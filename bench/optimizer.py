@@ -69,17 +69,23 @@ def bench_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def compare(variants: dict[str, list[str]], args) -> dict[tuple[str, str], list[tuple[float, float]]]:
-    """{(layout, variant): [(s/step, peak GB) per round]} of every variant's settings under every layout; rounds
-    alternate which variant runs first."""
+def compare(variants: dict, args) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """{(layout, variant): [(s/step, peak GB) per round]} of every variant under every layout; rounds alternate
+    which variant runs first. A variant is ``meshtron train`` settings, or a function ``(layout, args)`` that runs
+    something else and returns (s/step, peak GB), or None where it has no such layout."""
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
             for layout in args.layouts:
                 for name in order:
-                    out = Path(tmp) / f"{layout}-{name}-{round_index}"
-                    results.setdefault((layout, name), []).append(run_steps(variants[name], layout, args, out))
+                    variant = variants[name]
+                    if callable(variant):
+                        result = variant(layout, args)
+                    else:
+                        result = run_steps(variant, layout, args, Path(tmp) / f"{layout}-{name}-{round_index}")
+                    if result is not None:
+                        results.setdefault((layout, name), []).append(result)
     return results
 
 

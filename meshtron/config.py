@@ -281,10 +281,11 @@ class LoraConfig:
     alpha: float = 16.0
     """The adapter's output is scaled by alpha / rank."""
     dropout: float = 0.0
-    """Dropout on the adapter's input (draws different masks on every data-parallel rank, like model dropout)."""
+    """Dropout on the adapter's input (draws different masks on every data-parallel rank, like model dropout); not
+    on the routed experts' adapters."""
     targets: list[str] = field(default_factory=list)
-    """Names of the blocks' linear modules that get adapters (e.g. q_proj, v_proj); empty: every attention and MLP
-    projection."""
+    """Names of the blocks' linear modules that get adapters (e.g. q_proj, v_proj; ``experts``: a mixture of
+    experts' routed experts); empty: every attention and MLP projection, and the routed experts."""
     train_embeddings: bool = False
     """Train the token embeddings too (whole, not low-rank)."""
     train_head: bool = False
@@ -610,8 +611,6 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
     if cfg.train.float8:
         raise ConfigError("lora.rank > 0 with train.float8 is not supported yet; set train.float8=false")
-    if cfg.parallel.ep > 1:
-        raise ConfigError("lora.rank > 0 with parallel.ep > 1 is not supported yet; set parallel.ep=1")
     if cfg.train.optimizer != "adamw":
         raise ConfigError(
             f"lora.rank > 0 with train.optimizer={cfg.train.optimizer} is not supported yet; set train.optimizer=adamw"

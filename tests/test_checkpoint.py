@@ -200,6 +200,15 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.tp=2",
                 from_half(out, "fsdp4_lora"),
             ],
+            # LoRA on a mixture of experts: the experts' adapters sharded over ep, resumed without EP under TP.
+            "ep2_fsdp4_moe_lora": [MOE, *LORA, "parallel.dp_shard=4", "parallel.ep=2"],
+            "dp2_tp2_moe_lora_from_ep2_fsdp4_moe_lora": [
+                MOE,
+                *LORA,
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                from_half(out, "ep2_fsdp4_moe_lora"),
+            ],
             # Another data.seq_len: the rest of the epoch cut to 64 (meshtron.data.carry) is read under any layout.
             "dp2_tp2_seq64_from_fsdp4": [
                 "data.seq_len=64",
@@ -303,6 +312,7 @@ def test_resume_is_exact(runs, straight):
         ("single_moe_from_ep2_fsdp4_moe", "ep2_fsdp4_moe"),  # MoE: EP2 x FSDP4 -> 1 process
         ("dp2_tp2_muon_from_fsdp4_muon", "fsdp4_muon"),  # Muon's momentum: FSDP4 -> DP2 x TP2
         ("dp2_tp2_lora_from_fsdp4_lora", "fsdp4_lora"),  # LoRA adapters: FSDP4 -> DP2 x TP2
+        ("dp2_tp2_moe_lora_from_ep2_fsdp4_moe_lora", "ep2_fsdp4_moe_lora"),  # expert adapters: EP2 -> TP2, no EP
     ],
 )
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):

@@ -298,8 +298,9 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
         (["generate", "{missing}", "--prompt", "hi"], "'{missing}' is not a folder"),
         (
             ["generate", "{tmp}", "--prompt", "hi"],
-            "is neither a meshtron checkpoint (step-N) nor a Hugging Face model folder",
+            "is neither a meshtron checkpoint (step-N), a Hugging Face model folder (config.json) nor a peft adapter",
         ),
+        (["generate", "{adapter}", "--prompt", "hi"], "names base model None (base_model_name_or_path in"),
         (["generate", "{not_a_model}", "--prompt", "hi"], "cannot load a causal LM from"),
         (["export", "{tmp}", "{tmp}/out"], "meshtron export: '{tmp}' is not a whole meshtron checkpoint"),
         (["plot", "{tmp}"], "'{tmp}' has no metrics.jsonl"),
@@ -317,7 +318,14 @@ def test_every_command_ends_bad_input_with_one_line(capsys, tmp_path, command, e
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"foo": 1}))  # no model_type
     (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
-    paths = {"missing": str(tmp_path / "no-such"), "tmp": str(tmp_path), "not_a_model": str(tmp_path / "model")}
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
+    paths = {
+        "missing": str(tmp_path / "no-such"),
+        "tmp": str(tmp_path),
+        "not_a_model": str(tmp_path / "model"),
+        "adapter": str(tmp_path / "adapter"),
+    }
     args = [arg.format(**paths) for arg in command]
     if command[0] == "generate" and "{not_a_model}" in command:
         args += ["--tokenizer", "byte"]

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import failure_report, run_torchrun
 
-from meshtron.distributed.expert_parallel import all_to_all_traffic, local_experts_forward, sort_by_expert
+from meshtron.distributed.expert_parallel import all_to_all_traffic
+from meshtron.models.experts import local_experts_forward, sort_by_expert
 
 TOLERANCE = 1e-6
 

@@ -56,7 +56,6 @@ def test_adapters_freeze_the_base_take_peft_names_and_start_from_the_base_model(
         (["lora.rank=4", "lora.dropout=1"], "lora.dropout: must be in [0, 1)"),
         (["lora.rank=4", "train.float8=true"], "lora.rank > 0 with train.float8 is not supported yet"),
         (["lora.rank=4", "train.optimizer=muon"], "lora.rank > 0 with train.optimizer=muon is not supported yet"),
-        (["lora.rank=4", "parallel.ep=2"], "lora.rank > 0 with parallel.ep > 1 is not supported yet"),
     ],
 )
 def test_bad_lora_settings_are_one_line_errors(overrides, expected):
@@ -123,6 +122,11 @@ def test_a_lora_run_exports_a_merged_model_and_a_peft_adapter_with_the_same_logi
         peft_logits = peft_model(input_ids=ids).logits
     torch.testing.assert_close(peft_logits, merged_logits, rtol=1e-5, atol=1e-5)
     assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapters (and head) trained
+    from meshtron.checkpoint.generate import generate_text
+
+    # meshtron generate on the checkpoint, the merged export and the adapter (merged on its base by peft): one text.
+    texts = {generate_text(str(source), "ab", max_new_tokens=8) for source in (checkpoint, merged, adapter_dir)}
+    assert len(texts) == 1, texts
     from safetensors.torch import load_file
 
     saved = load_file(adapter_dir / "adapter_model.safetensors")
@@ -174,3 +178,138 @@ def test_the_peft_adapter_of_a_run_that_trains_the_embeddings_holds_them(tmp_pat
     ids = torch.randint(0, BYTE_VOCAB, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def tiny_moe():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(make_preset_config("qwen3moe-tiny", BYTE_VOCAB))
+
+
+def _randomize_adapters(model) -> None:
+    from meshtron.models.lora import is_lora_parameter
+
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_lora_parameter(name):  # B too, which starts at zero: the update must show
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+@pytest.mark.parametrize("use_grouped_mm, rank", [(True, 4), (False, 4), (True, 3)])
+def test_expert_adapters_compute_the_merged_experts_in_both_kernels(use_grouped_mm, rank):
+    """Routed experts with adapters (both fused projections, per expert) equal transformers' experts with the
+    weights W_e + (alpha / rank) B_e A_e, in the grouped GEMM and in the loop (where a rank of 3 fp32 columns,
+    12 bytes, is too narrow for the grouped GEMM); every adapter gets its gradient."""
+    import copy
+
+    from meshtron.models.experts import local_experts_forward
+    from meshtron.models.lora import expert_adapters
+
+    model = tiny_moe()
+    experts = copy.deepcopy(model.model.layers[0].mlp.experts)
+    reference = copy.deepcopy(experts)
+    targets = add_lora(model, adapter_for(model.config), LoraConfig(rank=rank, alpha=2 * rank, targets=["experts"]))
+    assert targets == ["experts"]
+    lora_experts = model.model.layers[0].mlp.experts
+    assert lora_experts.lora_A.gate_up_proj.shape == (4, rank, 64)
+    assert lora_experts.lora_B.down_proj.shape == (4, 64, rank)
+    _randomize_adapters(model)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            update = torch.bmm(getattr(lora_experts.lora_B, name), getattr(lora_experts.lora_A, name))
+            getattr(reference, name).add_(2.0 * update)
+    hidden = torch.randn(11, 64)
+    index = torch.randint(0, 3, (11, 2))  # expert 3 gets no token
+    weights = torch.rand(11, 2)
+    want = reference(hidden, index, weights)
+    got = local_experts_forward(
+        lora_experts, hidden, index, weights, use_grouped_mm, adapters=expert_adapters(lora_experts)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    grads = {name: p.grad for name, p in lora_experts.named_parameters() if p.requires_grad}
+    assert sorted(grads) == sorted(f"lora_{f}.{p}" for f in "AB" for p in ("gate_up_proj", "down_proj"))
+    assert all(g is not None and g[:3].abs().sum() > 0 and g[3].abs().sum() == 0 for g in grads.values())
+
+
+def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_merged_logits(tmp_path):
+    """The experts' adapters go into the peft directory as target_parameters (peft's ParamWrapper layout); peft's
+    model, meshtron's merged model and the LoRA model give the same logits."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.checkpoint.lora_export import merge_adapters, write_peft_adapter
+
+    base = tmp_path / "base"
+    tiny_moe().save_pretrained(base)
+    model = tiny_moe()
+    lora = LoraConfig(rank=2, alpha=4)
+    targets = add_lora(model, adapter_for(model.config), lora)
+    assert targets == ["experts", "k_proj", "o_proj", "q_proj", "v_proj"]
+    _randomize_adapters(model)
+    write_peft_adapter(model, adapter_for(model.config), lora, targets, str(base), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    merged = copy.deepcopy(model)
+    merge_adapters(merged)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    ids = torch.randint(0, BYTE_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert (want - AutoModelForCausalLM.from_pretrained(base)(input_ids=ids).logits).abs().max() > 1e-2
+
+
+def test_lora_flops_skip_the_frozen_weight_gradients_and_add_the_adapters():
+    """flops_per_token's change under LoRA: -2 per frozen matmul weight (no weight gradient), +6 per adapter weight,
+    routed experts at their top-k share; the planner's step time takes it (less compute than full fine-tuning)."""
+    from meshtron.config import ModelConfig
+    from meshtron.metrics.flops import lora_flops_per_token_change
+
+    dense = make_preset_config("llama-tiny", BYTE_VOCAB)
+    dense._attn_implementation = "eager"  # as a running model's (shared) config may say: left as it is
+    lora = LoraConfig(rank=4)
+    model = tiny_llama()
+    linears = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))  # + head
+    add_lora(model, adapter_for(model.config), lora)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_flops_per_token_change(dense, ModelConfig(), lora) == -2 * linears + 6 * adapters
+    assert dense._attn_implementation == "eager"  # (building the counting model once switched a CP run to sdpa)
+    assert lora_flops_per_token_change(dense, ModelConfig(), LoraConfig(rank=0)) == 0
+    with_head = lora_flops_per_token_change(dense, ModelConfig(), LoraConfig(rank=4, train_head=True))
+    assert with_head == -2 * (linears - model.lm_head.weight.numel()) + 6 * adapters
+
+    moe = tiny_moe()  # 4 experts, top-2: the experts' weights and adapters count half
+    routed = moe.config.num_experts_per_tok / moe.config.num_experts
+    add_lora(moe, adapter_for(moe.config), LoraConfig(rank=4, targets=["experts"]))
+    frozen = sum(
+        p.numel() * (routed if p.ndim == 3 else 1)
+        for n, p in moe.named_parameters()
+        if p.ndim >= 2 and not p.requires_grad and "embed_tokens" not in n
+    )
+    adapters = sum(p.numel() * routed for p in moe.parameters() if p.requires_grad)
+    assert lora_flops_per_token_change(moe.config, ModelConfig(), LoraConfig(rank=4, targets=["experts"])) == (
+        -2 * frozen + 6 * adapters
+    )
+
+
+def test_the_planner_gives_a_lora_run_less_compute_than_full_fine_tuning():
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.throughput import estimate_step
+
+    hf = make_preset_config("llama-1b", 128256)
+    workload = Workload(seq_len=2048, global_batch=8)
+    layout = Layout(dp_shard=8, micro_batch=1)
+    hw = hardware("h100")
+    full = estimate_step(ModelShape.from_hf_config(hf), layout, workload, hw, hf)
+    lora = estimate_step(ModelShape.from_hf_config(hf, lora=LoraConfig(rank=16)), layout, workload, hw, hf)
+    assert 0.6 < lora.compute_s / full.compute_s < 0.75  # about 4 of 6 FLOPs per weight, plus attention

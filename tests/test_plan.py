@@ -784,3 +784,26 @@ def test_lora_plans_the_whole_model_but_gradients_and_adam_state_of_what_trains(
     assert specs["self_attn.o_proj.lora_B.weight"].tp_dim(4, 8) is None
     tp4 = Layout(tp=4, micro_batch=1)
     assert trained_numel(lora, tp4, workload)[0] < per_block * layers / 2
+
+
+def test_plan_lora_rank_plans_and_emits_a_lora_run(tmp_path, capsys):
+    """meshtron plan --lora-rank: the header says so, the best layout needs less memory and time per step than full
+    training's, and the emitted config carries [lora]."""
+    from meshtron.config import load_config
+
+    args = ["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "16", "--json"]
+    candidates = {}
+    for rank in (0, 16):
+        status, stdout, stderr = plan_cli(capsys, *args, "--lora-rank", str(rank))
+        assert status == 0, stderr[-2000:]
+        candidates[rank] = json.loads(stdout)["candidates"]
+    best = candidates[0][0]
+    same = next(c for c in candidates[16] if c["layout"] == best["layout"])
+    assert same["memory_gb"]["total"] < best["memory_gb"]["total"] and same["step_s"] < best["step_s"]
+    assert same["memory_gb"]["grads"] < best["memory_gb"]["grads"] / 10
+    out = tmp_path / "lora.toml"
+    status, stdout, stderr = plan_cli(capsys, *args[:-1], "--lora-rank", "16", "--emit-config", str(out))
+    assert status == 0 and "LoRA rank 16" in stdout, stderr[-2000:]
+    assert load_config(out, env={}).lora.rank == 16
+    status, _, stderr = plan_cli(capsys, *args, "--lora-rank", "-1")
+    assert status == 2 and "--lora-rank must be >= 0" in stderr

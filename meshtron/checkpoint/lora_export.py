@@ -4,7 +4,9 @@
 ``nn.Linear`` modules: the model then saves as any Hugging Face model. ``write_peft_adapter`` writes what
 ``peft.PeftModel.from_pretrained(base, DIR)`` loads: ``adapter_config.json`` (LoRA, the rank, alpha, dropout and
 target module names; the trained embeddings / head as ``modules_to_save``) and ``adapter_model.safetensors`` with
-peft's names (``base_model.model.<parameter name>``).
+peft's names (``base_model.model.<parameter name>``). A mixture of experts' expert adapters go in as peft's
+``target_parameters`` (its ``ParamWrapper``: the gate_up_proj adapter the inner wrapper, ``base_layer``, the
+down_proj one the outer; ``A`` as [E * r, in] expert-major, ``B`` as [out, r * E] expert-minor, as peft holds them).
 """
 
 from __future__ import annotations
@@ -17,14 +19,21 @@ from torch import nn
 
 from meshtron.config import LoraConfig
 from meshtron.errors import ConfigError
-from meshtron.models.lora import LORA_A, LORA_B, LoraLinear, is_lora_parameter
+from meshtron.models.lora import EXPERT_PROJECTIONS, EXPERTS, LORA_A, LORA_B, LoraLinear, is_lora_parameter
 
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> None:
-    """Fold every adapter into its projection's weight; the projections become plain ``nn.Linear`` again."""
+    """Fold every adapter into its projection's weight; the projections become plain ``nn.Linear`` again (and the
+    experts plain experts)."""
     for module in model.modules():
-        if isinstance(module, LoraLinear):
+        if _has_expert_adapters(module):
+            for name in EXPERT_PROJECTIONS:
+                a, b = getattr(module.lora_A, name).float(), getattr(module.lora_B, name).float()
+                weight = getattr(module, name)
+                weight.add_((torch.bmm(b, a) * module.lora_scaling).to(weight.dtype))
+            del module._modules[LORA_A], module._modules[LORA_B], module.lora_scaling, module.forward
+        elif isinstance(module, LoraLinear):
             update = module.lora_B.weight.float() @ module.lora_A.weight.float()
             module.weight.add_((update * module.lora_scaling).to(module.weight.dtype))
             for child in (LORA_A, LORA_B, "lora_dropout"):
@@ -47,19 +56,25 @@ def write_peft_adapter(
         )
     # Weights that trained whole (lora.train_embeddings / train_head) go in as peft's modules_to_save.
     whole = [name for name, param in model.named_parameters() if param.requires_grad and not is_lora_parameter(name)]
+    experts = {path: module for path, module in model.named_modules() if _has_expert_adapters(module)}
     tensors = {
         f"base_model.model.{name}": param.detach().contiguous()
         for name, param in model.named_parameters()
-        if is_lora_parameter(name) or name in whole
+        if (is_lora_parameter(name) or name in whole) and name.rsplit(".", 2)[0] not in experts
     }
+    for path, module in experts.items():
+        tensors.update(_peft_expert_tensors(f"base_model.model.{path}", module))
+    # peft matches a target parameter by the end of its name: the experts' path inside a block.
+    target_parameters = sorted({_in_block(path) for path in experts})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": sorted(targets),
+        "lora_dropout": 0.0 if experts else lora.dropout,  # peft's expert adapters take none (at inference: moot)
+        "target_modules": sorted(set(targets) - {EXPERTS}) or None,
+        "target_parameters": [f"{p}.{name}" for p in target_parameters for name in EXPERT_PROJECTIONS] or None,
         "modules_to_save": sorted({name.rsplit(".", 2)[-2] for name in whole}) or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -71,3 +86,25 @@ def write_peft_adapter(
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
     (target / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _has_expert_adapters(module: nn.Module) -> bool:
+    """Routed experts with adapters (meshtron.models.lora)."""
+    return hasattr(module, "lora_scaling") and not isinstance(module, LoraLinear)
+
+
+def _in_block(path: str) -> str:
+    """``model.layers.3.mlp.experts`` -> ``mlp.experts``."""
+    return path.split(".layers.", 1)[1].split(".", 1)[1]
+
+
+def _peft_expert_tensors(prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """peft's nested ParamWrapper tensors of one experts module: the first projection innermost (``base_layer``)."""
+    out = {}
+    for depth, name in zip((1, 0), EXPERT_PROJECTIONS):
+        a, b = getattr(experts.lora_A, name).detach(), getattr(experts.lora_B, name).detach()
+        num, rank, in_features = a.shape
+        where = prefix + ".base_layer" * depth
+        out[f"{where}.{LORA_A}.weight"] = a.reshape(num * rank, in_features).contiguous()
+        out[f"{where}.{LORA_B}.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * num).contiguous()
+    return out

@@ -11,7 +11,8 @@ experts) and replaces the experts' forward by:
 3. all-to-all the token rows to the ranks owning their experts;
 4. regroup the received rows by local expert and run the local experts as grouped GEMMs
    (``torch._grouped_mm`` with offsets; a loop over local experts where it is unavailable):
-   ``gate, up = (x @ gate_up_proj[e].T).chunk(2); y = (act(gate) * up) @ down_proj[e].T``;
+   ``gate, up = (x @ gate_up_proj[e].T).chunk(2); y = (act(gate) * up) @ down_proj[e].T``
+   (meshtron.models.experts; with LoRA's expert adapters, also split over experts, when the run has them);
 5. all-to-all the results back, multiply by the routing weights and ``index_add`` them per token.
 
 Dropless (no capacity factor: every routed pair is computed) and exact under autograd: gradients reach
@@ -32,6 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshtron.errors import ConfigError
+from meshtron.models.experts import combine, local_expert_ffn, sort_by_expert
+from meshtron.models.lora import expert_adapters
 from meshtron.tensors import local_tensor
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -111,107 +114,6 @@ def shard_experts(experts: nn.Module, expert_fsdp_mesh, gradient_divide_factor: 
     experts.set_force_sum_reduction_for_comms(shard_size > 1)
 
 
-# ---------------------------------------------------------------------------------------------- local math
-
-
-def local_expert_ffn(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    counts: torch.Tensor,
-    act_fn,
-    use_grouped_mm: bool | None = None,
-) -> torch.Tensor:
-    """The experts' FFN on rows ``x`` (N, H) grouped by expert: ``counts[e]`` consecutive rows for each
-    local expert ``e`` of ``gate_up`` [E_l, 2I, H] / ``down`` [E_l, H, I]. Returns (N, H).
-
-    Same math as transformers' experts: ``gate, up = (x @ gate_up[e].T).chunk(2, -1)``,
-    ``(act(gate) * up) @ down[e].T``; as two grouped GEMMs (``torch._grouped_mm``) or, if that is
-    unavailable or ``use_grouped_mm`` is False, a loop over the experts that have rows.
-    """
-    if use_grouped_mm is None:
-        use_grouped_mm = _grouped_mm_available(x, gate_up)
-    if use_grouped_mm and x.shape[0] > 0:
-        offsets = torch.cumsum(counts.to(x.device), 0, dtype=torch.int32)
-        h = torch._grouped_mm(_ContiguousGrad.apply(x.to(gate_up.dtype)), gate_up.transpose(-2, -1), offs=offsets)
-        gate, up = _ContiguousGrad.apply(h).chunk(2, dim=-1)
-        h = _ContiguousGrad.apply(act_fn(gate) * up)
-        return _ContiguousGrad.apply(torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets))
-    pieces = []
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            gate, up = nn.functional.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)
-            pieces.append(nn.functional.linear(act_fn(gate) * up, down[e]))
-        start += n
-    if not pieces:
-        # No rows: keep the rows and the parameters in the graph all the same, so that backward runs
-        # this rank's side of the dispatch all-to-all (the other ranks wait for it) and the parameters
-        # get (zero) gradients.
-        return x.new_zeros(0, down.shape[1]) + 0 * (x.sum() + gate_up.sum() + down.sum())
-    return torch.cat(pieces)
-
-
-def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if weight.device.type == "cuda":
-        return torch.cuda.get_device_capability(weight.device) >= (8, 0) and weight.dtype == torch.bfloat16
-    return weight.device.type == "cpu"
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm``'s backward needs it)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
-    """(order, token index, counts per expert) of the flattened (token, slot) pairs sorted by expert id
-    (stable: within an expert, in token order)."""
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // top_k_index.shape[-1], counts
-
-
-def combine(
-    rows: torch.Tensor,
-    order: torch.Tensor,
-    token: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    num_tokens: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Weight the expert outputs ``rows`` (in expert-sorted pair order) by their routing weights and sum
-    them per token, expert by expert as transformers' experts do."""
-    weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(num_tokens, rows.shape[-1], dtype=dtype, device=rows.device)
-    return out.index_add(0, token, weighted.to(dtype))
-
-
-def local_experts_forward(
-    experts: nn.Module,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    use_grouped_mm: bool | None = None,
-) -> torch.Tensor:
-    """Single-process dispatch / grouped GEMM / combine over all experts of ``experts`` (no EP): the
-    local math of the EP forward, equal to transformers' experts forward."""
-    order, token, counts = sort_by_expert(top_k_index, experts.gate_up_proj.shape[0])
-    rows = local_expert_ffn(
-        hidden[token], experts.gate_up_proj, experts.down_proj, counts, experts.act_fn, use_grouped_mm
-    )
-    return combine(rows, order, token, top_k_weights, hidden.shape[0], hidden.dtype)
-
-
 # ---------------------------------------------------------------------------------------------- EP
 
 
@@ -257,11 +159,16 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | No
     if num % ep:
         raise ConfigError(f"parallel.ep={ep} must divide the number of experts (num_experts={num}); change parallel.ep")
     for name in EXPERT_PARAMETERS:
-        param = getattr(experts, name)
-        if isinstance(param, DTensor):
+        if isinstance(getattr(experts, name), DTensor):
             raise ValueError(f"experts.{name} is already a DTensor (expert parallelism applied twice?)")
-        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    # The fused parameters and any per-expert adapters (LoRA: [E, ...] like them) keep this rank's experts.
+    for name, param in list(experts.named_parameters()):
+        if param.ndim == 3 and param.shape[0] == num:
+            owner, _, leaf = name.rpartition(".")
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.get_submodule(owner).register_parameter(
+                leaf, nn.Parameter(sharded, requires_grad=param.requires_grad)
+            )
     experts.ep_mesh = ep_mesh
     experts.num_global_experts = num
     experts.ep_use_grouped_mm = use_grouped_mm
@@ -301,7 +208,15 @@ def expert_parallel_forward(
     # local expert (stable, so within an expert rows stay in source order), run, and undo the regrouping.
     local_id = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(counts_recv.reshape(-1))
     regroup = torch.argsort(local_id, stable=True).to(hidden.device)
-    rows = local_expert_ffn(received[regroup], gate_up, down, counts_recv.sum(0), self.act_fn, self.ep_use_grouped_mm)
+    rows = local_expert_ffn(
+        received[regroup],
+        gate_up,
+        down,
+        counts_recv.sum(0),
+        self.act_fn,
+        self.ep_use_grouped_mm,
+        expert_adapters(self),
+    )
     back = torch.empty_like(regroup)
     back[regroup] = torch.arange(regroup.numel(), device=regroup.device)
     returned = all_to_all_single_autograd(rows[back].contiguous(), send_splits, recv_splits, group)

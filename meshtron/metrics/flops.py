@@ -73,3 +73,42 @@ def flops_per_token(hf_config, seq_len: int) -> float:
     matmul_params = layers * attn_params + sum(_mlp_params_per_layer(hf_config)) + head_params
     attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
     return 6 * matmul_params + 3 * attention
+
+
+def lora_flops_change(model, adapter, hf_config) -> float:
+    """What LoRA changes in ``flops_per_token``, from a model given its adapters (meshtron.models.lora.add_lora; a
+    meta model will do): a frozen weight takes no weight gradient (2 of its 6 FLOPs per token skipped), an adapter
+    weight adds its 6. Routed experts count their top-k share, as ``flops_per_token`` does; the token embeddings are a
+    lookup, not a matmul, unless tied to the head. 0 when every weight trains. The first block's input gradient,
+    which autograd also skips with frozen embeddings, is not counted."""
+    from meshtron.models.lora import is_lora_parameter
+    from meshtron.models.moe import experts_per_token, is_moe, num_experts
+
+    routed = experts_per_token(hf_config) / num_experts(hf_config) if is_moe(hf_config) else 1.0
+    embeddings = adapter.embeddings(model).weight
+    tied = adapter.lm_head(model).weight is embeddings
+    change = 0.0
+    for name, param in model.named_parameters():  # a tied head is listed once, as the embeddings
+        if param.ndim < 2 or (param is embeddings and not tied):
+            continue
+        weights = param.numel() * (routed if param.ndim == 3 else 1.0)
+        if is_lora_parameter(name):
+            change += 6 * weights
+        elif not param.requires_grad:
+            change -= 2 * weights
+    return change
+
+
+def lora_flops_per_token_change(hf_config, model_cfg, lora) -> float:
+    """``lora_flops_change`` of the model ``hf_config`` / ``model_cfg`` make with ``lora``'s adapters (0 without)."""
+    if not lora.enabled:
+        return 0.0
+    import copy
+
+    from meshtron.models.build import build_meta_model
+    from meshtron.models.lora import add_lora
+
+    # A copy: building a model sets its attention implementation on the config, which a running model may share.
+    model, adapter = build_meta_model(copy.deepcopy(hf_config), model_cfg)
+    add_lora(model, adapter, lora)
+    return lora_flops_change(model, adapter, hf_config)

@@ -7,19 +7,31 @@ base weight keeps its name (``...q_proj.weight``: pretrained loads and exports a
 named as peft names them (``...q_proj.lora_A.weight``). ``A`` starts as peft's (uniform in +-1/sqrt(in), drawn
 from the run's seed and the parameter's name, so the same under every layout) and ``B`` at zero: the first step
 starts from the base model.
+
+A mixture of experts' routed experts (target ``experts``) hold their projections as fused 3-D parameters
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, meshtron.models.moe); each gets one adapter per expert,
+held as 3-D parameters ``experts.lora_A.gate_up_proj [E, r, H]`` / ``experts.lora_B.gate_up_proj [E, 2I, r]``
+(and the same for ``down_proj``), split over experts as the fused parameters are (expert parallelism), and the
+experts run meshtron.models.experts' grouped GEMMs with them. They take no dropout (as peft's).
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 from torch import nn
 
 from meshtron.config import LoraConfig
 from meshtron.errors import ConfigError
+from meshtron.models.experts import ExpertAdapters, local_experts_forward
+from meshtron.tensors import local_tensor
 
 LORA_A, LORA_B = "lora_A", "lora_B"
+EXPERTS = "experts"
+"""The ``lora.targets`` name of a mixture of experts' routed experts (both of their fused projections)."""
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 class LoraLinear(nn.Linear):
@@ -66,7 +78,10 @@ def add_lora(model: nn.Module, adapter, cfg: LoraConfig) -> list[str]:
     uninitialized: ``meshtron.models.build.materialize`` fills them); train embeddings / head if asked. Returns the
     target names. Call on the whole model, before any parallelism."""
     blocks = adapter.named_blocks(model)
-    available = sorted({name for _, block in blocks for name in _projections(block)})
+    available = {name for _, block in blocks for name in _projections(block)}
+    if any(_routed_experts(block) for _, block in blocks):
+        available.add(EXPERTS)
+    available = sorted(available)
     targets = list(cfg.targets) or available
     unknown = sorted(set(targets) - set(available))
     if unknown:
@@ -79,6 +94,9 @@ def add_lora(model: nn.Module, adapter, cfg: LoraConfig) -> list[str]:
         for target in targets:
             for _, linear in _projections(block).get(target, []):
                 _attach(linear, cfg)
+        if EXPERTS in targets:
+            for experts in _routed_experts(block):
+                _attach_experts(experts, cfg)
     if cfg.train_embeddings:
         adapter.embeddings(model).requires_grad_(True)
     if cfg.train_head:
@@ -98,3 +116,39 @@ def _attach(linear: nn.Linear, cfg: LoraConfig) -> None:
     linear.lora_B = nn.Linear(cfg.rank, linear.out_features, bias=False, device=device, dtype=dtype)
     linear.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
     linear.lora_scaling = cfg.alpha / cfg.rank
+
+
+def _routed_experts(block: nn.Module) -> list[nn.Module]:
+    from meshtron.models.moe import moe_blocks
+
+    return [moe.experts for _, moe in moe_blocks(block)]
+
+
+def _attach_experts(experts: nn.Module, cfg: LoraConfig) -> None:
+    """Per-expert adapters for both fused projections, held in two child modules (``lora_A``, ``lora_B``) whose
+    parameters are named after the projection; the experts' forward becomes ``lora_experts_forward``."""
+    factors = {LORA_A: nn.Module(), LORA_B: nn.Module()}
+    for name in EXPERT_PROJECTIONS:
+        weight = getattr(experts, name)
+        num, out_features, in_features = weight.shape
+        like = dict(device=weight.device, dtype=weight.dtype)
+        factors[LORA_A].register_parameter(name, nn.Parameter(torch.empty(num, cfg.rank, in_features, **like)))
+        factors[LORA_B].register_parameter(name, nn.Parameter(torch.empty(num, out_features, cfg.rank, **like)))
+    experts.add_module(LORA_A, factors[LORA_A])
+    experts.add_module(LORA_B, factors[LORA_B])
+    experts.lora_scaling = cfg.alpha / cfg.rank
+    experts.forward = types.MethodType(lora_experts_forward, experts)
+
+
+def expert_adapters(experts: nn.Module) -> ExpertAdapters | None:
+    """The experts' adapters as local tensors (this rank's experts under expert parallelism); None without."""
+    if not hasattr(experts, "lora_scaling"):
+        return None
+    a, b = experts.get_submodule(LORA_A), experts.get_submodule(LORA_B)
+    gate_up, down = ((local_tensor(getattr(a, n)), local_tensor(getattr(b, n))) for n in EXPERT_PROJECTIONS)
+    return ExpertAdapters(gate_up=gate_up, down=down, scaling=experts.lora_scaling)
+
+
+def lora_experts_forward(self: nn.Module, hidden, top_k_index, top_k_weights):
+    """The forward of experts with adapters (without expert parallelism, whose forward adds them itself)."""
+    return local_experts_forward(self, hidden, top_k_index, top_k_weights, adapters=expert_adapters(self))

@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from meshtron.config import ATTN_IMPLEMENTATIONS, Config, ModelConfig, TrainConfig
+from meshtron.config import ATTN_IMPLEMENTATIONS, Config, LoraConfig, ModelConfig, TrainConfig
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import GPUS, Hardware, hardware, parse_gigabytes
 from meshtron.plan.layout import MIXED_PRECISION_DTYPES
@@ -61,6 +61,13 @@ def add_plan_parser(sub) -> None:
         action="store_true",
         help="fsdp.accumulate_unsharded: hold full gradients between accumulated micro-batches, "
         "one reduce-scatter per step (default: a reduce-scatter per micro-batch)",
+    )
+    plan.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="plan a LoRA run (lora.rank, adapters on every projection): the base frozen (no gradients or AdamW "
+        "state), its weight gradients skipped (default 0: full training)",
     )
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
@@ -151,7 +158,10 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     attn_implementation = args.attn_implementation or ("eager" if family_of(hf_config).eager_only else "sdpa")
     model_cfg = dataclasses.replace(model_cfg, attn_implementation=attn_implementation)
-    shape = ModelShape.from_hf_config(hf_config, model_cfg)
+    if args.lora_rank < 0:
+        raise ConfigError(f"--lora-rank must be >= 0 (0: full training), got {args.lora_rank}")
+    lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
+    shape = ModelShape.from_hf_config(hf_config, model_cfg, lora)
     workload = Workload(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
@@ -181,7 +191,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(
             f"meshtron plan: {args.model} ({_count(shape.total_params)} parameters, {shape.family}) on {args.gpus} x "
             f"{hw.name}, {hw.gpus_per_node} per node | seq {args.seq_len} x global batch {args.global_batch} | "
-            f"{_describe_precision(workload)}"
+            f"{_describe_precision(workload)}{f' | LoRA rank {args.lora_rank}' if lora else ''}"
         )
         print(format_table(candidates, args.gpus, hw, args.top))
     fitting = [c for c in candidates if c.fits]
@@ -193,12 +203,13 @@ def run_plan(args: argparse.Namespace) -> int:
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
             f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
             f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}"
-            f"{' --no-compile' * args.no_compile} --attn-implementation {attn_implementation}\n"
+            f"{' --no-compile' * args.no_compile} --attn-implementation {attn_implementation}"
+            f"{f' --lora-rank {args.lora_rank}' if lora else ''}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} "
             "tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
         )
-        out = emit_config(best.layout, workload, model_cfg, args.emit_config, header)
+        out = emit_config(best.layout, workload, model_cfg, args.emit_config, header, lora)
         print(
             f"meshtron plan: wrote {out}; run it with: meshtron train --config {out} --nproc {args.gpus} "
             "(or torchrun ... -m meshtron train --config ...)"

@@ -160,9 +160,10 @@ def head_numel(shape: ModelShape, layout: Layout) -> int:
     return _local_numel(shape.final + (shape.embedding if shape.tied_embeddings else ()), layout, shape)
 
 
-def _norm(hidden: int, e: int) -> int:
-    """An RMSNorm keeps its input upcast to fp32, 1/rms and its normalized output (before the weight)."""
-    return FP32 * hidden + FP32 + e * hidden
+def _norm(hidden: int, e: int, frozen: bool = False) -> int:
+    """An RMSNorm keeps its input upcast to fp32, 1/rms and its normalized output (before the weight), which a frozen
+    weight (LoRA) needs no gradient from."""
+    return FP32 * hidden + FP32 + (0 if frozen else e * hidden)
 
 
 def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
@@ -173,7 +174,8 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     kv_local = max(shape.kv_heads // tp, 1)
     kv_stored = shape.kv_heads // tp if shape.kv_heads >= tp else shape.kv_heads  # replicated KV: v is a view
     stream_split = tp if tp > 1 and layout.sequence_parallel else 1
-    norms = shape.residual_norms * _norm(h, e) / stream_split
+    frozen = shape.frozen_norms
+    norms = shape.residual_norms * _norm(h, e, frozen) / stream_split
     gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
     attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
     if meshtron_attention(layout, workload):
@@ -181,7 +183,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         if dense_document_mask(layout, workload):
             attention += e * workload.seq_len  # the mask, which SDPA turns into a float bias in every block
     if shape.head_norms:
-        attention += _norm(heads * d, e) + _norm(kv_local * d, e)  # Qwen3's per-head q/k norms
+        attention += _norm(heads * d, e, frozen) + _norm(kv_local * d, e, frozen)  # Qwen3's per-head q/k norms
     if shape.eager_attention:  # eager: k/v repeated to every query head, scores (and capped scores) kept, no lse
         attention += e * (2 * heads - kv_local - kv_stored) * d - FP32 * heads
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
@@ -189,7 +191,8 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         mlp = moe_activation_per_token(shape, e, layout.ep)
     else:
         mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
-    return norms + gathered_inputs + attention + mlp
+    adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x (whole on every tp rank, or a partial sum)
+    return norms + gathered_inputs + attention + mlp + adapters
 
 
 def meshtron_attention(layout: Layout, workload: Workload) -> bool:
@@ -213,7 +216,9 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     if first:
         total += INDEX  # token ids for the embedding's backward
     if last:
-        total += _norm(shape.hidden, e) / stream_split + e * shape.hidden + INDEX  # final norm, head input, labels
+        total += (
+            _norm(shape.hidden, e, shape.frozen_norms) / stream_split + e * shape.hidden + INDEX
+        )  # norm, head, labels
         if not fused_loss(workload):
             total += FP32 * loss_vocab(shape, layout) * (1 + shape.logit_softcap)  # log-softmax output, capped logits
     return total

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config import LoraConfig, ModelConfig
+from meshtron.metrics.flops import lora_flops_change
 from meshtron.models.adapter import canonical_name
 from meshtron.models.lora import LORA_A, add_lora, is_lora_parameter
 from meshtron.models.moe import experts_per_token, is_moe, num_experts
@@ -96,6 +97,20 @@ class ModelShape:
     """Intermediate size of one routed expert."""
     shared_expert_intermediate: int = 0
     """Intermediate size of the dense shared expert beside the routed ones (Qwen2-MoE; 0: none)."""
+    lora_flops_per_token: float = 0.0
+    """What LoRA changes in the training FLOPs per token (meshtron.metrics.flops.lora_flops_change; 0 without)."""
+    frozen_norms: bool = False
+    """The norms' weights are frozen (LoRA): a norm then keeps no normalized output for its weight's gradient."""
+
+    @property
+    def adapter_ranks(self) -> int:
+        """Sum of the ranks of a block's linear adapters: each keeps its rank-sized output (A x) per token."""
+        return sum(p.shape[0] for p in self.block if f".{LORA_A}." in p.name and len(p.shape) == 2)
+
+    @property
+    def expert_adapter_ranks(self) -> int:
+        """Sum of the ranks of a routed expert's adapters (both fused projections): kept per (token, expert) pair."""
+        return sum(p.shape[1] for p in self.block if f".{LORA_A}." in p.name and len(p.shape) == 3)
 
     @property
     def active_params(self) -> int:
@@ -181,6 +196,8 @@ class ModelShape:
             experts_per_token=experts_per_token(hf_config) if is_moe(hf_config) else 0,
             moe_intermediate=_moe_intermediate(hf_config),
             shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+            lora_flops_per_token=lora_flops_change(model, adapter, hf_config) if lora and lora.enabled else 0.0,
+            frozen_norms=bool(lora and lora.enabled),
         )
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from meshtron.config import Config, ModelConfig, to_toml
+from meshtron.config import Config, LoraConfig, ModelConfig, to_toml
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import Layout, Workload
@@ -76,11 +76,14 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
     return "\n".join(lines)
 
 
-def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig) -> Config:
+def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lora: LoraConfig | None = None) -> Config:
     """The ``meshtron train`` config that runs ``layout``: master weights in the workload's model dtype,
     compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size and attention. The
-    per-forward batch is ``train.micro_batch_size`` in every layout (under pp, the pipeline microbatch)."""
+    per-forward batch is ``train.micro_batch_size`` in every layout (under pp, the pipeline microbatch). ``lora``:
+    a LoRA run's ``[lora]``."""
     cfg = Config()
+    if lora is not None:
+        cfg.lora = lora
     cfg.model = dataclasses.replace(
         model_cfg, dtype=workload.model_dtype, attn_implementation=workload.attn_implementation
     )
@@ -121,6 +124,11 @@ def write_new_file(path: str | os.PathLike, text: str) -> Path:
 
 
 def emit_config(
-    layout: Layout, workload: Workload, model_cfg: ModelConfig, path: str | os.PathLike, header: str = ""
+    layout: Layout,
+    workload: Workload,
+    model_cfg: ModelConfig,
+    path: str | os.PathLike,
+    header: str = "",
+    lora: LoraConfig | None = None,
 ) -> Path:
-    return write_new_file(path, header + to_toml(train_config(layout, workload, model_cfg)))
+    return write_new_file(path, header + to_toml(train_config(layout, workload, model_cfg, lora)))

@@ -97,7 +97,8 @@ def bubble_fraction(layout: Layout, workload: Workload) -> float:
 def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, hf_config) -> StepEstimate:
     world = layout.world_size
     tokens = workload.global_batch * workload.seq_len
-    model_flops = flops_per_token(hf_config, workload.seq_len) * tokens / world
+    # Under LoRA: what the run computes (frozen weights take no weight gradient; the adapters add theirs).
+    model_flops = (flops_per_token(hf_config, workload.seq_len) + shape.lora_flops_per_token) * tokens / world
     recompute = {"none": 1.0, "selective": 1.05, "full": 4 / 3}[layout.activation_checkpointing]
     e = compute_bytes(workload)  # every layout computes in the compute dtype (train.mixed_precision)
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12

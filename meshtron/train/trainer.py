@@ -25,7 +25,7 @@ from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
-from meshtron.metrics.flops import device_peak_flops, flops_per_token
+from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
 from meshtron.metrics.memory import max_memory_gb
 from meshtron.metrics.profiling import StepProfiler
 from meshtron.metrics.step_log import MetricsLogger
@@ -329,7 +329,9 @@ class _MetricsRow:
 
     def __init__(self, cfg: Config, plan: Plan, runtime: Runtime, step_context):
         self.peak = device_peak_flops(runtime.device)
-        self.flops_per_token = flops_per_token(plan.hf_config, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(plan.hf_config, cfg.data.seq_len) + lora_flops_per_token_change(
+            plan.hf_config, cfg.model, cfg.lora
+        )
         self.world_size, self.device, self.scaler = runtime.world_size, runtime.device, step_context.scaler
 
     def __call__(self, step: int, outcome, lr: float, tokens_per_s: float) -> dict:

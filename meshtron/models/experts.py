@@ -1,0 +1,154 @@
+"""The routed experts' math, on one process's tokens: dispatch by expert, grouped GEMMs, combine.
+
+transformers' experts (meshtron.models.moe) loop over the experts; this does the same math as two grouped
+GEMMs over the (token, slot) pairs sorted by expert. Expert parallelism (meshtron.distributed.expert_parallel)
+runs it on the rows the all-to-all brings, and a LoRA run's experts (meshtron.models.lora) run it with their
+adapters: ``ExpertAdapters`` adds ``scaling * B_e A_e x`` to each expert's two projections, as two more grouped
+GEMMs through the rank, never a merged weight (which would keep a copy of every expert per layer for backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ExpertAdapters:
+    """Low-rank updates of the local experts' two projections (meshtron.models.lora): ``gate_up`` =
+    (A [E_l, r, H], B [E_l, 2I, r]), ``down`` = (A [E_l, r, I], B [E_l, H, r]); expert e's projection
+    ``W_e x`` becomes ``W_e x + scaling * B_e A_e x``."""
+
+    gate_up: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+    scaling: float
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.gate_up, *self.down)
+
+
+def local_expert_ffn(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    act_fn,
+    use_grouped_mm: bool | None = None,
+    adapters: ExpertAdapters | None = None,
+) -> torch.Tensor:
+    """The experts' FFN on rows ``x`` (N, H) grouped by expert: ``counts[e]`` consecutive rows for each
+    local expert ``e`` of ``gate_up`` [E_l, 2I, H] / ``down`` [E_l, H, I]. Returns (N, H).
+
+    Same math as transformers' experts: ``gate, up = (x @ gate_up[e].T).chunk(2, -1)``,
+    ``(act(gate) * up) @ down[e].T``; as grouped GEMMs (``torch._grouped_mm``) or, if that is unavailable
+    or ``use_grouped_mm`` is False, a loop over the experts that have rows. ``adapters``: LoRA's update of
+    both projections (in the loop when their rank is too small for the grouped GEMM's 16-byte strides).
+    """
+    if use_grouped_mm is None:
+        use_grouped_mm = _grouped_mm_available(x, gate_up)
+    use_grouped_mm = use_grouped_mm and (adapters is None or _aligned(adapters))
+    if use_grouped_mm and x.shape[0] > 0:
+        offsets = torch.cumsum(counts.to(x.device), 0, dtype=torch.int32)
+
+        def project(rows, weight, factors):
+            out = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+            if factors is not None:
+                low = _ContiguousGrad.apply(torch._grouped_mm(rows, factors[0].transpose(-2, -1), offs=offsets))
+                out = out + adapters.scaling * torch._grouped_mm(low, factors[1].transpose(-2, -1), offs=offsets)
+            return _ContiguousGrad.apply(out)
+
+        h = project(_ContiguousGrad.apply(x.to(gate_up.dtype)), gate_up, adapters and adapters.gate_up)
+        gate, up = h.chunk(2, dim=-1)
+        return project(_ContiguousGrad.apply(act_fn(gate) * up), down, adapters and adapters.down)
+
+    def project_one(rows, weight, factors, e):
+        out = nn.functional.linear(rows, weight[e])
+        if factors is not None:
+            out = out + adapters.scaling * nn.functional.linear(
+                nn.functional.linear(rows, factors[0][e]), factors[1][e]
+            )
+        return out
+
+    pieces = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate, up = project_one(x[start : start + n], gate_up, adapters and adapters.gate_up, e).chunk(2, dim=-1)
+            pieces.append(project_one(act_fn(gate) * up, down, adapters and adapters.down, e))
+        start += n
+    if not pieces:
+        # No rows: keep the rows and the parameters in the graph all the same, so that backward runs
+        # this rank's side of the dispatch all-to-all (the other ranks wait for it) and the parameters
+        # get (zero) gradients.
+        weights = (gate_up, down, *(adapters.tensors() if adapters else ()))
+        return x.new_zeros(0, down.shape[1]) + 0 * (x.sum() + sum(w.sum() for w in weights))
+    return torch.cat(pieces)
+
+
+def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if weight.device.type == "cuda":
+        return torch.cuda.get_device_capability(weight.device) >= (8, 0) and weight.dtype == torch.bfloat16
+    return weight.device.type == "cpu"
+
+
+def _aligned(adapters: ExpertAdapters) -> bool:
+    """Whether the adapters' rank suits the grouped GEMM (strides of a multiple of 16 bytes); the loop otherwise."""
+    a = adapters.gate_up[0]
+    return (a.shape[1] * a.element_size()) % 16 == 0
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm``'s backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
+    """(order, token index, counts per expert) of the flattened (token, slot) pairs sorted by expert id
+    (stable: within an expert, in token order)."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // top_k_index.shape[-1], counts
+
+
+def combine(
+    rows: torch.Tensor,
+    order: torch.Tensor,
+    token: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_tokens: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Weight the expert outputs ``rows`` (in expert-sorted pair order) by their routing weights and sum
+    them per token, expert by expert as transformers' experts do."""
+    weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros(num_tokens, rows.shape[-1], dtype=dtype, device=rows.device)
+    return out.index_add(0, token, weighted.to(dtype))
+
+
+def local_experts_forward(
+    experts: nn.Module,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    use_grouped_mm: bool | None = None,
+    adapters: ExpertAdapters | None = None,
+) -> torch.Tensor:
+    """Single-process dispatch / grouped GEMM / combine over all experts of ``experts`` (no EP): the
+    local math of the EP forward, equal to transformers' experts forward."""
+    order, token, counts = sort_by_expert(top_k_index, experts.gate_up_proj.shape[0])
+    rows = local_expert_ffn(
+        hidden[token], experts.gate_up_proj, experts.down_proj, counts, experts.act_fn, use_grouped_mm, adapters
+    )
+    return combine(rows, order, token, top_k_weights, hidden.shape[0], hidden.dtype)
