@@ -3,10 +3,10 @@
 Each cp degree is one ``torchrun`` launch (world size = cp, gloo, one thread per rank) that trains one
 optimizer step of batch 1 at each requested sequence length. Per rank it measures:
 
-* activation memory: bytes of the tensors autograd saves for backward during the step (each storage
-  counted once, parameters left out), taken with ``torch.autograd.graph.saved_tensors_hooks``. With
-  one micro-batch they are all alive at the end of forward, so this is the activation peak that
-  context parallelism is meant to cut (temporaries of a single op come on top);
+* activation memory: the peak bytes of the tensors autograd saves for backward during the step (each storage
+  counted once, parameters left out), as the trainer measures them (meshtron.metrics.activations, its
+  ``saved_tensors_hooks``). With one micro-batch they are all alive at the end of forward, so this is the
+  activation peak that context parallelism is meant to cut (temporaries of a single op come on top);
 * peak RSS of the process (``ru_maxrss``), for reference: it includes the interpreter, torch,
   transformers and the model state;
 * step time (seconds for the one step).
@@ -45,37 +45,13 @@ import torch
 import torch.nn.functional as F
 from attention_kernels import packed_document_ids, relative_error, time_ms  # bench/attention_kernels.py
 from launch import launch_workers  # bench/launch.py (this script's folder is on sys.path)
-from torch import nn
 
 TILE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 """Largest relative error of meshtron's tile kernels against the fp32 plain kernel that passes."""
 
 
-class SavedActivations:
-    """Bytes of the storages autograd saves for backward (parameters excluded), reset per optimizer step."""
-
-    def __init__(self):
-        self.storages: dict[int, int] = {}
-        self.per_step: list[int] = []
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, nn.Parameter) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self.per_step.append(sum(self.storages.values()))
-        self.storages.clear()
-
-
 def worker(args) -> None:
     import torch.distributed as dist
-    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from meshtron.config import load_config
     from meshtron.train.preflight import preflight
@@ -102,16 +78,10 @@ def worker(args) -> None:
         ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
         cfg = load_config(None, overrides, env={})
         plan = preflight(cfg, runtime.world_size, runtime.device.type)
-        saved = SavedActivations()
-        hook = register_optimizer_step_post_hook(saved.on_optimizer_step)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                result = train(cfg, runtime, plan)
-        finally:
-            hook.remove()
+        result = train(cfg, runtime, plan)  # its one step measures the activations (meshtron.metrics.activations)
         mine = torch.tensor(
             [
-                saved.per_step[0],
+                result.activation_bytes,
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 seq_len / result.tokens_per_s[0],
             ],
@@ -275,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--preset", default="llama-tiny")
     parser.add_argument("--seq-len", type=int, nargs="+", default=[4096])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--method", default="ring", choices=["ring", "allgather"])
+    parser.add_argument("--method", default="ring", choices=["ring", "allgather", "ulysses"])
     parser.add_argument("--mask-documents", action="store_true", help="document masks on (default: causal only)")
     parser.add_argument("--documents", type=int, default=200)
     parser.add_argument("--budget-mb", type=float, help="report the longest sequence whose activations fit this")

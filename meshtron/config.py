@@ -41,7 +41,7 @@ TRAIN_ON = ("assistant", "all")
 WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
-CP_METHODS = ("ring", "allgather")
+CP_METHODS = ("ring", "allgather", "ulysses")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BUILTIN_CORPUS = "builtin:python-stdlib"
@@ -175,7 +175,8 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: every sequence split over this many ranks (see docs/context-parallel.md)."""
     cp_method: str = "ring"
-    """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``."""
+    """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``; or ``ulysses``:
+    all-to-all from sequence shards to head shards around attention (needs heads divisible by cp)."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each MoE layer's experts split over this many ranks,
     borrowed from ``dp_shard x cp`` (the world size does not change; see docs/moe.md)."""

@@ -1,6 +1,8 @@
 """Context-parallel attention vs single-device attention, every case in one torchrun launch of 4 ranks.
 
 Usage: torchrun --nproc-per-node 4 tests/cp_attention_worker.py OUT.json
+Methods: ring, allgather (``context_parallel_attention``) and ulysses (``ulysses_attention``, KV heads repeated at
+cp=4: 2 KV heads).
 cp=4 uses all ranks; cp=2 runs on ranks {0,1} and {2,3}. For each case rank 0 writes the largest
 relative error (max abs error / max abs reference) of the output and of dq, dk, dv over all ranks.
 Kernels: ``auto`` (CPU flash op for unmasked tiles, plain PyTorch for masked ones), ``math`` (plain
@@ -19,7 +21,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from meshtron.distributed.context_parallel import SequenceLayout, context_parallel_attention, local_token_index
+from meshtron.distributed.context_parallel import (
+    SequenceLayout,
+    context_parallel_attention,
+    local_token_index,
+    ulysses_attention,
+)
 from meshtron.models.attention import document_ids
 
 SEQ, BATCH, HEADS, KV_HEADS, DIM, EOS = 64, 2, 4, 2, 16, 0
@@ -61,7 +68,8 @@ def run_case(cp, method, masked, kernel, group, rank, window=None) -> dict:
     index = local_token_index(SEQ, cp, rank)
     local = [t[:, :, index].float().contiguous().requires_grad_() for t in (q, k, v)]
     layout = SequenceLayout(SEQ, cp, rank, group, method, docs, kernel)
-    out = context_parallel_attention(*local, layout, scale, window)
+    attention = ulysses_attention if method == "ulysses" else context_parallel_attention
+    out = attention(*local, layout, scale, window)
     backward = kernel != "flex"
     if backward:
         (out * weight[:, :, index].float()).sum().backward()
@@ -85,6 +93,8 @@ def sliding_window_cases():
         yield cp, "allgather", True, "math", window
     for cp, window in itertools.product((2, 4), (8, 27)):
         yield cp, "ring", True, "flex", window
+    for cp, window in itertools.product((2, 4), (5, 27)):  # Ulysses: whole sequences, the device's kernel
+        yield cp, "ulysses", True, "auto", window
 
 
 def main() -> None:
@@ -93,10 +103,10 @@ def main() -> None:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     results = {}
-    cases = itertools.product((2, 4), ("ring", "allgather"), (False, True), ("auto", "math", "flex"))
+    cases = itertools.product((2, 4), ("ring", "allgather", "ulysses"), (False, True), ("auto", "math", "flex"))
     for cp, method, masked, kernel in cases:
-        if kernel == "flex" and not masked:
-            continue  # without documents no tile is masked: the same as auto
+        if kernel == "flex" and (not masked or method == "ulysses"):
+            continue  # without documents no tile is masked: the same as auto; Ulysses has no tiles
         group = dist.group.WORLD if cp == 4 else pairs[rank // 2]
         name = f"cp{cp}-{method}-{'documents' if masked else 'causal'}-{kernel}"
         results[name] = run_case(cp, method, masked, kernel, group, rank % cp)

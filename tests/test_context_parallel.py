@@ -286,14 +286,14 @@ def test_tile_benchmark_runs_every_kernel(monkeypatch):
 
 @pytest.mark.slow
 def test_context_parallel_attention_matches_single_device(tmp_path):
-    """Output and q/k/v gradients, cp 2 and 4, ring and all-gather, causal and document masks, GQA,
+    """Output and q/k/v gradients, cp 2 and 4, ring, all-gather and Ulysses, causal and document masks, GQA,
     with the fastest kernel and the plain-PyTorch one (and FlexAttention tiles, output only),
     against float64 whole-sequence attention."""
     out = tmp_path / "errors.json"
     proc = run_torchrun(4, ["tests/cp_attention_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
-    assert len(results) == 20
+    assert len(results) == 28
     assert {len(errs) for name, errs in results.items()} == {4, 1} and all(
         len(errs) == 1 for name, errs in results.items() if name.endswith("-flex")
     )
@@ -302,7 +302,7 @@ def test_context_parallel_attention_matches_single_device(tmp_path):
     assert not failures, failures
     # Sliding windows (5, 8, 16, 27 against chunks of 16 at cp=2 and 8 at cp=4), written beside: see the worker.
     windowed = json.loads((tmp_path / "errors.json.sliding_window.json").read_text())
-    assert len(windowed) == 28 and sum(name.endswith("-window27") for name in windowed) == 6
+    assert len(windowed) == 32 and sum(name.endswith("-window27") for name in windowed) == 8
     assert all(len(errs) == (1 if "-flex-" in name else 4) for name, errs in windowed.items())
     failures = {case: errs for case, errs in windowed.items() if max(errs.values()) > OP_TOLERANCE}
     print("worst relative error with a sliding window:", max(max(e.values()) for e in windowed.values()))

@@ -77,7 +77,11 @@ def causal_lm_dir(tmp_path):
             "model.attn_implementation=eager cannot be combined with parallel.cp > 1",
         ),
         (["--model.attn_implementation=eager"], "or set data.mask_documents=false"),
-        (["--parallel.cp_method=flash"], "parallel.cp_method: 'flash' is not one of ring, allgather"),
+        (["--parallel.cp_method=flash"], "parallel.cp_method: 'flash' is not one of ring, allgather, ulysses"),
+        (
+            ["--model.preset=llama-small", "--parallel.cp=4", "--parallel.cp_method=ulysses", "--nproc", "4"],
+            "parallel.cp_method=ulysses splits attention heads over parallel.cp=4, but this rank's 6 query heads",
+        ),
         (
             ["--data.seq_len=36", "--parallel.cp=2", "--parallel.tp=4", "--nproc", "8"],
             "data.seq_len 36 / parallel.cp=2 = 18 is not divisible by parallel.tp=4",

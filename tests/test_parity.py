@@ -375,6 +375,11 @@ for _method in ("ring", "allgather"):
     for _name, (_world, _overrides) in CP_LAYOUTS.items():
         if _method == "ring" or _name in ("cp2", "tp2_cp2"):  # allgather: the composition with TP is the subtle one
             LAYOUTS[f"{_name}_{_method}"] = (_world, _overrides + [f"parallel.cp_method={_method}"], "llama-docs")
+# Ulysses (all-to-all to head shards; docs/context-parallel.md): every composition; cp4 and tp2 x cp2 have fewer
+# KV heads per rank than cp (llama-tiny's 2, 1 under tp2), so each KV head is repeated before the all-to-all.
+for _name, (_world, _overrides) in CP_LAYOUTS.items():
+    LAYOUTS[f"{_name}_ulysses"] = (_world, _overrides + ["parallel.cp_method=ulysses"], "llama-docs")
+LAYOUTS["cp2_ulysses_causal_only"] = (2, ["parallel.cp=2", "parallel.cp_method=ulysses"], "llama-docs-causal")
 # Pipeline parallelism: schedules at pp 2 and 4, and every composition up to 4-D (16 processes).
 PP_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 for _pp in (2, 4):
@@ -406,6 +411,7 @@ LAYOUTS["pp2_micro_batch_2"] = (2, ["parallel.pp=2", "train.micro_batch_size=2"]
 LAYOUTS["pp2_dp2"] = (4, ["parallel.pp=2", "parallel.dp_shard=2"], "llama-deep")
 LAYOUTS["pp2_tp2"] = (4, ["parallel.pp=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_cp2"] = (4, ["parallel.pp=2", "parallel.cp=2"], "llama-deep")
+LAYOUTS["pp2_cp2_ulysses"] = (4, ["parallel.pp=2", "parallel.cp=2", "parallel.cp_method=ulysses"], "llama-deep")
 LAYOUTS["pp2_dp2_tp2"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_dp2_cp2_tp2"] = (
     16,

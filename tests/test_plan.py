@@ -807,3 +807,35 @@ def test_plan_lora_rank_plans_and_emits_a_lora_run(tmp_path, capsys):
     assert load_config(out, env={}).lora.rank == 16
     status, _, stderr = plan_cli(capsys, *args, "--lora-rank", "-1")
     assert status == 2 and "--lora-rank must be >= 0" in stderr
+
+
+def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
+    """Context-parallel candidates come with ring and Ulysses (parallel.cp_method) where the heads split over cp
+    (llama-small's 6 heads: cp 2 only); Ulysses' four all-to-alls per pass are on the critical path, ring's K/V
+    steps hide behind attention: at 128k tokens ring wins, at 8k over 16 GPUs (two nodes) Ulysses does."""
+    from meshtron.models.presets import make_preset_config
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.search import candidate_layouts
+    from meshtron.plan.throughput import estimate_step
+
+    hw = hardware("h100")
+    small = make_preset_config("llama-small", 259)
+    workload = Workload(seq_len=8192, global_batch=8)
+    methods = {
+        (layout.cp, layout.cp_method)
+        for layout in candidate_layouts(ModelShape.from_hf_config(small), small, workload, 8, hw)
+        if layout.cp > 1
+    }
+    assert {(2, "ring"), (2, "ulysses"), (4, "ring")} <= methods and (4, "ulysses") not in methods
+
+    big = make_preset_config("llama-8b", 128256)
+    shape = ModelShape.from_hf_config(big)
+
+    def seconds(seq_len: int, method: str) -> float:
+        layout = Layout(cp=16, micro_batch=1, cp_method=method)
+        return estimate_step(shape, layout, Workload(seq_len=seq_len, global_batch=8), hw, big).seconds
+
+    assert seconds(8192, "ulysses") < seconds(8192, "ring")
+    assert seconds(131072, "ring") < seconds(131072, "ulysses")

@@ -4,7 +4,7 @@ the run's config and by the planner on every candidate layout, so the two cannot
 from __future__ import annotations
 
 from meshtron.config import ParallelConfig
-from meshtron.distributed.context_parallel import check_context_parallel
+from meshtron.distributed.context_parallel import check_context_parallel, check_ulysses
 from meshtron.distributed.expert_parallel import check_expert_parallel
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.pipeline_parallel import check_pipeline
@@ -36,6 +36,9 @@ def check_layout(
     check_family(hf_config, tp=dims.tp, attn_implementation=attn_implementation)
     check_expert_parallel(hf_config, dims.ep)
     check_context_parallel(dims.cp, seq_len)
+    if dims.cp > 1 and parallel.cp_method == "ulysses":
+        shape = adapter_for(hf_config).attention_shape(hf_config)
+        check_ulysses(shape.num_heads, shape.num_kv_heads, dims.cp, dims.tp)
     check_attention(hf_config, attn_implementation, dims.cp, mask_documents, seq_len)
     microbatches = check_pipeline(parallel, hf_config, local_batch, micro_batch_size, device_type)
     check_tensor_parallel(hf_config, adapter_for(hf_config), dims.tp, seq_len, parallel.sequence_parallel, dims.cp)

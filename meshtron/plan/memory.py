@@ -178,10 +178,14 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     norms = shape.residual_norms * _norm(h, e, frozen) / stream_split
     gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
     attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
+    if layout.cp > 1 and layout.cp_method == "ulysses":  # whole sequences of heads / cp: as many q / out bytes
+        kv_received = max(kv_local, layout.cp)  # KV heads repeated up to cp when fewer
+        attention = e * (2 * heads * d + 2 * kv_received * d) + FP32 * heads
     if meshtron_attention(layout, workload):
         attention += e * heads * d  # the output made contiguous for o_proj
         if dense_document_mask(layout, workload):
-            attention += e * workload.seq_len  # the mask, which SDPA turns into a float bias in every block
+            # The mask, which SDPA turns into a float bias in every block: (S, S) per sequence, over S / cp tokens.
+            attention += e * workload.seq_len * (layout.cp if layout.cp_method == "ulysses" else 1)
     if shape.head_norms:
         attention += _norm(heads * d, e, frozen) + _norm(kv_local * d, e, frozen)  # Qwen3's per-head q/k norms
     if shape.eager_attention:  # eager: k/v repeated to every query head, scores (and capped scores) kept, no lse
@@ -203,8 +207,10 @@ def meshtron_attention(layout: Layout, workload: Workload) -> bool:
 
 def dense_document_mask(layout: Layout, workload: Workload) -> bool:
     """Whether whole-sequence attention takes a (B, 1, S, S) document mask: SDPA off CUDA (on CUDA,
-    FlexAttention's block mask is negligible; context parallelism builds per-tile masks)."""
-    return layout.cp == 1 and workload.mask_documents and workload.device != "cuda"
+    FlexAttention's block mask is negligible; ring / all-gather context parallelism builds per-tile masks, Ulysses
+    attends whole sequences)."""
+    whole_sequences = layout.cp == 1 or layout.cp_method == "ulysses"
+    return whole_sequences and workload.mask_documents and workload.device != "cuda"
 
 
 def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, first: bool, last: bool) -> float:

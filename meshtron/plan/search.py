@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -55,9 +56,9 @@ def expert_degrees(shape: ModelShape, dp_shard: int, cp: int) -> list[int]:
 def candidate_layouts(
     shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware, max_micro_batch: int = 16
 ) -> list[Layout]:
-    """Every layout worth estimating: tp within a node, cp and pp as powers of two, dp split as FSDP
-    across all data-parallel ranks or as HSDP (FSDP inside a node, replicas across nodes), and for a
-    mixture of experts every expert-parallel degree meshtron allows."""
+    """Every layout worth estimating: tp within a node, cp and pp as powers of two (cp by ring and by Ulysses where
+    the heads allow it), dp split as FSDP across all data-parallel ranks or as HSDP (FSDP inside a node, replicas
+    across nodes), and for a mixture of experts every expert-parallel degree meshtron allows."""
     layouts = []
     for tp in [t for t in _powers_of_two(hw.gpus_per_node) if gpus % t == 0]:
         for cp in [c for c in _powers_of_two(16) if gpus % (tp * c) == 0]:
@@ -80,22 +81,26 @@ def candidate_layouts(
                         for schedule, per_rank in schedules:
                             if schedule == "Interleaved1F1B" and shape.layers < 2 * pp:
                                 continue
-                            for ac in AC_MODES:
-                                for ep in expert_degrees(shape, dp_shard, cp):
-                                    layout = Layout(
-                                        dp_replicate,
-                                        dp_shard,
-                                        cp,
-                                        tp,
-                                        pp,
-                                        micro,
-                                        ac,
-                                        pp_schedule=schedule,
-                                        pp_stages_per_rank=per_rank,
-                                        ep=ep,
-                                    )
-                                    if _valid(hf_config, layout, workload):
-                                        layouts.append(layout)
+                            for ac, ep, method in itertools.product(
+                                AC_MODES,
+                                expert_degrees(shape, dp_shard, cp),
+                                ("ring", "ulysses") if cp > 1 else ("ring",),
+                            ):
+                                layout = Layout(
+                                    dp_replicate,
+                                    dp_shard,
+                                    cp,
+                                    tp,
+                                    pp,
+                                    micro,
+                                    ac,
+                                    cp_method=method,
+                                    pp_schedule=schedule,
+                                    pp_stages_per_rank=per_rank,
+                                    ep=ep,
+                                )
+                                if _valid(hf_config, layout, workload):
+                                    layouts.append(layout)
     return layouts
 
 

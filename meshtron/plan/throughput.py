@@ -67,6 +67,22 @@ def expert_all_to_all_s(
     return one_layer * layers * forwards
 
 
+def ulysses_all_to_all_s(
+    shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, passes: int, layers: int, forwards: int
+) -> float:
+    """Ulysses context parallelism's all-to-alls of one step on a rank: per layer and micro-batch, q, k and v to head
+    shards and the output back in every forward (a checkpointed block's recomputation included), and their gradients
+    the other way in backward: four all-to-alls per pass, on the critical path (attention waits for them). k and v
+    carry the rank's KV heads, repeated up to ``cp`` heads when fewer. The cp group spans ``cp x tp`` ranks."""
+    e = compute_bytes(workload)
+    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    heads, kv = shape.heads // layout.tp, max(max(shape.kv_heads // layout.tp, 1), layout.cp)
+    span = layout.cp * layout.tp
+    q_bytes, kv_bytes = tokens * heads * shape.head_dim * e, tokens * kv * shape.head_dim * e
+    one_pass = 2 * _collective_s(q_bytes, layout.cp, span, hw) + 2 * _collective_s(kv_bytes, layout.cp, span, hw)
+    return one_pass * passes * layers * forwards
+
+
 def _dispatched_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """The hidden rows one rank dispatches per MoE layer and micro-batch (each token once per routed expert)."""
     tokens = layout.micro_batch * workload.seq_len / layout.cp
@@ -109,7 +125,8 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # left out, as is document sparsity). Elsewhere its masked tiles are plain fp32 matmuls: the fp32 rate.
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world
     attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
-    if layout.cp > 1:
+    ulysses = layout.cp > 1 and layout.cp_method == "ulysses"  # whole sequences by the device's kernel, as cp = 1
+    if layout.cp > 1 and not ulysses:
         compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
     compute *= 1 + bubble_fraction(layout, workload)
 
@@ -131,6 +148,8 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     cp_span = layout.cp * layout.tp
     cp_comm = _collective_s(kv_bytes * layout.cp, layout.cp, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
     cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * efficiency))
+    if ulysses:
+        cp_s = ulysses_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)
 
     # Expert parallel: the all-to-alls of the token dispatch and combine, on the critical path.
     a2a_s = expert_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)

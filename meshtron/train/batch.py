@@ -45,8 +45,8 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
     if uses_meshtron_attention(split.cp, split.mask_documents):
         layout = SequenceLayout(input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs)
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
-        # plan, whose one host sync happens here and not in the layers).
-        if split.cp == 1:
+        # plan, whose one host sync happens here and not in the layers; Ulysses attends whole sequences).
+        if split.cp == 1 or split.cp_method == "ulysses":
             prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1], split.attention_windows)
         else:
             for window in split.attention_windows:

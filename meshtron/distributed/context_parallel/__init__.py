@@ -5,6 +5,8 @@
 * ``tiles``: which tiles of the attention matrix, (query chunk, key chunk) pairs, to compute and their masks,
   planned once per micro-batch.
 * ``tile_kernels``, ``fused_tile_kernels``: attention on one tile, returning the log-sum-exp.
+* ``ulysses``: ``ulysses_attention`` (``parallel.cp_method=ulysses``), all-to-all from sequence shards to head
+  shards around whole-sequence attention.
 * ``routing``: ``hf_attention``, the attention function transformers calls, and its registration.
 """
 
@@ -17,15 +19,18 @@ from meshtron.distributed.context_parallel.layout import (
 from meshtron.distributed.context_parallel.ring import context_parallel_attention
 from meshtron.distributed.context_parallel.routing import ATTENTION_NAME, hf_attention, register_attention
 from meshtron.distributed.context_parallel.tiles import planned_tiles
+from meshtron.distributed.context_parallel.ulysses import check_ulysses, ulysses_attention
 
 __all__ = [
     "ATTENTION_NAME",
     "SequenceLayout",
     "check_context_parallel",
+    "check_ulysses",
     "context_parallel_attention",
     "hf_attention",
     "local_token_index",
     "planned_tiles",
     "register_attention",
     "shard_sequence",
+    "ulysses_attention",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from meshtron.distributed.context_parallel.layout import SequenceLayout
 from meshtron.distributed.context_parallel.ring import context_parallel_attention
+from meshtron.distributed.context_parallel.ulysses import ulysses_attention
 from meshtron.errors import MeshtronError
 from meshtron.models.attention_kernels import document_attention
 
@@ -48,6 +49,8 @@ def hf_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if sequence_layout.cp == 1:
         out = _single_device_attention(query, key, value, sequence_layout, scale, sliding_window)
+    elif sequence_layout.method == "ulysses":
+        out = ulysses_attention(query, key, value, sequence_layout, scale, sliding_window)
     else:
         out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window)
     return out.transpose(1, 2).contiguous(), None
