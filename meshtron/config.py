@@ -41,6 +41,7 @@ TRAIN_ON = ("assistant", "all")
 WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
+ROUTER_BALANCE = ("aux_loss", "bias")
 CP_METHODS = ("ring", "allgather", "ulysses")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -159,6 +160,12 @@ class TrainConfig:
     """Mixture-of-experts models: add the router load-balancing loss (``router_aux_loss_coef`` of the model
     config times transformers' ``load_balancing_loss_func``, over the global micro-batch): ``true``, ``false``,
     or ``auto`` (the model config's ``output_router_logits``, as transformers decides); see docs/metrics.md."""
+    router_balance: str = "aux_loss"
+    """How mixture-of-experts routers are kept balanced: ``aux_loss`` (the loss above, as ``router_aux_loss`` says)
+    or ``bias`` (auxiliary-loss-free: a per-expert bias in the top-k choice, moved against each step's global load;
+    meshtron.train.router_balance, docs/moe.md)."""
+    router_bias_rate: float = 1e-3
+    """``router_balance=bias``: how far each step moves a bias (DeepSeek-V3's update speed, 0.001)."""
 
 
 @dataclass
@@ -502,6 +509,15 @@ def validate_config(cfg: Config) -> None:
     _choice("train.compile", t.compile, COMPILE)
     t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())
     _choice("train.router_aux_loss", t.router_aux_loss, ROUTER_AUX_LOSS)
+    _choice("train.router_balance", t.router_balance, ROUTER_BALANCE)
+    if t.router_balance == "bias":
+        if not t.router_bias_rate > 0:
+            raise ConfigError(f"train.router_bias_rate: must be > 0, got {t.router_bias_rate}")
+        if cfg.parallel.pp > 1:
+            raise ConfigError(
+                "train.router_balance=bias with parallel.pp > 1 is not supported yet; use train.router_balance="
+                "aux_loss or parallel.pp=1"
+            )
     _choice("run.device", cfg.run.device, DEVICES)
     _choice("run.wandb_mode", cfg.run.wandb_mode, WANDB_MODES)
     _choice("data.format", d.format, DATA_FORMATS)

@@ -58,6 +58,7 @@ def streamed(cache_dir) -> list[str]:
 
 MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
 LORA = ["lora.rank=4", "lora.train_head=true"]
+BIAS = ["train.router_balance=bias", "train.router_bias_rate=0.01"]
 
 
 def from_half(out: Path, name: str) -> str:
@@ -209,6 +210,15 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.tp=2",
                 from_half(out, "ep2_fsdp4_moe_lora"),
             ],
+            # Router balancing biases (train.router_balance=bias) are model buffers: saved, and resumed exactly.
+            "ep2_fsdp4_moe_bias": [MOE, *BIAS, "parallel.dp_shard=4", "parallel.ep=2"],
+            "ep2_fsdp4_moe_bias_resumed": [
+                MOE,
+                *BIAS,
+                "parallel.dp_shard=4",
+                "parallel.ep=2",
+                from_half(out, "ep2_fsdp4_moe_bias"),
+            ],
             # Another data.seq_len: the rest of the epoch cut to 64 (meshtron.data.carry) is read under any layout.
             "dp2_tp2_seq64_from_fsdp4": [
                 "data.seq_len=64",
@@ -279,6 +289,7 @@ def test_a_streamed_run_rolls_back_as_a_run_that_skipped_the_batch(runs):
         "ep2_fsdp4_moe",
         "fsdp4_muon",
         "fsdp4_lora",
+        "ep2_fsdp4_moe_bias",
     ],
 )
 def test_resume_is_exact(runs, straight):

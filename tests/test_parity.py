@@ -531,6 +531,19 @@ LAYOUTS["ep2_pp2_moe_aux_lora"] = (
     "moe-aux-lora-accum2",
 )
 LAYOUTS["ep2_tp2_qwen2moe_lora"] = (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "qwen2moe-lora")
+# Auxiliary-loss-free balancing (train.router_balance=bias): the routers' biases move with each step's global
+# expert load, summed over every micro-batch and dp x cp rank, so they are the same in every layout (they are in
+# the compared state dicts); accumulation needs no matching reference (the load is the step's, however split).
+REFERENCES["moe-bias"] = [
+    f"model.name_or_path={{cache_dir}}/{MOE_AUX}",
+    "train.router_aux_loss=false",
+    "train.router_balance=bias",
+    "train.router_bias_rate=1e-2",
+]
+LAYOUTS["ep2_moe_bias"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-bias")
+LAYOUTS["tp2_moe_bias"] = (2, ["parallel.tp=2"], "moe-bias")
+LAYOUTS["fsdp2_accum_moe_bias"] = (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "moe-bias")
+LAYOUTS["ep2_cp2_moe_bias"] = (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"], "moe-bias")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")

@@ -35,6 +35,7 @@ from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.precision import LossScaler, unscale_gradients
+from meshtron.train.router_balance import RouterBalance, load_spread
 from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
@@ -56,6 +57,8 @@ class StepContext:
     scaler: LossScaler | None = None
     router: RouterLoss | None = None
     """The MoE router load-balancing loss, when on (meshtron.train.router_loss.build_router_loss)."""
+    balance: RouterBalance | None = None
+    """The routers' auxiliary-loss-free balancing biases, under ``train.router_balance=bias``."""
 
     @property
     def loss_parallel(self) -> bool:
@@ -119,7 +122,11 @@ def _forward_backward(
     for index, (input_ids, labels) in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.cfg.fsdp.accumulate_unsharded)
-        with ctx.router.recording() if routing is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as recording:
+            if routing is not None:
+                recording.enter_context(ctx.router.recording())
+            if ctx.balance is not None:
+                recording.enter_context(ctx.balance.recording())
             hidden = model(**sequence_inputs(input_ids, ctx.split))
         aux = None
         if routing is not None:  # one all-reduce of the routers' counts over the dp x cp ranks
@@ -235,6 +242,8 @@ def train_step(
         ctx.scaler.update(overflowed)
         if overflowed:  # fp16 gradients overflowed at this loss scale: skip the step, the scale was halved
             optimizer.zero_grad(set_to_none=True)
+            if ctx.balance is not None:
+                ctx.balance.discard()
             return StepResult(**result)
         if loss_scale != 1.0:
             unscale_gradients(parameters, loss_scale)
@@ -245,9 +254,14 @@ def train_step(
                 "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip or rollback"
             )
         optimizer.zero_grad(set_to_none=True)
+        if ctx.balance is not None:
+            ctx.balance.discard()
         return StepResult(**result, nonfinite=True)
     clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm / loss_scale)
     optimizer.step()
+    if ctx.balance is not None:  # the step's global expert load moves the routers' biases (and is reported)
+        load_max, load_min = load_spread(ctx.balance.update()).tolist()
+        result["metrics"] = {**metrics, "expert_load_max": load_max, "expert_load_min": load_min}
     if cfg.train.float8:
         refresh_float8_scales(model)
     if measure_state:

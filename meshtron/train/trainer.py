@@ -42,6 +42,7 @@ from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, preflight
 from meshtron.train.resumable import Resumable
+from meshtron.train.router_balance import build_router_balance
 from meshtron.train.router_loss import build_router_loss
 from meshtron.train.run_messages import done_message, evaluated_message, startup_message
 from meshtron.train.runtime import Runtime
@@ -171,6 +172,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         policy,
         loss_scaler(policy, cfg),
         router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
+        balance=build_router_balance(model, plan.hf_config, cfg, dims, meshes),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims, built.adapter.family)
     # A rehearsal (one rank on a fake process group) measures training only.

@@ -1,0 +1,131 @@
+"""Auxiliary-loss-free load balancing of mixture-of-experts routers (``train.router_balance=bias``).
+
+As DeepSeek-V3 does (Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"): each MoE
+layer's router gets a per-expert bias ``b`` (a float32 buffer, ``gate.balance_bias``, no gradient) that is added to
+the routing scores for the *choice* of the top-k experts only; the weights the chosen experts' outputs are mixed
+with stay the router's own (softmax probabilities, renormalized where the family does). After every optimizer step
+each layer's bias moves against its load::
+
+    load[e] = tokens routed to expert e in the step (all micro-batches, all data- and context-parallel ranks)
+    b[e]   += train.router_bias_rate * sign(mean(load) - load[e])
+
+so overloaded experts become less likely to be chosen and idle ones more. The load is summed over the step's
+micro-batches on each rank and then over the ``dp x cp`` ranks (one all-reduce of ``layers x experts`` numbers per
+step), so every rank applies the same update and the biases are the same under every layout (tensor-parallel ranks
+route the same tokens and are not counted twice; expert parallelism routes before it dispatches). The biases are
+persistent buffers: checkpoints hold them; ``meshtron export`` leaves them out (transformers' model has no such
+weight). Only tokens of training forwards count (not evaluation, not activation checkpointing's recomputation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshtron.errors import ConfigError
+from meshtron.models.moe import is_moe, moe_blocks, num_experts
+
+BIAS = "balance_bias"
+"""The buffer name of a router's balancing bias (``...mlp.gate.balance_bias``)."""
+
+
+def biased_router_forward(self, hidden_states):
+    """transformers' top-k router (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) with the balancing bias in the choice."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    with torch.no_grad():
+        _, router_indices = torch.topk(router_probs + getattr(self, BIAS), self.top_k, dim=-1)
+    router_top_value = router_probs.gather(-1, router_indices)
+    # Mixtral always renormalizes the top-k and keeps them in float32; the others renormalize if configured and
+    # return the logits' dtype.
+    renormalize = getattr(self, "norm_topk_prob", True)
+    if renormalize:
+        router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
+    if hasattr(self, "norm_topk_prob"):
+        router_top_value = router_top_value.to(router_logits.dtype)
+    if self.balance_recording:
+        self.balance_load.index_add_(
+            0, router_indices.reshape(-1), torch.ones(router_indices.numel(), device=router_indices.device)
+        )
+    return router_logits, router_top_value, router_indices
+
+
+class RouterBalance:
+    """The balancing biases of ``model``'s routers (a part: a pipeline stage's own) and their update."""
+
+    def __init__(self, model: torch.nn.Module, hf_config, rate: float, group=None):
+        self.routers = [block.gate for _, block in moe_blocks(model)]
+        if not self.routers:
+            raise ConfigError("train.router_balance=bias found no MoE router (gate + experts) in the model")
+        self.rate = float(rate)
+        self.group = group
+        experts = num_experts(hf_config)
+        for router in self.routers:
+            if not all(hasattr(router, name) for name in ("weight", "top_k", "hidden_dim")):
+                raise ConfigError(
+                    f"train.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
+                    "meshtron can bias; set train.router_balance=aux_loss"
+                )
+            device = router.weight.device if router.weight.device.type != "meta" else torch.device("cpu")
+            if hasattr(router.weight, "to_local"):
+                device = router.weight.to_local().device
+            router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
+            router.balance_load = torch.zeros(experts, dtype=torch.float32, device=device)
+            router.balance_recording = False
+            router.forward = types.MethodType(biased_router_forward, router)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Around one training micro-batch's forward: the tokens its routers choose count towards the load."""
+        for router in self.routers:
+            router.balance_recording = True
+        try:
+            yield
+        finally:
+            for router in self.routers:
+                router.balance_recording = False
+
+    def update(self) -> torch.Tensor:
+        """After the optimizer step: the step's global load per layer (L, E), and every bias moved against it."""
+        load = torch.stack([router.balance_load for router in self.routers])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(load, group=self.group)
+        mean = load.mean(dim=-1, keepdim=True)
+        with torch.no_grad():
+            for router, step in zip(self.routers, torch.sign(mean - load) * self.rate):
+                getattr(router, BIAS).add_(step)
+                router.balance_load.zero_()
+        return load
+
+    def discard(self) -> None:
+        """A skipped step (non-finite loss, fp16 overflow): its load is forgotten and no bias moves."""
+        for router in self.routers:
+            router.balance_load.zero_()
+
+
+def load_spread(load: torch.Tensor) -> torch.Tensor:
+    """(max, min) over layers and experts of each expert's load over its layer's mean load."""
+    relative = load / load.mean(dim=-1, keepdim=True).clamp_min(1)
+    return torch.stack([relative.max(), relative.min()])
+
+
+def check_router_balance(setting: str, hf_config) -> None:
+    """Refuse, before any process group, bias balancing for a model without experts."""
+    if setting == "bias" and not is_moe(hf_config):
+        raise ConfigError(
+            "train.router_balance=bias needs a mixture-of-experts model (num_experts > 0); this "
+            f"{getattr(hf_config, 'model_type', 'model')} is dense. Use train.router_balance=aux_loss"
+        )
+
+
+def build_router_balance(model, hf_config, cfg, dims, meshes) -> RouterBalance | None:
+    """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise)."""
+    if cfg.train.router_balance != "bias":
+        return None
+    group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
+    return RouterBalance(model, hf_config, cfg.train.router_bias_rate, group)
