@@ -27,7 +27,7 @@ import tomli_w
 from meshtron.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip", "rollback")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -55,7 +55,9 @@ class ModelConfig:
     preset: str | None = None
     """Named from-scratch architecture (see ``meshtron.models.presets``); ``tiny`` when neither is set."""
     dtype: str = "float32"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"
+    """The model's own attention where meshtron's is not in use (no document masks, cp = 1): ``sdpa``, ``eager``, or
+    ``auto`` (sdpa, or eager for a family whose attention sdpa cannot compute: Gemma 2's soft-capped scores)."""
     trust_remote_code: bool = False
 
 

@@ -208,3 +208,32 @@ def _tiny_model():
     materialize(model, adapter, torch.device("cpu"), seed=0)
     adapter.use_attention(model, register_attention())
     return model
+
+
+@pytest.mark.parametrize("kernel", ["flex", "sdpa"])
+def test_soft_capped_scores_match_float64_attention(kernel):
+    """Gemma 2's attn_logit_softcapping (cap 2 on scores up to ~10, so it binds): ``softcap * tanh(score /
+    softcap)`` before the mask, by FlexAttention's score_mod and by the plain math that replaces SDPA (which cannot
+    cap); the plain one's q/k/v gradients too, against float64 autograd."""
+    tokens = packed_tokens()
+    docs, visible = document_ids(tokens, EOS), reference_mask(tokens)
+    q, k, v = (t * 3 for t in qkv())
+    inputs = [t.clone().requires_grad_(kernel == "sdpa") for t in (q, k, v)]
+    out = kernels.document_attention(*inputs, docs, 0.3, kernel=kernel, softcap=2.0)
+
+    def reference(q, k, v):
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        scores = torch.tanh(q @ k.transpose(-1, -2) * 0.3 / 2.0) * 2.0
+        return torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ v
+
+    reference_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    want = reference(*reference_inputs)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    uncapped = reference_attention(q, k, v, visible, 0.3)
+    assert (uncapped - want).abs().max() > 1e-2  # the cap binds
+    if kernel == "sdpa":
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        got = torch.autograd.grad(out, inputs, grad)
+        wanted = torch.autograd.grad(want, reference_inputs, grad.double())
+        for name, a, b in zip("qkv", got, wanted):
+            torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)

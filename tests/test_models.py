@@ -410,22 +410,34 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
             "model family olmo2 with parallel.tp=4 > its 2 KV heads is not supported yet: its k_norm normalizes",
         ),
         (
-            ["model.preset=gemma2-tiny", "data.mask_documents=false"],
+            ["model.preset=gemma2-tiny", "model.attn_implementation=sdpa", "data.mask_documents=false"],
             1,
             "model family gemma2 cannot use model.attn_implementation=sdpa",
         ),
         (
-            ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.seq_len=16"],
-            1,
-            "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for "
-            "data.mask_documents); "
-            "set data.mask_documents=false",
+            ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "parallel.cp=2", "data.seq_len=16"],
+            2,
+            "the model's attn_logit_softcapping 1.0 is not supported by parallel.cp_method=ring (its tiles do not "
+            "cap scores); set parallel.cp_method=ulysses",
         ),
     ],
 )
 def test_family_refusals_name_the_setting(overrides, world, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         _preflight(overrides, world)
+
+
+def test_auto_attention_picks_what_the_family_needs():
+    """model.attn_implementation=auto (the default): eager for Gemma 2 (soft-capped scores), sdpa for the others;
+    Gemma 2 then runs with its defaults, with document masks (meshtron's attention caps) or without."""
+    from meshtron.models.families import resolve_attn_implementation
+
+    gemma2, llama = (make_preset_config(name, 257) for name in ("gemma2-tiny", "llama-tiny"))
+    assert resolve_attn_implementation("auto", gemma2) == "eager"
+    assert resolve_attn_implementation("auto", llama) == "sdpa"
+    assert resolve_attn_implementation("sdpa", gemma2) == "sdpa"
+    for documents in ("true", "false"):
+        _preflight(["model.preset=gemma2-tiny", f"data.mask_documents={documents}"], 1)
 
 
 def test_supported_family_settings_pass_preflight():
@@ -696,8 +708,8 @@ def test_moe_trains_and_exports_its_experts_one_by_one(tmp_path, cache_dir, pres
 
 
 def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
-    """``meshtron plan`` on Gemma 2: with document masks one line names the setting; without, only layouts
-    without CP (meshtron's attention has no soft-capping), TP included (its 2 layers are too few for the
+    """``meshtron plan`` on Gemma 2, with and without document masks: context parallelism only by Ulysses (whose
+    whole-sequence attention caps the scores; ring's tiles do not), TP included (its 2 layers are too few for the
     planner's pipelines, which hold at least 2 layers per stage)."""
     import json
 
@@ -706,13 +718,10 @@ def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
     make_preset_config("gemma2-tiny", 257).save_pretrained(tmp_path)
     args = ["plan", "--model", str(tmp_path / "config.json"), "--gpus", "4", "--seq-len", "256", "--global-batch", "16"]
     capsys.readouterr()
-    assert main(args) != 0
-    assert (
-        "the model's attn_logit_softcapping 1.0 is not supported by meshtron's attention (used for "
-        "data.mask_documents); set data.mask_documents=false"
-    ) in capsys.readouterr().err
-    assert main([*args, "--no-mask-documents", "--json"]) == 0
-    out = capsys.readouterr().out
-    layouts = [c["layout"] for c in json.loads(out[: out.rindex("}") + 1])["candidates"]]
-    assert {layout["cp"] for layout in layouts} == {1}
-    assert {layout["tp"] for layout in layouts} == {1, 2, 4}
+    for documents in ([], ["--no-mask-documents"]):
+        assert main([*args, *documents, "--json"]) == 0
+        out = capsys.readouterr().out
+        layouts = [c["layout"] for c in json.loads(out[: out.rindex("}") + 1])["candidates"]]
+        assert {layout["cp"] for layout in layouts} == {1, 2, 4}
+        assert {layout["cp_method"] for layout in layouts if layout["cp"] > 1} == {"ulysses"}
+        assert {layout["tp"] for layout in layouts} == {1, 2, 4}

@@ -239,8 +239,8 @@ REFERENCES = {
         "data.max_documents=1000",
         "train.lr=5e-4",
     ],
-    # More families (meshtron.models.families). Gemma 2's soft-capping needs its own (eager) attention: no document
-    # masks, cp=1. Without document masks pipeline stages build the model's own masks (sliding windows included).
+    # More families (meshtron.models.families). Without document masks pipeline stages build the model's own masks
+    # (sliding windows included); Gemma 2 (eager, soft-capped scores) also with them below ("gemma2-docs").
     "granite-tiny": ["model.preset=granite-tiny", "train.lr=3e-3"],  # its scalings slow learning down
     "olmo2-tiny": ["model.preset=olmo2-tiny"],
     "phi3-tiny": ["model.preset=phi3-tiny"],
@@ -544,6 +544,21 @@ LAYOUTS["ep2_moe_bias"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-bia
 LAYOUTS["tp2_moe_bias"] = (2, ["parallel.tp=2"], "moe-bias")
 LAYOUTS["fsdp2_accum_moe_bias"] = (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "moe-bias")
 LAYOUTS["ep2_cp2_moe_bias"] = (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"], "moe-bias")
+# Gemma 2 with document masks: meshtron's attention caps the scores (attn_logit_softcapping) as the model's eager
+# attention does, whole sequences by one process or by Ulysses; ring's tiles do not cap (refused).
+REFERENCES["gemma2-docs"] = [
+    "model.preset=gemma2-tiny",
+    "model.attn_implementation=eager",
+    f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+    "data.max_documents=1000",
+]
+for _name, _overrides in {
+    "fsdp2": ["parallel.dp_shard=2"],
+    "tp2": ["parallel.tp=2"],
+    "pp2": ["parallel.pp=2"],
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+}.items():
+    LAYOUTS[f"{_name}_gemma2_docs"] = (2, _overrides, "gemma2-docs")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")

@@ -237,6 +237,16 @@ def _tiny(family: str, window: int):
             **common, head_dim=16, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"]
         )
         model = transformers.Gemma3ForCausalLM(config)
+    elif family == "gemma2":  # soft-capped attention scores (a cap of 1 binds on most scores)
+        config = transformers.Gemma2Config(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0,
+        )
+        model = transformers.Gemma2ForCausalLM(config)
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
         model = transformers.Qwen2ForCausalLM(config)
@@ -245,14 +255,21 @@ def _tiny(family: str, window: int):
         model = transformers.MistralForCausalLM(config)
     torch.manual_seed(0)
     model.apply(model._init_weights)
+    if family == "gemma2":  # scores large enough for the cap of 1 to bind (the initial ones are ~0.01)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(30)
+                layer.self_attn.k_proj.weight.mul_(30)
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral", "qwen2"])
 def test_packed_documents_match_each_document_alone_with_the_models_own_attention(family):
     """Packed documents with meshtron's attention (document mask and window) give the logits of each document
     run alone through the model's eager attention with transformers' own sliding-window mask. Gemma 3
-    alternates a sliding and a full layer; Qwen2 slides from layer ``max_window_layers`` on (its layer_types)."""
+    alternates a sliding and a full layer; Gemma 2 too, and caps its attention scores (meshtron's attention caps
+    them as transformers' eager attention does: without the cap the logits differ); Qwen2 slides from layer
+    ``max_window_layers`` on (its layer_types)."""
     window = 5
     model = _tiny(family, window)
     if family == "qwen2":
@@ -269,6 +286,13 @@ def test_packed_documents_match_each_document_alone_with_the_models_own_attentio
             alone.append(torch.cat([model(input_ids=p).logits for p in pieces], dim=1))
         model.set_attn_implementation(register_attention())
         packed = model(**sequence_inputs(tokens, SequenceSplit(mask_documents=True, eos_token_id=EOS))).logits
+        if family == "gemma2":  # the cap matters
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+            uncapped = model(**sequence_inputs(tokens, SequenceSplit(mask_documents=True, eos_token_id=EOS))).logits
+            assert (uncapped - packed).abs().max() > 1e-3
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = 1.0
         # The window matters: without it the packed logits differ.
         model.config.sliding_window = None
         for layer in model.model.layers:

@@ -81,28 +81,33 @@ def model_attention_masks(config, hidden: torch.Tensor, position_ids: torch.Tens
     return masks
 
 
-def check_attention(hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int) -> None:
+def check_attention(
+    hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int, cp_method: str = "ring"
+) -> None:
     """Refuse settings meshtron's attention cannot honour, before any process-group work. (Sliding windows it
     keeps; pipeline stages without it build the model's own masks.)"""
     if not uses_meshtron_attention(cp, mask_documents):
         return
+    from meshtron.models.families import resolve_attn_implementation
+
+    attn_implementation = resolve_attn_implementation(attn_implementation, hf_config)
     needs = "parallel.cp > 1" if cp > 1 else "data.mask_documents"
     alternative = "" if cp > 1 else " or set data.mask_documents=false"
     # The settings that would keep the model's own attention (which has what meshtron's lacks).
     own = " and ".join(s for s, on in (("parallel.cp=1", cp > 1), ("data.mask_documents=false", mask_documents)) if on)
     softcap = getattr(hf_config, "attn_logit_softcapping", None)
-    if softcap:
+    if softcap and cp > 1 and cp_method != "ulysses":
         raise ConfigError(
-            f"the model's attn_logit_softcapping {softcap} is not supported by meshtron's attention (used for "
-            f"{needs}); "
-            f"set {own}"
+            f"the model's attn_logit_softcapping {softcap} is not supported by parallel.cp_method={cp_method} (its "
+            "tiles do not cap scores); set parallel.cp_method=ulysses"
         )
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ConfigError(
             f"the model attends bidirectionally (use_bidirectional_attention), and meshtron's attention (used for "
             f"{needs}) is causal; set {own}"
         )
-    if attn_implementation != "sdpa":
+    # A soft-capping family needs eager attention of its own; meshtron's attention (which caps) replaces either.
+    if attn_implementation != "sdpa" and not (softcap and attn_implementation == "eager"):
         raise ConfigError(
             f"model.attn_implementation={attn_implementation} cannot be combined with {needs} (meshtron's own "
             "attention replaces it); use model.attn_implementation=sdpa" + alternative

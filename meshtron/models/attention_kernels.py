@@ -61,10 +61,11 @@ def document_attention(
     kernel: str = "auto",
     cache: dict | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ):
     """Causal attention within documents: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) with H a
     multiple of Hkv, ``document_ids`` (B, L) or None (one document per row), ``window`` the sliding window or
-    None -> (B, H, L, D)."""
+    None, ``softcap`` the scores' soft cap (Gemma 2: ``softcap * tanh(score / softcap)``) or None -> (B, H, L, D)."""
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "auto":
@@ -72,7 +73,11 @@ def document_attention(
     length = query.shape[2]
     window = effective_window(window, length)
     if kernel == "flex":
-        return _flex_attention(query, key, value, document_ids, scale, cache, window)
+        return _flex_attention(query, key, value, document_ids, scale, cache, window, softcap)
+    if softcap:  # SDPA cannot cap the scores: the plain math, as transformers' eager attention does it
+        cache_key = mask_key("dense", query.device, length, window)
+        visible = _cached(cache, cache_key, dense_document_mask, document_ids, query.device, window, length)
+        return softcapped_attention(query, key, value, visible, scale, softcap)
     if document_ids is None and window is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
     cache_key = mask_key("dense", query.device, length, window)
@@ -116,7 +121,31 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention(query, key, value, document_ids, scale: float, cache: dict | None, window: int | None = None):
+def softcapped_attention(query, key, value, visible: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores (Gemma 2), as transformers' ``eager_attention_forward``: scores
+    ``q k^T * scale``, capped to ``softcap * tanh(scores / softcap)``, masked (``visible`` (B or 1, 1, L, L) bool),
+    softmax in float32, back to the query's dtype, times v. Keeps the (B, H, L, L) scores for backward."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
+
+
+def _softcap_score_mod(softcap: float):
+    """FlexAttention ``score_mod`` (after the scale) for soft-capped scores."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
+
+
+def _flex_attention(
+    query, key, value, document_ids, scale: float, cache: dict | None, window: int | None = None, softcap=None
+):
     length = query.shape[2]
     window = effective_window(window, length)
     cache_key = mask_key("flex", query.device, length, window)
@@ -124,7 +153,8 @@ def _flex_attention(query, key, value, document_ids, scale: float, cache: dict |
     # Eager flex_attention runs an unfused reference (CPU tests); inside a compiled block dynamo fuses it.
     on_gpu = query.device.type == "cuda" and not torch.compiler.is_compiling()
     attend = _compiled_flex() if on_gpu else flex_attention
-    return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+    score_mod = _softcap_score_mod(softcap) if softcap else None
+    return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def _cached(cache: dict | None, cache_key: tuple, build, *args):

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
+from meshtron.models.families import resolve_attn_implementation
 from meshtron.models.lora import is_lora_parameter, lora_init
 from meshtron.models.moe import read_experts
 from meshtron.models.presets import make_preset_config
@@ -100,7 +101,7 @@ def build_meta_model(hf_config, model_cfg: ModelConfig) -> tuple[nn.Module, Deco
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             hf_config,
-            attn_implementation=model_cfg.attn_implementation,
+            attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation, hf_config),
             dtype=torch_dtype(model_cfg.dtype),
             trust_remote_code=model_cfg.trust_remote_code,
         )

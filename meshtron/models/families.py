@@ -98,9 +98,18 @@ def family_of(hf_config) -> Family:
     return FAMILIES[model_type]
 
 
+def resolve_attn_implementation(setting: str | None, hf_config) -> str | None:
+    """``model.attn_implementation`` for this model: ``auto`` is ``eager`` for a family sdpa cannot compute, else
+    ``sdpa``; ``sdpa`` and ``eager`` stay what they are."""
+    if setting != "auto":
+        return setting
+    return "eager" if family_of(hf_config).eager_only else "sdpa"
+
+
 def check_family(hf_config, *, tp: int = 1, attn_implementation: str | None = None) -> None:
     """Refuse an unknown family, or a parallelism the family cannot be split by, with one line."""
     family = family_of(hf_config)
+    attn_implementation = resolve_attn_implementation(attn_implementation, hf_config)
     name = hf_config.model_type
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_attention_heads", tp)
     if tp > kv_heads and family.tp_over_kv_heads_refusal:
@@ -111,5 +120,5 @@ def check_family(hf_config, *, tp: int = 1, attn_implementation: str | None = No
     if attn_implementation == "sdpa" and family.eager_only:
         raise ConfigError(
             f"model family {name} cannot use model.attn_implementation=sdpa: {family.eager_only}; "
-            "use model.attn_implementation=eager"
+            "use model.attn_implementation=eager or auto"
         )

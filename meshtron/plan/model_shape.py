@@ -133,11 +133,14 @@ class ModelShape:
         """``lora``: a LoRA run's settings (its adapters are parameters too, and only they and what else trains
         take gradients and optimizer state)."""
         from meshtron.models.build import build_meta_model
-        from meshtron.models.families import family_of
+        from meshtron.models.families import family_of, resolve_attn_implementation
 
         model_cfg = model_cfg or ModelConfig()
         if family_of(hf_config).eager_only:  # the family runs only with eager attention (Gemma 2)
             model_cfg = dataclasses.replace(model_cfg, attn_implementation="eager")
+        model_cfg = dataclasses.replace(
+            model_cfg, attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation, hf_config)
+        )
         model, adapter = build_meta_model(hf_config, model_cfg)
         if lora is not None and lora.enabled:
             add_lora(model, adapter, lora)

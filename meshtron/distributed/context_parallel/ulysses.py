@@ -73,7 +73,13 @@ def sequence_orders(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch
 
 @torch.compiler.disable
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, scale: float, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SequenceLayout,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal (and document-masked, windowed) attention of this rank's sequence shard, all heads: (B, H, L, D).
     Runs eagerly inside compiled blocks, as the ring does."""
@@ -85,5 +91,7 @@ def ulysses_attention(
     to_global, to_shards = sequence_orders(layout, q.device)
     q_all, k_all, v_all = (_seq_to_heads(t, cp, group).index_select(2, to_global) for t in (q, k, v))
     kernel = "sdpa" if layout.kernel == "math" else layout.kernel  # the tiles' plain kernel: SDPA on whole sequences
-    out = document_attention(q_all, k_all, v_all, layout.document_ids, scale, kernel, layout.attention_cache, window)
+    out = document_attention(
+        q_all, k_all, v_all, layout.document_ids, scale, kernel, layout.attention_cache, window, softcap
+    )
     return _heads_to_seq(out.index_select(2, to_shards), cp, group)
