@@ -75,3 +75,21 @@ def test_bias_balancing_settings_are_one_line_errors():
         load_config(None, ["train.router_balance=bias", "parallel.pp=2"], env={})
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         check_router_balance("bias", make_preset_config("llama-tiny", BYTE_VOCAB))
+
+
+def test_a_lora_checkpoint_keeps_the_routers_biases():
+    """A LoRA run's checkpoints hold what training changes: the adapters, and the biases (no gradient) too."""
+    from meshtron.checkpoint.state import TrainingState
+    from meshtron.config import LoraConfig
+    from meshtron.models.adapter import adapter_for
+    from meshtron.models.lora import add_lora
+
+    model = tiny("qwen3moe-tiny")
+    add_lora(model, adapter_for(model.config), LoraConfig(rank=2, targets=["q_proj"]))
+    RouterBalance(model, model.config, rate=1e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    kept = TrainingState([model], model, optimizer, trained_only=True)._kept(model)
+    assert {name for name in kept if "balance_bias" in name} == {
+        f"model.layers.{layer}.mlp.gate.balance_bias" for layer in (0, 1)
+    }
+    assert not any(name.endswith("q_proj.weight") for name in kept)

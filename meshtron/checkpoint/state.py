@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshtron.models.adapter import canonical_name
+from meshtron.models.moe import ROUTER_BIAS
 
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -52,8 +53,9 @@ class TrainingState:
     ):
         self.parts, self.container, self.optimizer = parts, container, optimizer
         self.trained_only = trained_only
-        """LoRA: the model entries are the weights that train (adapters, a trained head or embeddings) only; the frozen
-        base comes from where the run took it (``model.name_or_path``, or the seed), as at its start."""
+        """LoRA: the model entries are the weights that train (adapters, a trained head or embeddings, routers'
+        balancing biases) only; the frozen base comes from where the run took it (``model.name_or_path``, or the
+        seed), as at its start."""
         self.pipelined = container is not parts[0]
         self.tied = {
             head: embeddings
@@ -67,6 +69,8 @@ class TrainingState:
         if not self.trained_only:
             return entries
         trained = {canonical_name(name) for name, param in part.named_parameters() if param.requires_grad}
+        # Routers' balancing biases change in training without a gradient (train.router_balance=bias).
+        trained |= {canonical_name(name) for name, _ in part.named_buffers() if name.endswith(f".{ROUTER_BIAS}")}
         return {k: v for k, v in entries.items() if k in trained}
 
     def state_dict(self) -> dict:

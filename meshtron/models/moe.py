@@ -14,6 +14,10 @@ import re
 
 from torch import nn
 
+ROUTER_BIAS = "balance_bias"
+"""The buffer name of a router's auxiliary-loss-free balancing bias (``...mlp.gate.balance_bias``,
+meshtron.train.router_balance): state that training changes without a gradient."""
+
 
 def is_moe(config) -> bool:
     """Whether the model routes tokens to experts."""

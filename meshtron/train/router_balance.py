@@ -27,10 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshtron.errors import ConfigError
+from meshtron.models.moe import ROUTER_BIAS as BIAS
 from meshtron.models.moe import is_moe, moe_blocks, num_experts
-
-BIAS = "balance_bias"
-"""The buffer name of a router's balancing bias (``...mlp.gate.balance_bias``)."""
 
 
 def biased_router_forward(self, hidden_states):
