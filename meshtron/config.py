@@ -515,11 +515,6 @@ def validate_config(cfg: Config) -> None:
     if t.router_balance == "bias":
         if not t.router_bias_rate > 0:
             raise ConfigError(f"train.router_bias_rate: must be > 0, got {t.router_bias_rate}")
-        if cfg.parallel.pp > 1:
-            raise ConfigError(
-                "train.router_balance=bias with parallel.pp > 1 is not supported yet; use train.router_balance="
-                "aux_loss or parallel.pp=1"
-            )
     _choice("run.device", cfg.run.device, DEVICES)
     _choice("run.wandb_mode", cfg.run.wandb_mode, WANDB_MODES)
     _choice("data.format", d.format, DATA_FORMATS)

@@ -544,6 +544,18 @@ LAYOUTS["ep2_moe_bias"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-bia
 LAYOUTS["tp2_moe_bias"] = (2, ["parallel.tp=2"], "moe-bias")
 LAYOUTS["fsdp2_accum_moe_bias"] = (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"], "moe-bias")
 LAYOUTS["ep2_cp2_moe_bias"] = (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"], "moe-bias")
+# Under a pipeline each stage moves its own layers' biases (the loads of its dp x cp ranks; the schedule's backward,
+# recomputation included, counts nothing); 4 layers, so both stages hold MoE layers.
+REFERENCES["moe4-bias"] = [
+    f"model.name_or_path={{cache_dir}}/{MOE4_AUX}",
+    *REFERENCES["moe-bias"][1:],
+]
+LAYOUTS["pp2_moe4_bias"] = (2, ["parallel.pp=2"], "moe4-bias")
+LAYOUTS["ep2_pp2_moe4_bias"] = (
+    4,
+    ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "train.activation_checkpointing=full"],
+    "moe4-bias",
+)
 # Gemma 2 with document masks: meshtron's attention caps the scores (attn_logit_softcapping) as the model's eager
 # attention does, whole sequences by one process or by Ulysses; ring's tiles do not cap (refused).
 REFERENCES["gemma2-docs"] = [

@@ -14,7 +14,8 @@ micro-batches on each rank and then over the ``dp x cp`` ranks (one all-reduce o
 step), so every rank applies the same update and the biases are the same under every layout (tensor-parallel ranks
 route the same tokens and are not counted twice; expert parallelism routes before it dispatches). The biases are
 persistent buffers: checkpoints hold them; ``meshtron export`` leaves them out (transformers' model has no such
-weight). Only tokens of training forwards count (not evaluation, not activation checkpointing's recomputation).
+weight). Only tokens of training forwards count (not evaluation, not activation checkpointing's recomputation, not a
+pipeline's shape-inference forward). Under a pipeline each stage moves its own layers' biases.
 """
 
 from __future__ import annotations
@@ -46,23 +47,30 @@ def biased_router_forward(self, hidden_states):
         router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
     if hasattr(self, "norm_topk_prob"):
         router_top_value = router_top_value.to(router_logits.dtype)
-    if self.balance_recording:
-        self.balance_load.index_add_(
-            0, router_indices.reshape(-1), torch.ones(router_indices.numel(), device=router_indices.device)
-        )
+    # Training forwards only: not evaluation (not recording), not activation checkpointing's recomputation or a
+    # pipeline schedule's backward (inside autograd's backward pass).
+    if self.balance_recording and torch._C._current_graph_task_id() == -1:
+        load = torch.zeros_like(self.balance_bias)
+        load.index_add_(0, router_indices.reshape(-1), torch.ones(router_indices.numel(), device=load.device))
+        self.balance_forwards.append(load)
     return router_logits, router_top_value, router_indices
 
 
 class RouterBalance:
-    """The balancing biases of ``model``'s routers (a part: a pipeline stage's own) and their update."""
+    """The balancing biases of the routers in ``parts`` (the model, or this rank's pipeline stages) and their update.
+    ``group``: the dp x cp ranks whose loads add up; ``pp_group``: the pipeline ranks whose spreads are combined for
+    the metrics (each holds some layers)."""
 
-    def __init__(self, model: torch.nn.Module, hf_config, rate: float, group=None):
-        self.routers = [block.gate for _, block in moe_blocks(model)]
-        if not self.routers:
+    def __init__(self, parts, hf_config, rate: float, group=None, pp_group=None, forwards_per_step: int | None = None):
+        self.routers = [block.gate for part in parts for _, block in moe_blocks(part)]
+        if not self.routers and pp_group is None:  # a pipeline stage may hold no MoE layer
             raise ConfigError("train.router_balance=bias found no MoE router (gate + experts) in the model")
         self.rate = float(rate)
-        self.group = group
-        experts = num_experts(hf_config)
+        self.group, self.pp_group = group, pp_group
+        # Under a pipeline a step's forwards are its microbatches; torch.distributed.pipelining may run one more
+        # before them in the first step (shape inference, on uninitialized inputs), which must not count.
+        self.forwards_per_step = forwards_per_step
+        self.experts = experts = num_experts(hf_config)
         for router in self.routers:
             if not all(hasattr(router, name) for name in ("weight", "top_k", "hidden_dim")):
                 raise ConfigError(
@@ -73,7 +81,7 @@ class RouterBalance:
             if hasattr(router.weight, "to_local"):
                 device = router.weight.to_local().device
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
-            router.balance_load = torch.zeros(experts, dtype=torch.float32, device=device)
+            router.balance_forwards = []  # per training forward: tokens per expert
             router.balance_recording = False
             router.forward = types.MethodType(biased_router_forward, router)
 
@@ -89,21 +97,37 @@ class RouterBalance:
                 router.balance_recording = False
 
     def update(self) -> torch.Tensor:
-        """After the optimizer step: the step's global load per layer (L, E), and every bias moved against it."""
-        load = torch.stack([router.balance_load for router in self.routers])
+        """After the optimizer step: the step's global load per layer (L, E) of this rank's layers, and every bias
+        moved against it."""
+        if not self.routers:
+            return torch.zeros(0, self.experts)
+        kept = -self.forwards_per_step if self.forwards_per_step else 0
+        load = torch.stack(
+            [sum(router.balance_forwards[kept:], torch.zeros_like(router.balance_bias)) for router in self.routers]
+        )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(load, group=self.group)
         mean = load.mean(dim=-1, keepdim=True)
         with torch.no_grad():
             for router, step in zip(self.routers, torch.sign(mean - load) * self.rate):
                 getattr(router, BIAS).add_(step)
-                router.balance_load.zero_()
+                router.balance_forwards.clear()
         return load
 
     def discard(self) -> None:
         """A skipped step (non-finite loss, fp16 overflow): its load is forgotten and no bias moves."""
         for router in self.routers:
-            router.balance_load.zero_()
+            router.balance_forwards.clear()
+
+    def spread(self, load: torch.Tensor) -> list[float]:
+        """[max, min] of ``load_spread`` over every layer of the model (the pipeline ranks' layers combined)."""
+        if self.pp_group is None:
+            return load_spread(load).tolist()
+        device = self.routers[0].balance_bias.device if self.routers else load.device
+        local = load_spread(load.to(device)) if load.numel() else torch.tensor([0.0, float("inf")], device=device)
+        extremes = torch.stack([local[0], -local[1]])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return [extremes[0].item(), -extremes[1].item()]
 
 
 def load_spread(load: torch.Tensor) -> torch.Tensor:
@@ -121,9 +145,12 @@ def check_router_balance(setting: str, hf_config) -> None:
         )
 
 
-def build_router_balance(model, hf_config, cfg, dims, meshes) -> RouterBalance | None:
-    """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise)."""
+def build_router_balance(parts, plan, cfg, dims, meshes) -> RouterBalance | None:
+    """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise); ``parts``: this rank's model
+    parts (its pipeline stages)."""
     if cfg.train.router_balance != "bias":
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
-    return RouterBalance(model, hf_config, cfg.train.router_bias_rate, group)
+    pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
+    forwards = plan.pp_microbatches if dims.pp > 1 else None
+    return RouterBalance(parts, plan.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards)

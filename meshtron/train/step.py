@@ -35,7 +35,7 @@ from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.precision import LossScaler, unscale_gradients
-from meshtron.train.router_balance import RouterBalance, load_spread
+from meshtron.train.router_balance import RouterBalance
 from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
@@ -212,7 +212,8 @@ def train_step(
     with tracker.track() if tracker is not None else contextlib.nullcontext():
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
             ((input_ids, labels),) = batches
-            local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale)
+            with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
+                local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale)
         else:
             held_grads = [] if measure_state else None
             local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)
@@ -260,7 +261,7 @@ def train_step(
     clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm / loss_scale)
     optimizer.step()
     if ctx.balance is not None:  # the step's global expert load moves the routers' biases (and is reported)
-        load_max, load_min = load_spread(ctx.balance.update()).tolist()
+        load_max, load_min = ctx.balance.spread(ctx.balance.update())
         result["metrics"] = {**metrics, "expert_load_max": load_max, "expert_load_min": load_min}
     if cfg.train.float8:
         refresh_float8_scales(model)
