@@ -19,7 +19,15 @@ from torch import nn
 
 from meshtron.config import LoraConfig
 from meshtron.errors import ConfigError
-from meshtron.models.lora import EXPERT_PROJECTIONS, EXPERTS, LORA_A, LORA_B, LoraLinear, is_lora_parameter
+from meshtron.models.lora import (
+    EXPERT_PROJECTIONS,
+    EXPERTS,
+    LORA_A,
+    LORA_B,
+    LoraLinear,
+    has_expert_adapters,
+    is_lora_parameter,
+)
 
 
 @torch.no_grad()
@@ -27,7 +35,7 @@ def merge_adapters(model: nn.Module) -> None:
     """Fold every adapter into its projection's weight; the projections become plain ``nn.Linear`` again (and the
     experts plain experts)."""
     for module in model.modules():
-        if _has_expert_adapters(module):
+        if has_expert_adapters(module):
             for name in EXPERT_PROJECTIONS:
                 a, b = getattr(module.lora_A, name).float(), getattr(module.lora_B, name).float()
                 weight = getattr(module, name)
@@ -56,7 +64,7 @@ def write_peft_adapter(
         )
     # Weights that trained whole (lora.train_embeddings / train_head) go in as peft's modules_to_save.
     whole = [name for name, param in model.named_parameters() if param.requires_grad and not is_lora_parameter(name)]
-    experts = {path: module for path, module in model.named_modules() if _has_expert_adapters(module)}
+    experts = {path: module for path, module in model.named_modules() if has_expert_adapters(module)}
     tensors = {
         f"base_model.model.{name}": param.detach().contiguous()
         for name, param in model.named_parameters()
@@ -86,11 +94,6 @@ def write_peft_adapter(
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
     (target / "adapter_config.json").write_text(json.dumps(config, indent=2))
-
-
-def _has_expert_adapters(module: nn.Module) -> bool:
-    """Routed experts with adapters (meshtron.models.lora)."""
-    return hasattr(module, "lora_scaling") and not isinstance(module, LoraLinear)
 
 
 def _in_block(path: str) -> str:

@@ -74,14 +74,12 @@ def document_attention(
     window = effective_window(window, length)
     if kernel == "flex":
         return _flex_attention(query, key, value, document_ids, scale, cache, window, softcap)
-    if softcap:  # SDPA cannot cap the scores: the plain math, as transformers' eager attention does it
-        cache_key = mask_key("dense", query.device, length, window)
-        visible = _cached(cache, cache_key, dense_document_mask, document_ids, query.device, window, length)
-        return softcapped_attention(query, key, value, visible, scale, softcap)
-    if document_ids is None and window is None:
+    if document_ids is None and window is None and not softcap:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
     cache_key = mask_key("dense", query.device, length, window)
     visible = _cached(cache, cache_key, dense_document_mask, document_ids, query.device, window, length)
+    if softcap:  # SDPA cannot cap the scores: the plain math, as transformers' eager attention does it
+        return softcapped_attention(query, key, value, visible, scale, softcap)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=True)
 
 

@@ -140,9 +140,14 @@ def _attach_experts(experts: nn.Module, cfg: LoraConfig) -> None:
     experts.forward = types.MethodType(lora_experts_forward, experts)
 
 
+def has_expert_adapters(module: nn.Module) -> bool:
+    """Whether ``module`` is routed experts given adapters by ``add_lora``."""
+    return hasattr(module, "lora_scaling") and not isinstance(module, LoraLinear)
+
+
 def expert_adapters(experts: nn.Module) -> ExpertAdapters | None:
     """The experts' adapters as local tensors (this rank's experts under expert parallelism); None without."""
-    if not hasattr(experts, "lora_scaling"):
+    if not has_expert_adapters(experts):
         return None
     a, b = experts.get_submodule(LORA_A), experts.get_submodule(LORA_B)
     gate_up, down = ((local_tensor(getattr(a, n)), local_tensor(getattr(b, n))) for n in EXPERT_PROJECTIONS)

@@ -129,7 +129,7 @@ def _describe_precision(workload) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from meshtron.models.families import family_of
+    from meshtron.models.families import resolve_attn_implementation
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import candidate_record, check_new_file, emit_config, format_table
@@ -156,7 +156,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}"
         )
-    attn_implementation = args.attn_implementation or ("eager" if family_of(hf_config).eager_only else "sdpa")
+    attn_implementation = resolve_attn_implementation(args.attn_implementation or "auto", hf_config)
     model_cfg = dataclasses.replace(model_cfg, attn_implementation=attn_implementation)
     if args.lora_rank < 0:
         raise ConfigError(f"--lora-rank must be >= 0 (0: full training), got {args.lora_rank}")

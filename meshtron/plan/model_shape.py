@@ -17,6 +17,9 @@ from meshtron.models.lora import LORA_A, add_lora, is_lora_parameter
 from meshtron.models.moe import experts_per_token, is_moe, num_experts
 from meshtron.train.muon import muon_parameters
 
+NORM_ROLES = ("norm", "head_norm", "gathered_norm")
+"""Roles of the parameters no tensor-parallel rank splits: norms (and the biases that share their role)."""
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -31,7 +34,7 @@ class ParamSpec:
     """Takes gradients and optimizer state (False: a base weight frozen by LoRA, ``[lora]``)."""
 
     def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
-        if tp == 1 or self.role in ("norm", "head_norm", "gathered_norm", "replicated"):
+        if tp == 1 or self.role in (*NORM_ROLES, "replicated"):
             return None
         if self.role == "kv_colwise" and num_kv_heads < tp:
             return None  # replicated KV projection
@@ -99,18 +102,16 @@ class ModelShape:
     """Intermediate size of the dense shared expert beside the routed ones (Qwen2-MoE; 0: none)."""
     lora_flops_per_token: float = 0.0
     """What LoRA changes in the training FLOPs per token (meshtron.metrics.flops.lora_flops_change; 0 without)."""
-    frozen_norms: bool = False
-    """The norms' weights are frozen (LoRA): a norm then keeps no normalized output for its weight's gradient."""
+
+    @property
+    def frozen_norms(self) -> bool:
+        """The norms' weights are frozen (LoRA): a norm then keeps no normalized output for its weight's gradient."""
+        return any(not p.trained for p in self.block if p.role in NORM_ROLES)
 
     @property
     def adapter_ranks(self) -> int:
         """Sum of the ranks of a block's linear adapters: each keeps its rank-sized output (A x) per token."""
         return sum(p.shape[0] for p in self.block if f".{LORA_A}." in p.name and len(p.shape) == 2)
-
-    @property
-    def expert_adapter_ranks(self) -> int:
-        """Sum of the ranks of a routed expert's adapters (both fused projections): kept per (token, expert) pair."""
-        return sum(p.shape[1] for p in self.block if f".{LORA_A}." in p.name and len(p.shape) == 3)
 
     @property
     def active_params(self) -> int:
@@ -136,11 +137,12 @@ class ModelShape:
         from meshtron.models.families import family_of, resolve_attn_implementation
 
         model_cfg = model_cfg or ModelConfig()
-        if family_of(hf_config).eager_only:  # the family runs only with eager attention (Gemma 2)
-            model_cfg = dataclasses.replace(model_cfg, attn_implementation="eager")
-        model_cfg = dataclasses.replace(
-            model_cfg, attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation, hf_config)
+        # A family that runs only with eager attention (Gemma 2) is planned with it whatever the setting says.
+        eager_only = family_of(hf_config).eager_only
+        attn_implementation = (
+            "eager" if eager_only else resolve_attn_implementation(model_cfg.attn_implementation, hf_config)
         )
+        model_cfg = dataclasses.replace(model_cfg, attn_implementation=attn_implementation)
         model, adapter = build_meta_model(hf_config, model_cfg)
         if lora is not None and lora.enabled:
             add_lora(model, adapter, lora)
@@ -200,7 +202,6 @@ class ModelShape:
             moe_intermediate=_moe_intermediate(hf_config),
             shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
             lora_flops_per_token=lora_flops_change(model, adapter, hf_config) if lora and lora.enabled else 0.0,
-            frozen_norms=bool(lora and lora.enabled),
         )
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from meshtron.errors import ConfigError
 from meshtron.models.moe import ROUTER_BIAS as BIAS
 from meshtron.models.moe import is_moe, moe_blocks, num_experts
+from meshtron.tensors import local_tensor
 
 
 def biased_router_forward(self, hidden_states):
@@ -77,9 +78,7 @@ class RouterBalance:
                     f"train.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
                     "meshtron can bias; set train.router_balance=aux_loss"
                 )
-            device = router.weight.device if router.weight.device.type != "meta" else torch.device("cpu")
-            if hasattr(router.weight, "to_local"):
-                device = router.weight.to_local().device
+            device = local_tensor(router.weight).device  # installed after parallelization: FSDP / TP DTensors
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
             router.balance_forwards = []  # per training forward: tokens per expert
             router.balance_recording = False
