@@ -41,7 +41,7 @@ TRAIN_ON = ("assistant", "all")
 WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
-ROUTER_BALANCE = ("aux_loss", "bias")
+ROUTER_BALANCE = ("auto", "aux_loss", "bias")
 CP_METHODS = ("ring", "allgather", "ulysses")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -162,10 +162,11 @@ class TrainConfig:
     """Mixture-of-experts models: add the router load-balancing loss (``router_aux_loss_coef`` of the model
     config times transformers' ``load_balancing_loss_func``, over the global micro-batch): ``true``, ``false``,
     or ``auto`` (the model config's ``output_router_logits``, as transformers decides); see docs/metrics.md."""
-    router_balance: str = "aux_loss"
+    router_balance: str = "auto"
     """How mixture-of-experts routers are kept balanced: ``aux_loss`` (the loss above, as ``router_aux_loss`` says)
     or ``bias`` (auxiliary-loss-free: a per-expert bias in the top-k choice, moved against each step's global load;
-    meshtron.train.router_balance, docs/moe.md)."""
+    meshtron.train.router_balance, docs/moe.md); ``auto``: the model's own method (``bias`` for DeepSeek-V3, whose
+    routers have the bias, ``aux_loss`` for the rest)."""
     router_bias_rate: float = 1e-3
     """``router_balance=bias``: how far each step moves a bias (DeepSeek-V3's update speed, 0.001)."""
 

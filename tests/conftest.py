@@ -136,6 +136,20 @@ def reference_attention(q, k, v, visible, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def each_document_alone(model, tokens, eos: int):
+    """The logits of every document of ``tokens`` (B, L; documents end at ``eos``) run alone through ``model``,
+    concatenated back in place: what packed documents with document masks must equal."""
+    import torch
+
+    rows = []
+    for row in tokens:
+        ends = (row == eos).nonzero().flatten().tolist()
+        starts = [0] + [e + 1 for e in ends]
+        pieces = [row[s:e][None] for s, e in zip(starts, [e + 1 for e in ends] + [len(row)]) if e > s]
+        rows.append(torch.cat([model(input_ids=p).logits for p in pieces], dim=1))
+    return torch.cat(rows)
+
+
 def full_blocks(block_mask):
     """(B, Q blocks, KV blocks) bool of the blocks the kernel runs without calling the mask_mod."""
     import itertools

@@ -556,6 +556,20 @@ LAYOUTS["ep2_pp2_moe4_bias"] = (
     ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "train.activation_checkpointing=full"],
     "moe4-bias",
 )
+# DeepSeek-V3 (meshtron.models.deepseek): latent attention split by heads under TP (latents whole on every tp rank),
+# values narrower than keys through the ring, a dense first layer, group-limited sigmoid routing with its own
+# bias moved by train.router_balance=auto (bias), shared experts; the biases are in the compared state dicts.
+REFERENCES["deepseekv3"] = ["model.preset=deepseekv3-tiny", "train.router_bias_rate=1e-2"]
+for _name, _overrides in {
+    "fsdp2": ["parallel.dp_shard=2"],
+    "tp2": ["parallel.tp=2"],
+    "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
+    "pp2": ["parallel.pp=2"],
+    "cp2": ["parallel.cp=2"],
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+    "ep2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
+}.items():
+    LAYOUTS[f"{_name}_deepseekv3"] = (4 if "tp2" in _name and "ep2" in _name else 2, _overrides, "deepseekv3")
 # Gemma 2 with document masks: meshtron's attention caps the scores (attn_logit_softcapping) as the model's eager
 # attention does, whole sequences by one process or by Ulysses; ring's tiles do not cap (refused).
 REFERENCES["gemma2-docs"] = [

@@ -67,7 +67,7 @@ def test_a_skewed_routers_load_tightens_as_its_bias_moves():
 
 
 def test_bias_balancing_settings_are_one_line_errors():
-    with pytest.raises(ConfigError, match="train.router_balance: 'none' is not one of aux_loss, bias"):
+    with pytest.raises(ConfigError, match="train.router_balance: 'none' is not one of auto, aux_loss, bias"):
         load_config(None, ["train.router_balance=none"], env={})
     with pytest.raises(ConfigError, match="train.router_bias_rate: must be > 0"):
         load_config(None, ["train.router_balance=bias", "train.router_bias_rate=0"], env={})

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import full_blocks, reference_attention
+from conftest import each_document_alone, full_blocks, reference_attention
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from meshtron.distributed.context_parallel import SequenceLayout, hf_attention, local_token_index, register_attention
@@ -278,12 +278,7 @@ def test_packed_documents_match_each_document_alone_with_the_models_own_attentio
     tokens[0, [3, 17, 18, 30]] = EOS  # documents of 4, 14, 1, 12 and 9 tokens; row 1: one document
     with torch.no_grad():
         model.set_attn_implementation("eager")
-        alone = []
-        for row in tokens:
-            ends = (row == EOS).nonzero().flatten().tolist()
-            starts = [0] + [e + 1 for e in ends]
-            pieces = [row[s:e][None] for s, e in zip(starts, [e + 1 for e in ends] + [len(row)]) if e > s]
-            alone.append(torch.cat([model(input_ids=p).logits for p in pieces], dim=1))
+        alone = each_document_alone(model, tokens, EOS)
         model.set_attn_implementation(register_attention())
         packed = model(**sequence_inputs(tokens, SequenceSplit(mask_documents=True, eos_token_id=EOS))).logits
         if family == "gemma2":  # the cap matters
@@ -298,7 +293,7 @@ def test_packed_documents_match_each_document_alone_with_the_models_own_attentio
         for layer in model.model.layers:
             layer.self_attn.sliding_window = None
         unwindowed = model(**sequence_inputs(tokens, SequenceSplit(mask_documents=True, eos_token_id=EOS))).logits
-    torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     assert (unwindowed - packed).abs().max() > 1e-3
 
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshtron.models.adapter import canonical_name
-from meshtron.models.moe import ROUTER_BIAS
+from meshtron.models.moe import ROUTER_BIASES
 
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -70,7 +70,7 @@ class TrainingState:
             return entries
         trained = {canonical_name(name) for name, param in part.named_parameters() if param.requires_grad}
         # Routers' balancing biases change in training without a gradient (train.router_balance=bias).
-        trained |= {canonical_name(name) for name, _ in part.named_buffers() if name.endswith(f".{ROUTER_BIAS}")}
+        trained |= {canonical_name(name) for name, _ in part.named_buffers() if name.endswith(ROUTER_BIASES)}
         return {k: v for k, v in entries.items() if k in trained}
 
     def state_dict(self) -> dict:

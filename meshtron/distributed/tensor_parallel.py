@@ -168,6 +168,39 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
 
 
+class _SumGradientColumns(torch.autograd.Function):
+    """Identity forward; backward sums the gradient's last-dim columns ``start:`` over ``group`` (the rest is
+    already whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, start: int):
+        ctx.group, ctx.start = group, start
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        columns = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(columns, group=ctx.group)
+        grad[..., ctx.start :] = columns
+        return grad, None, None
+
+
+class LatentRopeParallel(ReplicateParallel):
+    """MLA's ``kv_a_proj_with_mqa`` (meshtron.models.deepseek), computed whole on every tp rank: its output is the
+    key-value latent, whose gradient arrives whole (the column-parallel ``kv_b_proj`` after it sums its input
+    gradient over the tp ranks), then the rope key shared by all heads, whose gradient each rank has from its own
+    heads only: summed over the tp ranks in backward, so the weight's gradient is whole and the same on every rank."""
+
+    def __init__(self, rope_columns: int):
+        super().__init__()
+        self.rope_columns = rope_columns
+
+    def _output_fn(self, module, output, mesh):
+        output = local_tensor(output)
+        return _SumGradientColumns.apply(output, mesh.get_group(), output.shape[-1] - self.rope_columns)
+
+
 class ReplicatedBlockParallel(ParallelStyle):
     """A module computed whole on every tp rank on the full sequence (a sparse MoE block: router, experts,
     shared expert), on plain tensors.
@@ -205,6 +238,10 @@ class ReplicatedBlockParallel(ParallelStyle):
                 name: param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
                 for name, param in module.named_parameters()
             }
+            # Replicated buffers too (DeepSeek-V3's router bias): the same tensor's local value, updated in place.
+            params.update(
+                (name, buffer.to_local()) for name, buffer in module.named_buffers() if isinstance(buffer, DTensor)
+            )
             with _reparametrize_module(module, params):
                 return forward(*args, **kwargs)
 
@@ -273,6 +310,10 @@ def _block_styles(
             styles[path] = SequenceParallel() if sequence_parallel else ReplicateParallel()
         elif role == "gathered_norm":
             styles[path] = GatheredNormParallel()
+        elif role == "replicated":  # a small module computed whole on every tp rank inside attention (MLA's latents)
+            styles[path] = ReplicateParallel()
+        elif role == "latent_rope":
+            styles[path] = LatentRopeParallel(shape.rope_dim)
         elif role == "replicated_block":
             styles[path] = ReplicatedBlockParallel(sequence_parallel)
         elif role == "head_norm":

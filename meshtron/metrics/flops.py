@@ -51,7 +51,10 @@ def _mlp_params_per_layer(hf_config) -> list[int]:
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
     if shared:
         sparse += 3 * hidden * shared + hidden  # the shared expert and its sigmoid gate
+    shared_experts = getattr(hf_config, "n_shared_experts", None) or 0  # DeepSeek-V3's, without a gate
+    sparse += shared_experts * 3 * hidden * expert_inter
     dense_layers = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    dense_layers |= set(range(getattr(hf_config, "first_k_dense_replace", None) or 0))
     step = getattr(hf_config, "decoder_sparse_step", None) or 1
     return [sparse if i not in dense_layers and (i + 1) % step == 0 else dense for i in range(layers)]
 
@@ -66,13 +69,27 @@ def flops_per_token(hf_config, seq_len: int) -> float:
     hidden = hf_config.hidden_size
     layers = hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    attn_params, qk_dim, v_dim = _attention_params(hf_config)
     head_params = hidden * hf_config.vocab_size
     matmul_params = layers * attn_params + sum(_mlp_params_per_layer(hf_config)) + head_params
-    attention = layers * 2 * 2 * seq_len * heads * head_dim / 2
+    attention = layers * 2 * seq_len * heads * (qk_dim + v_dim) / 2
     return 6 * matmul_params + 3 * attention
+
+
+def _attention_params(hf_config) -> tuple[int, int, int]:
+    """(matmul weights of one layer's attention, query / key head width, value head width). DeepSeek-V3's latent
+    attention: the query's down and up projections (or one q_proj), the key-value latent with the shared rope key,
+    its up-projection to every head's no-rope key and value, and o_proj."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    if getattr(hf_config, "kv_lora_rank", None):
+        nope, rope, v_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim, hf_config.v_head_dim
+        q_rank, kv_rank = getattr(hf_config, "q_lora_rank", None), hf_config.kv_lora_rank
+        query = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        latent = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
+        return query + latent + heads * v_dim * hidden, nope + rope, v_dim
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    return hidden * head_dim * (2 * heads + 2 * kv_heads), head_dim, head_dim
 
 
 def lora_flops_change(model, adapter, hf_config) -> float:

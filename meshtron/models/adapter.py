@@ -68,6 +68,16 @@ class AttentionShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    """Width of a query / key head."""
+    value_head_dim: int | None = None
+    """Width of a value head when it differs from ``head_dim`` (DeepSeek-V3's multi-head latent attention)."""
+
+    rope_dim: int | None = None
+    """Width of the rotary part of a query / key head when only part of it is rotated (MLA's ``qk_rope_head_dim``)."""
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_head_dim or self.head_dim
 
 
 @dataclass(frozen=True)

@@ -267,3 +267,21 @@ def materialize(
             local = full if region is None else full[region]
         target = local_tensor(param)
         target.copy_(local.to(device=device, dtype=param.dtype))
+    _fill_persistent_buffers(model, reader)
+
+
+@torch.no_grad()
+def _fill_persistent_buffers(model: nn.Module, reader: CheckpointReader | None) -> None:
+    """State the model saves that is no parameter (DeepSeek-V3's router bias ``e_score_correction_bias``), left
+    uninitialized by ``to_empty``: read from a pretrained checkpoint that holds it, else zero (as transformers
+    initializes it)."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            full_name = canonical_name(f"{module_name}.{name}" if module_name else name)
+            target = local_tensor(buffer)
+            if reader is not None and full_name in reader:
+                target.copy_(reader.get(full_name).to(device=target.device, dtype=target.dtype))
+            else:
+                target.zero_()

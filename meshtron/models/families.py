@@ -76,6 +76,18 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(),  # plus a dense shared expert and its sigmoid gate, inside the sparse block
     # OLMoE: Qwen3-MoE's sparse block (64 experts, top-8, no renormalization) with OLMo 2's q/k norms over all
     # heads, but Llama's pre-norms.
+    # DeepSeek-V3 (meshtron.models.deepseek): multi-head latent attention, dense first layers, shared experts.
+    "deepseek_v3": Family(
+        adapter="meshtron.models.deepseek.DeepseekAdapter",
+        extra_roles={
+            "self_attn.q_a_proj": "replicated",
+            "self_attn.q_a_layernorm": "replicated",
+            "self_attn.q_b_proj": "colwise",
+            "self_attn.kv_a_proj_with_mqa": "latent_rope",
+            "self_attn.kv_a_layernorm": "replicated",
+            "self_attn.kv_b_proj": "colwise",
+        },
+    ),
     "olmoe": Family(
         extra_roles={"self_attn.q_norm": "gathered_norm", "self_attn.k_norm": "gathered_norm"},
         tp_over_kv_heads_refusal="its k_norm normalizes over all KV heads together, which tp > KV heads replicates",

@@ -17,6 +17,15 @@ from torch import nn
 ROUTER_BIAS = "balance_bias"
 """The buffer name of a router's auxiliary-loss-free balancing bias (``...mlp.gate.balance_bias``,
 meshtron.train.router_balance): state that training changes without a gradient."""
+MODEL_ROUTER_BIAS = "e_score_correction_bias"
+"""The balancing bias a family's own router has (DeepSeek-V3), used in place of ``ROUTER_BIAS``."""
+ROUTER_BIASES = (ROUTER_BIAS, MODEL_ROUTER_BIAS)
+
+
+def has_own_router_bias(config) -> bool:
+    """Whether the family's routers choose with a balancing bias of their own (DeepSeek-V3), which is then the one
+    ``train.router_balance=bias`` moves and its default."""
+    return getattr(config, "model_type", None) == "deepseek_v3"
 
 
 def is_moe(config) -> bool:
@@ -67,6 +76,7 @@ _CHECKPOINT_EXPERTS = {
     "qwen3_moe": (".mlp.", _EXPERT_PARTS),
     "qwen2_moe": (".mlp.", _EXPERT_PARTS),
     "olmoe": (".mlp.", _EXPERT_PARTS),
+    "deepseek_v3": (".mlp.", _EXPERT_PARTS),
     "mixtral": (".block_sparse_moe.", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
 }
 

@@ -77,11 +77,12 @@ def _final_specs(shape: ModelShape, first: bool, last: bool) -> tuple:
 
 def state_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
     """Parameter elements held by each pipeline rank (the largest FSDP shard of it)."""
-    block = _numel(shape.block, layout, shape)
     embedding = _numel(shape.embedding, layout, shape)
     return [
         sum(
-            layers * block + (embedding if first else 0) + _numel(_final_specs(shape, first, last), layout, shape)
+            shape.blocks_numel(layers, first, lambda specs: _numel(specs, layout, shape))
+            + (embedding if first else 0)
+            + _numel(_final_specs(shape, first, last), layout, shape)
             for layers, first, last in stages
         )
         for stages in stage_layout(shape, layout, workload)
@@ -92,7 +93,11 @@ def trained_numel(shape: ModelShape, layout: Layout, workload: Workload | None =
     """Per pipeline rank: the parameter elements of ``state_numel`` that train (gradients, optimizer state): all of
     them, but under LoRA (``[lora]``) the adapters and a trained head / embeddings only."""
     trained = dataclasses.replace(
-        shape, block=_trained(shape.block), embedding=_trained(shape.embedding), final=_trained(shape.final)
+        shape,
+        block=_trained(shape.block),
+        dense_block=_trained(shape.dense_block),
+        embedding=_trained(shape.embedding),
+        final=_trained(shape.final),
     )
     return state_numel(trained, layout, workload)
 
@@ -107,8 +112,14 @@ def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = No
     momentum buffer each instead of AdamW's two moments); 0 under AdamW."""
     if workload is None or workload.optimizer != "muon":
         return [0] * layout.pp
-    block = _numel([p for p in shape.block if p.muon], layout, shape)
-    return [sum(layers * block for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload)]
+
+    def numel(specs):
+        return _numel([p for p in specs if p.muon], layout, shape)
+
+    return [
+        sum(shape.blocks_numel(layers, first, numel) for layers, first, _ in stages)
+        for stages in stage_layout(shape, layout, workload)
+    ]
 
 
 def compute_bytes(workload: Workload) -> int:
@@ -319,11 +330,12 @@ def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -
     reduce dtype (``fsdp.reduce_dtype``, fp32 by default)."""
     if not defers_gradient_reduction(layout, workload):
         return [numel * DTYPE_BYTES[workload.model_dtype] for numel in trained_numel(shape, layout, workload)]
-    block = _local_numel(_trained(shape.block), layout, shape)
     embedding = _local_numel(_trained(shape.embedding), layout, shape)
     return [
         sum(
-            layers * block + embedding * first + _local_numel(_trained(_final_specs(shape, first, last)), layout, shape)
+            shape.blocks_numel(layers, first, lambda specs: _local_numel(_trained(specs), layout, shape))
+            + embedding * first
+            + _local_numel(_trained(_final_specs(shape, first, last)), layout, shape)
             for layers, first, last in stages
         )
         * FP32

@@ -34,7 +34,7 @@ class ParamSpec:
     """Takes gradients and optimizer state (False: a base weight frozen by LoRA, ``[lora]``)."""
 
     def tp_dim(self, tp: int, num_kv_heads: int) -> int | None:
-        if tp == 1 or self.role in (*NORM_ROLES, "replicated"):
+        if tp == 1 or self.role in (*NORM_ROLES, "replicated", "latent_rope"):
             return None
         if self.role == "kv_colwise" and num_kv_heads < tp:
             return None  # replicated KV projection
@@ -102,6 +102,16 @@ class ModelShape:
     """Intermediate size of the dense shared expert beside the routed ones (Qwen2-MoE; 0: none)."""
     lora_flops_per_token: float = 0.0
     """What LoRA changes in the training FLOPs per token (meshtron.metrics.flops.lora_flops_change; 0 without)."""
+    dense_layers: int = 0
+    """The first layers of an MoE model whose MLP is dense (DeepSeek-V3's ``first_k_dense_replace``): they have
+    ``dense_block``'s parameters instead of ``block``'s."""
+    dense_block: tuple[ParamSpec, ...] = ()
+
+    def blocks_numel(self, layers: int, first: bool, numel) -> int:
+        """``numel(specs)`` summed over ``layers`` consecutive blocks, the first of the model when ``first``
+        (a pipeline's first stage: it holds the dense layers)."""
+        dense = min(layers, self.dense_layers) if first else 0
+        return (layers - dense) * numel(self.block) + (dense * numel(self.dense_block) if dense else 0)
 
     @property
     def frozen_norms(self) -> bool:
@@ -119,13 +129,13 @@ class ModelShape:
         if not self.experts:
             return self.total_params
         expert_params = sum(math.prod(p.shape) for p in self.block if p.expert)
-        return self.total_params - self.layers * expert_params * (self.experts - self.experts_per_token) // self.experts
+        moe_layers = self.layers - self.dense_layers
+        return self.total_params - moe_layers * expert_params * (self.experts - self.experts_per_token) // self.experts
 
     @property
     def total_params(self) -> int:
-        block = sum(math.prod(p.shape) for p in self.block)
         outer = sum(math.prod(p.shape) for p in self.embedding + self.final)
-        return block * self.layers + outer
+        return self.blocks_numel(self.layers, True, lambda specs: sum(math.prod(p.shape) for p in specs)) + outer
 
     @classmethod
     def from_hf_config(
@@ -146,20 +156,17 @@ class ModelShape:
         model, adapter = build_meta_model(hf_config, model_cfg)
         if lora is not None and lora.enabled:
             add_lora(model, adapter, lora)
-        blocks = adapter.named_blocks(model)
+        all_blocks = adapter.named_blocks(model)
+        dense_layers = _dense_layers(hf_config, all_blocks)
+        blocks = all_blocks[dense_layers:]  # the MoE blocks of a model whose first layers are dense
         roles = adapter.block_tp_roles(blocks[0][1])
         # Inside a replicated block (a sparse MoE block: router, 3-D experts, shared expert) every tp rank holds
         # every parameter whole; FSDP still splits dim 0 (the experts of [E, ...] parameters).
         replicated = tuple(path + "." for path, role in roles.items() if role == "replicated_block")
-        block_specs = []
-        muon = {id(p) for p in muon_parameters([blocks[0][1]], _SingleBlock())}
-        for name, param in blocks[0][1].named_parameters():
-            module = name.rsplit(".", 1)[0]
-            role = "replicated" if name.startswith(replicated) else roles.get(module, "norm")
-            if is_lora_parameter(name):  # split as meshtron.distributed.lora_tensor_parallel splits it
-                role = _lora_role(name, roles.get(module.rsplit(".", 1)[0], "replicated"))
-            spec = ParamSpec(name, tuple(param.shape), role, id(param) in muon, param.requires_grad)
-            block_specs.append(spec)
+        block_specs = _block_specs(blocks[0][1], roles, replicated)
+        dense_specs = ()
+        if dense_layers:
+            dense_specs = _block_specs(all_blocks[0][1], adapter.block_tp_roles(all_blocks[0][1]), ())
         shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
         if len(shapes) != 1:
             raise ValueError(
@@ -185,7 +192,7 @@ class ModelShape:
             head_dim=shape.head_dim,
             vocab=hf_config.vocab_size,
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            block=tuple(block_specs),
+            block=block_specs,
             embedding=tuple(embedding),
             final=tuple(final),
             head_norms=any(r in ("head_norm", "gathered_norm") for r in roles.values()),
@@ -202,7 +209,29 @@ class ModelShape:
             moe_intermediate=_moe_intermediate(hf_config),
             shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
             lora_flops_per_token=lora_flops_change(model, adapter, hf_config) if lora and lora.enabled else 0.0,
+            dense_layers=dense_layers,
+            dense_block=dense_specs,
         )
+
+
+def _block_specs(block, roles: dict[str, str], replicated: tuple[str, ...]) -> tuple[ParamSpec, ...]:
+    """The ParamSpecs of one decoder block's parameters, by their tensor-parallel roles."""
+    specs = []
+    muon = {id(p) for p in muon_parameters([block], _SingleBlock())}
+    for name, param in block.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        role = "replicated" if name.startswith(replicated) else roles.get(module, "norm")
+        if is_lora_parameter(name):  # split as meshtron.distributed.lora_tensor_parallel splits it
+            role = _lora_role(name, roles.get(module.rsplit(".", 1)[0], "replicated"))
+        specs.append(ParamSpec(name, tuple(param.shape), role, id(param) in muon, param.requires_grad))
+    return tuple(specs)
+
+
+def _dense_layers(hf_config, blocks) -> int:
+    """How many first layers of an MoE model have a dense MLP (DeepSeek-V3's ``first_k_dense_replace``)."""
+    if not is_moe(hf_config):
+        return 0
+    return min(int(getattr(hf_config, "first_k_dense_replace", 0) or 0), len(blocks) - 1)
 
 
 def _lora_role(name: str, projection_role: str) -> str:

@@ -24,6 +24,7 @@ from meshtron.metrics.trackers import check_trackers
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.resilience.restart import restart_count
 from meshtron.train.router_balance import check_router_balance
+from meshtron.train.router_loss import router_loss_enabled
 from meshtron.train.runtime import launched_by_torchrun
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
@@ -164,6 +165,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
         device_type=device_type,
     )
     check_router_balance(cfg.train.router_balance, hf_config)
+    router_loss_enabled(cfg.train.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     skipped: list[str] = []
     resume_from = resume_point(cfg, hf_config, skipped)

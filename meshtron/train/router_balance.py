@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshtron.errors import ConfigError
+from meshtron.models.moe import MODEL_ROUTER_BIAS, has_own_router_bias, is_moe, moe_blocks, num_experts
 from meshtron.models.moe import ROUTER_BIAS as BIAS
-from meshtron.models.moe import is_moe, moe_blocks, num_experts
 from meshtron.tensors import local_tensor
 
 
@@ -48,13 +48,31 @@ def biased_router_forward(self, hidden_states):
         router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
     if hasattr(self, "norm_topk_prob"):
         router_top_value = router_top_value.to(router_logits.dtype)
-    # Training forwards only: not evaluation (not recording), not activation checkpointing's recomputation or a
-    # pipeline schedule's backward (inside autograd's backward pass).
-    if self.balance_recording and torch._C._current_graph_task_id() == -1:
-        load = torch.zeros_like(self.balance_bias)
-        load.index_add_(0, router_indices.reshape(-1), torch.ones(router_indices.numel(), device=load.device))
-        self.balance_forwards.append(load)
+    _record_load(self, router_indices)
     return router_logits, router_top_value, router_indices
+
+
+def _record_load(router, indices: torch.Tensor) -> None:
+    """Count the tokens per expert of a training forward (not evaluation, which does not record; not activation
+    checkpointing's recomputation or a pipeline schedule's backward, which run inside autograd's backward pass)."""
+    if router.balance_recording and torch._C._current_graph_task_id() == -1:
+        load = torch.zeros(router.balance_experts, dtype=torch.float32, device=indices.device)
+        load.index_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=load.device))
+        router.balance_forwards.append(load)
+
+
+def counting_router_forward(self, hidden_states):
+    """A router that chooses with a balancing bias of its own (DeepSeek-V3's ``e_score_correction_bias``): its own
+    forward, with the tokens per expert counted."""
+    router_logits, weights, indices = type(self).forward(self, hidden_states)
+    _record_load(self, indices)
+    return router_logits, weights, indices
+
+
+def bias_of(router) -> torch.Tensor:
+    """The router's balancing bias (the model's own or meshtron's), as this rank holds it."""
+    own = getattr(router, MODEL_ROUTER_BIAS, None)
+    return local_tensor(own if own is not None else getattr(router, BIAS))
 
 
 class RouterBalance:
@@ -73,6 +91,12 @@ class RouterBalance:
         self.forwards_per_step = forwards_per_step
         self.experts = experts = num_experts(hf_config)
         for router in self.routers:
+            router.balance_forwards = []  # per training forward: tokens per expert
+            router.balance_recording = False
+            router.balance_experts = experts
+            if getattr(router, MODEL_ROUTER_BIAS, None) is not None:  # DeepSeek-V3: the model's own bias
+                router.forward = types.MethodType(counting_router_forward, router)
+                continue
             if not all(hasattr(router, name) for name in ("weight", "top_k", "hidden_dim")):
                 raise ConfigError(
                     f"train.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
@@ -80,8 +104,6 @@ class RouterBalance:
                 )
             device = local_tensor(router.weight).device  # installed after parallelization: FSDP / TP DTensors
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
-            router.balance_forwards = []  # per training forward: tokens per expert
-            router.balance_recording = False
             router.forward = types.MethodType(biased_router_forward, router)
 
     @contextlib.contextmanager
@@ -102,14 +124,14 @@ class RouterBalance:
             return torch.zeros(0, self.experts)
         kept = -self.forwards_per_step if self.forwards_per_step else 0
         load = torch.stack(
-            [sum(router.balance_forwards[kept:], torch.zeros_like(router.balance_bias)) for router in self.routers]
+            [sum(router.balance_forwards[kept:], torch.zeros_like(bias_of(router))) for router in self.routers]
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(load, group=self.group)
         mean = load.mean(dim=-1, keepdim=True)
         with torch.no_grad():
             for router, step in zip(self.routers, torch.sign(mean - load) * self.rate):
-                getattr(router, BIAS).add_(step)
+                bias_of(router).add_(step)
                 router.balance_forwards.clear()
         return load
 
@@ -122,7 +144,7 @@ class RouterBalance:
         """[max, min] of ``load_spread`` over every layer of the model (the pipeline ranks' layers combined)."""
         if self.pp_group is None:
             return load_spread(load).tolist()
-        device = self.routers[0].balance_bias.device if self.routers else load.device
+        device = bias_of(self.routers[0]).device if self.routers else load.device
         local = load_spread(load.to(device)) if load.numel() else torch.tensor([0.0, float("inf")], device=device)
         extremes = torch.stack([local[0], -local[1]])
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.pp_group)
@@ -135,8 +157,17 @@ def load_spread(load: torch.Tensor) -> torch.Tensor:
     return torch.stack([relative.max(), relative.min()])
 
 
+def resolve_router_balance(setting: str, hf_config) -> str:
+    """``train.router_balance`` for this model: ``auto`` is the model's own method, ``bias`` for a family whose
+    routers have a balancing bias (DeepSeek-V3), else ``aux_loss``."""
+    if setting != "auto":
+        return setting
+    return "bias" if is_moe(hf_config) and has_own_router_bias(hf_config) else "aux_loss"
+
+
 def check_router_balance(setting: str, hf_config) -> None:
     """Refuse, before any process group, bias balancing for a model without experts."""
+    setting = resolve_router_balance(setting, hf_config)
     if setting == "bias" and not is_moe(hf_config):
         raise ConfigError(
             "train.router_balance=bias needs a mixture-of-experts model (num_experts > 0); this "
@@ -147,7 +178,7 @@ def check_router_balance(setting: str, hf_config) -> None:
 def build_router_balance(parts, plan, cfg, dims, meshes) -> RouterBalance | None:
     """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise); ``parts``: this rank's model
     parts (its pipeline stages)."""
-    if cfg.train.router_balance != "bias":
+    if resolve_router_balance(cfg.train.router_balance, plan.hf_config) != "bias":
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.errors import ConfigError
-from meshtron.models.moe import experts_per_token, is_moe, moe_blocks, num_experts
+from meshtron.models.moe import experts_per_token, has_own_router_bias, is_moe, moe_blocks, num_experts
 
 
 def router_loss_enabled(setting: str, hf_config) -> bool:
@@ -59,6 +59,12 @@ def router_loss_enabled(setting: str, hf_config) -> bool:
         raise ConfigError(
             "train.router_aux_loss=true needs a mixture-of-experts model (num_experts > 0); "
             f"this {getattr(hf_config, 'model_type', 'model')} is dense. Use auto or false"
+        )
+    if setting == "true" and has_own_router_bias(hf_config):
+        raise ConfigError(
+            f"train.router_aux_loss=true: {hf_config.model_type}'s routers score experts by sigmoid and are balanced "
+            "by their own bias (transformers has no load-balancing loss for them); use train.router_aux_loss=auto "
+            "and train.router_balance=auto (bias)"
         )
     return moe and (setting == "true" or bool(getattr(hf_config, "output_router_logits", False)))
 

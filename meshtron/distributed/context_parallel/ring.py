@@ -169,5 +169,14 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D);
     ``window``: the layer's sliding window (query index - key index < window, global indices) or None.
-    Runs eagerly inside compiled blocks (its ring exchange and recomputing backward are not traceable)."""
-    return _ContextParallelAttention.apply(q, k, v, layout, scale, effective_window(window, layout.seq_len))
+    Runs eagerly inside compiled blocks (its ring exchange and recomputing backward are not traceable).
+
+    Values narrower than queries and keys (DeepSeek-V3's latent attention) travel zero-padded to their width, as
+    keys and values move stacked; the padding's output columns are zero and dropped."""
+    value_dim = v.shape[-1]
+    if value_dim < k.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - value_dim))
+    elif value_dim > k.shape[-1]:  # zero key columns add nothing to any score
+        q, k = (torch.nn.functional.pad(t, (0, value_dim - t.shape[-1])) for t in (q, k))
+    out = _ContextParallelAttention.apply(q, k, v, layout, scale, effective_window(window, layout.seq_len))
+    return out[..., :value_dim]
