@@ -50,6 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50 if cuda else 3)
     p.add_argument("--warmup", type=int, default=10 if cuda else 1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--softcap", type=float, default=None, help="soft-cap the scores (Gemma 2: 50)")
+    p.add_argument("--window", type=int, default=None, help="sliding window (Gemma, Mistral)")
+    p.add_argument(
+        "--value-head-dim", type=int, default=None, help="values narrower than q/k heads (DeepSeek-V3: 128 vs 192)"
+    )
     return p.parse_args(argv)
 
 
@@ -75,22 +80,26 @@ def forward_backward(fn, inputs, grad_out):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def check(q, k, v, docs, scale, dtype) -> bool:
-    """Flex vs the dense-mask SDPA path, each against float32 SDPA; gradients where flex has a backward."""
+def check(q, k, v, docs, scale, dtype, **variant) -> bool:
+    """Flex vs the dense-mask SDPA path (soft-capped: the eager math), each against float32 SDPA; gradients where
+    flex has a backward. ``variant``: ``document_attention``'s window / softcap."""
     device = q.device
-    grad_out = torch.randn(q.shape, device=device, generator=torch.Generator(device).manual_seed(1)).to(dtype)
+    grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, generator=torch.Generator(device).manual_seed(1))
+    grad_out = grad_out.to(dtype)
     reference = forward_backward(
-        lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa"),
+        lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa", **variant),
         [t.float() for t in (q, k, v)],
         grad_out.float(),
     )
-    sdpa = forward_backward(lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa"), (q, k, v), grad_out)
+    sdpa = forward_backward(
+        lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa", **variant), (q, k, v), grad_out
+    )
     if device.type == "cuda":
         flex = forward_backward(
-            lambda *t: kernels.document_attention(*t, docs, scale, kernel="flex"), (q, k, v), grad_out
+            lambda *t: kernels.document_attention(*t, docs, scale, kernel="flex", **variant), (q, k, v), grad_out
         )
     else:  # no CPU backward for FlexAttention: output only
-        flex = [kernels.document_attention(q, k, v, docs, scale, kernel="flex")]
+        flex = [kernels.document_attention(q, k, v, docs, scale, kernel="flex", **variant)]
     ok = True
     print(f"relative error vs float32 SDPA + dense mask (pass: flex <= {TOLERANCE[dtype]:g})")
     for name, want, got_sdpa, got_flex in zip(("out", "dq", "dk", "dv"), reference, sdpa, flex + [None] * 3):
@@ -137,28 +146,36 @@ def main(argv=None) -> int:
     docs = packed_document_ids(args.batch, args.seq_len, args.documents, torch.Generator().manual_seed(args.seed))
     docs = docs.to(device)
     q, k, v = (
-        torch.randn(args.batch, heads, args.seq_len, args.head_dim, device=device, generator=gen).to(dtype)
-        for heads in (args.heads, args.kv_heads, args.kv_heads)
+        torch.randn(args.batch, heads, args.seq_len, dim, device=device, generator=gen).to(dtype)
+        for heads, dim in (
+            (args.heads, args.head_dim),
+            (args.kv_heads, args.head_dim),
+            (args.kv_heads, args.value_head_dim or args.head_dim),
+        )
     )
     scale = args.head_dim**-0.5
+    variant = {"window": args.window, "softcap": args.softcap}
     print(
         f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
         f"torch {torch.__version__}, "
         f"{args.dtype}, batch {args.batch}, heads {args.heads}/{args.kv_heads}, seq {args.seq_len}, "
         f"head dim {args.head_dim}, {args.documents} documents per row"
+        + (f", value head dim {args.value_head_dim}" if args.value_head_dim else "")
+        + (f", soft cap {args.softcap:g}" if args.softcap else "")
+        + (f", window {args.window}" if args.window else "")
     )
     if device.type != "cuda":
         print("CPU run: FlexAttention runs eagerly and forward only; timings are CPU-only, not comparable to a GPU")
 
     t0 = time.perf_counter()
-    kernels.document_attention(q, k, v, docs, scale, kernel="flex")
+    kernels.document_attention(q, k, v, docs, scale, kernel="flex", **variant)
     if device.type == "cuda":
         torch.cuda.synchronize()
     print(f"first flex call{' (compiles)' if device.type == 'cuda' else ''}: {time.perf_counter() - t0:.1f} s")
 
-    ok = check(q, k, v, docs, scale, dtype)
+    ok = check(q, k, v, docs, scale, dtype, **variant)
 
-    grad_out = torch.randn_like(q)
+    grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, dtype=dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     caches = {"doc": {}, "causal": {}}
 
@@ -166,7 +183,7 @@ def main(argv=None) -> int:
         inputs = leaves if backward else [t.detach() for t in leaves]  # flex refuses CPU inputs that need grad
 
         def run():
-            out = kernels.document_attention(*inputs, doc_ids, scale, kernel=kernel, cache=cache)
+            out = kernels.document_attention(*inputs, doc_ids, scale, kernel=kernel, cache=cache, **variant)
             if backward:
                 out.backward(grad_out)
                 for t in leaves:

@@ -59,6 +59,7 @@ def streamed(cache_dir) -> list[str]:
 MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
 LORA = ["lora.rank=4", "lora.train_head=true"]
 BIAS = ["train.router_balance=bias", "train.router_bias_rate=0.01"]
+DEEPSEEK = ["model.preset=deepseekv3-tiny", "train.router_bias_rate=0.01"]  # balanced by its own router bias
 
 
 def from_half(out: Path, name: str) -> str:
@@ -219,6 +220,14 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.ep=2",
                 from_half(out, "ep2_fsdp4_moe_bias"),
             ],
+            # DeepSeek-V3 (latent attention split by heads, router biases moved): EP2 x TP2 -> PP2 x DP2.
+            "ep2_tp2_deepseek": [*DEEPSEEK, "parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
+            "pp2_dp2_deepseek_from_ep2_tp2_deepseek": [
+                *DEEPSEEK,
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                from_half(out, "ep2_tp2_deepseek"),
+            ],
             # Another data.seq_len: the rest of the epoch cut to 64 (meshtron.data.carry) is read under any layout.
             "dp2_tp2_seq64_from_fsdp4": [
                 "data.seq_len=64",
@@ -324,6 +333,7 @@ def test_resume_is_exact(runs, straight):
         ("dp2_tp2_muon_from_fsdp4_muon", "fsdp4_muon"),  # Muon's momentum: FSDP4 -> DP2 x TP2
         ("dp2_tp2_lora_from_fsdp4_lora", "fsdp4_lora"),  # LoRA adapters: FSDP4 -> DP2 x TP2
         ("dp2_tp2_moe_lora_from_ep2_fsdp4_moe_lora", "ep2_fsdp4_moe_lora"),  # expert adapters: EP2 -> TP2, no EP
+        ("pp2_dp2_deepseek_from_ep2_tp2_deepseek", "ep2_tp2_deepseek"),  # DeepSeek-V3 and its router biases
     ],
 )
 def test_resume_under_another_layout_continues_the_run(runs, resumed, straight):

@@ -180,3 +180,26 @@ def test_refusals_name_the_setting(overrides, expected):
     world = 3 if "parallel.tp=3" in overrides else 1
     with pytest.raises(ConfigError, match=expected):
         preflight(cfg, world, "cpu")
+
+
+def test_float8_tensor_parallel_styles_leave_the_latents_alone():
+    """With float8 linears everywhere (tensorwise), MLA's attention input is not cast for its column-parallel
+    projections (the latents, computed whole, take it), the latents get no float8 TP style, and the per-head up- and
+    output projections get torchao's float8 colwise / rowwise styles. (Float8 itself needs CUDA.)"""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from meshtron.distributed.tensor_parallel import _float8_styles
+    from meshtron.models.adapter import adapter_for
+
+    config = make_preset_config("deepseekv3-tiny", 257)
+    model, _ = build_meta_model(config, ModelConfig(preset="deepseekv3-tiny"))
+    block = model.model.layers[0]
+    roles = adapter_for(config).block_tp_roles(block)
+    linears = frozenset(path for path, module in block.named_modules() if isinstance(module, torch.nn.Linear))
+    classes = _float8_styles(roles, linears)
+    assert "self_attn" not in classes and "self_attn.q_a_proj" not in classes
+    assert "self_attn.kv_a_proj_with_mqa" not in classes
+    assert classes["self_attn.q_b_proj"] is classes["self_attn.kv_b_proj"] is Float8ColwiseParallel
+    assert classes["self_attn.o_proj"] is Float8RowwiseParallel
+    assert "mlp" in classes  # the dense layer's MLP: its input cast once for gate and up

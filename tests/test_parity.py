@@ -570,6 +570,13 @@ for _name, _overrides in {
     "ep2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
 }.items():
     LAYOUTS[f"{_name}_deepseekv3"] = (4 if "tp2" in _name and "ep2" in _name else 2, _overrides, "deepseekv3")
+# LoRA on every projection of it (the latents' adapters whole on every tp rank with them) and on the experts.
+REFERENCES["deepseekv3-lora"] = [*REFERENCES["deepseekv3"], *_LORA, "train.lr=1e-2"]
+LAYOUTS["ep2_tp2_deepseekv3_lora"] = (
+    4,
+    ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
+    "deepseekv3-lora",
+)
 # Gemma 2 with document masks: meshtron's attention caps the scores (attn_logit_softcapping) as the model's eager
 # attention does, whole sequences by one process or by Ulysses; ring's tiles do not cap (refused).
 REFERENCES["gemma2-docs"] = [

@@ -266,10 +266,13 @@ def _float8_styles(roles: dict[str, str], float8_paths: frozenset[str]):
     classes = {}
     for path, role in roles.items():
         if role in ("attention", "attention_positional", "mlp"):
-            inputs = [p for p, r in roles.items() if p.startswith(path + ".") and r in ("colwise", "kv_colwise")]
-            if inputs and all(p in float8_paths for p in inputs):
+            inside = {p: r for p, r in roles.items() if p.startswith(path + ".")}
+            inputs = [p for p, r in inside.items() if r in ("colwise", "kv_colwise")]
+            # MLA's latents (computed whole, role replicated) take the region's input, not its colwise projections.
+            takes_input = not any(r in ("replicated", "latent_rope") for r in inside.values())
+            if inputs and takes_input and all(p in float8_paths for p in inputs):
                 classes[path] = PrepareFloat8ModuleInput
-        elif path in float8_paths:
+        elif path in float8_paths and role in ("colwise", "kv_colwise", "rowwise"):
             classes[path] = Float8RowwiseParallel if role == "rowwise" else Float8ColwiseParallel
     return classes
 
