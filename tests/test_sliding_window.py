@@ -247,6 +247,16 @@ def _tiny(family: str, window: int):
             final_logit_softcapping=3.0,
         )
         model = transformers.Gemma2ForCausalLM(config)
+    elif family == "gpt_oss":  # attention sinks (meshtron's attention adds them as transformers' eager does)
+        config = transformers.GptOssConfig(
+            **{**common, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model = transformers.GptOssForCausalLM(config)
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
         model = transformers.Qwen2ForCausalLM(config)
@@ -255,6 +265,10 @@ def _tiny(family: str, window: int):
         model = transformers.MistralForCausalLM(config)
     torch.manual_seed(0)
     model.apply(model._init_weights)
+    if family == "gpt_oss":  # sinks of weight comparable to the scores' (they start at ~0.02)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 2.0]))
     if family == "gemma2":  # scores large enough for the cap of 1 to bind (the initial ones are ~0.01)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -263,13 +277,14 @@ def _tiny(family: str, window: int):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral", "qwen2", "gpt_oss"])
 def test_packed_documents_match_each_document_alone_with_the_models_own_attention(family):
     """Packed documents with meshtron's attention (document mask and window) give the logits of each document
     run alone through the model's eager attention with transformers' own sliding-window mask. Gemma 3
     alternates a sliding and a full layer; Gemma 2 too, and caps its attention scores (meshtron's attention caps
     them as transformers' eager attention does: without the cap the logits differ); Qwen2 slides from layer
-    ``max_window_layers`` on (its layer_types)."""
+    ``max_window_layers`` on (its layer_types); gpt-oss alternates too and adds its attention sinks to every
+    softmax (meshtron's attention as transformers' eager one: without them the logits differ)."""
     window = 5
     model = _tiny(family, window)
     if family == "qwen2":
@@ -293,6 +308,14 @@ def test_packed_documents_match_each_document_alone_with_the_models_own_attentio
             assert (uncapped - packed).abs().max() > 1e-3
             for layer in model.model.layers:
                 layer.self_attn.attn_logit_softcapping = 1.0
+        if family == "gpt_oss":  # the sinks matter
+            sinks = [layer.self_attn.sinks.clone() for layer in model.model.layers]
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+            sinkless = model(**sequence_inputs(tokens, SequenceSplit(mask_documents=True, eos_token_id=EOS))).logits
+            assert (sinkless - packed).abs().max() > 1e-3
+            for layer, sink in zip(model.model.layers, sinks):
+                layer.self_attn.sinks.copy_(sink)
         # The window matters: without it the packed logits differ.
         model.config.sliding_window = None
         for layer in model.model.layers:

@@ -30,6 +30,9 @@ class Family:
     """Tensor-parallel roles of block submodules beyond the Llama ones (see ``adapter._BLOCK_TP_ROLES``)."""
     adapter: str = ""
     """Dotted path of the family's adapter class when it is not the shared ``adapter.DecoderAdapter``."""
+    attention_sinks: bool = False
+    """Its attention modules hold per-head sink logits (``self_attn.sinks`` [H], gpt-oss), which transformers passes
+    to the attention function as ``s_aux``: meshtron's attention adds them (whole sequences, Ulysses)."""
 
 
 _GEMMA_NORMS = {"pre_feedforward_layernorm": "norm", "post_feedforward_layernorm": "norm"}
@@ -79,6 +82,15 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(
         extra_roles={"self_attn.q_norm": "gathered_norm", "self_attn.k_norm": "gathered_norm"},
         tp_over_kv_heads_refusal="its k_norm normalizes over all KV heads together, which tp > KV heads replicates",
+    ),
+    # gpt-oss (meshtron.models.gpt_oss): attention with per-head sinks (split with the heads under TP: role
+    # attention_sinks) and q/k/v/o biases, sliding and full layers alternating; its sparse block at mlp routes with
+    # mlp.router (a bias, softmax over the top-k logits) to transposed, interleaved experts with biases and a clamped
+    # SwiGLU (meshtron.models.moe's experts anatomy); checkpoints hold the fused experts as the model does.
+    "gpt_oss": Family(
+        extra_roles={"self_attn": "attention_sinks"},
+        eager_only="its attention sinks are not in torch's sdpa",
+        attention_sinks=True,
     ),
 }
 
