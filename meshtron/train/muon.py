@@ -127,6 +127,11 @@ def muon_parameters(parts: list[nn.Module], adapter) -> list[nn.Parameter]:
     for part in parts:
         for _, block in adapter.named_blocks(part):
             routers.update(id(p) for _, moe in moe_blocks(block) for p in router_of(moe).parameters())
-            chosen += [p for p in block.parameters() if p.requires_grad and p.ndim in (2, 3) and id(p) not in routers]
+            chosen += [
+                p
+                for name, p in block.named_parameters()
+                # gpt-oss's experts' biases ([E, 2I], [E, H]) are vectors per expert, not matrices
+                if p.requires_grad and p.ndim in (2, 3) and id(p) not in routers and not name.endswith("_bias")
+            ]
     unique = {id(p): p for p in chosen}
     return list(unique.values())
