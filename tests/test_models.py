@@ -838,3 +838,18 @@ def test_gptoss_checkpoint_loads_and_trained_export_loads_in_transformers(tmp_pa
     torch.testing.assert_close(
         _gptoss_logits(exported, mask_documents=False), _gptoss_logits(reference, mask_documents=False), atol=0, rtol=0
     )
+
+
+def test_gptoss_planner_splits_expert_biases_with_the_experts_and_sinks_with_the_heads():
+    """The planner's gpt-oss: every parameter counted, the experts' biases ([E, 2I], [E, H]) split over experts as
+    the experts are (EP shards them), the attention sinks ([H]) over tp with the heads."""
+    from meshtron.plan.model_shape import ModelShape
+
+    shape = ModelShape.from_hf_config(make_preset_config("gptoss-tiny", 257))
+    assert shape.total_params == sum(p.numel() for p in build(ModelConfig(preset="gptoss-tiny")).parameters())
+    experts = {spec.name for spec in shape.block if spec.expert}
+    assert experts == {
+        f"mlp.experts.{name}" for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    }
+    (sinks,) = [spec for spec in shape.block if spec.name == "self_attn.sinks"]
+    assert sinks.local_numel(2, 1, shape.kv_heads) == 2
