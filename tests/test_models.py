@@ -427,12 +427,6 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
             "sdpa",
         ),
         (
-            ["model.preset=gptoss-tiny", "parallel.cp=2", "parallel.cp_method=allgather", "data.seq_len=16"],
-            2,
-            "the model's attention sinks are not supported by parallel.cp_method=allgather (its tiles do not add "
-            "them); set parallel.cp_method=ulysses",
-        ),
-        (
             ["model.preset=gptoss-tiny", "lora.rank=4", "lora.targets=[q_proj,experts]"],
             1,
             "lora.targets: experts is not supported for model family gpt_oss (its experts are stored transposed",
@@ -486,6 +480,12 @@ def test_supported_family_settings_pass_preflight():
     _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen3moe-tiny", "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen2moe-tiny", "parallel.tp=4"], 4)  # the MoE block whole on every tp rank
+    # gpt-oss: sinks in every CP method's attention, split with the heads under TP; EP with TP and CP
+    for method in ("ring", "allgather", "ulysses"):
+        _preflight(["model.preset=gptoss-tiny", "parallel.cp=2", f"parallel.cp_method={method}", "parallel.tp=2"], 4)
+    _preflight(
+        ["model.preset=gptoss-tiny", "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2"], 8
+    )
 
 
 @pytest.mark.parametrize("preset", NEW_FAMILIES)

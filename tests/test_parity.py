@@ -571,9 +571,9 @@ for _name, _overrides in {
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
 }.items():
     LAYOUTS[f"{_name}_gemma2_docs"] = (2, _overrides, "gemma2-docs")
-# gpt-oss: attention sinks (split with the heads under TP and Ulysses) and a sliding window (8 of 32 tokens) in
-# meshtron's attention with document masks; transposed, interleaved experts with biases (split over experts under EP,
-# the sparse block whole on every tp rank) and the router's load-balancing loss.
+# gpt-oss: attention sinks (split with the heads under TP and Ulysses, merged into the ring's final log-sum-exp) and a
+# sliding window (8 of 32 tokens) in meshtron's attention with document masks; transposed, interleaved experts with
+# biases (split over experts under EP, the sparse block whole on every tp rank) and the router's load-balancing loss.
 REFERENCES["gptoss-docs"] = [
     "model.preset=gptoss-tiny",
     f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
@@ -585,6 +585,7 @@ for _name, _overrides in {
     "tp2_gptoss": ["parallel.tp=2"],
     "ep2_gptoss": ["parallel.dp_shard=2", "parallel.ep=2"],
     "cp2_ulysses_gptoss_docs": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+    "cp2_gptoss_docs": ["parallel.cp=2"],  # ring: the sinks merged into the final log-sum-exp
 }.items():
     LAYOUTS[_name] = (2, _overrides, "gptoss-docs")
 # The load-balancing loss is per micro-batch: a pipeline's two microbatches of 4 match two accumulated ones.

@@ -101,11 +101,6 @@ def check_attention(
             f"the model's attn_logit_softcapping {softcap} is not supported by parallel.cp_method={cp_method} (its "
             "tiles do not cap scores); set parallel.cp_method=ulysses"
         )
-    if family_of(hf_config).attention_sinks and cp > 1 and cp_method != "ulysses":
-        raise ConfigError(
-            f"the model's attention sinks are not supported by parallel.cp_method={cp_method} (its tiles do not add "
-            "them); set parallel.cp_method=ulysses"
-        )
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ConfigError(
             f"the model attends bidirectionally (use_bidirectional_attention), and meshtron's attention (used for "

@@ -30,9 +30,6 @@ class Family:
     """Tensor-parallel roles of block submodules beyond the Llama ones (see ``adapter._BLOCK_TP_ROLES``)."""
     adapter: str = ""
     """Dotted path of the family's adapter class when it is not the shared ``adapter.DecoderAdapter``."""
-    attention_sinks: bool = False
-    """Its attention modules hold per-head sink logits (``self_attn.sinks`` [H], gpt-oss), which transformers passes
-    to the attention function as ``s_aux``: meshtron's attention adds them (whole sequences, Ulysses)."""
 
 
 _GEMMA_NORMS = {"pre_feedforward_layernorm": "norm", "post_feedforward_layernorm": "norm"}
@@ -90,7 +87,6 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         extra_roles={"self_attn": "attention_sinks"},
         eager_only="its attention sinks are not in torch's sdpa",
-        attention_sinks=True,
     ),
 }
 

@@ -61,8 +61,8 @@ def hf_attention(
     ``sliding_window``: what the layer's attention module passes (Gemma 2/3, Qwen2/3: the window on sliding
     layers, None on full ones; Mistral, Phi-3, Starcoder2: ``config.sliding_window``); a query at index i then
     sees a key at index j only if i - j < sliding_window, as transformers' ``sliding_window_overlay``.
-    ``softcap``: Gemma 2's ``attn_logit_softcapping``; ``s_aux``: gpt-oss's per-head attention sinks (H,), this
-    rank's heads under tensor parallelism (both: whole-sequence attention and Ulysses only)."""
+    ``softcap``: Gemma 2's ``attn_logit_softcapping`` (whole-sequence attention and Ulysses only); ``s_aux``:
+    gpt-oss's per-head attention sinks (H,), this rank's heads under tensor parallelism."""
     if sequence_layout is None:
         raise MeshtronError("meshtron attention was called without a sequence_layout; call the model through meshtron")
     if dropout:
@@ -72,11 +72,13 @@ def hf_attention(
         out = _single_device_attention(query, key, value, sequence_layout, scale, sliding_window, softcap, s_aux)
     elif sequence_layout.method == "ulysses":
         out = ulysses_attention(query, key, value, sequence_layout, scale, sliding_window, softcap, s_aux)
-    elif softcap or s_aux is not None:
-        what = "soft-capped attention scores" if softcap else "attention sinks"
-        raise MeshtronError(f"{what} with parallel.cp_method={sequence_layout.method}: use parallel.cp_method=ulysses")
+    elif softcap:
+        raise MeshtronError(
+            f"soft-capped attention scores with parallel.cp_method={sequence_layout.method}: use parallel.cp_method="
+            "ulysses"
+        )
     else:
-        out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window)
+        out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
