@@ -426,11 +426,6 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
             "model family gpt_oss cannot use model.attn_implementation=sdpa: its attention sinks are not in torch's "
             "sdpa",
         ),
-        (
-            ["model.preset=gptoss-tiny", "lora.rank=4", "lora.targets=[q_proj,experts]"],
-            1,
-            "lora.targets: experts is not supported for model family gpt_oss (its experts are stored transposed",
-        ),
     ],
 )
 def test_family_refusals_name_the_setting(overrides, world, expected):

@@ -591,6 +591,9 @@ for _name, _overrides in {
 # The load-balancing loss is per micro-batch: a pipeline's two microbatches of 4 match two accumulated ones.
 REFERENCES["gptoss-docs-accum2"] = [*REFERENCES["gptoss-docs"], "train.micro_batch_size=4"]
 LAYOUTS["pp2_gptoss"] = (2, ["parallel.pp=2", "train.micro_batch_size=4"], "gptoss-docs-accum2")
+# LoRA on every target, the transposed experts' per-expert adapters split over experts with them.
+REFERENCES["gptoss-lora"] = [*REFERENCES["gptoss-docs"], *_LORA, "train.lr=5e-3"]
+LAYOUTS["ep2_gptoss_lora"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "gptoss-lora")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")

@@ -12,8 +12,9 @@ A mixture of experts' routed experts (target ``experts``) hold their projections
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, meshtron.models.moe); each gets one adapter per expert,
 held as 3-D parameters ``experts.lora_A.gate_up_proj [E, r, H]`` / ``experts.lora_B.gate_up_proj [E, 2I, r]``
 (and the same for ``down_proj``), split over experts as the fused parameters are (expert parallelism), and the
-experts run meshtron.models.experts' grouped GEMMs with them. They take no dropout (as peft's). gpt-oss's experts,
-stored transposed, take none (refused; without ``lora.targets`` they are left out).
+experts run meshtron.models.experts' grouped GEMMs with them. They take no dropout (as peft's). Experts stored
+transposed (gpt-oss: ``[E, in, out]``) get adapters of the same ``[E, r, in]`` / ``[E, out, r]`` shapes; merging
+transposes their product.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from meshtron.config import LoraConfig
 from meshtron.errors import ConfigError
 from meshtron.models.experts import ExpertAdapters, local_experts_forward
-from meshtron.models.moe import ANATOMIES, DEFAULT_ANATOMY, experts_anatomy
+from meshtron.models.moe import experts_anatomy
 from meshtron.tensors import local_tensor
 
 LORA_A, LORA_B = "lora_A", "lora_B"
@@ -79,11 +80,9 @@ def add_lora(model: nn.Module, adapter, cfg: LoraConfig) -> list[str]:
     """Freeze ``model`` and give the target projections of its decoder blocks adapters (on the model's device,
     uninitialized: ``meshtron.models.build.materialize`` fills them); train embeddings / head if asked. Returns the
     target names. Call on the whole model, before any parallelism."""
-    check_lora_targets(cfg, model.config)
     blocks = adapter.named_blocks(model)
     available = {name for _, block in blocks for name in _projections(block)}
-    routed = [experts for _, block in blocks for experts in _routed_experts(block)]
-    if routed and not any(experts_anatomy(experts).transposed for experts in routed):
+    if any(_routed_experts(block) for _, block in blocks):
         available.add(EXPERTS)
     available = sorted(available)
     targets = list(cfg.targets) or available
@@ -106,19 +105,6 @@ def add_lora(model: nn.Module, adapter, cfg: LoraConfig) -> list[str]:
     if cfg.train_head:
         adapter.lm_head(model).requires_grad_(True)
     return targets
-
-
-def check_lora_targets(cfg: LoraConfig, hf_config) -> None:
-    """Refuse, before any process group, adapters on routed experts stored transposed (gpt-oss's ``[E, in, out]``),
-    which neither the adapters' math nor the merged export handles; by default they are left out."""
-    if not cfg.enabled or EXPERTS not in cfg.targets:
-        return
-    family = getattr(hf_config, "model_type", None)
-    if ANATOMIES.get(family, DEFAULT_ANATOMY).transposed:
-        raise ConfigError(
-            f"lora.targets: experts is not supported for model family {family} (its experts are stored transposed, "
-            "[E, in, out]); leave experts out of lora.targets"
-        )
 
 
 def _attach(linear: nn.Linear, cfg: LoraConfig) -> None:
@@ -145,9 +131,12 @@ def _attach_experts(experts: nn.Module, cfg: LoraConfig) -> None:
     """Per-expert adapters for both fused projections, held in two child modules (``lora_A``, ``lora_B``) whose
     parameters are named after the projection; the experts' forward becomes ``lora_experts_forward``."""
     factors = {LORA_A: nn.Module(), LORA_B: nn.Module()}
+    transposed = experts_anatomy(experts).transposed  # gpt-oss: [E, in, out]; the adapters stay [out, in]
     for name in EXPERT_PROJECTIONS:
         weight = getattr(experts, name)
         num, out_features, in_features = weight.shape
+        if transposed:
+            out_features, in_features = in_features, out_features
         like = dict(device=weight.device, dtype=weight.dtype)
         factors[LORA_A].register_parameter(name, nn.Parameter(torch.empty(num, cfg.rank, in_features, **like)))
         factors[LORA_B].register_parameter(name, nn.Parameter(torch.empty(num, out_features, cfg.rank, **like)))

@@ -22,7 +22,6 @@ from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.errors import ConfigError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.build import check_model_path, load_hf_config
-from meshtron.models.lora import check_lora_targets
 from meshtron.resilience.restart import restart_count
 from meshtron.train.router_balance import check_router_balance
 from meshtron.train.runtime import launched_by_torchrun
@@ -165,7 +164,6 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
         device_type=device_type,
     )
     check_router_balance(cfg.train.router_balance, hf_config)
-    check_lora_targets(cfg.lora, hf_config)
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     skipped: list[str] = []
     resume_from = resume_point(cfg, hf_config, skipped)
