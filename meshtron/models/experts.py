@@ -116,7 +116,7 @@ def local_expert_ffn(
         return project(_ContiguousGrad.apply(math.glu(h)), down, down_bias, adapters and adapters.down)
 
     def project_one(rows, weight, bias, factors, e):
-        out = rows @ as_in_out(weight[e])
+        out = rows @ weight[e] if math.transposed else nn.functional.linear(rows, weight[e])
         if bias is not None:
             out = out + bias[e]
         if factors is not None:
