@@ -17,6 +17,7 @@ Exit status 1 when a check fails. Example:
 
     python bench/attention_kernels.py
     python bench/attention_kernels.py --seq-len 4096 --documents 14 --dtype float16
+    python bench/attention_kernels.py --sinks     # gpt-oss's attention sinks: the check only (never run on a GPU)
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--value-head-dim", type=int, default=None, help="values narrower than q/k heads (DeepSeek-V3: 128 vs 192)"
     )
+    p.add_argument("--sinks", action="store_true", help="check with attention sinks (gpt-oss), one logit per head")
     return p.parse_args(argv)
 
 
@@ -80,29 +82,33 @@ def forward_backward(fn, inputs, grad_out):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def check(q, k, v, docs, scale, dtype, **variant) -> bool:
-    """Flex vs the dense-mask SDPA path (soft-capped: the eager math), each against float32 SDPA; gradients where
-    flex has a backward. ``variant``: ``document_attention``'s window / softcap."""
+def check(q, k, v, docs, scale, dtype, sinks=None, **variant) -> bool:
+    """Flex vs the dense-mask SDPA path (soft-capped or with sinks: transformers' eager math), each against float32
+    SDPA; gradients where flex has a backward. ``sinks`` (H,): attention sinks (gpt-oss) on both paths (the flex one
+    by its log-sum-exp correction), their gradient checked too; ``variant``: ``document_attention``'s window /
+    softcap."""
     device = q.device
     grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, generator=torch.Generator(device).manual_seed(1))
     grad_out = grad_out.to(dtype)
-    reference = forward_backward(
-        lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa", **variant),
-        [t.float() for t in (q, k, v)],
-        grad_out.float(),
-    )
-    sdpa = forward_backward(
-        lambda *t: kernels.document_attention(*t, docs, scale, kernel="sdpa", **variant), (q, k, v), grad_out
-    )
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+
+    def attend(kernel):
+        def fn(*t):
+            sink = t[3] if len(t) > 3 else None
+            return kernels.document_attention(*t[:3], docs, scale, kernel=kernel, sinks=sink, **variant)
+
+        return fn
+
+    reference = forward_backward(attend("sdpa"), [t.float() for t in inputs], grad_out.float())
+    sdpa = forward_backward(attend("sdpa"), inputs, grad_out)
     if device.type == "cuda":
-        flex = forward_backward(
-            lambda *t: kernels.document_attention(*t, docs, scale, kernel="flex", **variant), (q, k, v), grad_out
-        )
+        flex = forward_backward(attend("flex"), inputs, grad_out)
     else:  # no CPU backward for FlexAttention: output only
-        flex = [kernels.document_attention(q, k, v, docs, scale, kernel="flex", **variant)]
+        flex = [attend("flex")(*inputs)]
     ok = True
     print(f"relative error vs float32 SDPA + dense mask (pass: flex <= {TOLERANCE[dtype]:g})")
-    for name, want, got_sdpa, got_flex in zip(("out", "dq", "dk", "dv"), reference, sdpa, flex + [None] * 3):
+    names = ("out", "dq", "dk", "dv", "dsinks")
+    for name, want, got_sdpa, got_flex in zip(names, reference, sdpa, flex + [None] * 4):
         flex_err = "n/a (no CPU backward)" if got_flex is None else f"{relative_error(got_flex, want):.2e}"
         print(f"  {name}: sdpa {str(dtype)[6:]} {relative_error(got_sdpa, want):.2e}   flex {flex_err}")
         ok &= got_flex is None or relative_error(got_flex, want) <= TOLERANCE[dtype]
@@ -173,7 +179,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     print(f"first flex call{' (compiles)' if device.type == 'cuda' else ''}: {time.perf_counter() - t0:.1f} s")
 
-    ok = check(q, k, v, docs, scale, dtype, **variant)
+    sinks = torch.randn(args.heads, device=device, generator=gen).to(dtype) if args.sinks else None
+    ok = check(q, k, v, docs, scale, dtype, sinks, **variant)
 
     grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, dtype=dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -136,6 +136,26 @@ def reference_attention(q, k, v, visible, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def two_step_run(model_setting: str, tmp_path: Path, cache_dir: Path, *extra: str):
+    """The config of a one-process, two-step run of 2 sequences of 16 tokens that checkpoints at step 2 (under
+    ``tmp_path / "run"``): ``model_setting`` is ``model.preset=...`` or ``model.name_or_path=...``."""
+    from meshtron.config import load_config
+
+    settings = [
+        model_setting,
+        "data.seq_len=16",
+        "data.max_documents=20",
+        f"data.cache_dir={cache_dir}",
+        "train.steps=2",
+        "train.global_batch_size=2",
+        "checkpoint.interval=2",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        *extra,
+    ]
+    return load_config(None, settings, env={})
+
+
 def each_document_alone(model, tokens, eos: int):
     """The logits of every document of ``tokens`` (B, L; documents end at ``eos``) run alone through ``model``,
     concatenated back in place: what packed documents with document masks must equal."""

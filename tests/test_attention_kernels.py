@@ -237,3 +237,57 @@ def test_soft_capped_scores_match_float64_attention(kernel):
         wanted = torch.autograd.grad(want, reference_inputs, grad.double())
         for name, a, b in zip("qkv", got, wanted):
             torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["flex", "sdpa"])
+def test_attention_sinks_match_float64_attention(kernel):
+    """gpt-oss's attention sinks: a logit per head in the softmax's denominator that attends to no value, with a
+    sliding window and document masks, as transformers' eager attention (concatenate, softmax, drop) computes it in
+    float64: by the plain math that replaces SDPA (q/k/v and sink gradients too) and by FlexAttention with the
+    log-sum-exp correction (``sink_correction``, the CUDA path; here FlexAttention's eager CPU reference)."""
+    tokens = packed_tokens()
+    window = 40
+    docs = document_ids(tokens, EOS)
+    visible = reference_mask(tokens) & kernels.dense_document_mask(None, "cpu", window, SEQ)[0]
+    q, k, v = (t.double() for t in qkv())
+    sinks = torch.tensor([-1.0, 0.0, 1.0, 3.0], dtype=torch.float64)
+    inputs = [t.clone().requires_grad_(kernel == "sdpa") for t in (q, k, v, sinks)]  # flex: no CPU backward
+    out = kernels.document_attention(*inputs[:3], docs, 0.3, kernel=kernel, window=window, sinks=inputs[3])
+
+    def reference(q, k, v, sinks):
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~visible[:, None], float("-inf"))
+        sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
+
+    reference_inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    want = reference(*reference_inputs)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    without = kernels.document_attention(q, k, v, docs, 0.3, kernel="sdpa", window=window)
+    assert (without - want).abs().max() > 1e-2  # the sinks matter
+    if kernel == "sdpa":
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        got = torch.autograd.grad(out, inputs, grad)
+        wanted = torch.autograd.grad(want, reference_inputs, grad)
+        for name, a, b in zip(["q", "k", "v", "sinks"], got, wanted):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=name)
+
+
+def test_sink_correction_of_the_log_sum_exp_equals_the_softmax_with_sinks():
+    """The CUDA path's math on its own, in float64 with gradients: attention without sinks and its log-sum-exp,
+    rescaled by ``sigmoid(lse - sink)``, is attention whose softmax also counts the sink (what FlexAttention's
+    ``return_aux`` lse feeds on a GPU, where this has never run)."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64) * 3
+    scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    value = torch.randn(2, 3, 7, 4, generator=gen, dtype=torch.float64)
+    sinks = torch.tensor([-2.0, 0.5, 4.0], dtype=torch.float64, requires_grad=True)
+    lse = torch.logsumexp(scores, dim=-1)
+    got = kernels.sink_correction(torch.softmax(scores, dim=-1) @ value, lse, sinks)
+    with_sink = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(2, 3, 7, 1)], dim=-1)
+    want = torch.softmax(with_sink, dim=-1)[..., :-1] @ value
+    torch.testing.assert_close(got, want, atol=1e-14, rtol=1e-12)
+    grad = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(
+        torch.autograd.grad(got, sinks, grad)[0], torch.autograd.grad(want, sinks, grad)[0], atol=1e-12, rtol=1e-12
+    )

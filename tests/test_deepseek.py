@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import each_document_alone
+from conftest import each_document_alone, two_step_run
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
@@ -88,26 +88,10 @@ def test_trains_with_its_own_bias_balancing_and_exports_what_transformers_loads(
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.config import load_config
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = load_config(
-        None,
-        [
-            "model.preset=deepseekv3-tiny",
-            "data.seq_len=16",
-            "data.max_documents=20",
-            f"data.cache_dir={cache_dir}",
-            "train.steps=2",
-            "train.global_batch_size=2",
-            "train.router_bias_rate=0.01",
-            "checkpoint.interval=2",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
-        ],
-        env={},
-    )
+    cfg = two_step_run("model.preset=deepseekv3-tiny", tmp_path, cache_dir, "train.router_bias_rate=0.01")
     result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU))
     trained = result.model.state_dict()
     bias = trained["model.layers.1.mlp.gate.e_score_correction_bias"]

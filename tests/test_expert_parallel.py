@@ -25,6 +25,14 @@ def tiny_block(family: str, implementation: str = "eager"):
             hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
         )
         cls = Qwen3MoeSparseMoeBlock
+    elif family == "gpt_oss":  # transposed, interleaved experts with biases, a clamped SwiGLU; a router with a bias
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+        cfg = GptOssConfig(
+            hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.5
+        )
+        cls = GptOssMLP
     else:
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -44,19 +52,23 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).detach().abs().max() / want.detach().abs().max())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("use_grouped_mm", [True, False])
 def test_local_dispatch_matches_transformers_experts(family, implementation, use_grouped_mm):
+    """gpt-oss (its own experts loop, no implementation switch): a swiglu_limit of 0.5 so that the clamps bind."""
+    if family == "gpt_oss" and implementation == "grouped_mm":
+        pytest.skip("gpt-oss's experts have one (eager) implementation")
     block = tiny_block(family, implementation)
     experts = block.experts
     hidden = torch.randn(13, 16, requires_grad=True)
     with torch.no_grad():
-        _, weights, index = block.gate(hidden)
+        _, weights, index = (block.router if family == "gpt_oss" else block.gate)(hidden)
     index[index == 2] = 0  # expert 2 gets no token: an empty group, a zero gradient
     weights.requires_grad_()
     cotangent = torch.randn(13, 16)
-    params = [hidden, weights, experts.gate_up_proj, experts.down_proj]
+    names = ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if family == "gpt_oss" else [])
+    params = [hidden, weights, *(getattr(experts, name) for name in names)]
 
     want = experts(hidden, index, weights)
     want_grads = torch.autograd.grad((want * cotangent).sum(), params)
@@ -64,9 +76,12 @@ def test_local_dispatch_matches_transformers_experts(family, implementation, use
     got_grads = torch.autograd.grad((got * cotangent).sum(), params)
 
     assert relative(got, want) < TOLERANCE
-    for name, g, w in zip(["hidden", "weights", "gate_up_proj", "down_proj"], got_grads, want_grads):
+    for name, g, w in zip(["hidden", "weights", *names], got_grads, want_grads):
         assert relative(g, w) < TOLERANCE, name
-    assert got_grads[2][2].abs().max() == 0 and got_grads[3][2].abs().max() == 0
+    assert all(g[2].abs().max() == 0 for g in got_grads[2:])
+    if family == "gpt_oss":  # the clamps bind
+        h = hidden.detach() @ experts.gate_up_proj[0].detach() + experts.gate_up_proj_bias[0].detach()
+        assert (h[:, ::2] > 0.5).any() and (h[:, 1::2].abs() > 0.5).any()
 
 
 def test_sort_by_expert_is_stable_and_counts():

@@ -180,11 +180,11 @@ def test_the_peft_adapter_of_a_run_that_trains_the_embeddings_holds_them(tmp_pat
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def tiny_moe():
+def tiny_moe(preset: str = "qwen3moe-tiny"):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(make_preset_config("qwen3moe-tiny", BYTE_VOCAB))
+    return AutoModelForCausalLM.from_config(make_preset_config(preset, BYTE_VOCAB))
 
 
 def _randomize_adapters(model) -> None:
@@ -197,17 +197,20 @@ def _randomize_adapters(model) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
+@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "gptoss-tiny"])
 @pytest.mark.parametrize("use_grouped_mm, rank", [(True, 4), (False, 4), (True, 3)])
-def test_expert_adapters_compute_the_merged_experts_in_both_kernels(use_grouped_mm, rank):
+def test_expert_adapters_compute_the_merged_experts_in_both_kernels(use_grouped_mm, rank, preset):
     """Routed experts with adapters (both fused projections, per expert) equal transformers' experts with the
     weights W_e + (alpha / rank) B_e A_e, in the grouped GEMM and in the loop (where a rank of 3 fp32 columns,
-    12 bytes, is too narrow for the grouped GEMM); every adapter gets its gradient."""
+    12 bytes, is too narrow for the grouped GEMM); every adapter gets its gradient. gpt-oss's experts are stored
+    transposed ([E, in, out]): their adapters keep the [out, in] convention, the merged update is transposed."""
     import copy
 
     from meshtron.models.experts import local_experts_forward
     from meshtron.models.lora import expert_adapters
 
-    model = tiny_moe()
+    model = tiny_moe(preset)
+    transposed = preset == "gptoss-tiny"
     experts = copy.deepcopy(model.model.layers[0].mlp.experts)
     reference = copy.deepcopy(experts)
     targets = add_lora(model, adapter_for(model.config), LoraConfig(rank=rank, alpha=2 * rank, targets=["experts"]))
@@ -219,7 +222,7 @@ def test_expert_adapters_compute_the_merged_experts_in_both_kernels(use_grouped_
     with torch.no_grad():
         for name in ("gate_up_proj", "down_proj"):
             update = torch.bmm(getattr(lora_experts.lora_B, name), getattr(lora_experts.lora_A, name))
-            getattr(reference, name).add_(2.0 * update)
+            getattr(reference, name).add_(2.0 * (update.transpose(-2, -1) if transposed else update))
     hidden = torch.randn(11, 64)
     index = torch.randint(0, 3, (11, 2))  # expert 3 gets no token
     weights = torch.rand(11, 2)
@@ -234,9 +237,10 @@ def test_expert_adapters_compute_the_merged_experts_in_both_kernels(use_grouped_
     assert all(g is not None and g[:3].abs().sum() > 0 and g[3].abs().sum() == 0 for g in grads.values())
 
 
-def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_merged_logits(tmp_path):
+@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "gptoss-tiny"])
+def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_merged_logits(tmp_path, preset):
     """The experts' adapters go into the peft directory as target_parameters (peft's ParamWrapper layout); peft's
-    model, meshtron's merged model and the LoRA model give the same logits."""
+    model, meshtron's merged model and the LoRA model give the same logits (gpt-oss: transposed experts)."""
     import copy
 
     from peft import PeftModel
@@ -245,8 +249,8 @@ def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_m
     from meshtron.checkpoint.lora_export import merge_adapters, write_peft_adapter
 
     base = tmp_path / "base"
-    tiny_moe().save_pretrained(base)
-    model = tiny_moe()
+    tiny_moe(preset).save_pretrained(base)
+    model = tiny_moe(preset)
     lora = LoraConfig(rank=2, alpha=4)
     targets = add_lora(model, adapter_for(model.config), lora)
     assert targets == ["experts", "k_proj", "o_proj", "q_proj", "v_proj"]

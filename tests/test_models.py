@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import two_step_run
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
@@ -24,7 +25,7 @@ def build(model_cfg: ModelConfig, seed: int = 0, vocab: int = 257):
 
 @pytest.mark.parametrize("preset", [name for name in PRESETS if name.endswith("tiny")])
 def test_tiny_presets_build_and_run(preset):
-    model = build(ModelConfig(preset=preset, attn_implementation="eager" if preset == "gemma2-tiny" else "sdpa"))
+    model = build(ModelConfig(preset=preset))  # attn_implementation=auto: eager for Gemma 2 and gpt-oss
     assert model.config.model_type == PRESETS[preset]["model_type"]
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(torch.isfinite(b).all() for b in model.buffers())  # rotary frequencies, Gemma's embed_scale
@@ -292,7 +293,6 @@ def test_phi3_trains_its_fused_projections_split_and_exports_them_fused(tmp_path
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.config import load_config
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
@@ -307,21 +307,7 @@ def test_phi3_trains_its_fused_projections_split_and_exports_them_fused(tmp_path
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
 
-    cfg = load_config(
-        None,
-        [
-            f"model.name_or_path={tmp_path / 'phi3'}",
-            "data.seq_len=16",
-            "data.max_documents=20",
-            f"data.cache_dir={cache_dir}",
-            "train.steps=2",
-            "train.global_batch_size=2",
-            "checkpoint.interval=2",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
-        ],
-        env={},
-    )
+    cfg = two_step_run(f"model.name_or_path={tmp_path / 'phi3'}", tmp_path, cache_dir)
     trained = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU)).model.state_dict()
     export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
@@ -420,6 +406,12 @@ def test_unknown_family_is_refused_before_any_process_group_with_the_supported_l
             "the model's attn_logit_softcapping 1.0 is not supported by parallel.cp_method=ring (its tiles do not "
             "cap scores); set parallel.cp_method=ulysses",
         ),
+        (
+            ["model.preset=gptoss-tiny", "model.attn_implementation=sdpa", "data.mask_documents=false"],
+            1,
+            "model family gpt_oss cannot use model.attn_implementation=sdpa: its attention sinks are not in torch's "
+            "sdpa",
+        ),
     ],
 )
 def test_family_refusals_name_the_setting(overrides, world, expected):
@@ -469,6 +461,12 @@ def test_supported_family_settings_pass_preflight():
     _preflight(["model.preset=granite-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen3moe-tiny", "parallel.dp_shard=2", "parallel.tp=2", "parallel.cp=2"], 8)
     _preflight(["model.preset=qwen2moe-tiny", "parallel.tp=4"], 4)  # the MoE block whole on every tp rank
+    # gpt-oss: sinks in every CP method's attention, split with the heads under TP; EP with TP and CP
+    for method in ("ring", "allgather", "ulysses"):
+        _preflight(["model.preset=gptoss-tiny", "parallel.cp=2", f"parallel.cp_method={method}", "parallel.tp=2"], 4)
+    _preflight(
+        ["model.preset=gptoss-tiny", "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2"], 8
+    )
 
 
 @pytest.mark.parametrize("preset", NEW_FAMILIES)
@@ -684,25 +682,10 @@ def test_moe_trains_and_exports_its_experts_one_by_one(tmp_path, cache_dir, pres
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.config import load_config
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = load_config(
-        None,
-        [
-            f"model.preset={preset}",
-            "data.seq_len=16",
-            "data.max_documents=20",
-            f"data.cache_dir={cache_dir}",
-            "train.steps=2",
-            "train.global_batch_size=2",
-            "checkpoint.interval=2",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
-        ],
-        env={},
-    )
+    cfg = two_step_run(f"model.preset={preset}", tmp_path, cache_dir)
     trained = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU)).model.state_dict()
     export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "hf"))
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as handle:
@@ -738,3 +721,99 @@ def test_plan_proposes_only_what_gemma2_supports(tmp_path, capsys):
         assert {layout["cp"] for layout in layouts} == {1, 2, 4}
         assert {layout["cp_method"] for layout in layouts if layout["cp"] > 1} == {"ulysses"}
         assert {layout["tp"] for layout in layouts} == {1, 2, 4}
+
+
+# gpt-oss (docs/models.md): attention sinks, a sliding and a full layer, transposed experts with biases.
+GPTOSS_IDS = torch.randint(1, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _gptoss_logits(model, mask_documents: bool) -> torch.Tensor:
+    """``model``'s logits for GPTOSS_IDS: its own attention, or meshtron's (document masks: EOS 0 never occurs, so
+    each row is one document; the sinks and the window of 8 of 32 tokens bite)."""
+    from meshtron.distributed.context_parallel import register_attention
+    from meshtron.models.adapter import adapter_for
+    from meshtron.train.batch import SequenceSplit, sequence_inputs
+
+    with torch.no_grad():
+        if not mask_documents:
+            return model(input_ids=GPTOSS_IDS).logits
+        adapter_for(model.config).use_attention(model, register_attention())
+        return model(**sequence_inputs(GPTOSS_IDS, SequenceSplit(mask_documents=True, eos_token_id=0))).logits
+
+
+def test_gptoss_step_0_logits_equal_transformers_eager_attention():
+    """meshtron's gpt-oss (attention sinks, sliding window and document mask in meshtron's attention) computes the
+    logits of transformers' own model with its eager attention, from the same weights; the preset picks eager for
+    model.attn_implementation=auto (sdpa has no sinks)."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.models.families import resolve_attn_implementation
+
+    config = make_preset_config("gptoss-tiny", 257)
+    assert resolve_attn_implementation("auto", config) == "eager"
+    model = build(ModelConfig(preset="gptoss-tiny")).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # sinks that matter (they start at ~0.02)
+            layer.self_attn.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 2.0]))
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict(model.state_dict())
+    want = _gptoss_logits(reference, mask_documents=False)
+    torch.testing.assert_close(_gptoss_logits(model, mask_documents=True), want, atol=1e-5, rtol=1e-5)
+
+
+def test_gptoss_checkpoint_loads_and_trained_export_loads_in_transformers(tmp_path, cache_dir):
+    """transformers 5 saves gpt-oss's experts fused, as the model holds them (``experts.gate_up_proj [E, H, 2I]``
+    and their biases): meshtron loads such a checkpoint exactly, and a trained checkpoint of it exports to a model
+    transformers loads with the same weights and logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.checkpoint.export import export_checkpoint
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    config = make_preset_config("gptoss-tiny", 257)
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config).eval()
+    original.save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as handle:
+        saved = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"] == [4, 64, 64]  # [E, H, 2I]: fused, transposed
+    assert saved["model.layers.0.mlp.experts.down_proj_bias"] == [4, 64]
+    loaded = build(ModelConfig(name_or_path=str(tmp_path / "hf"))).eval()
+    assert set(loaded.state_dict()) == set(original.state_dict())
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+    cfg = two_step_run(f"model.name_or_path={tmp_path / 'hf'}", tmp_path, cache_dir)
+    trained = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU)).model
+    export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "export"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert exported.config._attn_implementation == "eager"
+    state = {canonical_name(name): tensor for name, tensor in trained.state_dict().items()}
+    assert set(exported.state_dict()) == set(state)
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    assert not torch.equal(
+        state["model.layers.0.self_attn.sinks"], original.state_dict()["model.layers.0.self_attn.sinks"]
+    )
+    reference = AutoModelForCausalLM.from_config(exported.config, attn_implementation="eager").eval()
+    reference.load_state_dict(state)
+    torch.testing.assert_close(
+        _gptoss_logits(exported, mask_documents=False), _gptoss_logits(reference, mask_documents=False), atol=0, rtol=0
+    )
+
+
+def test_gptoss_planner_splits_expert_biases_with_the_experts_and_sinks_with_the_heads():
+    """The planner's gpt-oss: every parameter counted, the experts' biases ([E, 2I], [E, H]) split over experts as
+    the experts are (EP shards them), the attention sinks ([H]) over tp with the heads."""
+    from meshtron.plan.model_shape import ModelShape
+
+    shape = ModelShape.from_hf_config(make_preset_config("gptoss-tiny", 257))
+    assert shape.total_params == sum(p.numel() for p in build(ModelConfig(preset="gptoss-tiny")).parameters())
+    experts = {spec.name for spec in shape.block if spec.expert}
+    assert experts == {
+        f"mlp.experts.{name}" for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    }
+    (sinks,) = [spec for spec in shape.block if spec.name == "self_attn.sinks"]
+    assert sinks.local_numel(2, 1, shape.kv_heads) == 2

@@ -592,6 +592,29 @@ for _name, _overrides in {
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
 }.items():
     LAYOUTS[f"{_name}_gemma2_docs"] = (2, _overrides, "gemma2-docs")
+# gpt-oss: attention sinks (split with the heads under TP and Ulysses, merged into the ring's final log-sum-exp) and a
+# sliding window (8 of 32 tokens) in meshtron's attention with document masks; transposed, interleaved experts with
+# biases (split over experts under EP, the sparse block whole on every tp rank) and the router's load-balancing loss.
+REFERENCES["gptoss-docs"] = [
+    "model.preset=gptoss-tiny",
+    f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
+    "data.max_documents=1000",
+    "train.router_aux_loss=true",
+]
+for _name, _overrides in {
+    "fsdp2_gptoss": ["parallel.dp_shard=2"],
+    "tp2_gptoss": ["parallel.tp=2"],
+    "ep2_gptoss": ["parallel.dp_shard=2", "parallel.ep=2"],
+    "cp2_ulysses_gptoss_docs": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+    "cp2_gptoss_docs": ["parallel.cp=2"],  # ring: the sinks merged into the final log-sum-exp
+}.items():
+    LAYOUTS[_name] = (2, _overrides, "gptoss-docs")
+# The load-balancing loss is per micro-batch: a pipeline's two microbatches of 4 match two accumulated ones.
+REFERENCES["gptoss-docs-accum2"] = [*REFERENCES["gptoss-docs"], "train.micro_batch_size=4"]
+LAYOUTS["pp2_gptoss"] = (2, ["parallel.pp=2", "train.micro_batch_size=4"], "gptoss-docs-accum2")
+# LoRA on every target, the transposed experts' per-expert adapters split over experts with them.
+REFERENCES["gptoss-lora"] = [*REFERENCES["gptoss-docs"], *_LORA, "train.lr=5e-3"]
+LAYOUTS["ep2_gptoss_lora"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "gptoss-lora")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")

@@ -10,6 +10,7 @@ import torch
 
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
+from meshtron.models.moe import router_of
 from meshtron.models.presets import make_preset_config
 from meshtron.train.router_balance import RouterBalance, check_router_balance, load_spread
 
@@ -23,10 +24,11 @@ def tiny(preset: str):
     return AutoModelForCausalLM.from_config(make_preset_config(preset, BYTE_VOCAB))
 
 
-@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "mixtral-tiny", "qwen2moe-tiny", "olmoe-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "mixtral-tiny", "qwen2moe-tiny", "olmoe-tiny", "gptoss-tiny"])
 def test_a_zero_bias_routes_exactly_as_transformers(preset):
+    """gpt-oss's router (``mlp.router``, with a bias of its own) takes the balancing bias on its logits."""
     model = tiny(preset)
-    router = model.model.layers[0].mlp.gate
+    router = router_of(model.model.layers[0].mlp)
     hidden = torch.randn(2, 9, model.config.hidden_size, requires_grad=True)
     want = router(hidden)
     want_grad = torch.autograd.grad(want[1].square().sum(), hidden)[0]
@@ -36,7 +38,23 @@ def test_a_zero_bias_routes_exactly_as_transformers(preset):
     for name, a, b in zip(("logits", "weights", "indices"), got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
-    assert "model.layers.0.mlp.gate.balance_bias" in model.state_dict()  # checkpoints hold the biases
+    name = "router" if preset == "gptoss-tiny" else "gate"
+    assert f"model.layers.0.mlp.{name}.balance_bias" in model.state_dict()  # checkpoints hold the biases
+
+
+def test_gptoss_bias_changes_the_choice_not_the_weights():
+    """A large balancing bias on expert 3 puts it among every token's top 2; the routing weights stay the softmax
+    over the chosen experts' own logits (with the router's bias), as gpt-oss computes them."""
+    model = tiny("gptoss-tiny")
+    router = router_of(model.model.layers[0].mlp)
+    hidden = torch.randn(18, model.config.hidden_size)
+    RouterBalance([model], model.config, rate=1e-3)
+    with torch.no_grad():
+        router.balance_bias[3] = 100.0
+        logits, weights, indices = router(hidden)
+    assert (indices == 3).any(dim=-1).all()
+    want = torch.softmax(torch.nn.functional.linear(hidden, router.weight, router.bias).gather(-1, indices), dim=-1)
+    torch.testing.assert_close(weights, want, rtol=0, atol=0)
 
 
 def test_a_skewed_routers_load_tightens_as_its_bias_moves():

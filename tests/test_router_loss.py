@@ -155,6 +155,26 @@ def test_hooks_on_a_transformers_model_record_its_aux_loss():
     router.remove()
 
 
+def test_hooks_on_gptoss_record_its_aux_loss():
+    """gpt-oss's router is ``mlp.router`` (softmax over the top-k logits for the weights); its aux loss is
+    transformers' Switch-style one on softmax(all logits), which the hooks compute from the logits alike."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.models.presets import make_preset_config
+
+    config = make_preset_config("gptoss-tiny", 64)
+    config.output_router_logits = True
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    router = RouterLoss(model, model.config, model.config.router_aux_loss_coef)
+    assert len(router.blocks) == 2
+    input_ids = torch.randint(0, 64, (2, 24))
+    with router.recording():
+        out = model(input_ids=input_ids)
+    assert float(router.micro_batch().aux) == pytest.approx(float(out.aux_loss.detach()), rel=1e-6)
+    router.remove()
+
+
 def test_setting():
     dense = tiny_moe_config(num_experts=0)
     moe_off = tiny_moe_config(output_router_logits=False)

@@ -20,6 +20,7 @@ from meshtron.distributed.context_parallel import SequenceLayout, hf_attention, 
 from meshtron.distributed.context_parallel import tiles as plans
 from meshtron.distributed.context_parallel.layout import chunk_ids
 from meshtron.distributed.context_parallel.ring import _backward_tiles, _forward_tiles, _halves, _own_first
+from meshtron.distributed.context_parallel.tile_kernels import add_sinks, sink_gradient
 from meshtron.models import attention_kernels as kernels
 from meshtron.models.attention import document_ids
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -247,6 +248,16 @@ def _tiny(family: str, window: int):
             final_logit_softcapping=3.0,
         )
         model = transformers.Gemma2ForCausalLM(config)
+    elif family == "gpt_oss":  # attention sinks (meshtron's attention adds them as transformers' eager does)
+        config = transformers.GptOssConfig(
+            **{**common, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model = transformers.GptOssForCausalLM(config)
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
         model = transformers.Qwen2ForCausalLM(config)
@@ -255,6 +266,10 @@ def _tiny(family: str, window: int):
         model = transformers.MistralForCausalLM(config)
     torch.manual_seed(0)
     model.apply(model._init_weights)
+    if family == "gpt_oss":  # sinks of weight comparable to the scores' (they start at ~0.02)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 2.0]))
     if family == "gemma2":  # scores large enough for the cap of 1 to bind (the initial ones are ~0.01)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -263,13 +278,14 @@ def _tiny(family: str, window: int):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "mistral", "qwen2", "gpt_oss"])
 def test_packed_documents_match_each_document_alone_with_the_models_own_attention(family):
     """Packed documents with meshtron's attention (document mask and window) give the logits of each document
     run alone through the model's eager attention with transformers' own sliding-window mask. Gemma 3
     alternates a sliding and a full layer; Gemma 2 too, and caps its attention scores (meshtron's attention caps
     them as transformers' eager attention does: without the cap the logits differ); Qwen2 slides from layer
-    ``max_window_layers`` on (its layer_types)."""
+    ``max_window_layers`` on (its layer_types); gpt-oss alternates too and adds its attention sinks to every
+    softmax (meshtron's attention as transformers' eager one: without them the logits differ)."""
     window = 5
     model = _tiny(family, window)
     if family == "qwen2":
@@ -288,6 +304,14 @@ def test_packed_documents_match_each_document_alone_with_the_models_own_attentio
             assert (uncapped - packed).abs().max() > 1e-3
             for layer in model.model.layers:
                 layer.self_attn.attn_logit_softcapping = 1.0
+        if family == "gpt_oss":  # the sinks matter
+            sinks = [layer.self_attn.sinks.clone() for layer in model.model.layers]
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+            sinkless = model(**sequence_inputs(tokens, SequenceSplit(mask_documents=True, eos_token_id=EOS))).logits
+            assert (sinkless - packed).abs().max() > 1e-3
+            for layer, sink in zip(model.model.layers, sinks):
+                layer.self_attn.sinks.copy_(sink)
         # The window matters: without it the packed logits differ.
         model.config.sliding_window = None
         for layer in model.model.layers:
@@ -378,16 +402,18 @@ def test_plans_are_cached_per_window_and_read_document_ranges_once(monkeypatch):
     assert all(isinstance(mask, torch.Tensor) for tiles in windowed.values() for _, _, mask in tiles)
 
 
-def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out):
+def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out, sinks=None):
     """Every rank's share of CP attention in one process, from the plan each rank makes: each rank's queries
     against every rank's K/V (as all-gather does), then the backward of every tile. Returns the output
-    and the q/k/v gradients in global order."""
+    and the q/k/v gradients in global order; with ``sinks`` (gpt-oss), merged into each rank's final
+    log-sum-exp as the ring does, also their gradient summed over the ranks."""
     seq = q.shape[2]
     c = seq // (2 * cp)
     index = [local_token_index(seq, cp, r) for r in range(cp)]
     kv = [torch.stack([k[:, :, i], v[:, :, i]]) for i in index]
     out, dq = torch.zeros(q.shape), torch.zeros(q.shape)
     dkv = torch.zeros(2, *k.shape)
+    dsinks = 0
     for rank in range(cp):
         layout = SequenceLayout(seq, cp, rank, None, "allgather", docs, kernel)
         q_halves = _halves(q[:, :, index[rank]], c)
@@ -395,6 +421,9 @@ def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out
         for source in _own_first(layout):
             _forward_tiles(q_halves, kv[source], source, layout, scale, state, window)
         local_out, local_lse = torch.cat([s[0] for s in state], 2), torch.cat([s[1] for s in state], 2)
+        if sinks is not None:
+            local_out, local_lse = add_sinks(local_out, local_lse, sinks)
+            dsinks = dsinks + sink_gradient(local_out, local_lse, grad_out[:, :, index[rank]], sinks)
         out[:, :, index[rank]] = local_out
         dq_halves = [torch.zeros(h.shape) for h in q_halves]
         for source in range(cp):
@@ -412,7 +441,35 @@ def emulated_context_parallel(q, k, v, docs, cp, window, kernel, scale, grad_out
             )
             dkv[:, :, :, index[source]] += grads
         dq[:, :, index[rank]] = torch.cat(dq_halves, 2)
-    return out, dq, dkv[0], dkv[1]
+    return (out, dq, dkv[0], dkv[1]) + (() if sinks is None else (dsinks,))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_sinks_merge_into_the_final_log_sum_exp(cp):
+    """gpt-oss's attention sinks under ring / all-gather: one more term of each query's final log-sum-exp
+    (``add_sinks``); the tiles' backward on the sink-inclusive output gives q/k/v gradients, ``sink_gradient`` the
+    sinks', equal to float64 attention with the sinks concatenated (documents and a window crossing chunks)."""
+    seq = 48
+    tokens = packed_tokens(seq)
+    tokens[0, [9, 10, 22, 35]] = EOS
+    docs = document_ids(tokens, EOS)
+    q, k, v = qkv(seq=seq)
+    sinks = torch.tensor([-1.0, 0.0, 1.0, 3.0])
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    window = seq // (2 * cp) + 3
+    visible = naive_mask(tokens, window, seq).expand(3, -1, -1)
+
+    def reference(q, k, v, sinks):
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~visible[:, None], float("-inf"))
+        sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
+
+    want = _grads(reference, (q, k, v, sinks), grad_out.double())
+    got = emulated_context_parallel(q, k, v, docs, cp, window, "auto", 0.3, grad_out, sinks)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+    assert (got[4].abs() > 1e-3).all()  # every head's sink takes a gradient
 
 
 @pytest.mark.parametrize("kernel", ["auto", "math"])

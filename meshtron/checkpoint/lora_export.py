@@ -28,6 +28,7 @@ from meshtron.models.lora import (
     has_expert_adapters,
     is_lora_parameter,
 )
+from meshtron.models.moe import experts_anatomy
 
 
 @torch.no_grad()
@@ -38,8 +39,10 @@ def merge_adapters(model: nn.Module) -> None:
         if has_expert_adapters(module):
             for name in EXPERT_PROJECTIONS:
                 a, b = getattr(module.lora_A, name).float(), getattr(module.lora_B, name).float()
-                weight = getattr(module, name)
-                weight.add_((torch.bmm(b, a) * module.lora_scaling).to(weight.dtype))
+                weight, update = getattr(module, name), torch.bmm(b, a)  # [E, out, in]
+                if experts_anatomy(module).transposed:  # gpt-oss's [E, in, out]
+                    update = update.transpose(-2, -1)
+                weight.add_((update * module.lora_scaling).to(weight.dtype))
             del module._modules[LORA_A], module._modules[LORA_B], module.lora_scaling, module.forward
         elif isinstance(module, LoraLinear):
             update = module.lora_B.weight.float() @ module.lora_A.weight.float()

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshtron.errors import ConfigError
-from meshtron.models.experts import combine, local_expert_ffn, sort_by_expert
+from meshtron.models.experts import combine, expert_math, local_expert_ffn, sort_by_expert
 from meshtron.models.lora import expert_adapters
 from meshtron.tensors import local_tensor
 
@@ -146,7 +146,8 @@ def apply_expert_parallel_to_model(model: nn.Module, ep_mesh) -> None:
 
 def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | None = None) -> nn.Module:
     """Shard ``experts`` (a transformers experts module: ``gate_up_proj`` [E, 2I, H], ``down_proj``
-    [E, H, I], ``act_fn``) over the 1-D ``ep_mesh`` and make its forward the all-to-all dispatch.
+    [E, H, I], ``act_fn``; or as its family's ``ExpertsAnatomy`` says, with biases [E, ...]) over the 1-D
+    ``ep_mesh`` and make its forward the all-to-all dispatch.
 
     Every rank must hold the same full parameters beforehand (or meta tensors: then the shards are
     meta too, to be initialized later); each keeps rows ``[r * E/ep, (r+1) * E/ep)``. In place; returns
@@ -161,9 +162,10 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | No
     for name in EXPERT_PARAMETERS:
         if isinstance(getattr(experts, name), DTensor):
             raise ValueError(f"experts.{name} is already a DTensor (expert parallelism applied twice?)")
-    # The fused parameters and any per-expert adapters (LoRA: [E, ...] like them) keep this rank's experts.
+    # The fused parameters, their biases (gpt-oss: [E, 2I], [E, H]) and any per-expert adapters (LoRA: [E, ...] like
+    # them) keep this rank's experts.
     for name, param in list(experts.named_parameters()):
-        if param.ndim == 3 and param.shape[0] == num:
+        if param.ndim >= 2 and param.shape[0] == num:
             owner, _, leaf = name.rpartition(".")
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.get_submodule(owner).register_parameter(
@@ -213,7 +215,7 @@ def expert_parallel_forward(
         gate_up,
         down,
         counts_recv.sum(0),
-        self.act_fn,
+        expert_math(self, local_tensor),  # the family's layout, activation and (local) biases
         self.ep_use_grouped_mm,
         expert_adapters(self),
     )

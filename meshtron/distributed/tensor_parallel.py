@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -224,6 +224,8 @@ class ReplicatedBlockParallel(ParallelStyle):
         return (hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Replicate()]), *rest)
 
     def _output_fn(self, module, output, mesh):
+        if isinstance(output, tuple):  # (hidden, router scores): gpt-oss's block; the scores stay local
+            return (self._output_fn(module, output[0], mesh), *output[1:])
         output = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
         if isinstance(self.stream, Shard):
             return output.redistribute(mesh, [self.stream])  # the residual stream is a DTensor here
@@ -254,6 +256,41 @@ class ReplicatedBlockParallel(ParallelStyle):
         return module
 
 
+class AttentionSinksParallel(ParallelStyle):
+    """An attention module (role ``attention``: its input gathered by ``prepare``) that also holds per-head
+    parameters (role ``attention_sinks``: gpt-oss's ``sinks`` [H]). They are split with the heads, ``Shard(0)``,
+    as the column-parallel q_proj splits its rows (rank r: heads [r H/tp, (r+1) H/tp)), and the module's forward
+    sees this rank's slice as a plain tensor (transformers' attention reshapes it against the local heads); its
+    gradient is that slice's, complete on its rank."""
+
+    def __init__(self, prepare: ParallelStyle, names: tuple[str, ...] = ("sinks",)):
+        super().__init__()
+        self.prepare = prepare
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name in self.names:
+            param = getattr(module, name)
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module = self.prepare._apply(module, device_mesh)
+        forward, names = module.forward, self.names
+
+        def local_forward(*args, **kwargs):
+            # Read at call time: FSDP puts its unsharded (still tp-sharded) parameter in place before forward.
+            params = {name: _local_parameter(getattr(module, name)) for name in names}
+            with _reparametrize_module(module, params, strict=False):
+                return forward(*args, **kwargs)
+
+        module.forward = local_forward
+        return module
+
+
+def _local_parameter(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local piece whose gradient keeps the parameter's placements; plain ones as they are."""
+    return param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
+
+
 def _float8_styles(roles: dict[str, str], float8_paths: frozenset[str]):
     """(prepare input, colwise, rowwise) style classes per path: torchao's float8 ones for float8 linears
     and for an attention / MLP region whose every input projection is one."""
@@ -265,7 +302,7 @@ def _float8_styles(roles: dict[str, str], float8_paths: frozenset[str]):
 
     classes = {}
     for path, role in roles.items():
-        if role in ("attention", "attention_positional", "mlp"):
+        if role in ("attention", "attention_sinks", "attention_positional", "mlp"):
             inside = {p: r for p, r in roles.items() if p.startswith(path + ".")}
             inputs = [p for p, r in inside.items() if r in ("colwise", "kv_colwise")]
             # MLA's latents (computed whole, role replicated) take the region's input, not its colwise projections.
@@ -284,12 +321,14 @@ def _block_styles(
     float8 = _float8_styles(roles, float8_paths) if float8_paths else {}
     styles: dict[str, ParallelStyle] = {}
     for path, role in roles.items():
-        if role == "attention":
+        if role in ("attention", "attention_sinks"):
             styles[path] = float8.get(path, PrepareModuleInput)(
                 input_kwarg_layouts={"hidden_states": stream},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=False,
             )
+            if role == "attention_sinks":
+                styles[path] = AttentionSinksParallel(styles[path])
         elif role == "attention_positional":  # called with the hidden states as its first positional argument
             styles[path] = float8.get(path, PrepareModuleInput)(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False

@@ -35,6 +35,8 @@ def canonical_name(name: str) -> str:
 # turned into PyTorch parallel styles by meshtron.distributed.tensor_parallel:
 #   attention / mlp   the module whose input is gathered over the sequence (or kept replicated)
 #   attention_positional  the same for an attention called with its input positionally (GPT-NeoX)
+#   attention_sinks   the same for an attention that also holds per-head parameters (gpt-oss's sinks [H]):
+#                     split with its heads (Shard(0))
 #   colwise / rowwise output features / input features split over tp
 #   kv_colwise        k/v projections: split by KV head, or replicated when tp > KV heads
 #   norm              a norm on the residual stream (sequence-sharded under sequence parallel)

@@ -88,7 +88,7 @@ def check_attention(
     keeps; pipeline stages without it build the model's own masks.)"""
     if not uses_meshtron_attention(cp, mask_documents):
         return
-    from meshtron.models.families import resolve_attn_implementation
+    from meshtron.models.families import family_of, resolve_attn_implementation
 
     attn_implementation = resolve_attn_implementation(attn_implementation, hf_config)
     needs = "parallel.cp > 1" if cp > 1 else "data.mask_documents"
@@ -106,8 +106,8 @@ def check_attention(
             f"the model attends bidirectionally (use_bidirectional_attention), and meshtron's attention (used for "
             f"{needs}) is causal; set {own}"
         )
-    # A soft-capping family needs eager attention of its own; meshtron's attention (which caps) replaces either.
-    if attn_implementation != "sdpa" and not (softcap and attn_implementation == "eager"):
+    # A family sdpa cannot compute (soft caps, sinks) needs eager attention of its own; meshtron's replaces either.
+    if attn_implementation != "sdpa" and not (family_of(hf_config).eager_only and attn_implementation == "eager"):
         raise ConfigError(
             f"model.attn_implementation={attn_implementation} cannot be combined with {needs} (meshtron's own "
             "attention replaces it); use model.attn_implementation=sdpa" + alternative

@@ -11,6 +11,11 @@ at index i also needs i - j < window to see the key at index j (transformers' ``
 besides causal (j <= i) and same document. A window of at least the sequence length changes nothing and
 is treated as none. On CUDA the block mask skips the 128-token blocks that lie entirely outside the window.
 
+Soft-capped scores (Gemma 2) and attention sinks (gpt-oss: a learned logit per head in the softmax's denominator
+that attends to no value) are computed as transformers' eager attention does on CPU (``eager_attention``); on CUDA
+the cap is a FlexAttention ``score_mod`` and the sink a correction of FlexAttention's output by its log-sum-exp
+(``sink_correction``; never run on a GPU so far: only its math is tested, on CPU).
+
 Masks are built once per micro-batch: callers pass a ``cache`` dict that lives as long as the
 micro-batch (``SequenceLayout.attention_cache``), so every layer reuses the first layer's mask (one per
 window: full and sliding layers alternate in Gemma and Qwen2). Document ids must not decrease along a row
@@ -23,7 +28,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 KERNELS = ("auto", "flex", "sdpa")
 BLOCK_SIZE = 128
@@ -62,10 +67,12 @@ def document_attention(
     cache: dict | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Causal attention within documents: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) with H a
     multiple of Hkv, ``document_ids`` (B, L) or None (one document per row), ``window`` the sliding window or
-    None, ``softcap`` the scores' soft cap (Gemma 2: ``softcap * tanh(score / softcap)``) or None -> (B, H, L, D)."""
+    None, ``softcap`` the scores' soft cap (Gemma 2: ``softcap * tanh(score / softcap)``) or None, ``sinks`` (H,)
+    the heads' sink logits (gpt-oss) or None -> (B, H, L, D)."""
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "auto":
@@ -73,13 +80,13 @@ def document_attention(
     length = query.shape[2]
     window = effective_window(window, length)
     if kernel == "flex":
-        return _flex_attention(query, key, value, document_ids, scale, cache, window, softcap)
-    if document_ids is None and window is None and not softcap:
+        return _flex_attention(query, key, value, document_ids, scale, cache, window, softcap, sinks)
+    if document_ids is None and window is None and not softcap and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
     cache_key = mask_key("dense", query.device, length, window)
     visible = _cached(cache, cache_key, dense_document_mask, document_ids, query.device, window, length)
-    if softcap:  # SDPA cannot cap the scores: the plain math, as transformers' eager attention does it
-        return softcapped_attention(query, key, value, visible, scale, softcap)
+    if softcap or sinks is not None:  # SDPA can neither cap scores nor add sinks: transformers' eager math
+        return eager_attention(query, key, value, visible, scale, softcap, sinks)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=True)
 
 
@@ -119,17 +126,35 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def softcapped_attention(query, key, value, visible: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores (Gemma 2), as transformers' ``eager_attention_forward``: scores
-    ``q k^T * scale``, capped to ``softcap * tanh(scores / softcap)``, masked (``visible`` (B or 1, 1, L, L) bool),
-    softmax in float32, back to the query's dtype, times v. Keeps the (B, H, L, L) scores for backward."""
+def eager_attention(
+    query, key, value, visible: torch.Tensor, scale: float, softcap: float | None = None, sinks=None
+) -> torch.Tensor:
+    """Attention as transformers' ``eager_attention_forward`` computes it: scores ``q k^T * scale``, soft-capped to
+    ``softcap * tanh(scores / softcap)`` (Gemma 2) when ``softcap`` is set, masked (``visible`` (B or 1, 1, L, L)
+    bool), softmax in float32 or wider (with ``sinks`` (H,): over the scores and the head's sink logit, which is then
+    dropped, as gpt-oss does), back to the query's dtype, times v. Keeps the (B, H, L, L) scores for backward."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value)
+    accumulate = torch.promote_types(scores.dtype, torch.float32)  # float32 at least (float64 stays)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=accumulate)
+    else:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=accumulate)[..., :-1]
+    return torch.matmul(weights.to(query.dtype), value)
+
+
+def sink_correction(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` (B, H, L, D) of a softmax whose denominator was ``exp(lse)`` (``lse`` (B, H, L), natural
+    log, as FlexAttention's ``return_lse`` gives it), rescaled to a softmax that also counts each head's sink logit
+    ``sinks`` (H,) without a value: ``out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)``."""
+    accumulate = torch.promote_types(lse.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(accumulate) - sinks.to(accumulate).reshape(1, -1, 1))
+    return (out * keep.unsqueeze(-1).to(out.dtype)).to(out.dtype)
 
 
 def _softcap_score_mod(softcap: float):
@@ -142,7 +167,15 @@ def _softcap_score_mod(softcap: float):
 
 
 def _flex_attention(
-    query, key, value, document_ids, scale: float, cache: dict | None, window: int | None = None, softcap=None
+    query,
+    key,
+    value,
+    document_ids,
+    scale: float,
+    cache: dict | None,
+    window: int | None = None,
+    softcap=None,
+    sinks=None,
 ):
     length = query.shape[2]
     window = effective_window(window, length)
@@ -152,7 +185,20 @@ def _flex_attention(
     on_gpu = query.device.type == "cuda" and not torch.compiler.is_compiling()
     attend = _compiled_flex() if on_gpu else flex_attention
     score_mod = _softcap_score_mod(softcap) if softcap else None
-    return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
+    if sinks is None:
+        return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
+    # The sinks through the log-sum-exp (never run on a GPU yet: the CPU tests run FlexAttention's eager reference).
+    out, aux = attend(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )
+    return sink_correction(out, aux.lse, sinks)
 
 
 def _cached(cache: dict | None, cache_key: tuple, build, *args):

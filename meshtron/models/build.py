@@ -116,11 +116,12 @@ def _name_seed(seed: int, name: str) -> int:
 
 
 def init_tensor(name: str, shape: torch.Size, std: float, seed: int, norm_value: float = 1.0) -> torch.Tensor:
-    """Fresh full-size fp32 value of parameter ``name``: normal(0, std) matrices, ``norm_value`` for norms
-    (0 for norms that scale by ``1 + weight``), 0 for biases."""
-    if name.endswith(".bias"):
+    """Fresh full-size fp32 value of parameter ``name``: normal(0, std) matrices and attention sinks (gpt-oss's
+    per-head ``self_attn.sinks``, as transformers draws them), ``norm_value`` for norms (0 for norms that scale by
+    ``1 + weight``), 0 for biases (gpt-oss's experts' ``gate_up_proj_bias`` / ``down_proj_bias`` too)."""
+    if name.endswith((".bias", "_bias")):
         return torch.zeros(shape)
-    if len(shape) == 1:
+    if len(shape) == 1 and not name.endswith(".sinks"):
         return torch.full(tuple(shape), float(norm_value))
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     return torch.normal(0.0, std, tuple(shape), generator=generator)

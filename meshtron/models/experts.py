@@ -5,14 +5,20 @@ GEMMs over the (token, slot) pairs sorted by expert. Expert parallelism (meshtro
 runs it on the rows the all-to-all brings, and a LoRA run's experts (meshtron.models.lora) run it with their
 adapters: ``ExpertAdapters`` adds ``scaling * B_e A_e x`` to each expert's two projections, as two more grouped
 GEMMs through the rank, never a merged weight (which would keep a copy of every expert per layer for backward).
+A family's own layout, biases and activation (gpt-oss: transposed, interleaved, biases, clamped SwiGLU) come from
+its ``ExpertsAnatomy`` as an ``ExpertMath``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from meshtron.models.moe import experts_anatomy
 
 
 @dataclass(frozen=True)
@@ -29,42 +35,90 @@ class ExpertAdapters:
         return (*self.gate_up, *self.down)
 
 
+@dataclass(frozen=True)
+class ExpertMath:
+    """What a family's experts compute beyond their two fused matrices (meshtron.models.moe.ExpertsAnatomy):
+    ``glu`` maps the gate/up projection (N, 2I) to the down projection's input (N, I); ``transposed``: the
+    matrices are ``[E, in, out]``; ``biases``: (gate_up bias [E_l, 2I], down bias [E_l, H]) or None."""
+
+    glu: Callable[[torch.Tensor], torch.Tensor]
+    transposed: bool = False
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def expert_math(experts: nn.Module, local=lambda t: t) -> ExpertMath:
+    """The ``ExpertMath`` of a transformers experts module, by its family's anatomy; ``local`` turns its bias
+    parameters into the tensors to use (expert parallelism: this rank's shards)."""
+    anatomy = experts_anatomy(experts)
+    if anatomy.activation == "clamped_swiglu":
+        activation = functools.partial(clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
+    else:
+        act_fn = experts.act_fn
+
+        def activation(gate, up):
+            return act_fn(gate) * up
+
+    def glu(h: torch.Tensor) -> torch.Tensor:
+        gate, up = (h[..., ::2], h[..., 1::2]) if anatomy.interleaved else h.chunk(2, dim=-1)
+        return activation(gate, up)
+
+    biases = (local(experts.gate_up_proj_bias), local(experts.down_proj_bias)) if anatomy.biases else None
+    return ExpertMath(glu=glu, transposed=anatomy.transposed, biases=biases)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation (``GptOssExperts._apply_gate``): gate clamped to at most ``limit``, up to +-``limit``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def local_expert_ffn(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     counts: torch.Tensor,
-    act_fn,
+    math: ExpertMath,
     use_grouped_mm: bool | None = None,
     adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """The experts' FFN on rows ``x`` (N, H) grouped by expert: ``counts[e]`` consecutive rows for each
-    local expert ``e`` of ``gate_up`` [E_l, 2I, H] / ``down`` [E_l, H, I]. Returns (N, H).
+    local expert ``e`` of ``gate_up`` [E_l, 2I, H] / ``down`` [E_l, H, I] (``math.transposed``: [E_l, H, 2I] /
+    [E_l, I, H]). Returns (N, H).
 
-    Same math as transformers' experts: ``gate, up = (x @ gate_up[e].T).chunk(2, -1)``,
-    ``(act(gate) * up) @ down[e].T``; as grouped GEMMs (``torch._grouped_mm``) or, if that is unavailable
-    or ``use_grouped_mm`` is False, a loop over the experts that have rows. ``adapters``: LoRA's update of
-    both projections (in the loop when their rank is too small for the grouped GEMM's 16-byte strides).
+    Same math as transformers' experts: ``h = x @ gate_up[e].T (+ bias[e])``, ``math.glu(h) @ down[e].T
+    (+ bias[e])``; as grouped GEMMs (``torch._grouped_mm``) or, if that is unavailable or ``use_grouped_mm`` is
+    False, a loop over the experts that have rows. ``adapters``: LoRA's update of both projections (in the loop
+    when their rank is too small for the grouped GEMM's 16-byte strides).
     """
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_available(x, gate_up)
     use_grouped_mm = use_grouped_mm and (adapters is None or _aligned(adapters))
+    gate_up_bias, down_bias = math.biases or (None, None)
+
+    def as_in_out(weight):  # [E, in, out] for the grouped GEMM
+        return weight if math.transposed else weight.transpose(-2, -1)
+
     if use_grouped_mm and x.shape[0] > 0:
         offsets = torch.cumsum(counts.to(x.device), 0, dtype=torch.int32)
 
-        def project(rows, weight, factors):
-            out = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+        def project(rows, weight, bias, factors):
+            out = torch._grouped_mm(rows, as_in_out(weight), offs=offsets)
             if factors is not None:
                 low = _ContiguousGrad.apply(torch._grouped_mm(rows, factors[0].transpose(-2, -1), offs=offsets))
                 out = out + adapters.scaling * torch._grouped_mm(low, factors[1].transpose(-2, -1), offs=offsets)
+            if bias is not None:
+                out = out + bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=rows.shape[0])
             return _ContiguousGrad.apply(out)
 
-        h = project(_ContiguousGrad.apply(x.to(gate_up.dtype)), gate_up, adapters and adapters.gate_up)
-        gate, up = h.chunk(2, dim=-1)
-        return project(_ContiguousGrad.apply(act_fn(gate) * up), down, adapters and adapters.down)
+        h = project(_ContiguousGrad.apply(x.to(gate_up.dtype)), gate_up, gate_up_bias, adapters and adapters.gate_up)
+        return project(_ContiguousGrad.apply(math.glu(h)), down, down_bias, adapters and adapters.down)
 
-    def project_one(rows, weight, factors, e):
-        out = nn.functional.linear(rows, weight[e])
+    def project_one(rows, weight, bias, factors, e):
+        out = rows @ weight[e] if math.transposed else nn.functional.linear(rows, weight[e])
+        if bias is not None:
+            out = out + bias[e]
         if factors is not None:
             out = out + adapters.scaling * nn.functional.linear(
                 nn.functional.linear(rows, factors[0][e]), factors[1][e]
@@ -75,15 +129,16 @@ def local_expert_ffn(
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            gate, up = project_one(x[start : start + n], gate_up, adapters and adapters.gate_up, e).chunk(2, dim=-1)
-            pieces.append(project_one(act_fn(gate) * up, down, adapters and adapters.down, e))
+            h = project_one(x[start : start + n], gate_up, gate_up_bias, adapters and adapters.gate_up, e)
+            pieces.append(project_one(math.glu(h), down, down_bias, adapters and adapters.down, e))
         start += n
     if not pieces:
         # No rows: keep the rows and the parameters in the graph all the same, so that backward runs
         # this rank's side of the dispatch all-to-all (the other ranks wait for it) and the parameters
         # get (zero) gradients.
-        weights = (gate_up, down, *(adapters.tensors() if adapters else ()))
-        return x.new_zeros(0, down.shape[1]) + 0 * (x.sum() + sum(w.sum() for w in weights))
+        weights = (gate_up, down, *(math.biases or ()), *(adapters.tensors() if adapters else ()))
+        hidden = down.shape[2] if math.transposed else down.shape[1]
+        return x.new_zeros(0, hidden) + 0 * (x.sum() + sum(w.sum() for w in weights))
     return torch.cat(pieces)
 
 
@@ -148,7 +203,8 @@ def local_experts_forward(
     """Single-process dispatch / grouped GEMM / combine over all experts of ``experts`` (no EP): the
     local math of the EP forward, equal to transformers' experts forward."""
     order, token, counts = sort_by_expert(top_k_index, experts.gate_up_proj.shape[0])
+    math = expert_math(experts)
     rows = local_expert_ffn(
-        hidden[token], experts.gate_up_proj, experts.down_proj, counts, experts.act_fn, use_grouped_mm, adapters
+        hidden[token], experts.gate_up_proj, experts.down_proj, counts, math, use_grouped_mm, adapters
     )
     return combine(rows, order, token, top_k_weights, hidden.shape[0], hidden.dtype)

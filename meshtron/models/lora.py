@@ -12,7 +12,9 @@ A mixture of experts' routed experts (target ``experts``) hold their projections
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, meshtron.models.moe); each gets one adapter per expert,
 held as 3-D parameters ``experts.lora_A.gate_up_proj [E, r, H]`` / ``experts.lora_B.gate_up_proj [E, 2I, r]``
 (and the same for ``down_proj``), split over experts as the fused parameters are (expert parallelism), and the
-experts run meshtron.models.experts' grouped GEMMs with them. They take no dropout (as peft's).
+experts run meshtron.models.experts' grouped GEMMs with them. They take no dropout (as peft's). Experts stored
+transposed (gpt-oss: ``[E, in, out]``) get adapters of the same ``[E, r, in]`` / ``[E, out, r]`` shapes; merging
+transposes their product.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from meshtron.config import LoraConfig
 from meshtron.errors import ConfigError
 from meshtron.models.experts import ExpertAdapters, local_experts_forward
+from meshtron.models.moe import experts_anatomy
 from meshtron.tensors import local_tensor
 
 LORA_A, LORA_B = "lora_A", "lora_B"
@@ -63,9 +66,9 @@ def lora_init(name: str, shape: torch.Size, generator: torch.Generator) -> torch
 def _projections(block: nn.Module) -> dict[str, list[tuple[str, nn.Linear]]]:
     """The block's linear projections by their own name (``q_proj``: [(qualified name, module)]), MoE routers
     left out."""
-    from meshtron.models.moe import moe_blocks
+    from meshtron.models.moe import moe_blocks, router_of
 
-    routers = {id(moe.gate) for _, moe in moe_blocks(block)}
+    routers = {id(router_of(moe)) for _, moe in moe_blocks(block)}
     found: dict[str, list[tuple[str, nn.Linear]]] = {}
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) and id(module) not in routers:
@@ -128,9 +131,12 @@ def _attach_experts(experts: nn.Module, cfg: LoraConfig) -> None:
     """Per-expert adapters for both fused projections, held in two child modules (``lora_A``, ``lora_B``) whose
     parameters are named after the projection; the experts' forward becomes ``lora_experts_forward``."""
     factors = {LORA_A: nn.Module(), LORA_B: nn.Module()}
+    transposed = experts_anatomy(experts).transposed  # gpt-oss: [E, in, out]; the adapters stay [out, in]
     for name in EXPERT_PROJECTIONS:
         weight = getattr(experts, name)
         num, out_features, in_features = weight.shape
+        if transposed:
+            out_features, in_features = in_features, out_features
         like = dict(device=weight.device, dtype=weight.dtype)
         factors[LORA_A].register_parameter(name, nn.Parameter(torch.empty(num, cfg.rank, in_features, **like)))
         factors[LORA_B].register_parameter(name, nn.Parameter(torch.empty(num, out_features, cfg.rank, **like)))

@@ -5,14 +5,77 @@ transformers 5 gives every MoE family the same shape: a sparse MoE block (at ``b
 and ``experts`` holding fused 3-D parameters ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``
 (``forward(hidden (T, H), top_k_index, top_k_weights) -> (T, H)``); Qwen2-MoE adds a dense
 ``shared_expert`` and its ``shared_expert_gate``. Parallelism and the router loss find them here, never
-by reaching into a family's modules themselves.
+by reaching into a family's modules themselves. gpt-oss differs (``ExpertsAnatomy``): its router is ``router``
+(with a bias; the weights a softmax over the top-k logits), its experts are stored transposed with gate and up
+interleaved, biases, and a clamped SwiGLU, and its block returns ``(hidden, router scores)``.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from torch import nn
+
+
+@dataclass(frozen=True)
+class ExpertsAnatomy:
+    """How one family's sparse block routes and how its experts hold and compute their FFN (the defaults: the
+    transformers 5 shape of the module docstring)."""
+
+    router: str = "gate"
+    """The router's attribute in the sparse block (gpt-oss: ``router``)."""
+    router_bias: bool = False
+    """The router's linear has a bias (gpt-oss)."""
+    top_k_softmax: bool = False
+    """The routing weights are a softmax over the top-k logits (gpt-oss) rather than the top-k of a softmax over
+    every expert (renormalized where the family does)."""
+    transposed: bool = False
+    """Expert matrices stored ``[E, in, out]`` (gpt-oss: ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``),
+    rather than ``[E, out, in]``."""
+    interleaved: bool = False
+    """Gate and up features interleaved (gate at even, up at odd output features) rather than gate then up."""
+    biases: bool = False
+    """The experts hold ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]`` (gpt-oss)."""
+    activation: str = "act_fn"
+    """``act_fn``: ``experts.act_fn(gate) * up``; ``clamped_swiglu`` (gpt-oss): gate clamped to at most
+    ``experts.limit``, up to +-limit, ``(up + 1) * gate * sigmoid(experts.alpha * gate)``."""
+
+
+DEFAULT_ANATOMY = ExpertsAnatomy()
+ANATOMIES: dict[str, ExpertsAnatomy] = {
+    "gpt_oss": ExpertsAnatomy(
+        router="router",
+        router_bias=True,
+        top_k_softmax=True,
+        transposed=True,
+        interleaved=True,
+        biases=True,
+        activation="clamped_swiglu",
+    ),
+}
+"""Families whose sparse block differs from the default anatomy, by ``model_type``."""
+
+
+def _model_type_of(module: nn.Module) -> str | None:
+    """The transformers model directory of ``module``'s class (``transformers.models.gpt_oss.modeling_gpt_oss`` ->
+    ``gpt_oss``, which is its ``model_type``), through wrapper classes parallelism adds (FSDP's)."""
+    for cls in type(module).__mro__:
+        parts = cls.__module__.split(".")
+        if len(parts) >= 4 and parts[:2] == ["transformers", "models"]:
+            return parts[2]
+    return None
+
+
+def experts_anatomy(module: nn.Module) -> ExpertsAnatomy:
+    """The anatomy of the family a sparse block or experts module belongs to."""
+    return ANATOMIES.get(_model_type_of(module), DEFAULT_ANATOMY)
+
+
+def router_of(block: nn.Module) -> nn.Module:
+    """The router of a sparse block ``moe_blocks`` found (``gate``; gpt-oss: ``router``)."""
+    return getattr(block, experts_anatomy(block.experts).router)
+
 
 ROUTER_BIAS = "balance_bias"
 """The buffer name of a router's auxiliary-loss-free balancing bias (``...mlp.gate.balance_bias``,
@@ -45,15 +108,14 @@ def experts_per_token(config) -> int:
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, sparse MoE block) for every MoE block ``model`` holds (a pipeline stage: its own),
-    in order. A block is a module with a router ``gate`` and an ``experts`` module of 3-D parameters."""
+    in order. A block is a module with an ``experts`` module of 3-D parameters and a router (``gate``, or the
+    attribute its family's ``ExpertsAnatomy`` names)."""
     found = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if (
-            getattr(module, "gate", None) is not None
-            and experts is not None
-            and getattr(experts, "gate_up_proj", None) is not None
-        ):
+        if experts is None or getattr(experts, "gate_up_proj", None) is None:
+            continue
+        if getattr(module, experts_anatomy(experts).router, None) is not None:
             found.append((name, module))
     return found
 

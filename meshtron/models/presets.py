@@ -284,6 +284,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         eos_token_id=None,
         bos_token_id=None,
     ),
+    # gpt-oss (docs/models.md): attention sinks, q/k/v/o biases, a sliding layer (window 8 of the tests' 32 tokens)
+    # then a full one; 4 transposed experts with biases and a clamped SwiGLU, top-2 by a router with a bias.
+    "gptoss-tiny": dict(
+        model_type="gpt_oss",
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        output_router_logits=False,
+        pad_token_id=None,
+        eos_token_id=None,
+        bos_token_id=None,
+    ),
     "llama-small": dict(
         model_type="llama",
         hidden_size=192,

@@ -44,8 +44,11 @@ class ParamSpec:
 
     @property
     def expert(self) -> bool:
-        """A routed experts' fused 3-D parameter (``[E, ...]``, inside the replicated sparse block)."""
-        return self.role == "replicated" and len(self.shape) == 3
+        """A routed experts' fused 3-D parameter (``[E, ...]``, inside the replicated sparse block), or gpt-oss's
+        experts' biases (``[E, 2I]``, ``[E, H]``: split over experts with them)."""
+        return self.role == "replicated" and (
+            len(self.shape) == 3 or (".experts." in self.name and len(self.shape) == 2)
+        )
 
     def local_numel(self, tp: int, fsdp: int, num_kv_heads: int, ep: int = 1) -> int:
         """Elements the largest holder keeps: its tp split, then FSDP's dim-0 split (rank 0 gets the ceiling

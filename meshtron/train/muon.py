@@ -121,12 +121,17 @@ class MuonAdamW(torch.optim.AdamW):
 def muon_parameters(parts: list[nn.Module], adapter) -> list[nn.Parameter]:
     """The parameters Muon takes: every 2-D or 3-D (expert) weight of the decoder blocks of ``parts`` (the model, or
     a rank's pipeline stages) except MoE routers."""
-    from meshtron.models.moe import moe_blocks
+    from meshtron.models.moe import moe_blocks, router_of
 
     chosen, routers = [], set()
     for part in parts:
         for _, block in adapter.named_blocks(part):
-            routers.update(id(p) for _, moe in moe_blocks(block) for p in moe.gate.parameters())
-            chosen += [p for p in block.parameters() if p.requires_grad and p.ndim in (2, 3) and id(p) not in routers]
+            routers.update(id(p) for _, moe in moe_blocks(block) for p in router_of(moe).parameters())
+            chosen += [
+                p
+                for name, p in block.named_parameters()
+                # gpt-oss's experts' biases ([E, 2I], [E, H]) are vectors per expert, not matrices
+                if p.requires_grad and p.ndim in (2, 3) and id(p) not in routers and not name.endswith("_bias")
+            ]
     unique = {id(p): p for p in chosen}
     return list(unique.values())

@@ -3,8 +3,9 @@
 As DeepSeek-V3 does (Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"): each MoE
 layer's router gets a per-expert bias ``b`` (a float32 buffer, ``gate.balance_bias``, no gradient) that is added to
 the routing scores for the *choice* of the top-k experts only; the weights the chosen experts' outputs are mixed
-with stay the router's own (softmax probabilities, renormalized where the family does). After every optimizer step
-each layer's bias moves against its load::
+with stay the router's own (softmax probabilities, renormalized where the family does; gpt-oss's ``router``: the
+bias is added to its logits, and the weights stay the softmax over the chosen experts' logits). After every
+optimizer step each layer's bias moves against its load::
 
     load[e] = tokens routed to expert e in the step (all micro-batches, all data- and context-parallel ranks)
     b[e]   += train.router_bias_rate * sign(mean(load) - load[e])
@@ -28,7 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshtron.errors import ConfigError
-from meshtron.models.moe import MODEL_ROUTER_BIAS, has_own_router_bias, is_moe, moe_blocks, num_experts
+from meshtron.models.moe import (
+    MODEL_ROUTER_BIAS,
+    experts_anatomy,
+    has_own_router_bias,
+    is_moe,
+    moe_blocks,
+    num_experts,
+    router_of,
+)
 from meshtron.models.moe import ROUTER_BIAS as BIAS
 from meshtron.tensors import local_tensor
 
@@ -52,13 +61,15 @@ def biased_router_forward(self, hidden_states):
     return router_logits, router_top_value, router_indices
 
 
-def _record_load(router, indices: torch.Tensor) -> None:
-    """Count the tokens per expert of a training forward (not evaluation, which does not record; not activation
-    checkpointing's recomputation or a pipeline schedule's backward, which run inside autograd's backward pass)."""
-    if router.balance_recording and torch._C._current_graph_task_id() == -1:
-        load = torch.zeros(router.balance_experts, dtype=torch.float32, device=indices.device)
-        load.index_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=load.device))
-        router.balance_forwards.append(load)
+def biased_top_k_softmax_forward(self, hidden_states):
+    """gpt-oss's router (``GptOssTopKRouter``: logits with a bias, a softmax over the top-k logits) with the
+    balancing bias in the choice only: the weights are the softmax over the chosen experts' own logits."""
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    with torch.no_grad():
+        _, router_indices = torch.topk(router_logits + getattr(self, BIAS), self.top_k, dim=-1)
+    router_scores = F.softmax(router_logits.gather(-1, router_indices), dim=1, dtype=router_logits.dtype)
+    _record_load(self, router_indices)
+    return router_logits, router_scores, router_indices
 
 
 def counting_router_forward(self, hidden_states):
@@ -67,6 +78,15 @@ def counting_router_forward(self, hidden_states):
     router_logits, weights, indices = type(self).forward(self, hidden_states)
     _record_load(self, indices)
     return router_logits, weights, indices
+
+
+def _record_load(router, indices: torch.Tensor) -> None:
+    """Count a forward's choices towards the step's load. Training forwards only: not evaluation (not recording),
+    not activation checkpointing's recomputation or a pipeline schedule's backward (inside autograd's backward)."""
+    if router.balance_recording and torch._C._current_graph_task_id() == -1:
+        load = torch.zeros(router.balance_experts, dtype=torch.float32, device=indices.device)
+        load.index_add_(0, indices.reshape(-1), torch.ones(indices.numel(), device=load.device))
+        router.balance_forwards.append(load)
 
 
 def bias_of(router) -> torch.Tensor:
@@ -81,7 +101,13 @@ class RouterBalance:
     the metrics (each holds some layers)."""
 
     def __init__(self, parts, hf_config, rate: float, group=None, pp_group=None, forwards_per_step: int | None = None):
-        self.routers = [block.gate for part in parts for _, block in moe_blocks(part)]
+        blocks = [block for part in parts for _, block in moe_blocks(part)]
+        self.routers = [router_of(block) for block in blocks]
+        # The family's routing (meshtron.models.moe.ExpertsAnatomy): top-k of a softmax, or a softmax of the top-k.
+        forwards = [
+            biased_top_k_softmax_forward if experts_anatomy(block.experts).top_k_softmax else biased_router_forward
+            for block in blocks
+        ]
         if not self.routers and pp_group is None:  # a pipeline stage may hold no MoE layer
             raise ConfigError("train.router_balance=bias found no MoE router (gate + experts) in the model")
         self.rate = float(rate)
@@ -90,7 +116,7 @@ class RouterBalance:
         # before them in the first step (shape inference, on uninitialized inputs), which must not count.
         self.forwards_per_step = forwards_per_step
         self.experts = experts = num_experts(hf_config)
-        for router in self.routers:
+        for router, forward in zip(self.routers, forwards):
             router.balance_forwards = []  # per training forward: tokens per expert
             router.balance_recording = False
             router.balance_experts = experts
@@ -104,7 +130,7 @@ class RouterBalance:
                 )
             device = local_tensor(router.weight).device  # installed after parallelization: FSDP / TP DTensors
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
-            router.forward = types.MethodType(biased_router_forward, router)
+            router.forward = types.MethodType(forward, router)
 
     @contextlib.contextmanager
     def recording(self):

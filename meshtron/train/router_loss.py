@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.errors import ConfigError
-from meshtron.models.moe import experts_per_token, has_own_router_bias, is_moe, moe_blocks, num_experts
+from meshtron.models.moe import experts_per_token, has_own_router_bias, is_moe, moe_blocks, num_experts, router_of
 
 
 def router_loss_enabled(setting: str, hf_config) -> bool:
@@ -150,7 +150,7 @@ class RouterLoss:
         self.group = group
         self._recording = False
         self._layers: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        self._handles = [block.gate.register_forward_hook(self._hook) for _, block in self.blocks]
+        self._handles = [router_of(block).register_forward_hook(self._hook) for _, block in self.blocks]
 
     def _hook(self, module, args, output) -> None:
         # Activation checkpointing's recomputation in backward (not recording, grad on) runs the same ops, so

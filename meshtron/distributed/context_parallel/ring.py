@@ -16,7 +16,8 @@ to get the other ranks' K/V:
   of their gradients in backward. Memory: the whole sequence's K/V on every rank.
 
 Both are written as one autograd function with an explicit backward, so the autograd graph holds
-only q, k, v, the output and the log-sum-exp of the local chunks.
+only q, k, v, the output and the log-sum-exp of the local chunks. Attention sinks (gpt-oss) are one more term of
+the final merge; the tiles' backward then reads the sink-inclusive output and log-sum-exp.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from meshtron.distributed.context_parallel.layout import SequenceLayout
-from meshtron.distributed.context_parallel.tile_kernels import merge_partial, tile_backward, tile_forward
+from meshtron.distributed.context_parallel.tile_kernels import (
+    add_sinks,
+    merge_partial,
+    sink_gradient,
+    tile_backward,
+    tile_forward,
+)
 from meshtron.distributed.context_parallel.tiles import planned_tiles
 from meshtron.distributed.mesh import is_fake_group
 from meshtron.models.attention_kernels import effective_window
@@ -86,7 +93,7 @@ def _backward_tiles(
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: SequenceLayout, scale: float, window: int | None = None):
+    def forward(ctx, q, k, v, layout: SequenceLayout, scale: float, window: int | None = None, sinks=None):
         c = layout.chunk
         q_halves = _halves(q, c)
         kv = torch.stack([k, v]).contiguous()
@@ -110,14 +117,16 @@ class _ContextParallelAttention(torch.autograd.Function):
                     current = _finish(pending)
         out = torch.cat([s[0] for s in state], dim=2)
         lse = torch.cat([s[1] for s in state], dim=2)
+        if sinks is not None:  # one more term of every softmax's denominator (gpt-oss), no value
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # saved as returned: the backward kernels read it in the compute dtype
-        ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, kv, out, lse, sinks)
         ctx.layout, ctx.scale, ctx.window = layout, scale, window
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         layout, scale, window = ctx.layout, ctx.scale, ctx.window
         c = layout.chunk
         q_halves, outs, lses, grad_outs = _halves(q, c), _halves(out, c), _halves(lse, c), _halves(grad_out, c)
@@ -147,7 +156,8 @@ class _ContextParallelAttention(torch.autograd.Function):
                 # Pass the K/V's gradient on; after a full turn it is home.
                 grad_kv = _finish(_exchange(source_grad, layout)) if layout.cp > 1 else source_grad
         dq = torch.cat(dq_halves, dim=2).to(q.dtype)
-        return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None, None
+        dsinks = sink_gradient(out, lse, grad_out, sinks) if sinks is not None else None  # this rank's queries'
+        return dq, grad_kv[0].to(kv.dtype), grad_kv[1].to(kv.dtype), None, None, None, dsinks
 
 
 def _all_gather_kv(kv: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
@@ -165,10 +175,11 @@ def _own_first(layout: SequenceLayout) -> list[int]:
 
 @torch.compiler.disable
 def context_parallel_attention(
-    q, k, v, layout: SequenceLayout, scale: float, window: int | None = None
+    q, k, v, layout: SequenceLayout, scale: float, window: int | None = None, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal (and document-masked) attention of the local queries over the whole sequence: (B, H, L, D);
-    ``window``: the layer's sliding window (query index - key index < window, global indices) or None.
+    ``window``: the layer's sliding window (query index - key index < window, global indices) or None;
+    ``sinks`` (H,): gpt-oss's attention sinks, merged into the final log-sum-exp (``tile_kernels.add_sinks``).
     Runs eagerly inside compiled blocks (its ring exchange and recomputing backward are not traceable).
 
     Values narrower than queries and keys (DeepSeek-V3's latent attention) travel zero-padded to their width, as
@@ -178,5 +189,6 @@ def context_parallel_attention(
         v = torch.nn.functional.pad(v, (0, k.shape[-1] - value_dim))
     elif value_dim > k.shape[-1]:  # zero key columns add nothing to any score
         q, k = (torch.nn.functional.pad(t, (0, value_dim - t.shape[-1])) for t in (q, k))
-    out = _ContextParallelAttention.apply(q, k, v, layout, scale, effective_window(window, layout.seq_len))
+    window = effective_window(window, layout.seq_len)
+    out = _ContextParallelAttention.apply(q, k, v, layout, scale, window, sinks)
     return out[..., :value_dim]

@@ -19,12 +19,27 @@ ATTENTION_NAME = "meshtron"
 
 
 def _single_device_attention(
-    query, key, value, layout: SequenceLayout, scale: float, window: int | None = None, softcap: float | None = None
+    query,
+    key,
+    value,
+    layout: SequenceLayout,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks=None,
 ):
-    """Whole-sequence attention with the document mask (and the layer's sliding ``window`` and soft cap), by the
-    device's kernel (see ``attention_kernels``)."""
+    """Whole-sequence attention with the document mask (and the layer's sliding ``window``, soft cap and sinks), by
+    the device's kernel (see ``attention_kernels``)."""
     return document_attention(
-        query, key, value, layout.document_ids, scale, cache=layout.attention_cache, window=window, softcap=softcap
+        query,
+        key,
+        value,
+        layout.document_ids,
+        scale,
+        cache=layout.attention_cache,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 
@@ -39,29 +54,31 @@ def hf_attention(
     sequence_layout=None,
     sliding_window=None,
     softcap=None,
+    s_aux=None,
     **kwargs,
 ):
     """A transformers attention function: ``query`` (B, H, L, D), ``key``/``value`` (B, Hkv, L, D) -> (B, L, H, D).
     ``sliding_window``: what the layer's attention module passes (Gemma 2/3, Qwen2/3: the window on sliding
     layers, None on full ones; Mistral, Phi-3, Starcoder2: ``config.sliding_window``); a query at index i then
     sees a key at index j only if i - j < sliding_window, as transformers' ``sliding_window_overlay``.
-    ``softcap``: Gemma 2's ``attn_logit_softcapping`` (whole-sequence attention and Ulysses only)."""
+    ``softcap``: Gemma 2's ``attn_logit_softcapping`` (whole-sequence attention and Ulysses only); ``s_aux``:
+    gpt-oss's per-head attention sinks (H,), this rank's heads under tensor parallelism."""
     if sequence_layout is None:
         raise MeshtronError("meshtron attention was called without a sequence_layout; call the model through meshtron")
     if dropout:
         raise MeshtronError("attention dropout is not supported with document masking or context parallelism")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if sequence_layout.cp == 1:
-        out = _single_device_attention(query, key, value, sequence_layout, scale, sliding_window, softcap)
+        out = _single_device_attention(query, key, value, sequence_layout, scale, sliding_window, softcap, s_aux)
     elif sequence_layout.method == "ulysses":
-        out = ulysses_attention(query, key, value, sequence_layout, scale, sliding_window, softcap)
+        out = ulysses_attention(query, key, value, sequence_layout, scale, sliding_window, softcap, s_aux)
     elif softcap:
         raise MeshtronError(
             f"soft-capped attention scores with parallel.cp_method={sequence_layout.method}: use parallel.cp_method="
             "ulysses"
         )
     else:
-        out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window)
+        out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -142,3 +142,21 @@ def merge_partial(out_acc, lse_acc, out_tile, lse_tile) -> tuple[torch.Tensor, t
     finite = torch.where(torch.isinf(lse), 0.0, lse)  # both parts empty: keep 0, not NaN
     out = out_acc * torch.exp(lse_acc - finite)[..., None] + out_tile * torch.exp(lse_tile - finite)[..., None]
     return out, lse
+
+
+def add_sinks(out, lse, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final (out, lse) (B, H, L, D) / (B, H, L) of queries whose softmax also counts each head's sink logit
+    ``sinks`` (H,) (gpt-oss), attending to no value: the sink merged as one more partial result of output 0,
+    ``out * exp(lse - lse')`` = ``out * sigmoid(lse - sink)`` with ``lse' = logaddexp(lse, sink)``. The tiles'
+    backward, given these, computes the q/k/v gradients of attention with sinks (the sink's value is 0)."""
+    sink = sinks.float().reshape(1, -1, 1).expand(lse.shape)
+    return merge_partial(out, lse, torch.zeros_like(out), sink)
+
+
+def sink_gradient(out, lse, grad_out, sinks) -> torch.Tensor:
+    """The loss's gradient (H,) with respect to the sinks, from ``add_sinks``' final ``out`` and ``lse`` and the
+    output's gradient: the sink's probability ``exp(sink - lse)`` times (its value's 0 minus the row's
+    ``sum(grad_out * out)``), summed over the batch and this rank's queries."""
+    row_dot = (grad_out.float() * out.float()).sum(-1)
+    probability = torch.exp(sinks.float().reshape(1, -1, 1) - lse)
+    return -(probability * row_dot).sum(dim=(0, 2)).to(sinks.dtype)

@@ -80,9 +80,11 @@ def ulysses_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (and document-masked, windowed) attention of this rank's sequence shard, all heads: (B, H, L, D).
-    Runs eagerly inside compiled blocks, as the ring does."""
+    ``sinks`` (H,): the heads' attention sinks (gpt-oss), of which this rank applies its own heads' slice. Runs
+    eagerly inside compiled blocks, as the ring does."""
     cp, group = layout.cp, layout.group
     kv_heads = k.shape[1]
     check_ulysses(q.shape[1], kv_heads, cp)  # this rank's heads (preflight checked the model's already)
@@ -91,7 +93,9 @@ def ulysses_attention(
     to_global, to_shards = sequence_orders(layout, q.device)
     q_all, k_all, v_all = (_seq_to_heads(t, cp, group).index_select(2, to_global) for t in (q, k, v))
     kernel = "sdpa" if layout.kernel == "math" else layout.kernel  # the tiles' plain kernel: SDPA on whole sequences
+    if sinks is not None:  # this rank's heads: [r H/cp, (r+1) H/cp), as _seq_to_heads splits them
+        sinks = sinks.reshape(cp, -1)[torch.distributed.get_rank(group)]
     out = document_attention(
-        q_all, k_all, v_all, layout.document_ids, scale, kernel, layout.attention_cache, window, softcap
+        q_all, k_all, v_all, layout.document_ids, scale, kernel, layout.attention_cache, window, softcap, sinks
     )
     return _heads_to_seq(out.index_select(2, to_shards), cp, group)
