@@ -17,7 +17,7 @@ Exit status 1 when a check fails. Example:
 
     python bench/attention_kernels.py
     python bench/attention_kernels.py --seq-len 4096 --documents 14 --dtype float16
-    python bench/attention_kernels.py --sinks     # gpt-oss's attention sinks: the check only (never run on a GPU)
+    python bench/attention_kernels.py --sinks     # gpt-oss's attention sinks (checked and timed with them)
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def main(argv=None) -> int:
 
     sinks = torch.randn(args.heads, device=device, generator=gen).to(dtype) if args.sinks else None
     ok = check(q, k, v, docs, scale, dtype, sinks, **variant)
+    timed_sinks = None if sinks is None else sinks.detach()  # the timings run the sink path too (no sink gradient)
 
     grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, dtype=dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -190,7 +191,9 @@ def main(argv=None) -> int:
         inputs = leaves if backward else [t.detach() for t in leaves]  # flex refuses CPU inputs that need grad
 
         def run():
-            out = kernels.document_attention(*inputs, doc_ids, scale, kernel=kernel, cache=cache, **variant)
+            out = kernels.document_attention(
+                *inputs, doc_ids, scale, kernel=kernel, cache=cache, sinks=timed_sinks, **variant
+            )
             if backward:
                 out.backward(grad_out)
                 for t in leaves:

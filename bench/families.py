@@ -4,8 +4,9 @@ For each preset (default: Gemma 2, DeepSeek-V3, gpt-oss when meshtron has it) it
 with document masks on, i.e. through meshtron's attention (on CUDA: compiled FlexAttention with Gemma 2's soft cap,
 DeepSeek-V3's values narrower than its keys, gpt-oss's sinks; on CPU: SDPA or the eager math), once on the CPU and
 once on ``--device``, and compares the per-step losses: they must agree to ``--rtol`` (fp32 kernels reduce in other
-orders, so not bit for bit; a wrong mask, cap or sink is off by far more). Then ``--speed-steps`` steps in bf16 on
-the device give tokens/s, MFU (meshtron's own figure, against the device's dense bf16 peak) and peak memory.
+orders and AdamW amplifies it, so not bit for bit; a wrong mask, cap or sink is off by far more). Then
+``--speed-steps`` steps in bf16 on the device give tokens/s, MFU (meshtron's own figure, against the device's dense
+bf16 peak) and peak memory.
 
 Exit status 1 when a comparison fails. Example (on a GPU machine):
 
@@ -37,7 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=6, help="fp32 steps compared with the CPU (0: speed only)")
     p.add_argument("--speed-steps", type=int, default=0, help="bf16 steps on the device after the check (0: none)")
-    p.add_argument("--rtol", type=float, default=1e-4)
+    # On an H200 the control (llama-tiny) drifts to 3.6e-5 over 6 fp32 steps and the MoE presets to 1.2e-4 (routing
+    # near ties); a wrong mask, cap or sink is off by 1e-2 or more (BENCHMARKS.md).
+    p.add_argument("--rtol", type=float, default=1e-3)
     return p.parse_args(argv)
 
 
