@@ -177,8 +177,9 @@ def _norm(hidden: int, e: int, frozen: bool = False) -> int:
     return FP32 * hidden + FP32 + (0 if frozen else e * hidden)
 
 
-def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """Bytes one decoder block keeps for backward per token of this rank's sequence chunk, no checkpointing."""
+def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, dense: bool = False) -> float:
+    """Bytes one decoder block keeps for backward per token of this rank's sequence chunk, no checkpointing;
+    ``dense``: one of an MoE model's dense first layers (DeepSeek-V3's ``first_k_dense_replace``)."""
     e, tp = compute_bytes(workload), layout.tp
     h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
     heads = shape.heads // tp
@@ -197,17 +198,34 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         if dense_document_mask(layout, workload):
             # The mask, which SDPA turns into a float bias in every block: (S, S) per sequence, over S / cp tokens.
             attention += e * workload.seq_len * (layout.cp if layout.cp_method == "ulysses" else 1)
+    if shape.kv_latent:  # DeepSeek-V3's latent attention (meshtron.models.deepseek)
+        attention += _latent_attention_extra(shape, layout, workload)
     if shape.head_norms:
         attention += _norm(heads * d, e, frozen) + _norm(kv_local * d, e, frozen)  # Qwen3's per-head q/k norms
     if shape.eager_attention:  # eager: k/v repeated to every query head, scores (and capped scores) kept, no lse
         attention += e * (2 * heads - kv_local - kv_stored) * d - FP32 * heads
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
-    if shape.experts:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
+    if shape.experts and not dense:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
         mlp = moe_activation_per_token(shape, e, layout.ep)
     else:
         mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
     adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x (whole on every tp rank, or a partial sum)
     return norms + gathered_inputs + attention + mlp + adapters
+
+
+def _latent_attention_extra(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """What latent attention keeps per token beyond ``block_activation_per_token``'s q / k / v / out of ``head_dim``
+    wide heads: its values are ``value_head_dim`` wide and views of the up-projection's whole output (no-rope keys
+    and values), the output too; the latents (whole on every tp rank) keep their down-projections' outputs, their
+    norms and the up-projections' inputs."""
+    e, heads = compute_bytes(workload), shape.heads // layout.tp
+    d, v_dim = shape.head_dim, shape.value_head_dim or shape.head_dim
+    outputs = 2 if meshtron_attention(layout, workload) else 1  # out, and its contiguous copy for o_proj
+    heads_change = heads * ((shape.nope_dim + v_dim) - d) + outputs * heads * (v_dim - d)
+    latents = sum(
+        _norm(width, e, shape.frozen_norms) + e * width for width in (shape.q_latent, shape.kv_latent) if width
+    )
+    return e * heads_change + latents
 
 
 def meshtron_attention(layout: Layout, workload: Workload) -> bool:
@@ -289,12 +307,19 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
     tokens = head_tokens(layout, workload)
     if layout.activation_checkpointing == "none":
         per_block = block_activation_per_token(shape, layout, workload)
+        per_dense_block = block_activation_per_token(shape, layout, workload, dense=True)
     else:
-        per_block = checkpointed_block_per_token(shape, layout, workload)
+        per_block = per_dense_block = checkpointed_block_per_token(shape, layout, workload)
     peaks = []
     for rank, stages in enumerate(stage_layout(shape, layout, workload)):
         per_chunk = [
-            tokens * (layers * per_block + outer_activation_per_token(shape, layout, workload, first, last))
+            tokens
+            * (
+                shape.blocks_numel(
+                    layers, first, lambda specs: per_dense_block if specs is shape.dense_block else per_block
+                )
+                + outer_activation_per_token(shape, layout, workload, first, last)
+            )
             + weight_copy_bytes(shape, layout, workload, layers, last)
             + (fused_loss_gradient_bytes(shape, layout, workload) if last else 0)
             for layers, first, last in stages

@@ -105,6 +105,14 @@ class ModelShape:
     """Intermediate size of the dense shared expert beside the routed ones (Qwen2-MoE; 0: none)."""
     lora_flops_per_token: float = 0.0
     """What LoRA changes in the training FLOPs per token (meshtron.metrics.flops.lora_flops_change; 0 without)."""
+    value_head_dim: int = 0
+    """Width of a value head when it differs from ``head_dim`` (DeepSeek-V3's latent attention; 0: ``head_dim``)."""
+    q_latent: int = 0
+    """Multi-head latent attention (DeepSeek-V3): the query latent's width (``q_lora_rank``; 0 without)."""
+    kv_latent: int = 0
+    """Multi-head latent attention: the key-value latent's width (``kv_lora_rank``; 0: no latent attention)."""
+    nope_dim: int = 0
+    """Multi-head latent attention: the part of a key head the key-value latent gives (``qk_nope_head_dim``)."""
     dense_layers: int = 0
     """The first layers of an MoE model whose MLP is dense (DeepSeek-V3's ``first_k_dense_replace``): they have
     ``dense_block``'s parameters instead of ``block``'s."""
@@ -210,10 +218,14 @@ class ModelShape:
             experts=num_experts(hf_config),
             experts_per_token=experts_per_token(hf_config) if is_moe(hf_config) else 0,
             moe_intermediate=_moe_intermediate(hf_config),
-            shared_expert_intermediate=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+            shared_expert_intermediate=_shared_expert_intermediate(hf_config),
             lora_flops_per_token=lora_flops_change(model, adapter, hf_config) if lora and lora.enabled else 0.0,
             dense_layers=dense_layers,
             dense_block=dense_specs,
+            value_head_dim=shape.v_dim,
+            q_latent=int(getattr(hf_config, "q_lora_rank", None) or 0),
+            kv_latent=int(getattr(hf_config, "kv_lora_rank", None) or 0),
+            nope_dim=int(getattr(hf_config, "qk_nope_head_dim", None) or 0),
         )
 
 
@@ -258,3 +270,12 @@ def _moe_intermediate(hf_config) -> int:
     if not is_moe(hf_config):
         return 0
     return int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+
+
+def _shared_expert_intermediate(hf_config) -> int:
+    """The dense shared expert's intermediate size: Qwen2-MoE's ``shared_expert_intermediate_size``, DeepSeek-V3's
+    ``n_shared_experts x moe_intermediate_size``; 0 without one."""
+    qwen = getattr(hf_config, "shared_expert_intermediate_size", None)
+    if qwen:
+        return int(qwen)
+    return int(getattr(hf_config, "n_shared_experts", None) or 0) * _moe_intermediate(hf_config)

@@ -123,7 +123,8 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # meshtron's context-parallel attention runs fused tile kernels on CUDA (flash, FlexAttention): the
     # compute-dtype rate, as without cp (the one extra forward of document-masked tiles in backward is
     # left out, as is document sparsity). Elsewhere its masked tiles are plain fp32 matmuls: the fp32 rate.
-    attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * shape.head_dim / 2 * shape.layers * tokens / world
+    width = (shape.head_dim + (shape.value_head_dim or shape.head_dim)) / 2  # scores by q / k, outputs by v width
+    attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * width / 2 * shape.layers * tokens / world
     attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
     ulysses = layout.cp > 1 and layout.cp_method == "ulysses"  # whole sequences by the device's kernel, as cp = 1
     if layout.cp > 1 and not ulysses:
