@@ -187,3 +187,17 @@ def test_float8_tensor_parallel_styles_leave_the_latents_alone():
     assert classes["self_attn.q_b_proj"] is classes["self_attn.kv_b_proj"] is Float8ColwiseParallel
     assert classes["self_attn.o_proj"] is Float8RowwiseParallel
     assert "mlp" in classes  # the dense layer's MLP: its input cast once for gate and up
+
+
+def test_a_quantized_checkpoint_is_refused_before_it_is_read(tmp_path):
+    """DeepSeek-V3's Hub checkpoint holds FP8 blocks with scales (gpt-oss's MXFP4): read as plain weights they would
+    train a different model, so a config with a quantization_config is refused with one line."""
+    import json
+
+    config = make_preset_config("deepseekv3-tiny", 257)
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"holds quantized weights \(quant_method fp8\).*save_pretrained"):
+        load_hf_config(ModelConfig(name_or_path=str(tmp_path)), 257)

@@ -73,6 +73,14 @@ def check_causal_lm_config(config_file: Path, setting: str = "model.name_or_path
             f"{setting}: '{shown}' (model_type '{model_type}') is not a decoder-only causal language "
             "model; use a Llama, Qwen or Mistral style model"
         )
+    quantization = raw.get("quantization_config")
+    if quantization:  # e.g. DeepSeek-V3's FP8 blocks with scales, gpt-oss's MXFP4: read as they are, they are wrong
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "unknown"
+        raise ConfigError(
+            f"{setting}: '{config_file.parent}' holds quantized weights (quant_method {method}), which meshtron does "
+            "not dequantize; train from a bf16 / fp32 copy (load it with transformers, which dequantizes, and "
+            "save_pretrained it)"
+        )
 
 
 def load_hf_config(model_cfg: ModelConfig, tokenizer_vocab_size: int):
