@@ -237,10 +237,18 @@ def test_expert_adapters_compute_the_merged_experts_in_both_kernels(use_grouped_
     assert all(g is not None and g[:3].abs().sum() > 0 and g[3].abs().sum() == 0 for g in grads.values())
 
 
-@pytest.mark.parametrize("preset", ["qwen3moe-tiny", "gptoss-tiny"])
-def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_merged_logits(tmp_path, preset):
+_ATTENTION = ["k_proj", "o_proj", "q_proj", "v_proj"]
+_MLA = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]  # DeepSeek-V3's latent attention
+
+
+@pytest.mark.parametrize(
+    "preset, modules",
+    [("qwen3moe-tiny", _ATTENTION), ("gptoss-tiny", _ATTENTION), ("deepseekv3-tiny", _MLA)],
+)
+def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_merged_logits(tmp_path, preset, modules):
     """The experts' adapters go into the peft directory as target_parameters (peft's ParamWrapper layout); peft's
-    model, meshtron's merged model and the LoRA model give the same logits (gpt-oss: transposed experts)."""
+    model, meshtron's merged model and the LoRA model give the same logits (gpt-oss: transposed experts; DeepSeek-V3:
+    latent attention's projections)."""
     import copy
 
     from peft import PeftModel
@@ -251,14 +259,14 @@ def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_m
     base = tmp_path / "base"
     tiny_moe(preset).save_pretrained(base)
     model = tiny_moe(preset)
-    lora = LoraConfig(rank=2, alpha=4)
+    lora = LoraConfig(rank=2, alpha=4, targets=["experts", *modules])
     targets = add_lora(model, adapter_for(model.config), lora)
-    assert targets == ["experts", "k_proj", "o_proj", "q_proj", "v_proj"]
+    assert targets == ["experts", *modules]
     _randomize_adapters(model)
     write_peft_adapter(model, adapter_for(model.config), lora, targets, str(base), tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_modules"] == modules
     merged = copy.deepcopy(model)
     merge_adapters(merged)
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -269,6 +277,22 @@ def test_a_mixture_of_experts_exports_expert_adapters_that_peft_loads_with_the_m
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         assert (want - AutoModelForCausalLM.from_pretrained(base)(input_ids=ids).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("preset", ["qwen2moe-tiny", "deepseekv3-tiny"])
+def test_a_peft_adapter_peft_would_misread_is_refused(tmp_path, preset):
+    """peft reads gate_proj / up_proj / down_proj targets of these families as their experts' pre-fusion names, so
+    the shared expert's (and DeepSeek-V3's dense layers') adapters would not be applied: refused with one line,
+    nothing written."""
+    from meshtron.checkpoint.lora_export import write_peft_adapter
+
+    model = tiny_moe(preset)
+    lora = LoraConfig(rank=2, alpha=4)
+    targets = add_lora(model, adapter_for(model.config), lora)
+    assert "gate_proj" in targets
+    with pytest.raises(ConfigError, match="peft reads the .* targets down_proj, gate_proj, up_proj as its experts'"):
+        write_peft_adapter(model, adapter_for(model.config), lora, targets, None, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_lora_flops_skip_the_frozen_weight_gradients_and_add_the_adapters():

@@ -65,6 +65,7 @@ def write_peft_adapter(
             f"meshtron export --adapter: the {adapter.family} family fuses projections that meshtron trains apart "
             "(peft would not find them); export the merged model (without --adapter)"
         )
+    _check_peft_reads_targets(model.config, targets)
     # Weights that trained whole (lora.train_embeddings / train_head) go in as peft's modules_to_save.
     whole = [name for name, param in model.named_parameters() if param.requires_grad and not is_lora_parameter(name)]
     experts = {path: module for path, module in model.named_modules() if has_expert_adapters(module)}
@@ -97,6 +98,31 @@ def write_peft_adapter(
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
     (target / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+_PEFT_EXPERT_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+"""Names peft (0.21) takes for a mixture of experts' pre-fusion expert projections in the families whose checkpoints
+transformers 5 converts (Mixtral, Qwen2-MoE, DeepSeek-V3, ...)."""
+
+
+def _check_peft_reads_targets(hf_config, targets: list[str]) -> None:
+    """Refuse an adapter peft would load into other modules: for an MoE family whose checkpoints transformers 5
+    converts, peft reads ``gate_proj`` / ``up_proj`` / ``down_proj`` (``w1`` / ``w2`` / ``w3``) targets as the experts'
+    pre-fusion names, moves them to the fused experts and drops them as modules, so the adapters of a dense MLP or
+    shared expert of those names (Qwen2-MoE's shared expert, DeepSeek-V3's dense layers and shared experts) would not
+    be applied."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from meshtron.models.moe import is_moe
+
+    clashing = sorted(_PEFT_EXPERT_NAMES & set(targets))
+    model_type = getattr(hf_config, "model_type", None)
+    if clashing and is_moe(hf_config) and get_checkpoint_conversion_mapping(model_type) is not None:
+        raise ConfigError(
+            f"meshtron export --adapter: peft reads the {model_type} targets {', '.join(clashing)} as its experts' "
+            "pre-fusion names and would not apply these adapters to the modules that have them; export the merged "
+            "model (without --adapter), or train with lora.targets leaving them out"
+        )
 
 
 def _in_block(path: str) -> str:
