@@ -568,6 +568,8 @@ for _name, _overrides in {
     "cp2": ["parallel.cp=2"],
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
     "ep2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
+    # Its experts' FSDP runs FSDP's root pre-forward in a block's recomputation (meshtron.distributed.parallelize).
+    "ep2_selective_ac": ["parallel.dp_shard=2", "parallel.ep=2", "train.activation_checkpointing=selective"],
 }.items():
     LAYOUTS[f"{_name}_deepseekv3"] = (4 if "tp2" in _name and "ep2" in _name else 2, _overrides, "deepseekv3")
 # LoRA on every projection of it (the latents' adapters whole on every tp rank with them) and on the experts.

@@ -7,7 +7,7 @@ parallel (MoE models), tensor parallel, context parallel, activation checkpointi
 
 from __future__ import annotations
 
-from functools import partial
+import functools
 
 import torch
 from torch import nn
@@ -41,6 +41,35 @@ _SAVED_OPS = {
 
 def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Profiler annotations are no tensor computation. FSDP's hooks emit them a different number of times in a block's
+# recomputation than in its forward (a nested FSDP module, an expert-parallel MoE layer's experts, runs FSDP's root
+# pre-forward in the recomputation), which torch 2.13's selective checkpointing, counting every operator's
+# invocations, takes for a nondeterministic region and fails on ("invocation index ... not found in storage"; fixed
+# upstream by pytorch/pytorch#196862, not in torch 2.13). They bypass its bookkeeping here.
+_PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+def _selective_contexts():
+    """Selective checkpointing's (forward, recomputation) dispatch modes, with profiler annotations passed through."""
+    modes = create_selective_checkpoint_contexts(_selective_policy)
+    for mode in modes:
+        mode.__class__ = _without_profiler_ops(type(mode))
+    return modes
+
+
+@functools.cache
+def _without_profiler_ops(mode_class: type) -> type:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
+        return mode_class.__torch_dispatch__(self, func, types, args, kwargs)
+
+    return type(mode_class.__name__, (mode_class,), {"__torch_dispatch__": __torch_dispatch__})
 
 
 DROPOUT_CONFIG_KEYS = (
@@ -81,8 +110,7 @@ def apply_activation_checkpointing(model: nn.Module, adapter: DecoderAdapter, mo
         if mode == "full":
             adapter.replace_block(model, name, checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state))
         else:
-            context = partial(create_selective_checkpoint_contexts, _selective_policy)
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, context_fn=context)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, context_fn=_selective_contexts)
             adapter.replace_block(model, name, wrapped)
 
 
