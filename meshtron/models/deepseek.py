@@ -26,11 +26,6 @@ from __future__ import annotations
 from meshtron.models.adapter import AttentionShape, DecoderAdapter
 
 
-def is_mla(config) -> bool:
-    """Whether the model's attention is multi-head latent attention (a key-value latent of ``kv_lora_rank``)."""
-    return bool(getattr(config, "kv_lora_rank", None))
-
-
 class DeepseekAdapter(DecoderAdapter):
     def attention_shape(self, config) -> AttentionShape:
         """Every head has its own key and value; query / key heads are ``qk_nope + qk_rope`` wide, values

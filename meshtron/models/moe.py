@@ -40,6 +40,9 @@ class ExpertsAnatomy:
     activation: str = "act_fn"
     """``act_fn``: ``experts.act_fn(gate) * up``; ``clamped_swiglu`` (gpt-oss): gate clamped to at most
     ``experts.limit``, up to +-limit, ``(up + 1) * gate * sigmoid(experts.alpha * gate)``."""
+    own_balance_bias: bool = False
+    """The router chooses with a balancing bias of its own (DeepSeek-V3's ``MODEL_ROUTER_BIAS``), which is then the
+    one ``train.router_balance=bias`` moves, and its default."""
 
 
 DEFAULT_ANATOMY = ExpertsAnatomy()
@@ -53,6 +56,7 @@ ANATOMIES: dict[str, ExpertsAnatomy] = {
         biases=True,
         activation="clamped_swiglu",
     ),
+    "deepseek_v3": ExpertsAnatomy(own_balance_bias=True),
 }
 """Families whose sparse block differs from the default anatomy, by ``model_type``."""
 
@@ -86,9 +90,9 @@ ROUTER_BIASES = (ROUTER_BIAS, MODEL_ROUTER_BIAS)
 
 
 def has_own_router_bias(config) -> bool:
-    """Whether the family's routers choose with a balancing bias of their own (DeepSeek-V3), which is then the one
-    ``train.router_balance=bias`` moves and its default."""
-    return getattr(config, "model_type", None) == "deepseek_v3"
+    """Whether the family's routers choose with a balancing bias of their own (``ExpertsAnatomy.own_balance_bias``),
+    from its config (before any model is built)."""
+    return ANATOMIES.get(getattr(config, "model_type", None), DEFAULT_ANATOMY).own_balance_bias
 
 
 def is_moe(config) -> bool:

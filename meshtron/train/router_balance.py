@@ -103,11 +103,7 @@ class RouterBalance:
     def __init__(self, parts, hf_config, rate: float, group=None, pp_group=None, forwards_per_step: int | None = None):
         blocks = [block for part in parts for _, block in moe_blocks(part)]
         self.routers = [router_of(block) for block in blocks]
-        # The family's routing (meshtron.models.moe.ExpertsAnatomy): top-k of a softmax, or a softmax of the top-k.
-        forwards = [
-            biased_top_k_softmax_forward if experts_anatomy(block.experts).top_k_softmax else biased_router_forward
-            for block in blocks
-        ]
+        anatomies = [experts_anatomy(block.experts) for block in blocks]
         if not self.routers and pp_group is None:  # a pipeline stage may hold no MoE layer
             raise ConfigError("train.router_balance=bias found no MoE router (gate + experts) in the model")
         self.rate = float(rate)
@@ -116,11 +112,11 @@ class RouterBalance:
         # before them in the first step (shape inference, on uninitialized inputs), which must not count.
         self.forwards_per_step = forwards_per_step
         self.experts = experts = num_experts(hf_config)
-        for router, forward in zip(self.routers, forwards):
+        for router, anatomy in zip(self.routers, anatomies):
             router.balance_forwards = []  # per training forward: tokens per expert
             router.balance_recording = False
             router.balance_experts = experts
-            if getattr(router, MODEL_ROUTER_BIAS, None) is not None:  # DeepSeek-V3: the model's own bias
+            if anatomy.own_balance_bias:  # DeepSeek-V3: the router already chooses with its bias; count its choices
                 router.forward = types.MethodType(counting_router_forward, router)
                 continue
             if not all(hasattr(router, name) for name in ("weight", "top_k", "hidden_dim")):
@@ -130,6 +126,8 @@ class RouterBalance:
                 )
             device = local_tensor(router.weight).device  # installed after parallelization: FSDP / TP DTensors
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
+            # The family's routing: top-k of a softmax, or a softmax of the top-k (gpt-oss).
+            forward = biased_top_k_softmax_forward if anatomy.top_k_softmax else biased_router_forward
             router.forward = types.MethodType(forward, router)
 
     @contextlib.contextmanager
