@@ -315,9 +315,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
         per_chunk = [
             tokens
             * (
-                shape.blocks_numel(
-                    layers, first, lambda specs: per_dense_block if specs is shape.dense_block else per_block
-                )
+                (layers - shape.dense_layers_of(layers, first)) * per_block
+                + shape.dense_layers_of(layers, first) * per_dense_block
                 + outer_activation_per_token(shape, layout, workload, first, last)
             )
             + weight_copy_bytes(shape, layout, workload, layers, last)

@@ -118,10 +118,14 @@ class ModelShape:
     ``dense_block``'s parameters instead of ``block``'s."""
     dense_block: tuple[ParamSpec, ...] = ()
 
+    def dense_layers_of(self, layers: int, first: bool) -> int:
+        """How many of a stage's ``layers`` blocks are dense: the stage holding the model's first blocks (``first``,
+        a pipeline's first stage) holds the dense layers."""
+        return min(layers, self.dense_layers) if first else 0
+
     def blocks_numel(self, layers: int, first: bool, numel) -> int:
-        """``numel(specs)`` summed over ``layers`` consecutive blocks, the first of the model when ``first``
-        (a pipeline's first stage: it holds the dense layers)."""
-        dense = min(layers, self.dense_layers) if first else 0
+        """``numel(specs)`` summed over ``layers`` consecutive blocks, the first of the model when ``first``."""
+        dense = self.dense_layers_of(layers, first)
         return (layers - dense) * numel(self.block) + (dense * numel(self.dense_block) if dense else 0)
 
     @property
