@@ -6,6 +6,20 @@ from typing import Any
 
 from meshtron.errors import ConfigError
 
+# What the DeepSeek-V3 presets share: a dense first layer (DeepSeek-V3 has 3), one shared expert, DeepSeek-V3's routed
+# scaling, renormalized top-k and interleaved rope; no special token ids (the byte tokenizer's).
+_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rope_interleave=True,
+    pad_token_id=None,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+
 # family (HF model_type) and architecture settings; vocab_size None = taken from the tokenizer.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(  # long positions for context-parallel runs (default RoPE allocates nothing for them)
@@ -228,7 +242,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # parts, value heads narrower than query/key heads), a first dense layer, then 8 routed experts in 4 groups
     # (top-2 of 2 groups), one shared expert, sigmoid scores with the model's own balancing bias.
     "deepseekv3-tiny": dict(
-        model_type="deepseek_v3",
+        **_DEEPSEEK_V3,
         hidden_size=64,
         intermediate_size=160,
         moe_intermediate_size=32,
@@ -236,10 +250,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         n_group=4,
         topk_group=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
@@ -249,16 +259,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=16,
         v_head_dim=16,
         max_position_embeddings=2048,
-        rope_interleave=True,
-        pad_token_id=None,
-        eos_token_id=None,
-        bos_token_id=None,
     ),
     # A DeepSeek-V3 shape at GPU benchmark size (bench/families.py): 8 layers (the first dense), 64 experts of 512
     # in 8 groups (top-6 of 4 groups), one shared expert, latent attention of 16 heads (~0.8B parameters, ~0.1B
     # active per token).
     "deepseekv3-small": dict(
-        model_type="deepseek_v3",
+        **_DEEPSEEK_V3,
         hidden_size=1024,
         intermediate_size=2816,
         moe_intermediate_size=512,
@@ -266,10 +272,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=6,
         n_group=8,
         topk_group=4,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
         num_hidden_layers=8,
         num_attention_heads=16,
         num_key_value_heads=16,
@@ -279,10 +281,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=64,
         v_head_dim=64,
         max_position_embeddings=4096,
-        rope_interleave=True,
-        pad_token_id=None,
-        eos_token_id=None,
-        bos_token_id=None,
     ),
     # gpt-oss (docs/models.md): attention sinks, q/k/v/o biases, a sliding layer (window 8 of the tests' 32 tokens)
     # then a full one; 4 transposed experts with biases and a clamped SwiGLU, top-2 by a router with a bias.
