@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 
@@ -26,7 +27,7 @@ def done_message(cfg, result) -> str:
     trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
     return (
         f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {result.output_dir}/ (config.toml, "
-        f"metrics.jsonl); see the curves with: meshtron plot {result.output_dir}"
+        f"metrics.jsonl); see the curves with: {meshtron_command()} plot {result.output_dir}"
     )
 
 
