@@ -262,6 +262,9 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comma
         launcher_args += ["--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
     else:
         launcher_args += ["--standalone"]
+    # torchrun sets OMP_NUM_THREADS=1 when it is unset and prints a banner saying so; set it here (the cores shared
+    # by this machine's workers) so that neither happens. A value the user set is kept.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (args.nproc or world_size))))
     parser = get_args_parser()
     worker = ["-m", "meshtron", *command] + (["--config", args.config] if args.config else []) + extra
     started = time.time()
@@ -306,9 +309,28 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+class _KnownNoise(logging.Filter):
+    """Drops log records that say nothing to a meshtron user and that meshtron cannot act on."""
+
+    PHRASES = (
+        # torchao (imported by transformers' quantizers whenever it is installed) registers its Enums as pytree
+        # constants, which torch 2.13 deprecates: two lines per process at every start.
+        "is an Enum subclass and is now natively supported by torch.compile",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(phrase in message for phrase in self.PHRASES)
+
+
+def _quiet_known_noise() -> None:
     # transformers imports torchao when it is installed; on CPU builds it logs its unloadable CUDA kernels.
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").addFilter(_KnownNoise())
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_known_noise()
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parser().parse_known_args(argv)
     try:

@@ -23,12 +23,8 @@ def meshtron_command(cwd: str | os.PathLike | None = None, path_env: str | None 
         found = shutil.which("meshtron", path=os.environ.get("PATH", "") if path_env is None else path_env)
         if found is not None and Path(found).resolve() == script.resolve():
             return "meshtron"
-        here = Path(cwd or os.getcwd()).resolve()
-        absolute = script.absolute()
-        try:
-            shown = str(absolute.relative_to(here))
-            shown = shown if os.sep in shown else f".{os.sep}{shown}"
-        except ValueError:
-            shown = str(absolute)
-        return shlex.quote(shown)
+        here, shown = Path(cwd or os.getcwd()).resolve(), script.absolute()
+        if here != Path(here.anchor) and shown.is_relative_to(here):  # e.g. .venv/bin/meshtron from the repository
+            shown = shown.relative_to(here)
+        return shlex.quote(str(shown))
     return f"{shlex.quote(sys.executable)} -m meshtron"

@@ -35,10 +35,49 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=rank)  # stable: the order within a module, and of the other modules, is kept
 
 
+PORTS_PER_WORKER = 2000
+"""Rendezvous ports each pytest worker (and the processes it starts) hands out: disjoint ranges per worker."""
+
+
+def _port_range() -> range:
+    """This pytest worker's ports: below the kernel's ephemeral range (Linux: 32768 and up), so that no socket bound
+    to port 0 (gloo's connections, torchrun --standalone, another test's listener) is ever handed one, away from
+    torch's default 29500, and disjoint from the other workers' ranges. Before, a port picked by binding port 0 went
+    back to the ephemeral pool until torchrun bound it, and the other worker's launch took it in between (EADDRINUSE
+    at setup of a whole module's tests)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    start = 20_000 + PORTS_PER_WORKER * (index % 4)
+    return range(start, start + PORTS_PER_WORKER)
+
+
+def _port_candidates():
+    """Every port of this worker's range once, starting at a place of this process's own (the worker and the
+    launcher processes it starts draw from the same range, never at the same time)."""
+    import random
+
+    ports = _port_range()
+    first = random.Random(os.getpid()).randrange(len(ports))
+    while True:
+        for offset in range(len(ports)):
+            yield ports[(first + offset) % len(ports)]
+
+
+_PORTS = _port_candidates()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a launch's rendezvous (torchrun --master-port, MASTER_PORT, tcp:// init) that is free now and that
+    no other pytest worker will take: the next of this worker's range (``_port_range``) that can be bound."""
+    for _ in range(PORTS_PER_WORKER):
+        port = next(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT after an earlier launch
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_port_range()}")
 
 
 def worker_env(**extra: str) -> dict[str, str]:

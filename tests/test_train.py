@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, worker_env
 
 from meshtron.cli import main
 from meshtron.config import load_config
@@ -295,9 +296,19 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
         ],
         timeout=240,
         cwd=tmp_path,
+        env={key: value for key, value in worker_env().items() if key != "OMP_NUM_THREADS"},  # as a user starts it
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # No torchrun banner (the launcher sets OMP_NUM_THREADS), no torchao deprecation lines (transformers imports it).
+    assert "OMP_NUM_THREADS" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr[-3000:]
+    # The done line's command runs as printed, where PATH does not hold meshtron's venv (not activated).
+    [command] = re.findall(r"see the curves with: (.+)$", proc.stdout, re.MULTILINE)
+    shown = subprocess.run(
+        ["/bin/sh", "-c", command], cwd=tmp_path, env={**worker_env(), "PATH": "/usr/bin:/bin"}, capture_output=True
+    )
+    assert shown.returncode == 0, (command, shown.stderr[-2000:])
     [out] = (tmp_path / "runs").iterdir()
+    assert (out / "metrics.png").is_file()
     assert "layout: dp_shard=2" in proc.stdout
     assert "step 6/6" in proc.stdout and f"outputs in {out.relative_to(tmp_path)}" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
