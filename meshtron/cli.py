@@ -30,8 +30,22 @@ EVAL_USAGE = (
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtron", description="Train causal language models in parallel.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model", usage=USAGE)
+    from meshtron.settings_reference import help_epilog
+
+    train = sub.add_parser(
+        "train",
+        help="train a model",
+        usage=USAGE,
+        epilog=help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("--config", help="TOML config file")
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (defaults, --config, environment, --section.key overrides; validated) as "
+        "TOML, which loads back with --config, and exit without training",
+    )
     train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
     train.add_argument(
@@ -139,6 +153,11 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     check_torch_version()
     cfg = load_config(args.config, parse_overrides(extra, USAGE))
+    if args.print_config:
+        from meshtron.config import to_toml
+
+        print(to_toml(cfg), end="")
+        return 0
     if not args.rehearse and (args.rank or args.rehearse_steps is not None):
         raise ConfigError(
             "--rank and --rehearse-steps go with --rehearse (meshtron train --rehearse --nproc N --rank R)"

@@ -47,67 +47,122 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZB
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BUILTIN_CORPUS = "builtin:python-stdlib"
 
+# The settings that take one of a fixed set of values (a list setting: each item; an optional one: or none).
+# validate_config checks them against these tuples and the settings reference (docs/configuration.md, made by
+# meshtron.settings_reference) lists them, so what the page says a setting takes is what validation accepts.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": DTYPES,
+    "model.attn_implementation": ATTN_IMPLEMENTATIONS,
+    "data.format": DATA_FORMATS,
+    "data.train_on": TRAIN_ON,
+    "train.lr_schedule": LR_SCHEDULES,
+    "train.decay_shape": DECAY_SHAPES,
+    "train.optimizer": OPTIMIZERS,
+    "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
+    "train.compile": COMPILE,
+    "train.mixed_precision": MIXED_PRECISION,
+    "train.float8_recipe": FLOAT8_RECIPES,
+    "train.on_nonfinite": ON_NONFINITE,
+    "train.router_aux_loss": ROUTER_AUX_LOSS,
+    "train.router_balance": ROUTER_BALANCE,
+    "parallel.cp_method": CP_METHODS,
+    "parallel.pp_schedule": PP_SCHEDULES,
+    "fsdp.reduce_dtype": DTYPES,
+    "run.device": DEVICES,
+    "run.loggers": LOGGERS,
+    "run.wandb_mode": WANDB_MODES,
+}
+
 
 @dataclass
 class ModelConfig:
+    """The model: a local Hugging Face directory to fine-tune, or a from-scratch preset (docs/models.md)."""
+
     name_or_path: str | None = None
-    """Local Hugging Face model directory (config.json + safetensors); mutually exclusive with preset."""
+    """Local Hugging Face model directory (config.json + safetensors) to fine-tune; nothing is downloaded. Set only
+    one of it and preset."""
     preset: str | None = None
-    """Named from-scratch architecture (see ``meshtron.models.presets``); ``tiny`` when neither is set."""
+    """Named from-scratch architecture (docs/models.md#from-scratch-presets); unset: ``tiny`` when name_or_path is
+    unset too."""
     dtype: str = "float32"
+    """Storage dtype of the parameters and AdamW state (the master weights). ``float16`` is refused at start-up
+    (AdamW's eps underflows in fp16 and training diverges): for fp16 compute use ``train.mixed_precision=fp16``
+    (docs/precision.md)."""
     attn_implementation: str = "auto"
     """The model's own attention where meshtron's is not in use (no document masks, cp = 1): ``sdpa``, ``eager``, or
     ``auto`` (sdpa, or eager for a family whose attention sdpa cannot compute: Gemma 2's soft-capped scores)."""
     trust_remote_code: bool = False
+    """Allow a model or tokenizer directory's own Python code to run; off unless you ask."""
 
 
 @dataclass
 class DataConfig:
+    """The training data: sources, tokenizer, packing into sequences, order, cache (docs/data.md)."""
+
     path: str = BUILTIN_CORPUS
-    """Text file, folder, .jsonl, .parquet, saved ``datasets`` dir, ``datasets`` hub name, or the builtin corpus."""
+    """A directory made by ``meshtron data prepare``, or a text file, folder, .jsonl, .parquet, saved ``datasets``
+    dir, ``datasets`` hub name, or the built-in corpus (these are prepared into data.cache_dir first)."""
     text_field: str = "text"
+    """The field (column) of structured data (.jsonl, .parquet, datasets) that holds each document's text."""
     tokenizer: str = "byte"
     """``byte`` for the built-in byte-level tokenizer, or a local Hugging Face tokenizer directory."""
     seq_len: int = 256
+    """Tokens per training sequence: documents are packed into sequences of this length (docs/data.md#packing)."""
     shuffle: bool = True
+    """Visit the sequences of each epoch in a random order (the same under every layout); false: in order."""
     seed: int = 0
+    """Seed of the shuffled order (docs/data.md#global-batch-order)."""
     max_documents: int | None = None
-    """Read at most this many documents (handy for quick runs); None reads all."""
+    """Read at most this many documents (handy for quick runs); unset reads all."""
     cache_dir: str | None = None
-    """Where tokenized, packed data is cached; default ``~/.cache/meshtron``."""
+    """Where tokenized, packed data is cached (each prepared corpus once, for any data.seq_len); unset:
+    ``$XDG_CACHE_HOME/meshtron``, or ``~/.cache/meshtron`` when XDG_CACHE_HOME is not set (docs/data.md#cache)."""
     mask_documents: bool = True
-    """Packed sequences: tokens attend only within their own document and positions restart per document."""
+    """Packed sequences: tokens attend only within their own document and positions restart per document
+    (docs/context-parallel.md#document-masks-datamask_documents-default-on)."""
     sources: list[str] = field(default_factory=list)
-    """A weighted mixture instead of ``path``: ``["/data/web:0.7", "/data/code:0.2", "/data/math:0.1"]`` (each a
-    prepared directory or any source ``path`` takes; weights are normalized). See docs/data.md."""
+    """A weighted mixture instead of ``path``: ``["/data/web:0.7", "/data/code:0.2", "/data/math:0.1"]`` (CLI
+    ``--data.sources=/data/web:0.7,/data/code:0.3``; each a prepared directory or any source ``path`` takes; weights
+    are normalized). See docs/data.md#mixtures-datasources."""
     format: str = "text"
     """``text`` (documents), or ``chat``: conversations (lists of role/content messages) rendered with the
-    tokenizer's chat template, for fine-tuning. See docs/data.md."""
+    tokenizer's chat template, for fine-tuning. See docs/data.md#chat-fine-tuning-dataformat--chat."""
     train_on: str = "assistant"
     """With ``format=chat``: the loss on the ``assistant``'s tokens only, or on ``all`` tokens."""
     messages_field: str = "messages"
     """With ``format=chat``: the field of each row that holds its messages."""
     streaming: bool = False
     """Read ``data.path`` as a stream (a hub name, or local files too large to prepare): documents in the source's
-    order, tokenized while training runs, each rank only its share; checkpoints save the position. See docs/data.md."""
+    order, tokenized while training runs, each rank only its share; checkpoints save the position. See
+    docs/data.md#streaming-datastreaming."""
     prefetch: bool = True
-    """Read the next step's batches in a background thread while a step trains (no effect on results)."""
+    """Read the next step's batches (from the memory-mapped tokens; pinned on CUDA) in a background thread while a
+    step trains: the same batches either way."""
     skip_batches: list[int] = field(default_factory=list)
     """Global batches left out of the data order, numbered from 1 as a run that skips none trains them
-    (step k trains batch k): e.g. ``[1200, 1201]`` after a loss spike. ``train.on_nonfinite=rollback`` adds
-    to this list by itself; checkpoints record it (see docs/faults.md)."""
+    (step k trains batch k): e.g. ``[1200, 1201]`` after a loss spike (CLI ``--data.skip_batches=1200,1201``).
+    ``train.on_nonfinite=rollback`` adds to this list by itself; checkpoints record it
+    (docs/faults.md#non-finite-loss-error-skip-rollback)."""
 
 
 @dataclass
 class TrainConfig:
+    """The optimization: steps, batch, learning-rate schedule, optimizer, precision, what to do with NaN."""
+
     steps: int = 100
+    """Optimizer steps to train."""
     global_batch_size: int = 8
     """Sequences per optimizer step, the same whatever the layout."""
     micro_batch_size: int | None = None
-    """Sequences per rank per forward; None means global_batch_size / dp (no accumulation)."""
+    """Sequences per rank per forward, fewer than global_batch_size / dp meaning gradient accumulation; unset:
+    global_batch_size / dp (no accumulation). With pp > 1: sequences per pipeline microbatch, global_batch_size /
+    (micro_batch_size x dp) microbatches (or set parallel.pp_microbatches)."""
     lr: float = 3e-4
+    """Peak learning rate, reached at the end of the warmup."""
     min_lr: float = 3e-5
+    """Final learning rate of the ``cosine``, ``linear`` and ``wsd`` schedules."""
     warmup_steps: int = 10
+    """Steps of linear warmup (step k trains at lr * k / warmup_steps), then train.lr_schedule."""
     lr_schedule: str = "cosine"
     """After warmup_steps of linear warmup: ``cosine`` or ``linear`` decay to min_lr over the other steps,
     ``constant`` (lr), or ``wsd`` (warmup-stable-decay: lr until the last decay_fraction of train.steps, then down
@@ -119,21 +174,29 @@ class TrainConfig:
     batch_rampup: str = ""
     """``START:STEPS``: the global batch starts at START sequences and grows in steps of START to global_batch_size
     over STEPS optimizer steps (Megatron's rampup-batch-size); empty: global_batch_size throughout. See
-    docs/data.md, "Changing the batch size"."""
+    docs/data.md#changing-the-batch-size-trainbatch_rampup-and-resuming-with-another-global-batch."""
     optimizer: str = "adamw"
     """``adamw``, or ``muon``: Muon (orthogonalized momentum) for the decoder blocks' matrices, AdamW for the
-    embeddings, head, norms, biases and routers (meshtron.train.muon)."""
+    embeddings, head, norms, biases and routers (docs/optimizers.md)."""
     muon_momentum: float = 0.95
+    """``muon``: the momentum of Muon's (Nesterov) update."""
     muon_ns_steps: int = 5
-    """``muon``: the momentum, and the Newton-Schulz iterations that orthogonalize it."""
+    """``muon``: the Newton-Schulz iterations that orthogonalize the momentum."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW's, and Muon's), on matrices and embeddings only: not on norms or biases."""
     beta1: float = 0.9
+    """AdamW's beta1 (decay of the gradient's running mean)."""
     beta2: float = 0.95
+    """AdamW's beta2 (decay of the squared gradient's running mean)."""
     eps: float = 1e-8
+    """AdamW's epsilon (added to the denominator)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still measured)."""
     seed: int = 0
+    """Seed of the initial weights (the same whatever the layout) and of torch's random numbers."""
     activation_checkpointing: str = "none"
+    """Recompute activations in backward to save memory: ``none``, ``full`` (recompute each decoder block) or
+    ``selective`` (keep the matmul and attention outputs, recompute the rest)."""
     compile: str = "auto"
     """Compile each decoder block with torch.compile: ``true``, ``false``, or ``auto`` (on for CUDA, off on CPU)."""
     mixed_precision: str = "auto"
@@ -144,24 +207,28 @@ class TrainConfig:
     """First loss scale of fp16's dynamic loss scaling (halved on every overflowing step, doubled after
     fp16_growth_interval steps without one)."""
     fp16_growth_interval: int = 1000
+    """fp16's dynamic loss scaling: steps without an overflow before the loss scale doubles."""
     loss_chunk_size: int = 4096
     """Tokens per chunk of the head + cross-entropy: the full (fp32) logits are never materialized, each
     chunk is recomputed in backward. 0 computes all logits at once."""
     float8: bool = False
-    """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; see docs/precision.md)."""
+    """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; docs/precision.md#float8)."""
     float8_recipe: str = "tensorwise"
-    """With ``float8``: torchao's scaling recipe. ``tensorwise`` (one scale per tensor, float8 FSDP all-gather),
-    ``rowwise`` (one scale per row, more accurate with outliers, high-precision all-gathers) or
-    ``rowwise_with_gw_hp`` (rowwise, weight gradients in high precision); see docs/precision.md."""
+    """With ``float8``: torchao's scaling recipe. ``tensorwise`` (one scale per tensor, fastest, float8 FSDP
+    all-gather), ``rowwise`` (one scale per row, more accurate with outliers, slower, high-precision all-gathers, bf16
+    compute on GPUs) or ``rowwise_with_gw_hp`` (rowwise, weight gradients in high precision); see
+    docs/precision.md#recipes-trainfloat8_recipe."""
     on_nonfinite: str = "error"
     """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step's update,
-    ``rollback`` reloads the last checkpoint and leaves the step's global batch out from then on."""
+    ``rollback`` reloads the last checkpoint and leaves the step's global batch out from then on (needs
+    checkpoint.interval); see docs/faults.md#non-finite-loss-error-skip-rollback."""
     max_rollbacks: int = 3
     """``on_nonfinite=rollback``: rollbacks in a row (no new checkpoint saved between them) before the run stops."""
     router_aux_loss: str = "auto"
     """Mixture-of-experts models: add the router load-balancing loss (``router_aux_loss_coef`` of the model
     config times transformers' ``load_balancing_loss_func``, over the global micro-batch): ``true``, ``false``,
-    or ``auto`` (the model config's ``output_router_logits``, as transformers decides); see docs/metrics.md."""
+    or ``auto`` (the model config's ``output_router_logits``, as transformers decides); ``true`` on a dense model
+    is an error. See docs/metrics.md#mixture-of-experts."""
     router_balance: str = "auto"
     """How mixture-of-experts routers are kept balanced: ``aux_loss`` (the loss above, as ``router_aux_loss`` says)
     or ``bias`` (auxiliary-loss-free: a per-expert bias in the top-k choice, moved against each step's global load;
@@ -173,11 +240,16 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
+    """The layout: pp x dp_replicate x dp_shard x cp x tp must equal the number of processes; ep borrows its ranks
+    from dp_shard x cp."""
+
     dp_replicate: int = 1
+    """Data-parallel replicas: DDP, or the replicate dimension of HSDP with dp_shard > 1 (docs/data-parallel.md)."""
     dp_shard: int = -1
-    """FSDP degree; -1 uses the ranks the other degrees leave."""
+    """FSDP shard degree; -1 takes the ranks the other degrees leave."""
     tp: int = 1
-    """Tensor-parallel degree: every linear layer, the embeddings and the head split over this many ranks."""
+    """Tensor-parallel degree: every linear layer, the embeddings and the head split over this many ranks
+    (docs/tensor-parallel.md)."""
     sequence_parallel: bool = True
     """With tp > 1: norms and residuals work on sequence shards between blocks (less activation memory)."""
     loss_parallel: bool = True
@@ -186,20 +258,23 @@ class ParallelConfig:
     """Context-parallel degree: every sequence split over this many ranks (see docs/context-parallel.md)."""
     cp_method: str = "ring"
     """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``; or ``ulysses``:
-    all-to-all from sequence shards to head shards around attention (needs heads divisible by cp)."""
+    all-to-all from sequence shards to head shards around attention (needs heads divisible by cp). See
+    docs/context-parallel.md#methods-parallelcp_method."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each MoE layer's experts split over this many ranks,
     borrowed from ``dp_shard x cp`` (the world size does not change; see docs/moe.md)."""
     pp: int = 1
     """Pipeline-parallel degree: the decoder split into stages over this many ranks (see docs/pipeline-parallel.md)."""
     pp_schedule: str = "1F1B"
-    """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble."""
+    """The pipeline schedule: ``GPipe`` or ``1F1B`` (one stage per rank), ``Interleaved1F1B``,
+    ``InterleavedZeroBubble`` or ``ZBVZeroBubble`` (several stages per rank); see docs/pipeline-parallel.md."""
     pp_microbatches: int | None = None
-    """Microbatches each data-parallel rank's batch is split into per step; None means parallel.pp."""
+    """Microbatches each data-parallel rank's batch is split into per step; unset: parallel.pp. The other way to say
+    train.micro_batch_size under pp (both given must agree)."""
     pp_stages_per_rank: int | None = None
-    """Stages per pipeline rank: 1 for GPipe/1F1B, 2 by default for the interleaved and zero-bubble schedules."""
+    """Stages per pipeline rank; unset: 1 for GPipe and 1F1B, 2 for the interleaved and zero-bubble schedules."""
     pp_first_stage_layers: int | None = None
-    """Decoder layers on the first stage (it also holds the embeddings); None spreads the layers evenly."""
+    """Decoder layers on the first stage (it also holds the embeddings); unset spreads the layers evenly."""
     pp_last_stage_layers: int | None = None
     """Decoder layers on the last stage (it also holds the final norm, head and loss)."""
     pp_stage_layers: str | None = None
@@ -208,59 +283,74 @@ class ParallelConfig:
 
 @dataclass
 class FSDPConfig:
+    """FSDP2, the sharded data parallelism of parallel.dp_shard (docs/data-parallel.md)."""
+
     reshard_after_forward: bool | None = None
-    """Free gathered parameters after each block's forward; None: yes, except under pipeline parallelism,
+    """Free gathered parameters after each block's forward; unset: yes, except under pipeline parallelism,
     where every microbatch's forward would gather them again."""
     reduce_dtype: str | None = "float32"
-    """Dtype gradients are reduced in; None reduces in the compute dtype (train.mixed_precision)."""
+    """Dtype gradients are reduced in; ``none`` reduces in the compute dtype (train.mixed_precision)."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and AdamW state in host memory, copying shards to the GPU for
-    compute (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU). Needs sharded data parallelism."""
+    compute (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU). Needs sharded data parallelism
+    (docs/data-parallel.md)."""
     accumulate_unsharded: bool = False
     """With gradient accumulation: keep each block's full gradient between micro-batches and reduce-scatter
     once per step (less communication, full-size fp32 gradients held). False: reduce-scatter every
-    micro-batch so only gradient shards are held (HSDP's all-reduce over replicas still runs once)."""
+    micro-batch so only gradient shards are held (HSDP's all-reduce over replicas still runs once). See
+    docs/data-parallel.md."""
 
 
 @dataclass
 class CheckpointConfig:
+    """Saving and resuming (docs/checkpointing.md)."""
+
     dir: str | None = None
-    """Where checkpoints go; default ``<run.output_dir>/checkpoints``."""
+    """Where checkpoints go, one directory all ranks share (checked at start-up); unset:
+    ``<run.output_dir>/checkpoints`` (docs/checkpointing.md#where-checkpoints-go-one-directory-all-ranks-share)."""
     interval: int = 0
     """Save every this many optimizer steps (and after the last); 0 saves nothing."""
     keep_last: int = 2
     """Complete checkpoints to keep (older ones are deleted after a newer one is complete); 0 keeps all."""
     async_save: bool = False
-    """Write checkpoints in the background while training goes on (TOML/CLI key ``checkpoint.async`` too)."""
+    """Write checkpoints in the background while training goes on."""
     resume: str = "auto"
     """``auto``: continue from ``latest`` in ``checkpoint.dir`` if there is one; a checkpoint path; or ``none``."""
 
 
 @dataclass
 class RunConfig:
+    """The run's outputs, device, logging, profiling and hang timeout."""
+
     output_dir: str | None = None
-    """Default ``runs/<timestamp>``."""
+    """Where config.toml and metrics.jsonl (and by default the checkpoints) go; unset: ``runs/<timestamp>``. A
+    directory holding a previous run is refused, unless the run resumes from its checkpoint. Under torchrun,
+    checkpointing needs it (or checkpoint.dir) set."""
     device: str = "auto"
     """``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo) or ``auto`` (cuda when a GPU is visible)."""
     log_every: int = 1
+    """Log the metrics every this many steps."""
     progress: bool = True
+    """Print the progress line."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     """Where rank 0 sends each logged step: ``jsonl`` (metrics.jsonl, always on) and the experiment trackers
     (meshtron.metrics.trackers) ``tensorboard`` (event files in ``<output_dir>/tensorboard``) and ``wandb``
-    (Weights & Biases). See docs/metrics.md."""
+    (Weights & Biases). See docs/metrics.md#tensorboard-and-weights--biases-runloggers."""
     wandb_project: str = "meshtron"
+    """The Weights & Biases project of the ``wandb`` logger."""
     wandb_mode: str = "online"
     """``online`` (needs ``wandb login`` or WANDB_API_KEY), ``offline`` (a run folder to ``wandb sync`` later; no
     network, no key) or ``disabled``."""
     profile_steps: str = ""
-    """``A-B``: record steps A to B (1-based) with the torch profiler: a trace per rank in ``<output_dir>/profile``
-    and a time summary by category in the log (docs/profiling.md). Empty: off."""
+    """``A-B``: record steps A to B (1-based) with the torch profiler: a Chrome trace per rank in
+    ``<output_dir>/profile`` and a time summary by category in the log (docs/profiling.md). Empty: off."""
     memory_snapshot_steps: str = ""
     """``A-B``: record the CUDA allocator's history over steps A to B and write a snapshot per rank to
-    ``<output_dir>/memory`` (CUDA only). Empty: off."""
+    ``<output_dir>/memory`` (CUDA only; one line on CPU). Empty: off."""
     collective_timeout_s: float = 600.0
-    """Seconds a step (or a save) may go without every rank arriving: then every rank stops with one line naming
-    the step and the rank(s) that did not arrive (see docs/faults.md). Collectives themselves time out 60 s later."""
+    """Seconds a step (or a save) may go without every rank arriving: then every rank exits with status 124 and one
+    line naming the step and the rank(s) that did not arrive (docs/faults.md#hangs). Collectives themselves time out
+    60 s later; the wait for the data cache is not a collective (docs/data.md#cache)."""
 
 
 @dataclass
@@ -273,7 +363,8 @@ class EvalConfig:
     """Instead of path: the last N documents (conversations with data.format=chat) of data.path, left out of
     training and evaluated on."""
     interval: int = 0
-    """Evaluate every this many optimizer steps (0: only after the last step, which always evaluates)."""
+    """Evaluate every this many optimizer steps (0: only after the last step, which always evaluates when there is
+    evaluation data)."""
     batches: int = 4
     """Global batches of train.global_batch_size sequences per evaluation: the first ones of the evaluation data,
     the same every time (fewer when the data holds fewer)."""
@@ -295,8 +386,9 @@ class LoraConfig:
     """Dropout on the adapter's input (draws different masks on every data-parallel rank, like model dropout); not
     on the routed experts' adapters."""
     targets: list[str] = field(default_factory=list)
-    """Names of the blocks' linear modules that get adapters (e.g. q_proj, v_proj; ``experts``: a mixture of
-    experts' routed experts); empty: every attention and MLP projection, and the routed experts."""
+    """Names of the blocks' linear modules that get adapters (e.g. ``["q_proj", "v_proj"]``, CLI
+    ``--lora.targets=q_proj,v_proj``; ``experts``: a mixture of experts' routed experts); empty: every attention and
+    MLP projection, and the routed experts."""
     train_embeddings: bool = False
     """Train the token embeddings too (whole, not low-rank)."""
     train_head: bool = False
@@ -388,8 +480,8 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
             return base(text)
         except ValueError:
             raise bad from None
-    if value is None and optional:
-        return None
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null"))):
+        return None  # TOML has no null: ``"none"`` unsets an optional setting, as on the command line
     if base is str and isinstance(value, bool):  # e.g. ``compile = true`` for a true/false/auto setting
         value = str(value).lower()
     if base is float and isinstance(value, int) and not isinstance(value, bool):
@@ -484,6 +576,19 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}")
 
 
+def _check_choices(cfg: Config) -> None:
+    """Each setting of ``CHOICES`` is one of its choices (each item of a list; an optional one may be unset)."""
+    sections = _sections(cfg)
+    for dotted, choices in CHOICES.items():
+        section_name, _, key = dotted.partition(".")
+        section = sections[section_name]
+        value = getattr(section, key)
+        if value is None and _split_optional(_field_types(section)[key])[1]:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            _choice(dotted, item, choices)
+
+
 def _positive(key: str, value: int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -493,46 +598,25 @@ def _positive(key: str, value: int | None, allow_none: bool = False) -> None:
 
 def validate_config(cfg: Config) -> None:
     """Checks that need neither the world size nor the model or data files."""
-    m, d, t, p, f = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.fsdp
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
     if m.name_or_path and m.preset:
         raise ConfigError("set only one of model.name_or_path and model.preset")
-    _choice("model.dtype", m.dtype, DTYPES)
-    _choice("model.attn_implementation", m.attn_implementation, ATTN_IMPLEMENTATIONS)
-    _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
-    _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
-    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
+    t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())
+    _check_choices(cfg)
     _positive("train.muon_ns_steps", t.muon_ns_steps)
     if not 0 <= t.muon_momentum < 1:
         raise ConfigError(f"train.muon_momentum: must be in [0, 1), got {t.muon_momentum}")
-    _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
-    _choice("train.mixed_precision", t.mixed_precision, MIXED_PRECISION)
-    _choice("train.float8_recipe", t.float8_recipe, FLOAT8_RECIPES)
-    t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
-    _choice("train.compile", t.compile, COMPILE)
-    t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())
-    _choice("train.router_aux_loss", t.router_aux_loss, ROUTER_AUX_LOSS)
-    _choice("train.router_balance", t.router_balance, ROUTER_BALANCE)
     if t.router_balance == "bias":
         if not t.router_bias_rate > 0:
             raise ConfigError(f"train.router_bias_rate: must be > 0, got {t.router_bias_rate}")
-    _choice("run.device", cfg.run.device, DEVICES)
-    _choice("run.wandb_mode", cfg.run.wandb_mode, WANDB_MODES)
-    _choice("data.format", d.format, DATA_FORMATS)
-    _choice("data.train_on", d.train_on, TRAIN_ON)
-    for logger in cfg.run.loggers:
-        _choice("run.loggers", logger, LOGGERS)
     if t.loss_chunk_size < 0:
         raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {t.loss_chunk_size}")
     if t.fp16_initial_loss_scale <= 0:
         raise ConfigError(f"train.fp16_initial_loss_scale: must be > 0, got {t.fp16_initial_loss_scale}")
     _positive("train.fp16_growth_interval", t.fp16_growth_interval)
-    _choice("parallel.cp_method", p.cp_method, CP_METHODS)
-    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _positive("parallel.pp_microbatches", p.pp_microbatches, allow_none=True)
     _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank, allow_none=True)
-    if f.reduce_dtype is not None:
-        _choice("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
     _positive("data.seq_len", d.seq_len)
     _positive("data.max_documents", d.max_documents, allow_none=True)
     _positive("train.steps", t.steps)
@@ -650,11 +734,14 @@ def _validate_eval(cfg: Config) -> None:
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """The config as nested dicts, with unset (None) values left out, as TOML has no null."""
-    return {
-        name: {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
-        for name, section in _sections(cfg).items()
-    }
+    """The config as nested dicts. TOML has no null: an unset (None) value is left out where unset is the default,
+    else written ``"none"`` (e.g. ``fsdp.reduce_dtype``), which loads back as unset."""
+    result = {}
+    for name, section in _sections(cfg).items():
+        unset_default = {f.name for f in dataclasses.fields(section) if f.default is None}
+        values = dataclasses.asdict(section).items()
+        result[name] = {k: "none" if v is None else v for k, v in values if v is not None or k not in unset_default}
+    return result
 
 
 def to_toml(cfg: Config) -> str:
