@@ -141,6 +141,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_model_path(cfg.model)
     check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)
+    if cfg.eval.path:
+        check_data_path(cfg.eval.path, setting="eval.path")
     tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
