@@ -66,8 +66,9 @@ class DataConfig:
     path: str = BUILTIN_CORPUS
     """Text file, folder, .jsonl, .parquet, saved ``datasets`` dir, ``datasets`` hub name, or the builtin corpus."""
     text_field: str = "text"
-    tokenizer: str = "byte"
-    """``byte`` for the built-in byte-level tokenizer, or a local Hugging Face tokenizer directory."""
+    tokenizer: str = "auto"
+    """``auto``: the tokenizer in ``model.name_or_path``'s folder when it has one, else the byte tokenizer; ``byte``:
+    the built-in byte-level tokenizer (257 ids); or a local Hugging Face tokenizer directory."""
     seq_len: int = 256
     shuffle: bool = True
     seed: int = 0
