@@ -104,8 +104,9 @@ class DataConfig:
     dir, ``datasets`` hub name, or the built-in corpus (these are prepared into data.cache_dir first)."""
     text_field: str = "text"
     """The field (column) of structured data (.jsonl, .parquet, datasets) that holds each document's text."""
-    tokenizer: str = "byte"
-    """``byte`` for the built-in byte-level tokenizer, or a local Hugging Face tokenizer directory."""
+    tokenizer: str = "auto"
+    """``auto``: the tokenizer in ``model.name_or_path``'s folder when it has one, else the byte tokenizer; ``byte``:
+    the built-in byte-level tokenizer (257 ids); or a local Hugging Face tokenizer directory."""
     seq_len: int = 256
     """Tokens per training sequence: documents are packed into sequences of this length (docs/data.md#packing)."""
     shuffle: bool = True

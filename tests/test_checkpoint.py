@@ -690,7 +690,7 @@ def test_export_never_takes_trust_remote_code_from_the_checkpoint(tmp_path, monk
 
     seen = []
 
-    def spy(spec, trust_remote_code=False):
+    def spy(spec, trust_remote_code=False, model_dir=None):
         seen.append(trust_remote_code)
         raise Stop
 

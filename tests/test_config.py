@@ -10,7 +10,7 @@ from meshtron.errors import ConfigError
 
 def test_defaults_are_valid():
     cfg = load_config(env={})
-    assert cfg.parallel.dp_shard == -1 and cfg.train.max_grad_norm == 1.0 and cfg.data.tokenizer == "byte"
+    assert cfg.parallel.dp_shard == -1 and cfg.train.max_grad_norm == 1.0 and cfg.data.tokenizer == "auto"
 
 
 def test_precedence_toml_env_cli(tmp_path):

@@ -110,7 +110,11 @@ def causal_lm_dir(tmp_path):
             "eval.holdout_documents holds out documents of one data.path, not of data.streaming",
         ),
         (["--eval.holdout_documents=5"], "eval.holdout_documents=5 leaves nothing to train on: data.path"),
-        (["--eval.path=/no/such/file.txt"], "eval.path: could not load"),
+        (
+            ["--eval.path=/no/such/file.jsonl"],  # said as data.path says it, not as a hub dataset that did not load
+            "eval.path: '/no/such/file.jsonl' does not exist (nor is it a hub dataset name like org/name); set "
+            "eval.path to an existing text file",
+        ),
         (["--train.optimizer=sgd"], "train.optimizer: 'sgd' is not one of adamw, muon"),
         (["--train.optimizer=muon", "--train.muon_momentum=1"], "train.muon_momentum: must be in [0, 1), got 1.0"),
         (["--train.batch_rampup=abc"], "train.batch_rampup: 'abc' is not START:STEPS"),
@@ -163,6 +167,29 @@ def test_evaluation_data_smaller_than_a_global_batch(capsys, tmp_path):
     small.write_text("a few words, not eight sequences of sixteen tokens\n")
     code, err = run_main(capsys, [*FAST, f"--eval.path={small}", f"--data.cache_dir={tmp_path}"])
     assert code != 0 and "fewer than one global batch (train.global_batch_size=8)" in error_lines(err)[0]
+
+
+@pytest.mark.parametrize("setting", ["data.path", "eval.path"])
+@pytest.mark.parametrize("name", ["weights.bin", "rows.jsonl"])
+def test_a_binary_data_file_is_one_line(capsys, tmp_path, setting, name):
+    """A file that is not text (as a text document, or as JSON lines), given as data.path or eval.path: one line
+    naming the setting and the file, instead of a UnicodeDecodeError (or, for text, training on its bytes)."""
+    binary = tmp_path / name
+    binary.write_bytes(bytes(range(256)) * 64)  # NUL bytes, and bytes that are not UTF-8
+    code, err = run_main(capsys, [*FAST, f"--{setting}={binary}", f"--data.cache_dir={tmp_path / 'cache'}"])
+    lines = error_lines(err)
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"{setting}: {binary} is not UTF-8 text (a binary file?); point {setting} at" in lines[0], lines[0]
+
+
+def test_text_with_a_few_bytes_that_are_not_utf8_still_trains(tmp_path):
+    """The binary check leaves text alone: a Latin-1 file (a few bytes that are not UTF-8) reads as before."""
+    from meshtron.data.sources import iter_documents
+
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("Caf\u00e9 cr\u00e8me, na\u00efve fa\u00e7ade: some words of text\n".encode("latin-1") * 20)
+    (document,) = iter_documents(str(latin))
+    assert document.count("\ufffd") == 4 * 20 and document.startswith("Caf\ufffd cr\ufffdme")
 
 
 def test_output_dir_with_a_run_is_not_overwritten(capsys, tmp_path):

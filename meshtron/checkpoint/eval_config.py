@@ -8,6 +8,7 @@ from pathlib import Path
 from meshtron.checkpoint.integrity import META, damage
 from meshtron.checkpoint.manager import read_meta
 from meshtron.config import Config, load_config
+from meshtron.data.tokenizer import has_tokenizer
 from meshtron.errors import ConfigError
 
 EVAL_USAGE = (
@@ -34,7 +35,7 @@ def eval_config(model: str, config_file: str | None, overrides: list[str]) -> Co
     elif (path / "config.json").is_file():
         base = config_file
         fixed = [f"model.name_or_path={path}", "model.preset=none", "checkpoint.resume=none", "checkpoint.interval=0"]
-        if (path / "tokenizer_config.json").is_file():
+        if has_tokenizer(path):  # its own, whatever the config file says (without one: data.tokenizer as set)
             fixed.append(f"data.tokenizer={path}")
     else:
         raise ConfigError(

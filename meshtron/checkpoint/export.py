@@ -38,7 +38,7 @@ def export_checkpoint(
     (``--adapter``) a peft adapter directory (meshtron.checkpoint.lora_export).
     """
     from meshtron.config import load_config
-    from meshtron.data.tokenizer import load_tokenizer
+    from meshtron.data.tokenizer import load_tokenizer, resolve_tokenizer
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.lora import add_lora
 
@@ -54,7 +54,7 @@ def export_checkpoint(
         raise ConfigError(f"export directory '{target}' is not empty; choose a new directory (nothing was written)")
     cfg = load_config(source / "config.toml", env={})
     cfg.model.trust_remote_code = trust_remote_code
-    tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     model, adapter = build_meta_model(hf_config, cfg.model)
     if adapter_only and not cfg.lora.enabled:
@@ -89,8 +89,9 @@ def export_checkpoint(
     target.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(target, safe_serialization=True, max_shard_size=max_shard_size)
-    if Path(cfg.data.tokenizer).is_dir():
-        for item in Path(cfg.data.tokenizer).iterdir():
+    tokenizer_dir = Path(resolve_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)).expanduser()
+    if tokenizer_dir.is_dir():  # the run's tokenizer folder (data.tokenizer=auto: the model's, when it has one)
+        for item in tokenizer_dir.iterdir():
             if item.is_file() and ("token" in item.name or item.name == "special_tokens_map.json"):
                 shutil.copy2(item, target / item.name)
     return target

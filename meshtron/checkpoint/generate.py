@@ -57,12 +57,10 @@ def _merge_peft_adapter(adapter_dir: Path, base: Path, out: Path, trust_remote_c
 
 
 def _tokenizer_for(model_dir: Path, spec: str | None, trust_remote_code: bool):
-    from meshtron.data.tokenizer import load_tokenizer
+    """``spec`` (``--tokenizer``, or the run's), by default ``auto``: ``model_dir``'s own tokenizer, else bytes."""
+    from meshtron.data.tokenizer import AUTO, load_tokenizer
 
-    if spec is None:
-        has_own = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-        spec = str(model_dir) if has_own else "byte"
-    return load_tokenizer(spec, trust_remote_code=trust_remote_code)
+    return load_tokenizer(spec or AUTO, trust_remote_code, model_dir)
 
 
 def generate_text(
@@ -80,6 +78,7 @@ def generate_text(
     """The prompt's continuation (greedy at ``temperature`` 0, else sampled with ``top_p``), decoded."""
     from meshtron.checkpoint.export import export_checkpoint
     from meshtron.config import load_config
+    from meshtron.data.tokenizer import resolve_tokenizer
 
     path = Path(source)
     if not path.is_dir():
@@ -89,7 +88,9 @@ def generate_text(
     with tempfile.TemporaryDirectory(prefix="meshtron-generate-") as scratch:
         tokenizer_dir = path
         if (path / META).is_file():  # a meshtron checkpoint: its run's tokenizer unless told otherwise
-            tokenizer = tokenizer or load_config(path / "config.toml", env={}).data.tokenizer
+            if tokenizer is None:
+                run = load_config(path / "config.toml", env={})
+                tokenizer = resolve_tokenizer(run.data.tokenizer, run.model.name_or_path)
             path = export_checkpoint(str(path), str(Path(scratch) / "model"), trust_remote_code=trust_remote_code)
             tokenizer_dir = path
         elif (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():

@@ -27,7 +27,7 @@ import torch
 
 from meshtron.config import DataConfig
 from meshtron.data.labels import IGNORE_INDEX
-from meshtron.data.sources import _is_saved_dataset, _load_saved
+from meshtron.data.sources import _is_saved_dataset, _load_saved, utf8_only
 from meshtron.errors import ConfigError, MeshtronError
 
 
@@ -71,6 +71,10 @@ def iter_conversations(path: str, field: str, max_documents: int | None = None) 
 
 
 def _json_rows(path: Path):
+    return utf8_only(path, _json_lines(path), reads="conversations: a UTF-8 .jsonl file or a saved dataset")
+
+
+def _json_lines(path: Path):
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():

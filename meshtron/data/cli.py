@@ -9,7 +9,8 @@ from pathlib import Path
 from meshtron.errors import ConfigError
 
 DATA_USAGE = (
-    "meshtron data prepare [--config FILE] --data.path=SOURCE [--data.tokenizer=TOK] --out DIR "
+    "meshtron data prepare [--config FILE] --data.path=SOURCE [--data.tokenizer=TOK | --model.name_or_path=DIR] "
+    "--out DIR "
     "[--workers N] [--shard-mb M] [--part I/N]"
 )
 
@@ -18,7 +19,7 @@ def add_data_parser(sub) -> None:
     data = sub.add_parser("data", help="prepare training data", usage=DATA_USAGE)
     actions = data.add_subparsers(dest="data_command", required=True, prog="meshtron data")
     prepare = actions.add_parser("prepare", help="tokenize a corpus into sharded token files", usage=DATA_USAGE)
-    prepare.add_argument("--config", help="TOML config file (its [data] section is read)")
+    prepare.add_argument("--config", help="TOML config file (its [data] section, and [model] for data.tokenizer=auto)")
     prepare.add_argument("--out", required=True, help="the prepared directory (new, or an unfinished prepare's)")
     prepare.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
     prepare.add_argument(
@@ -59,10 +60,14 @@ def run_data(args, extra: list[str]) -> int:
     from meshtron.data.prepare import prepare_corpus
     from meshtron.data.shards import is_prepared
     from meshtron.data.sources import check_data_path
+    from meshtron.data.tokenizer import load_tokenizer, tokenizer_notice
 
     overrides = parse_overrides(extra, DATA_USAGE)
-    if any(not item.startswith(("data.", "model.trust_remote_code")) for item in overrides):
-        raise ConfigError(f"data prepare takes data.* settings only, got {overrides}; usage: {DATA_USAGE}")
+    if any(not item.startswith(("data.", "model.trust_remote_code", "model.name_or_path")) for item in overrides):
+        raise ConfigError(
+            f"data prepare takes data.* settings (and model.name_or_path, model.trust_remote_code) only, got "
+            f"{overrides}; usage: {DATA_USAGE}"
+        )
     if not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise ConfigError(f"--shard-mb must be positive, got {args.shard_mb}")
     cfg = load_config(args.config, overrides, env={})
@@ -71,9 +76,15 @@ def run_data(args, extra: list[str]) -> int:
             f"data.path '{cfg.data.path}' is already prepared; train on it with --data.path={cfg.data.path}"
         )
     check_data_path(cfg.data.path)
+    # data.tokenizer=auto: model.name_or_path's tokenizer, when that folder has one, as training resolves it.
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+    notice = tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path)
+    if notice:
+        print(notice, flush=True)
     manifest = prepare_corpus(
         cfg.data,
         args.out,
+        tokenizer=tokenizer,
         workers=args.workers,
         shard_chars=int(args.shard_mb * 1e6),
         part=_part(args.part),
@@ -86,7 +97,7 @@ def run_data(args, extra: list[str]) -> int:
         print(
             f"meshtron: {args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
             f"({manifest['dtype']}) in {len(manifest['shards'])} shard(s); train with --data.path={args.out} "
-            f"--data.tokenizer={cfg.data.tokenizer}",
+            f"--data.tokenizer={tokenizer.name}",
             flush=True,
         )
     print(

@@ -182,7 +182,7 @@ def prepare_corpus(
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     shards[pending.pop(future)] = future.result()
-            future = pool.submit(_write_shard_in_worker, out, index, first, texts, data.tokenizer, trust_remote_code)
+            future = pool.submit(_write_shard_in_worker, out, index, first, texts, tokenizer.name, trust_remote_code)
             pending[future] = index
         for future, index in pending.items():
             shards[index] = future.result()

@@ -59,26 +59,27 @@ def _stdlib_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def check_data_path(path: str) -> None:
-    """Raise ConfigError (naming data.path and the fix) if ``path`` cannot give any documents."""
+def check_data_path(path: str, setting: str = "data.path") -> None:
+    """Raise ConfigError (naming ``setting``, ``data.path`` or ``eval.path``, and the fix) if ``path`` cannot give
+    any documents."""
     if path == BUILTIN_CORPUS:
         return
-    fix = f"set data.path to an existing text file, folder, .jsonl, .parquet or saved dataset, or {BUILTIN_CORPUS}"
+    fix = f"set {setting} to an existing text file, folder, .jsonl, .parquet or saved dataset, or {BUILTIN_CORPUS}"
     if not path:
-        raise ConfigError(f"data.path is empty; {fix}")
+        raise ConfigError(f"{setting} is empty; {fix}")
     local = Path(path).expanduser()
     if local.is_file():
         if local.stat().st_size == 0:
-            raise ConfigError(f"data.path: '{path}' is an empty file; {fix}")
+            raise ConfigError(f"{setting}: '{path}' is an empty file; {fix}")
     elif local.is_dir():
         if is_prepared(local):
             return
         if not _is_saved_dataset(local) and not any(f.stat().st_size > 0 for f in _folder_files(local)):
-            raise ConfigError(f"data.path: folder '{path}' has no non-empty {'/'.join(FOLDER_EXTENSIONS)} files; {fix}")
+            raise ConfigError(f"{setting}: folder '{path}' has no non-empty {'/'.join(FOLDER_EXTENSIONS)} files; {fix}")
     elif local.exists():
-        raise ConfigError(f"data.path: '{path}' is neither a file nor a folder; {fix}")
+        raise ConfigError(f"{setting}: '{path}' is neither a file nor a folder; {fix}")
     elif _looks_like_file_path(path):
-        raise ConfigError(f"data.path: '{path}' does not exist (nor is it a hub dataset name like org/name); {fix}")
+        raise ConfigError(f"{setting}: '{path}' does not exist (nor is it a hub dataset name like org/name); {fix}")
 
 
 def _field_error(field: str, where: str, available: Iterable[str]) -> ConfigError:
@@ -95,12 +96,38 @@ def _text_value(value: Any, field: str, where: str) -> str:
     return value
 
 
+TEXT_SOURCES = "UTF-8 text files, .jsonl, .parquet or a saved dataset"
+
+
+def not_text_error(path: Path, reads: str = TEXT_SOURCES) -> ConfigError:
+    """The error for a file of ``data.path`` that is not text (a binary file); ``reads``: what it should be."""
+    return ConfigError(f"data.path: {path} is not UTF-8 text (a binary file?); point data.path at {reads}")
+
+
+def utf8_only(path: Path, items: Iterator, reads: str = TEXT_SOURCES) -> Iterator:
+    """``items``, read from ``path``, with a UnicodeDecodeError turned into ``not_text_error``."""
+    try:
+        yield from items
+    except UnicodeDecodeError:
+        raise not_text_error(path, reads) from None
+
+
 def _read_text(path: Path) -> Iterator[str]:
-    yield path.read_text(encoding="utf-8", errors="replace")
+    """The whole file, one document; a few bytes that are not UTF-8 are replaced, but a binary file (a NUL byte in
+    its first 8 KiB, or more than one character in 10 not UTF-8) is an error."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if b"\x00" in raw[:8192] or text.count("\ufffd") * 10 > len(text):
+        raise not_text_error(path)
+    yield text
 
 
 def _json_objects(path: Path) -> Iterator[tuple[str, Any]]:
     """(location, object) pairs: one object per line, or the items of a top-level JSON array (.json)."""
+    return utf8_only(path, _json_items(path))
+
+
+def _json_items(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open(encoding="utf-8") as fh:
         if path.suffix.lower() == ".json" and fh.read(4096).lstrip().startswith("["):
             fh.seek(0)

@@ -1,4 +1,5 @@
-"""Tokenizers: the built-in byte-level one and local Hugging Face tokenizer directories."""
+"""Tokenizers: the built-in byte-level one and local Hugging Face tokenizer directories, and ``data.tokenizer=auto``
+made concrete (the model folder's own tokenizer, else the byte tokenizer)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class ByteTokenizer:
     vocab_size = 257
     eos_token_id = 256
 
+    def describe(self) -> str:
+        return f"{self.name} ({self.vocab_size})"
+
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
@@ -30,10 +34,16 @@ class ByteTokenizer:
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
+AUTO = "auto"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""The files that make a folder a tokenizer's: the fast tokenizer, its config, a SentencePiece model, or the vocabulary
+of a BPE (vocab.json + merges.txt) or WordPiece (vocab.txt) tokenizer."""
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer directory, loaded without network access."""
 
-    def __init__(self, path: str, trust_remote_code: bool = False):
+    def __init__(self, path: str, trust_remote_code: bool = False, setting: str = "data.tokenizer"):
         from transformers import AutoTokenizer
 
         self.name = str(Path(path).expanduser().resolve())
@@ -43,16 +53,20 @@ class HFTokenizer:
             )
         except Exception as err:  # noqa: BLE001 - surface any loader failure as a config error
             raise ConfigError(
-                f"data.tokenizer: could not load a Hugging Face tokenizer from '{self.name}' ({err}); "
+                f"{setting}: could not load a Hugging Face tokenizer from '{self.name}' ({err}); "
                 "point data.tokenizer at a directory with tokenizer.json / tokenizer_config.json, or use 'byte'"
             ) from None
         if self.tok.eos_token_id is None:
             raise ConfigError(
-                f"data.tokenizer: the tokenizer in '{self.name}' has no EOS token; "
+                f"{setting}: the tokenizer in '{self.name}' has no EOS token; "
                 "set eos_token in its tokenizer_config.json or use data.tokenizer=byte"
             )
         self.eos_token_id = int(self.tok.eos_token_id)
         self.vocab_size = len(self.tok)
+
+    def describe(self) -> str:
+        """The folder and its vocabulary size, for the start-up line."""
+        return f"{self.name} ({self.vocab_size:,})"
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False), dtype=np.int32)
@@ -76,13 +90,64 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
 
 
-def load_tokenizer(spec: str, trust_remote_code: bool = False) -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` gives the ByteTokenizer; anything else must be a local tokenizer directory."""
+def has_tokenizer(directory: str | os.PathLike | None) -> bool:
+    """Whether ``directory`` (a model folder, say) holds a tokenizer: one of ``TOKENIZER_FILES``."""
+    if not directory:
+        return False
+    folder = Path(directory).expanduser()
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def resolve_tokenizer(spec: str, model_dir: str | os.PathLike | None) -> str:
+    """``data.tokenizer`` as it is loaded: ``auto`` is ``model_dir`` (``model.name_or_path``) when that folder has a
+    tokenizer, else ``byte``; any other value is itself."""
+    if spec != AUTO:
+        return spec
+    return str(model_dir) if has_tokenizer(model_dir) else "byte"
+
+
+def tokenizer_notice(spec: str, model_dir: str | os.PathLike | None) -> str | None:
+    """One line for the user (rank 0) when a pretrained model trains on byte ids: ``auto`` found no tokenizer in its
+    folder, or ``data.tokenizer=byte`` was set; None otherwise."""
+    if not model_dir:
+        return None
+    ids = f"the byte tokenizer's {ByteTokenizer.vocab_size} ids"
+    if spec == AUTO and not has_tokenizer(model_dir):
+        return (
+            f"meshtron: data.tokenizer=auto: {model_dir} has no tokenizer; using {ids}; "
+            "set data.tokenizer=DIR to use another"
+        )
+    if spec == "byte":
+        fix = (
+            "leave data.tokenizer out (auto) to use the model's own"
+            if has_tokenizer(model_dir)
+            else "set data.tokenizer=DIR to the model's tokenizer folder"
+        )
+        return f"meshtron: warning: data.tokenizer=byte with model.name_or_path={model_dir}: using {ids}; {fix}"
+    return None
+
+
+def load_tokenizer(
+    spec: str, trust_remote_code: bool = False, model_dir: str | os.PathLike | None = None
+) -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` gives the ByteTokenizer; ``"auto"`` the tokenizer of ``model_dir`` (``model.name_or_path``) when
+    it has one, else the ByteTokenizer; anything else must be a local tokenizer directory."""
+    if spec == AUTO:
+        if model_dir and not Path(model_dir).expanduser().is_dir():
+            raise ConfigError(
+                f"model.name_or_path: '{model_dir}' is not an existing directory (data.tokenizer=auto looks for the "
+                "model's tokenizer there); give a local Hugging Face model directory"
+            )
+        resolved = resolve_tokenizer(spec, model_dir)
+        if resolved == "byte":
+            return ByteTokenizer()
+        setting = f"data.tokenizer=auto (the tokenizer of model.name_or_path={model_dir})"
+        return HFTokenizer(resolved, trust_remote_code=trust_remote_code, setting=setting)
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.isdir(os.path.expanduser(spec)):
         raise ConfigError(
-            f"data.tokenizer: '{spec}' is not 'byte' nor an existing tokenizer directory; "
-            "set data.tokenizer=byte or to a local Hugging Face tokenizer folder (download it first)"
+            f"data.tokenizer: '{spec}' is not 'auto', 'byte' nor an existing tokenizer directory; "
+            "set data.tokenizer=auto, byte or a local Hugging Face tokenizer folder (download it first)"
         )
     return HFTokenizer(spec, trust_remote_code=trust_remote_code)

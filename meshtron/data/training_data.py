@@ -83,6 +83,6 @@ def _build_eval_path(data: DataConfig, path: str, tokenizer, training, is_builde
         if data.format == "chat":
             return build_chat_datasets(source, tokenizer, separator=training.separator)[0]
         return build_packed_dataset(source, tokenizer, is_builder=is_builder, run_id=run_id, setting="eval.path")
-    except MeshtronError as err:  # the readers name data.path, whose reading eval.path shares
+    except MeshtronError as err:  # the readers name data.path (and its fix), whose reading eval.path shares
         text = str(err)
-        raise type(err)(text.replace("data.path", "eval.path", 1) if text.startswith("data.path") else text) from None
+        raise type(err)(text.replace("data.path", "eval.path") if text.startswith("data.path") else text) from None

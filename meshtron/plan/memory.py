@@ -459,7 +459,8 @@ def config_view(cfg, world_size: int, device: str = "cuda") -> tuple[ModelShape,
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import load_hf_config
 
-    hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     return (
         ModelShape.from_hf_config(hf_config, cfg.model, cfg.lora),
         Layout.from_config(cfg, world_size, hf_config),

@@ -111,7 +111,8 @@ def _planned(cfg: Config, world_size: int, rank: int, device: torch.device) -> t
         from meshtron.data.tokenizer import load_tokenizer
         from meshtron.models.build import load_hf_config
 
-        hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+        hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
         step = estimate_step(shape, layout, workload, GPUS[gpu], hf_config)
         planned.update(step_s=step.seconds, compute_s=step.compute_s)
     return planned, notes

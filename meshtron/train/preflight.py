@@ -13,7 +13,7 @@ from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
-from meshtron.data.tokenizer import load_tokenizer
+from meshtron.data.tokenizer import load_tokenizer, tokenizer_notice
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
@@ -46,6 +46,8 @@ class Plan:
     precision: PrecisionPolicy | None = None
     resume_skipped: tuple[str, ...] = ()
     """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
+    tokenizer_notice: str | None = None
+    """A line for rank 0 when a pretrained model trains on the byte tokenizer (meshtron.data.tokenizer)."""
 
 
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -141,7 +143,10 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_model_path(cfg.model)
     check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.eval.path:
+        check_data_path(cfg.eval.path, setting="eval.path")
+    # data.tokenizer=auto is resolved here, once: every later use takes plan.tokenizer.
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
     if cfg.data.format == "chat":
@@ -173,5 +178,14 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
     return Plan(
-        dims, micro, accumulation, tokenizer, hf_config, pp_microbatches, resume_from, precision, tuple(skipped)
+        dims,
+        micro,
+        accumulation,
+        tokenizer,
+        hf_config,
+        pp_microbatches,
+        resume_from,
+        precision,
+        tuple(skipped),
+        tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
     )

@@ -33,9 +33,9 @@ def done_message(cfg, result) -> str:
 
 def startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only: bool) -> str:
     (
-        """The first log line: family, parameters, layout, precision, data, how a step splits the batch and when the run
-    evaluates. ``built``: the trainer's built model (model, adapter, pipeline group); ``evaluator``: its Evaluator or
-    None; ``evaluate_only``: meshtron eval."""
+        """The first log line: family, parameters, layout, precision, data and its tokenizer, how a step splits the
+    batch and when the run evaluates. ``built``: the trainer's built model (model, adapter, pipeline group);
+    ``evaluator``: its Evaluator or None; ``evaluate_only``: meshtron eval."""
         ""
     )
     dims = plan.dims
@@ -51,7 +51,8 @@ def startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only:
         counted += f" ({count_params(built.model, built.pp_group, trainable_only=True):,} trained: LoRA)"
     return (
         f"meshtron: {built.adapter.family} model, {counted} | "
-        f"layout: {dims.describe()} | {policy.describe()} | {data_summary(dataset, cfg.data.seq_len)} | {batching}"
+        f"layout: {dims.describe()} | {policy.describe()} | {data_summary(dataset, cfg.data.seq_len)} | "
+        f"tokenizer: {plan.tokenizer.describe()} | {batching}"
         + (f" | {evaluator.describe(once=evaluate_only)}" if evaluator is not None else "")
     )
 

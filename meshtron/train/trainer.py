@@ -146,6 +146,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
     ``checkpoint.resume`` names, once, on the ``[eval]`` data."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
+    if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
+        print(plan.tokenizer_notice, flush=True)
     dims = plan.dims
     output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, plan)
     torch.manual_seed(cfg.train.seed)
