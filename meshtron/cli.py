@@ -95,14 +95,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate = sub.add_parser("generate", help="sample text from a checkpoint or an exported model")
     generate.add_argument("model", help="a checkpoint folder (step-N) or a Hugging Face model directory")
-    generate.add_argument("--prompt", default="", help="the text to continue (default: start a new document)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument(
+        "--prompt", default="", help="the text to continue (default: start a new document); with --chat, your message"
+    )
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message through the tokenizer's chat template and print only the reply",
+    )
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
     generate.add_argument("--tokenizer", help="byte or a tokenizer folder (default: the run's, or the model folder's)")
     generate.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
-    generate.add_argument("--trust-remote-code", action="store_true", help="run the model's own Python code")
+    generate.add_argument(
+        "--trust-remote-code", action="store_true", help="run the model's and tokenizer's own Python code"
+    )
     from meshtron.data.cli import add_data_parser
     from meshtron.metrics.cli import add_runs_parsers
     from meshtron.plan.cli import add_plan_parser
@@ -341,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=args.tokenizer,
                 trust_remote_code=args.trust_remote_code,
                 device=args.device,
+                chat=args.chat,
             )
-            print(args.prompt + text)
+            print(text if args.chat else args.prompt + text)
             return 0
         if args.command in ("plot", "compare"):
             if extra:
