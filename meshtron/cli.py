@@ -29,6 +29,7 @@ EVAL_USAGE = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtron", description="Train causal language models in parallel.")
+    parser.add_argument("--version", action="store_true", help="print meshtron's, torch's and transformers' versions")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model", usage=USAGE)
     train.add_argument("--config", help="TOML config file")
@@ -120,6 +121,21 @@ def _parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     add_runs_parsers(sub)
     return parser
+
+
+def version_line() -> str:
+    """``meshtron 0.1.0 (torch X, transformers Y)``, read from the installed packages' metadata (no imports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from meshtron import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"meshtron {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
 
 
 def _under_torchrun() -> bool:
@@ -319,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     # transformers imports torchao when it is installed; on CPU builds it logs its unloadable CUDA kernels.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:  # before the parser, which wants a command
+        print(version_line())
+        return 0
     args, extra = _parser().parse_known_args(argv)
+    if args.version:
+        print(version_line())
+        return 0
     try:
         if args.command == "train":
             return _train(args, extra)
