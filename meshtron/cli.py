@@ -29,6 +29,7 @@ EVAL_USAGE = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtron", description="Train causal language models in parallel.")
+    parser.add_argument("--version", action="store_true", help="print meshtron's, torch's and transformers' versions")
     sub = parser.add_subparsers(dest="command", required=True)
     from meshtron.settings_reference import help_epilog
 
@@ -109,14 +110,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate = sub.add_parser("generate", help="sample text from a checkpoint or an exported model")
     generate.add_argument("model", help="a checkpoint folder (step-N) or a Hugging Face model directory")
-    generate.add_argument("--prompt", default="", help="the text to continue (default: start a new document)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument(
+        "--prompt", default="", help="the text to continue (default: start a new document); with --chat, your message"
+    )
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message through the tokenizer's chat template and print only the reply",
+    )
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed")
     generate.add_argument("--tokenizer", help="byte or a tokenizer folder (default: the run's, or the model folder's)")
     generate.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
-    generate.add_argument("--trust-remote-code", action="store_true", help="run the model's own Python code")
+    generate.add_argument(
+        "--trust-remote-code", action="store_true", help="run the model's and tokenizer's own Python code"
+    )
     from meshtron.data.cli import add_data_parser
     from meshtron.metrics.cli import add_runs_parsers
     from meshtron.plan.cli import add_plan_parser
@@ -125,6 +135,21 @@ def _parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     add_runs_parsers(sub)
     return parser
+
+
+def version_line() -> str:
+    """``meshtron 0.1.0 (torch X, transformers Y)``, read from the installed packages' metadata (no imports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from meshtron import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"meshtron {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
 
 
 def _under_torchrun() -> bool:
@@ -351,7 +376,13 @@ def _quiet_known_noise() -> None:
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_noise()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:  # before the parser, which wants a command
+        print(version_line())
+        return 0
     args, extra = _parser().parse_known_args(argv)
+    if args.version:
+        print(version_line())
+        return 0
     try:
         if args.command == "train":
             return _train(args, extra)
@@ -382,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=args.tokenizer,
                 trust_remote_code=args.trust_remote_code,
                 device=args.device,
+                chat=args.chat,
             )
-            print(args.prompt + text)
+            print(text if args.chat else args.prompt + text)
             return 0
         if args.command in ("plot", "compare"):
             if extra:

@@ -1,6 +1,6 @@
 """Chat fine-tuning data (data.format=chat): the assistant-token mask, packing without cutting conversations, the
-first step's loss against a cross-entropy by hand, and the settings. Parity under DDP2 / FSDP2 / TP2 / PP2 / CP2 is
-in test_parity.py (the llama-chat reference)."""
+first step's loss against a cross-entropy by hand, the settings, and the chat template through export and
+``generate --chat``. Parity under DDP2 / FSDP2 / TP2 / PP2 / CP2 is in test_parity.py (the llama-chat reference)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
+from conftest import run_main
 
 from meshtron.config import load_config
 from meshtron.data.chat import ChatDataset, choose_separator, pack, render
@@ -78,8 +79,27 @@ def chat_overrides(chat_dir, out, *extra) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def chat_runs(chat_dir, tmp_path_factory):
+    """One-step chat fine-tunes in this process, each checkpointing its step, trained the first time a test asks
+    for its overrides: ``chat_runs(*extra)`` is (config, train's result, run directory)."""
+    from meshtron.train.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    done = {}
+
+    def run(*extra: str):
+        if extra not in done:
+            out = tmp_path_factory.mktemp("chat-run") / "run"
+            cfg = load_config(None, chat_overrides(chat_dir, out, "checkpoint.interval=1", *extra), env={})
+            done[extra] = cfg, train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))), out
+        return done[extra]
+
+    return run
+
+
 @pytest.mark.parametrize("mask_documents", [True, False])
-def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat_dir, tmp_path, mask_documents):
+def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat_dir, chat_runs, mask_documents):
     """One training step in one process; by hand: plain transformers' logits (each conversation of a sequence on
     its own with document masks, the whole sequence without), cross-entropy summed over the assistant positions and
     divided by their count. The all-token loss is another number."""
@@ -87,11 +107,8 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
 
     from meshtron.data.chat import build_chat_dataset
     from meshtron.data.sampler import GlobalBatchSchedule
-    from meshtron.train.runtime import Runtime
-    from meshtron.train.trainer import train
 
-    cfg = load_config(None, chat_overrides(chat_dir, tmp_path / "run", f"data.mask_documents={mask_documents}"), env={})
-    result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    cfg, result, out = chat_runs(f"data.mask_documents={mask_documents}")
     dataset = build_chat_dataset(cfg.data, load_tokenizer(cfg.data.tokenizer))
     batch = GlobalBatchSchedule(len(dataset), 8, cfg.data.shuffle, cfg.data.seed).global_batch(0)
     rows, trained = dataset.tokens[batch], dataset.trained[batch]
@@ -111,7 +128,7 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
     by_hand = (losses[assistant].sum() / assistant.sum()).item()
     assert result.losses[0] == pytest.approx(by_hand, rel=1e-5)
     assert abs(losses.mean().item() - by_hand) > 100 * 1e-5 * by_hand  # the all-token loss differs, far beyond that
-    log = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    log = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert log["loss"] == result.losses[0]
 
 
@@ -136,3 +153,65 @@ def test_chat_settings_are_checked(chat_dir, tmp_path):
         list(iter_conversations(str(bad), "messages"))
     with pytest.raises(ConfigError, match="data.messages_field: 'turns' is not in"):
         list(iter_conversations(str(chat_dir / CHAT_DATA), "turns"))
+
+
+def test_a_chat_fine_tune_exports_its_chat_template_and_generate_chat_replies(chat_dir, chat_runs, tmp_path):
+    """The export of a chat fine-tune (and a LoRA one's peft adapter) renders and tokenizes conversations as the run's
+    tokenizer does: its chat template came along. ``meshtron generate --chat`` (from the export and from the
+    checkpoint) prints only the greedy reply to the prompt as one user message: an argmax loop over plain
+    transformers' logits from the templated prompt, up to EOS; transformers' progress bars stay off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    original = AutoTokenizer.from_pretrained(chat_dir / CHAT_MODEL)
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]
+
+    def same_rendering(folder) -> None:
+        exported = AutoTokenizer.from_pretrained(folder)
+        for generation_prompt in (False, True):
+            text = original.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
+            assert (
+                exported.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
+                == text
+            )
+            assert exported.encode(text, add_special_tokens=False) == original.encode(text, add_special_tokens=False)
+
+    checkpoint = chat_runs("data.mask_documents=True")[2] / "checkpoints" / "step-00000001"
+    export = tmp_path / "export"
+    assert run_main(["export", str(checkpoint), str(export)]).returncode == 0
+    same_rendering(export)
+    lora = chat_runs("lora.rank=4")[2] / "checkpoints" / "step-00000001"
+    assert run_main(["export", str(lora), str(tmp_path / "adapter"), "--adapter"]).returncode == 0
+    same_rendering(tmp_path / "adapter")
+
+    new_tokens = 24
+    prompt = original.apply_chat_template(
+        [{"role": "user", "content": "why?"}], tokenize=False, add_generation_prompt=True
+    )
+
+    def greedy_reply(model) -> list[int]:
+        ids, reply = torch.tensor([original.encode(prompt, add_special_tokens=False)]), []
+        with torch.no_grad():
+            while len(reply) < new_tokens:
+                token = int(model(ids).logits[0, -1].argmax())
+                if token == original.eos_token_id:
+                    break
+                reply.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        return reply
+
+    def generate_chat(source) -> str:
+        proc = run_main(["generate", str(source), "--chat", "--prompt", "why?", "--max-new-tokens", str(new_tokens)])
+        assert proc.returncode == 0, proc.stderr
+        assert "Loading weights" not in proc.stderr and "Writing" not in proc.stderr, proc.stderr
+        return proc.stdout
+
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    reply = greedy_reply(model)
+    assert generate_chat(export) == generate_chat(checkpoint) == original.decode(reply) + "\n"
+    # A head that favours EOS (its row: twice the third reply token's) ends the reply early: printed up to EOS.
+    with torch.no_grad():
+        model.lm_head.weight[original.eos_token_id] = 2 * model.lm_head.weight[reply[2]]
+    model.save_pretrained(tmp_path / "ends")
+    original.save_pretrained(tmp_path / "ends")
+    ending = greedy_reply(model)
+    assert len(ending) < new_tokens and generate_chat(tmp_path / "ends") == original.decode(ending) + "\n"

@@ -333,6 +333,7 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
         ),
         (["generate", "{adapter}", "--prompt", "hi"], "names base model None (base_model_name_or_path in"),
         (["generate", "{not_a_model}", "--prompt", "hi"], "cannot load a causal LM from"),
+        (["generate", "{not_a_model}", "--chat"], "meshtron generate --chat: the byte tokenizer (used for"),
         (["export", "{tmp}", "{tmp}/out"], "meshtron export: '{tmp}' is not a whole meshtron checkpoint"),
         (["plot", "{tmp}"], "'{tmp}' has no metrics.jsonl"),
         (["compare", "{tmp}", "{missing}"], "has no metrics.jsonl"),

@@ -1,4 +1,5 @@
-"""Seeing runs: TensorBoard and W&B loggers, `meshtron plot` and `meshtron compare`."""
+"""Seeing runs: TensorBoard and W&B loggers, `meshtron plot`, `meshtron compare`, `meshtron generate` and
+`meshtron --version`."""
 
 from __future__ import annotations
 
@@ -215,3 +216,15 @@ def test_generate_continues_a_prompt_from_a_checkpoint_and_from_its_export(runs,
     assert main(["generate", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == "def " + text + "\n"
     assert main(["generate", str(tmp_path / "nothing")]) == 2
+
+
+def test_version_prints_meshtrons_torchs_and_transformers_versions():
+    import transformers
+    from conftest import run_main
+
+    import meshtron
+
+    want = f"meshtron {meshtron.__version__} (torch {torch.__version__}, transformers {transformers.__version__})\n"
+    for args in (["--version"], ["--version", "plot"]):
+        proc = run_main(args)
+        assert (proc.returncode, proc.stdout) == (0, want), proc

@@ -2,8 +2,11 @@
 
 The checkpoint's model tensors (saved under any layout) are loaded whole into one process and written
 with ``save_pretrained`` as safetensors (sharded with an index above ``max_shard_size``), with the
-tokenizer when the run used a Hugging Face tokenizer directory. ``AutoModelForCausalLM.from_pretrained``
-loads the result; so does meshtron's ``model.name_or_path``.
+tokenizer when the run used a Hugging Face tokenizer directory: loaded from it and written with the tokenizer's own
+``save_pretrained``, so everything it needs comes along (its chat template, ``vocab.json`` / ``merges.txt``, ...).
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load the result; so does meshtron's
+``model.name_or_path``. A run on the byte tokenizer exports no tokenizer files (``meshtron generate`` then uses
+the byte tokenizer). transformers' progress bars are off while exporting.
 
 A checkpoint is trusted input: torch.distributed.checkpoint unpickles its ``.metadata``. Remote code
 (``trust_remote_code``) still runs only when the command line asks for it, never because the
@@ -12,7 +15,7 @@ checkpoint's own ``config.toml`` says so.
 
 from __future__ import annotations
 
-import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,6 +25,20 @@ from meshtron.checkpoint.integrity import damage
 from meshtron.checkpoint.lora_export import merge_adapters, write_peft_adapter
 from meshtron.checkpoint.manager import quiet_single_process, read_meta
 from meshtron.errors import ConfigError
+
+
+@contextmanager
+def quiet_progress_bars():
+    """transformers' (and the hub's) progress bars off ("Loading weights", "Writing model shards"), then as before."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def export_checkpoint(
@@ -35,14 +52,18 @@ def export_checkpoint(
 
     ``trust_remote_code``: the caller's choice (``meshtron export --trust-remote-code``); the value in the
     checkpoint's config is ignored. A LoRA run (``[lora]``) exports the merged model, or with ``adapter_only``
-    (``--adapter``) a peft adapter directory (meshtron.checkpoint.lora_export).
+    (``--adapter``) a peft adapter directory (meshtron.checkpoint.lora_export), with the run's tokenizer as well.
     """
+    with quiet_progress_bars():
+        return _export(Path(checkpoint), Path(out_dir), max_shard_size, trust_remote_code, adapter_only)
+
+
+def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: bool, adapter_only: bool) -> Path:
     from meshtron.config import load_config
-    from meshtron.data.tokenizer import load_tokenizer, resolve_tokenizer
+    from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.lora import add_lora
 
-    source, target = Path(checkpoint), Path(out_dir)
     reason = damage(source)
     if reason is not None:
         raise ConfigError(
@@ -83,15 +104,20 @@ def export_checkpoint(
     adapter.tie_weights(model)
     if adapter_only:
         write_peft_adapter(model, adapter, cfg.lora, targets, cfg.model.name_or_path, target)
+        _save_tokenizer(tokenizer, target)
         return target
     merge_adapters(model)
     adapter.fuse_projections(model)  # the family's own layout (Phi-3's fused qkv_proj and gate_up_proj)
     target.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(target, safe_serialization=True, max_shard_size=max_shard_size)
-    tokenizer_dir = Path(resolve_tokenizer(cfg.data.tokenizer, cfg.model.name_or_path)).expanduser()
-    if tokenizer_dir.is_dir():  # the run's tokenizer folder (data.tokenizer=auto: the model's, when it has one)
-        for item in tokenizer_dir.iterdir():
-            if item.is_file() and ("token" in item.name or item.name == "special_tokens_map.json"):
-                shutil.copy2(item, target / item.name)
+    _save_tokenizer(tokenizer, target)
     return target
+
+
+def _save_tokenizer(tokenizer, target: Path) -> None:
+    """A Hugging Face tokenizer (meshtron.data.tokenizer.HFTokenizer: loaded from the run's folder with local files
+    only, its own code only when asked) saved whole; the byte tokenizer has no files."""
+    hf_tokenizer = getattr(tokenizer, "tok", None)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(target)

@@ -5,7 +5,9 @@ A meshtron checkpoint (``step-N`` folder) is exported to a temporary Hugging Fac
 LoRA adapter directory (``meshtron export --adapter``, or peft's own) is loaded on its base model
 (``base_model_name_or_path``) with peft and merged. The prompt is tokenized as training tokenized documents (no
 special tokens added), with the run's own tokenizer (``data.tokenizer`` of the checkpoint's config), the
-directory's (an adapter's: its base's), or ``--tokenizer``.
+directory's (an adapter's own, else its base's), or ``--tokenizer``. With ``chat`` (``--chat``) the prompt is one
+user message rendered with the tokenizer's chat template and its generation prompt (rendered, then tokenized, as
+chat fine-tuning does) and only the reply comes back, up to its end (EOS). transformers' progress bars are off.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from meshtron.checkpoint.export import export_checkpoint, quiet_progress_bars
 from meshtron.checkpoint.integrity import META
+from meshtron.data.tokenizer import has_tokenizer
 from meshtron.errors import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -63,6 +67,25 @@ def _tokenizer_for(model_dir: Path, spec: str | None, trust_remote_code: bool):
     return load_tokenizer(spec or AUTO, trust_remote_code, model_dir)
 
 
+def _check_chat_template(tok, source: str) -> None:
+    hf_tokenizer = getattr(tok, "tok", None)
+    if hf_tokenizer is None or not getattr(hf_tokenizer, "chat_template", None):
+        which = "the byte tokenizer" if hf_tokenizer is None else f"the tokenizer of '{tok.name}'"
+        raise ConfigError(
+            f"meshtron generate --chat: {which} (used for '{source}') has no chat template; drop --chat to continue "
+            "the prompt as plain text, or pass --tokenizer a tokenizer folder with a chat template (the export of a "
+            "chat fine-tune, data.format=chat, has its run's)"
+        )
+
+
+def _prompt_ids(tok, prompt: str, chat: bool) -> list[int]:
+    if chat:  # rendered, then tokenized without special tokens added: as meshtron.data.chat renders training data
+        prompt = tok.tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return [int(i) for i in tok.encode(prompt)]
+
+
 def generate_text(
     source: str,
     prompt: str,
@@ -74,9 +97,19 @@ def generate_text(
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
     device: str | None = None,
+    chat: bool = False,
 ) -> str:
-    """The prompt's continuation (greedy at ``temperature`` 0, else sampled with ``top_p``), decoded."""
-    from meshtron.checkpoint.export import export_checkpoint
+    """The prompt's continuation (greedy at ``temperature`` 0, else sampled with ``top_p``), decoded; with ``chat``
+    the reply to the prompt as a user message, without its end-of-turn EOS."""
+    with quiet_progress_bars():
+        return _generate_text(
+            source, prompt, max_new_tokens, temperature, top_p, seed, tokenizer, trust_remote_code, device, chat
+        )
+
+
+def _generate_text(
+    source, prompt, max_new_tokens, temperature, top_p, seed, tokenizer, trust_remote_code, device, chat
+) -> str:
     from meshtron.config import load_config
     from meshtron.data.tokenizer import resolve_tokenizer
 
@@ -85,36 +118,43 @@ def generate_text(
         raise ConfigError(f"meshtron generate: '{source}' is not a folder; give a checkpoint (step-N) or an export")
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise ConfigError("meshtron generate: needs --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    checkpoint = (path / META).is_file()
+    adapter = not checkpoint and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+    if not (checkpoint or adapter or (path / "config.json").is_file()):
+        raise ConfigError(
+            f"meshtron generate: '{source}' is neither a meshtron checkpoint (step-N), a Hugging Face model "
+            f"folder (config.json) nor a peft adapter ({ADAPTER_CONFIG}); give one of them"
+        )
+    tokenizer_dir = path
+    if checkpoint:  # its run's tokenizer unless told otherwise
+        if tokenizer is None:
+            run = load_config(path / "config.toml", env={})
+            tokenizer = resolve_tokenizer(run.data.tokenizer, run.model.name_or_path)
+    elif adapter and not has_tokenizer(path):  # an adapter without a tokenizer of its own: its base's
+        tokenizer_dir = _base_of_adapter(path)
+    tok = _tokenizer_for(tokenizer_dir, tokenizer, trust_remote_code)
+    if chat:
+        _check_chat_template(tok, source)
     with tempfile.TemporaryDirectory(prefix="meshtron-generate-") as scratch:
-        tokenizer_dir = path
-        if (path / META).is_file():  # a meshtron checkpoint: its run's tokenizer unless told otherwise
-            if tokenizer is None:
-                run = load_config(path / "config.toml", env={})
-                tokenizer = resolve_tokenizer(run.data.tokenizer, run.model.name_or_path)
+        if checkpoint:
             path = export_checkpoint(str(path), str(Path(scratch) / "model"), trust_remote_code=trust_remote_code)
-            tokenizer_dir = path
-        elif (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
-            tokenizer_dir = _base_of_adapter(path)
-            path = _merge_peft_adapter(path, tokenizer_dir, Path(scratch) / "model", trust_remote_code)
-        elif not (path / "config.json").is_file():
-            raise ConfigError(
-                f"meshtron generate: '{source}' is neither a meshtron checkpoint (step-N), a Hugging Face model "
-                f"folder (config.json) nor a peft adapter ({ADAPTER_CONFIG}); give one of them"
-            )
-        tok = _tokenizer_for(tokenizer_dir, tokenizer, trust_remote_code)
-        return _generate(path, tok, prompt, max_new_tokens, temperature, top_p, seed, trust_remote_code, device)
+        elif adapter:
+            path = _merge_peft_adapter(path, _base_of_adapter(path), Path(scratch) / "model", trust_remote_code)
+        ids = _prompt_ids(tok, prompt, chat)
+        return _generate(path, tok, ids, max_new_tokens, temperature, top_p, seed, trust_remote_code, device, chat)
 
 
 def _generate(
     model_dir: Path,
     tok,
-    prompt: str,
+    prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float,
     top_p: float,
     seed: int,
     trust_remote_code: bool,
     device: str | None,
+    chat: bool,
 ) -> str:
     from transformers import AutoModelForCausalLM
 
@@ -125,7 +165,7 @@ def _generate(
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"meshtron generate: cannot load a causal LM from '{model_dir}': {first_line}") from None
     model = model.to(device).eval()
-    ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long, device=device).reshape(1, -1)
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.eos_token_id]], device=device)  # an empty prompt starts after a document's end
     sampling = (
@@ -142,4 +182,7 @@ def _generate(
             top_k=None,
             **sampling,
         )
-    return tok.decode(out[0, ids.shape[1] :].tolist())
+    new = out[0, ids.shape[1] :].tolist()
+    if chat and tok.eos_token_id in new:  # the reply ends at its end of turn
+        new = new[: new.index(tok.eos_token_id)]
+    return tok.decode(new)
