@@ -907,3 +907,63 @@ def test_a_checkpointing_recommendation_says_why_when_no_plain_layout_fits(capsy
     assert (f"{either}: the smallest (single process, micro batch 1) needs {smallest('selective')}" in stdout) == (
         note == "selective"
     )
+
+
+def test_an_emitted_config_dry_runs_without_nproc(tmp_path, capsys):
+    """The emitted config holds every degree (dp_shard included), so ``meshtron train --dry-run --config`` takes the
+    world size from their product: the same rank, layout and bytes as with --nproc; the line that reports the
+    written file spells both commands with meshtron_command(). A config whose dp_shard is -1 still needs --nproc."""
+    import re
+
+    from conftest import run_main
+
+    from meshtron.command import meshtron_command
+
+    out = tmp_path / "plan.toml"
+    status, stdout, stderr = plan_cli(
+        capsys,
+        "--model",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq-len",
+        "256",
+        "--global-batch",
+        "8",
+        "--emit-config",
+        str(out),
+    )
+    assert status == 0, stderr[-2000:]
+    train = f"{meshtron_command()} train --config {out}"
+    assert f"check a rank's memory with: {train} --dry-run;" in stdout
+    assert f"run it with: {train} --nproc 4" in stdout
+
+    def dry_run(*extra: str) -> str:
+        done = run_main(["train", "--dry-run", "--config", str(out), *extra])
+        assert done.returncode == 0, done.stderr[-2000:]
+        return re.sub(r"\(\d+\.\d s\)", "(time)", done.stdout)
+
+    alone = dry_run()
+    assert "rank 0 of 4 " in alone and alone == dry_run("--nproc", "4")
+    done = run_main(["train", "--dry-run", "--config", str(out), "--parallel.dp_shard=-1"])
+    assert done.returncode == 2 and "--dry-run needs --nproc N" in done.stderr
+
+
+def test_plan_defaults_seq_len_and_global_batch_and_shows_them(capsys):
+    """Without --seq-len and --global-batch: seq 4096 capped at the model's max_position_embeddings (qwen3-tiny:
+    2048) and about 2**20 tokens per step rounded to a multiple of --gpus (512 sequences of 2048 over 24 GPUs: 21
+    per GPU, 504), both marked (default) in the header and planned (--json's workload); given ones are not marked."""
+    from meshtron.models.presets import make_preset_config
+
+    max_positions = make_preset_config("qwen3-tiny", 259).max_position_embeddings
+    seq_len = min(4096, max_positions)
+    batch = round(2**20 / seq_len / 24) * 24
+    assert (seq_len, batch) == (2048, 504)
+    status, stdout, stderr = plan_cli(capsys, "--model", "qwen3-tiny", "--gpus", "24", "--top", "1")
+    assert status == 0, stderr[-2000:]
+    assert f"seq {seq_len} (default) x global batch {batch} (default) = {seq_len * batch:,} tokens per step" in stdout
+    status, stdout, _ = plan_cli(capsys, "--model", "qwen3-tiny", "--gpus", "24", "--json")
+    workload = json.loads(stdout)["workload"]
+    assert (workload["seq_len"], workload["global_batch"]) == (seq_len, batch)
+    status, stdout, _ = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--top", "1")
+    assert status == 0 and "seq 4096 (default) x global batch 8 = 32,768 tokens per step" in stdout
