@@ -69,13 +69,14 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="build one rank's sharded model on the meta device with a fake process group of --nproc "
-        "ranks and print its parameter / gradient / optimizer bytes; trains nothing",
+        "ranks (default: the product of the parallel degrees when parallel.dp_shard is set, as in a meshtron "
+        "plan config) and print its parameter / gradient / optimizer bytes; trains nothing",
     )
     train.add_argument("--dry-run-rank", type=int, default=0, help="the rank --dry-run builds (default 0)")
     train.add_argument(
         "--rehearse",
         action="store_true",
-        help="train one rank of an --nproc N layout alone, on this machine's device at its real "
+        help="train one rank of an --nproc N layout (N: as for --dry-run) alone, on this machine's device at its real "
         "shapes, with a fake process group (collectives move no data); write rehearsal.json "
         "(measured vs planned memory and step time) to run.output_dir",
     )
@@ -190,11 +191,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.rehearse and args.dry_run:
         raise ConfigError("--rehearse and --dry-run are two ways to look at one rank; give one of them")
     if args.dry_run:
-        if args.nproc is None:
-            raise ConfigError("--dry-run needs --nproc N: the world size to shard the model for")
         from meshtron.plan.cli import run_dry_run
 
-        return run_dry_run(cfg, args.nproc, args.dry_run_rank)
+        return run_dry_run(cfg, _one_rank_world_size(args, cfg, "--dry-run"), args.dry_run_rank)
     if args.rehearse:
         return _rehearse(args, cfg)
     if _under_torchrun():
@@ -247,12 +246,26 @@ def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
 def _rehearse(args: argparse.Namespace, cfg) -> int:
     from meshtron.plan.rehearsal import DEFAULT_STEPS, format_rehearsal, rehearse
 
-    if args.nproc is None:
-        raise ConfigError("--rehearse needs --nproc N: the world size of the layout whose rank it trains")
+    world_size = _one_rank_world_size(args, cfg, "--rehearse")
     if _under_torchrun():
         raise ConfigError("--rehearse runs one process; start it without torchrun")
-    print(format_rehearsal(rehearse(cfg, args.nproc, args.rank, args.rehearse_steps or DEFAULT_STEPS)), flush=True)
+    print(format_rehearsal(rehearse(cfg, world_size, args.rank, args.rehearse_steps or DEFAULT_STEPS)), flush=True)
     return 0
+
+
+def _one_rank_world_size(args: argparse.Namespace, cfg, flag: str) -> int:
+    """The world size whose rank ``--dry-run`` / ``--rehearse`` looks at: ``--nproc``, or else the product of the
+    config's parallel degrees when every one is set (``parallel.dp_shard`` not -1, as in a ``meshtron plan``
+    config)."""
+    if args.nproc is not None:
+        return args.nproc
+    p = cfg.parallel
+    if p.dp_shard == -1:
+        raise ConfigError(
+            f"{flag} needs --nproc N (the world size) unless parallel.dp_shard is set (not -1): the world size is "
+            "then the product of the parallel degrees"
+        )
+    return p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
 
 
 def _nodes(args: argparse.Namespace):

@@ -839,3 +839,131 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
 
     assert seconds(8192, "ulysses") < seconds(8192, "ring")
     assert seconds(131072, "ring") < seconds(131072, "ulysses")
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    """The table's rows as [degrees, micro, ckpt, cp method, schedule] (the numbers left out)."""
+    rows = []
+    for line in stdout.splitlines():
+        cells = line.split("|")
+        if len(cells) == 4 and cells[0][:1] in ("*", " ") and cells[0].split()[-1].isdigit():
+            rows.append([" ".join(cells[0].strip(" *").split()), *cells[1].split()])
+    return rows
+
+
+def test_the_table_and_json_name_each_rows_cp_method(capsys):
+    """Two layouts that differ only in parallel.cp_method (ring, Ulysses) are two rows told apart by the cp method
+    column (before it they looked identical with different times); it says "-" where cp is 1, and --json's
+    cp_method (null where cp is 1) lists the same rows."""
+    args = ["--model", "llama-small", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8", "--top", "100000"]
+    status, stdout, stderr = plan_cli(capsys, *args)
+    assert status == 0, stderr[-2000:]
+    rows = _table_rows(stdout)
+    methods: dict[tuple, set] = {}
+    for degrees, micro, ckpt, method, schedule in rows:
+        cp = int(degrees.split()[3])
+        assert method == "-" if cp == 1 else method in ("ring", "allgather", "ulysses")
+        methods.setdefault((degrees, micro, ckpt, schedule), set()).add(method)
+    assert any(found == {"ring", "ulysses"} for found in methods.values()), "no ring / Ulysses pair in the table"
+    status, stdout, _ = plan_cli(capsys, *args, "--json")
+    fitting = [c for c in json.loads(stdout)["candidates"] if c["fits"]]
+    assert len(fitting) == len(rows)
+    for c in fitting:
+        layout = c["layout"]
+        assert c["cp_method"] == (layout["cp_method"] if layout["cp"] > 1 else None)
+    assert sorted(c["cp_method"] or "-" for c in fitting) == sorted(row[3] for row in rows)
+
+
+@pytest.mark.parametrize(
+    "memory, note",
+    [
+        ("80GB", None),  # a plain layout fits: nothing to explain
+        ("44GB", "none"),  # only checkpointed layouts fit: selective is the best
+        ("40GB", "selective"),  # only full checkpointing fits
+    ],
+)
+def test_a_checkpointing_recommendation_says_why_when_no_plain_layout_fits(capsys, memory, note):
+    """llama-1b on one GPU at seq 8192: with 80 GB a plain layout fits (no note); with 44 GB none does and the line
+    under the table names the smallest plain layout and its GB (the same figure as --json's); with 40 GB selective
+    checkpointing does not fit either and the line says so too."""
+    args = ["--model", "llama-1b", "--gpus", "1", "--seq-len", "8192", "--global-batch", "8", "--gpu-memory", memory]
+    status, stdout, stderr = plan_cli(capsys, *args, "--top", "1")
+    assert status == 0, stderr[-2000:]
+    _, as_json, _ = plan_cli(capsys, *args, "--json")
+    candidates = json.loads(as_json)["candidates"]
+    best = candidates[0]["layout"]["activation_checkpointing"]
+
+    def smallest(mode: str) -> str:
+        tried = [c["memory_gb"]["total"] for c in candidates if c["layout"]["activation_checkpointing"] == mode]
+        return f"{min(tried):.1f} GB"
+
+    plain = "no layout fits without activation checkpointing: the smallest plain one (single process, micro batch 1)"
+    either = "none fits with selective checkpointing either"
+    if note is None:
+        assert best == "none" and "activation checkpointing" not in stdout
+        return
+    assert best == {"none": "selective", "selective": "full"}[note]
+    assert f"{plain} needs {smallest('none')} of the {int(memory[:2]) - 3} GB usable per GPU" in stdout
+    assert (f"{either}: the smallest (single process, micro batch 1) needs {smallest('selective')}" in stdout) == (
+        note == "selective"
+    )
+
+
+def test_an_emitted_config_dry_runs_without_nproc(tmp_path, capsys):
+    """The emitted config holds every degree (dp_shard included), so ``meshtron train --dry-run --config`` takes the
+    world size from their product: the same rank, layout and bytes as with --nproc; the line that reports the
+    written file spells both commands with meshtron_command(). A config whose dp_shard is -1 still needs --nproc."""
+    import re
+
+    from conftest import run_main
+
+    from meshtron.command import meshtron_command
+
+    out = tmp_path / "plan.toml"
+    status, stdout, stderr = plan_cli(
+        capsys,
+        "--model",
+        "llama-tiny",
+        "--gpus",
+        "4",
+        "--seq-len",
+        "256",
+        "--global-batch",
+        "8",
+        "--emit-config",
+        str(out),
+    )
+    assert status == 0, stderr[-2000:]
+    train = f"{meshtron_command()} train --config {out}"
+    assert f"check a rank's memory with: {train} --dry-run;" in stdout
+    assert f"run it with: {train} --nproc 4" in stdout
+
+    def dry_run(*extra: str) -> str:
+        done = run_main(["train", "--dry-run", "--config", str(out), *extra])
+        assert done.returncode == 0, done.stderr[-2000:]
+        return re.sub(r"\(\d+\.\d s\)", "(time)", done.stdout)
+
+    alone = dry_run()
+    assert "rank 0 of 4 " in alone and alone == dry_run("--nproc", "4")
+    done = run_main(["train", "--dry-run", "--config", str(out), "--parallel.dp_shard=-1"])
+    assert done.returncode == 2 and "--dry-run needs --nproc N" in done.stderr
+
+
+def test_plan_defaults_seq_len_and_global_batch_and_shows_them(capsys):
+    """Without --seq-len and --global-batch: seq 4096 capped at the model's max_position_embeddings (qwen3-tiny:
+    2048) and about 2**20 tokens per step rounded to a multiple of --gpus (512 sequences of 2048 over 24 GPUs: 21
+    per GPU, 504), both marked (default) in the header and planned (--json's workload); given ones are not marked."""
+    from meshtron.models.presets import make_preset_config
+
+    max_positions = make_preset_config("qwen3-tiny", 259).max_position_embeddings
+    seq_len = min(4096, max_positions)
+    batch = round(2**20 / seq_len / 24) * 24
+    assert (seq_len, batch) == (2048, 504)
+    status, stdout, stderr = plan_cli(capsys, "--model", "qwen3-tiny", "--gpus", "24", "--top", "1")
+    assert status == 0, stderr[-2000:]
+    assert f"seq {seq_len} (default) x global batch {batch} (default) = {seq_len * batch:,} tokens per step" in stdout
+    status, stdout, _ = plan_cli(capsys, "--model", "qwen3-tiny", "--gpus", "24", "--json")
+    workload = json.loads(stdout)["workload"]
+    assert (workload["seq_len"], workload["global_batch"]) == (seq_len, batch)
+    status, stdout, _ = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--top", "1")
+    assert status == 0 and "seq 4096 (default) x global batch 8 = 32,768 tokens per step" in stdout

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 
 from meshtron.config import ATTN_IMPLEMENTATIONS, Config, LoraConfig, ModelConfig, TrainConfig
@@ -15,7 +16,22 @@ from meshtron.plan.hardware import GPUS, Hardware, hardware, parse_gigabytes
 from meshtron.plan.layout import MIXED_PRECISION_DTYPES
 
 HARDWARE_OVERRIDES = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "memory_gb"))
-PLAN_USAGE = "meshtron plan --model PRESET|DIR|CONFIG.json --gpus N --seq-len L --global-batch B [options]"
+PLAN_USAGE = "meshtron plan --model PRESET|DIR|CONFIG.json --gpus N [--seq-len L] [--global-batch B] [options]"
+DEFAULT_SEQ_LEN = 4096
+"""``--seq-len`` when not given (capped at the model's ``max_position_embeddings``)."""
+DEFAULT_BATCH_TOKENS = 2**20
+"""``--global-batch`` when not given: about this many tokens per step (see default_global_batch)."""
+
+
+def default_seq_len(hf_config) -> int:
+    """4096 tokens, or the model's ``max_position_embeddings`` when it is shorter."""
+    return min(DEFAULT_SEQ_LEN, getattr(hf_config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
+
+
+def default_global_batch(seq_len: int, gpus: int) -> int:
+    """About DEFAULT_BATCH_TOKENS (2**20) tokens per step in whole sequences, rounded to a multiple of ``gpus`` so
+    that every data-parallel degree divides it; at least one sequence per GPU."""
+    return max(1, round(DEFAULT_BATCH_TOKENS / seq_len / gpus)) * gpus
 
 
 def add_plan_parser(sub) -> None:
@@ -24,8 +40,18 @@ def add_plan_parser(sub) -> None:
         "--model", required=True, help="a meshtron preset, a local Hugging Face model directory or a config.json"
     )
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's max_position_embeddings when shorter)",
+    )
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per optimizer step (default: about 2^20 = 1M tokens per step, a usual pretraining batch "
+        "for 1B-8B models, in whole sequences rounded to a multiple of --gpus so that every data-parallel degree "
+        "divides it; at least one sequence per GPU)",
+    )
     plan.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(GPUS)} (default h100)")
     plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB (default: the GPU's)")
     for name in HARDWARE_OVERRIDES:  # every other constant of meshtron.plan.hardware.Hardware
@@ -128,6 +154,30 @@ def _describe_precision(workload) -> str:
     )
 
 
+def _describe_batch(args: argparse.Namespace, defaulted: set[str]) -> str:
+    """``seq L x global batch B``, each marked ``(default)`` where the planner chose it, with the tokens per step."""
+    seq = f"seq {args.seq_len}{' (default)' * ('seq_len' in defaulted)}"
+    batch = f"global batch {args.global_batch}{' (default)' * ('global_batch' in defaulted)}"
+    return f"{seq} x {batch} = {args.seq_len * args.global_batch:,} tokens per step"
+
+
+def _run_line(out: Path, gpus: int, hw: Hardware) -> str:
+    """How to check and start the emitted config, spelled as the user's shell runs it (the config holds every
+    degree, so ``--dry-run`` needs no ``--nproc``)."""
+    from meshtron.command import meshtron_command
+
+    train = f"{meshtron_command()} train --config {shlex.quote(str(out))}"
+    check = f"check a rank's memory with: {train} --dry-run"
+    if gpus <= hw.gpus_per_node:
+        return f"{check}; run it with: {train} --nproc {gpus}"
+    nodes = gpus // hw.gpus_per_node
+    return (
+        f"{check}; run it on each of the {nodes} nodes with: {train} --nproc {hw.gpus_per_node} --nnodes {nodes} "
+        "--node-rank R --rdzv-endpoint FIRST_NODE:PORT --rdzv-id ID --run.output_dir SHARED_DIR "
+        "(under SLURM the job gives the node flags: docs/multi-node.md)"
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from meshtron.models.families import resolve_attn_implementation
     from meshtron.plan.layout import Workload
@@ -136,7 +186,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from meshtron.plan.search import check_cluster, plan_layouts
 
     for name in ("gpus", "seq_len", "global_batch", "top"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.loss_chunk_size < 0:
         raise ConfigError(f"--loss-chunk-size must be >= 0 (0 disables chunking), got {args.loss_chunk_size}")
@@ -152,10 +202,15 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.emit_config:
         check_new_file(args.emit_config)  # before the search: a path that cannot take the config fails at once
     max_positions = getattr(hf_config, "max_position_embeddings", None)
-    if max_positions is not None and args.seq_len > max_positions:
+    if max_positions is not None and args.seq_len is not None and args.seq_len > max_positions:
         raise ConfigError(
             f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}"
         )
+    defaulted = {name for name in ("seq_len", "global_batch") if getattr(args, name) is None}
+    if args.seq_len is None:
+        args.seq_len = default_seq_len(hf_config)
+    if args.global_batch is None:
+        args.global_batch = default_global_batch(args.seq_len, args.gpus)
     attn_implementation = resolve_attn_implementation(args.attn_implementation or "auto", hf_config)
     model_cfg = dataclasses.replace(model_cfg, attn_implementation=attn_implementation)
     if args.lora_rank < 0:
@@ -190,7 +245,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(
             f"meshtron plan: {args.model} ({_count(shape.total_params)} parameters, {shape.family}) on {args.gpus} x "
-            f"{hw.name}, {hw.gpus_per_node} per node | seq {args.seq_len} x global batch {args.global_batch} | "
+            f"{hw.name}{f' with {hw.memory_gb:g} GB' if args.gpu_memory else ''}, {hw.gpus_per_node} per node | "
+            f"{_describe_batch(args, defaulted)} | "
             f"{_describe_precision(workload)}{f' | LoRA rank {args.lora_rank}' if lora else ''}"
         )
         print(format_table(candidates, args.gpus, hw, args.top))
@@ -210,10 +266,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
         )
         out = emit_config(best.layout, workload, model_cfg, args.emit_config, header, lora)
-        print(
-            f"meshtron plan: wrote {out}; run it with: meshtron train --config {out} --nproc {args.gpus} "
-            "(or torchrun ... -m meshtron train --config ...)"
-        )
+        print(f"meshtron plan: wrote {out}; {_run_line(out, args.gpus, hw)}")
     return 0 if fitting else 1
 
 

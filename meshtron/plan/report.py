@@ -10,7 +10,7 @@ from meshtron.config import Config, LoraConfig, ModelConfig, to_toml
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import Layout, Workload
-from meshtron.plan.search import Candidate
+from meshtron.plan.search import AC_MODES, Candidate
 
 GB = 1e9
 
@@ -36,6 +36,7 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
         "tokens_per_s": s.tokens_per_s,
         "tokens_per_s_per_gpu": s.tokens_per_s / gpus,
         "mfu": s.mfu,
+        "cp_method": c.layout.cp_method if c.layout.cp > 1 else None,
     }
 
 
@@ -43,21 +44,57 @@ def _layout_cell(layout: Layout) -> str:
     return f"{layout.pp:>2} {layout.dp_replicate:>4} {layout.dp_shard:>5} {layout.cp:>2} {layout.tp:>2} {layout.ep:>3}"
 
 
+def describe_layout(layout: Layout, checkpointing: bool = True) -> str:
+    """A layout in a few words: its degrees above 1 (with the CP method), micro batch and checkpointing."""
+    method = f" ({layout.cp_method})" if layout.cp > 1 else ""
+    mode = f", {layout.activation_checkpointing} checkpointing" if checkpointing else ""
+    return f"{layout.dims.describe()}{method}, micro batch {layout.micro_batch}{mode}"
+
+
+def checkpointing_note(candidates: list[Candidate], hw: Hardware) -> str | None:
+    """Why the recommended layout checkpoints activations, when it does because nothing fits with less: one line
+    naming the smallest layout of each lighter mode (``none``, and ``selective`` under ``full``) and what it needs,
+    from the estimates the search already made. None when the recommendation needs no explaining."""
+    fitting = [c for c in candidates if c.fits]
+    if not fitting or fitting[0].layout.activation_checkpointing == "none":
+        return None
+    mode = fitting[0].layout.activation_checkpointing
+    usable = hw.memory_gb - hw.reserved_gb
+    reasons = []
+    for lighter in AC_MODES[: AC_MODES.index(mode)]:
+        tried = [c for c in candidates if c.layout.activation_checkpointing == lighter]
+        if not tried or any(c.fits for c in tried):
+            continue
+        smallest = min(tried, key=lambda c: c.memory.total)
+        needs = f"({describe_layout(smallest.layout, checkpointing=False)}) needs {smallest.memory.total / GB:.1f} GB"
+        if lighter == "none":
+            reasons.append(
+                f"no layout fits without activation checkpointing: the smallest plain one {needs} of the "
+                f"{usable:g} GB usable per GPU"
+            )
+        else:
+            reasons.append(f"none fits with {lighter} checkpointing either: the smallest {needs}")
+    return "; ".join(reasons) if reasons else None
+
+
 def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int) -> str:
-    """The ``top`` best layouts that fit, the recommended one marked with ``*``."""
+    """The ``top`` best layouts that fit, the recommended one marked with ``*``; under them how many fit and why
+    the recommendation checkpoints activations (checkpointing_note) or, when nothing fits, what is closest."""
     fitting = [c for c in candidates if c.fits]
     usable = hw.memory_gb - hw.reserved_gb
     header = (
-        "   pp  rep shard cp tp  ep | micro  ckpt       schedule        | GB/rank: state  act  other  total | "
-        "step s  tok/s/GPU   MFU"
+        "   pp  rep shard cp tp  ep | micro  ckpt       cp method  schedule        | GB/rank: state  act  other  total "
+        "| step s  tok/s/GPU   MFU"
     )
     lines = [header, "-" * len(header)]
     for index, c in enumerate(fitting[:top]):
         m, s, layout = c.memory, c.step, c.layout
         schedule = layout.pp_schedule if layout.pp > 1 else "-"
+        method = layout.cp_method if layout.cp > 1 else "-"
         lines.append(
             f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  "
-            f"{layout.activation_checkpointing:<9}  {schedule:<15} | {m.state / GB:>13.1f} {m.activations / GB:>4.1f} "
+            f"{layout.activation_checkpointing:<9}  {method:<9}  {schedule:<15} | "
+            f"{m.state / GB:>13.1f} {m.activations / GB:>4.1f} "
             f"{(m.gathered + m.temporaries) / GB:>6.1f} "
             f"{m.total / GB:>6.1f} | {s.seconds:>6.2f} {s.tokens_per_s / gpus:>10,.0f} {s.mfu:>5.1%}"
         )
@@ -66,12 +103,14 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
         f"{len(fitting)} of {len(candidates)} layouts fit in {usable:.0f} GB per GPU ({hw.memory_gb:.0f} GB less "
         f"{hw.reserved_gb:.0f} GB reserved); {rejected} need more memory."
     )
+    note = checkpointing_note(candidates, hw)
+    if note:
+        lines.append(f"meshtron plan: {note}.")
     if not fitting:
         smallest = min(candidates, key=lambda c: c.memory.total)
         lines.append(
             f"meshtron plan: nothing fits; the smallest layout needs {smallest.memory.total / GB:.1f} GB per GPU "
-            f"({smallest.layout.dims.describe()}, micro batch {smallest.layout.micro_batch}, "
-            f"{smallest.layout.activation_checkpointing} checkpointing): add GPUs, shorten --seq-len or use bigger GPUs"
+            f"({describe_layout(smallest.layout)}): add GPUs, shorten --seq-len or use bigger GPUs"
         )
     return "\n".join(lines)
 
