@@ -330,9 +330,10 @@ class RunConfig:
     device: str = "auto"
     """``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo) or ``auto`` (cuda when a GPU is visible)."""
     log_every: int = 1
-    """Log the metrics every this many steps."""
+    """Log the metrics (metrics.jsonl, the progress line, trackers) every this many steps, and always step 1, the
+    first step of each start and the last step."""
     progress: bool = True
-    """Print the progress line."""
+    """Print the progress line (loss, gradient norm, learning rate, tokens/s, memory, elapsed time and an ETA)."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     """Where rank 0 sends each logged step: ``jsonl`` (metrics.jsonl, always on) and the experiment trackers
     (meshtron.metrics.trackers) ``tensorboard`` (event files in ``<output_dir>/tensorboard``) and ``wandb``

@@ -421,7 +421,7 @@ def bad_runs(tmp_path):
     for name, text in contents.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text(text)
-    for name, info in (("broken-info", "{ broken"), ("list-info", "[1, 2]")):
+    for name, info in (("broken-info", "{ broken"), ("list-info", "[1, 2]"), ("bad-segments", '{"segments": [{}]}')):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text(contents["good"])
         (tmp_path / name / "run.json").write_text(info)
@@ -442,6 +442,7 @@ def test_plot_bad_input(capsys, bad_runs):
         (["plot", str(bad_runs / "text-throughput")], "its tokens_per_s is 'fast', not a number"),
         (["plot", str(bad_runs / "broken-info")], "broken-info/run.json is unreadable"),
         (["plot", str(bad_runs / "list-info")], "list-info/run.json is not a JSON object"),
+        (["plot", str(bad_runs / "bad-segments")], "bad-segments/run.json: segments is not a list of {first_step"),
         (["plot", str(bad_runs / "binary")], "binary/metrics.jsonl is unreadable"),
         (["plot", good, "--dpi", "0"], "--dpi must be a positive integer, got 0"),
         (["plot", good, "-o", str(picture / "x.png")], f"cannot write '{picture / 'x.png'}'"),

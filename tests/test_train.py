@@ -100,16 +100,19 @@ def test_linear_constant_and_wsd_schedules():
     assert [lr_at(s, late) for s in (9, 10, 60)] == pytest.approx([1.0, 1.0, 0.55])
 
 
-def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, cache_dir):
+def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, cache_dir, capsys):
     """8 steps of WSD (decay from step 7) saved at step 4 and resumed with train.steps=16: the same losses and
-    learning rates as 16 steps from the start (decay from step 13). A run resumed under another schedule trains
-    with that schedule's rate from its first step (not the one the checkpoint's run would have used)."""
+    learning rates as 16 steps from the start (decay from step 13), without a warning (the rate does not change).
+    A run resumed under another schedule trains with that schedule's rate from its first step (not the one the
+    checkpoint's run would have used), and warns of the jump."""
     wsd = ["train.lr_schedule=wsd", "train.decay_fraction=0.25", "checkpoint.interval=4", "train.min_lr=3e-4"]
     short = small_config(tmp_path / "short", cache_dir, *wsd)
     train(short, CPU_RUNTIME)
     saved = f"checkpoint.resume={tmp_path / 'short' / 'run' / 'checkpoints' / 'step-00000004'}"
     longer = small_config(tmp_path / "longer", cache_dir, *wsd, "train.steps=16", saved)
+    capsys.readouterr()
     resumed = train(longer, CPU_RUNTIME)
+    assert "warning" not in capsys.readouterr().out
     straight = train(small_config(tmp_path / "straight", cache_dir, *wsd, "train.steps=16"), CPU_RUNTIME)
     assert resumed.losses == straight.losses[4:]
 
@@ -121,6 +124,10 @@ def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, 
     cosine = small_config(tmp_path / "cosine", cache_dir, *wsd, "train.steps=16", saved, "train.lr_schedule=cosine")
     train(cosine, CPU_RUNTIME)
     assert rates(tmp_path / "cosine")[0] == pytest.approx(lr_at(4, cosine.train)) and lr_at(4, cosine.train) < 3e-3
+    assert (
+        "meshtron: warning: train.steps 8 -> 16, train.lr_schedule wsd -> cosine change the schedule: lr at step 5 "
+        f"drops 3.00e-03 -> {lr_at(4, cosine.train):.2e}; " in capsys.readouterr().out
+    )
 
 
 def trained_sequences(monkeypatch) -> list[list[int]]:
@@ -312,7 +319,7 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
     assert "layout: dp_shard=2" in proc.stdout
     assert "step 6/6" in proc.stdout and f"outputs in {out.relative_to(tmp_path)}" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4, 6]
+    assert [r["step"] for r in records] == [1, 2, 4, 6]  # run.log_every=2, and always the first step
     assert (out / "checkpoints" / "latest").read_text() == "step-00000006"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000003", "step-00000006"]
     assert sorted(p.name for p in (out / "profile").iterdir()) == ["rank-0.json", "rank-1.json"]

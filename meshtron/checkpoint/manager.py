@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -180,7 +181,10 @@ class CheckpointManager:
     def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime):
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
-        self.pending = None  # (future, step, partial dir, meta) of an async save not yet committed
+        self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
+        self.on_commit = None
+        """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
+        from the start of the save, ``paused`` (async saves; None for others) how long training waited for it."""
         self.faults = None  # tests only: meshtron.resilience.faults.Faults, whose during_save runs in each save
         # Async saves run collectives from a background thread: give them a group of their own.
         self.group = dist.new_group(backend="gloo") if async_save and runtime.distributed else None
@@ -220,6 +224,7 @@ class CheckpointManager:
         """Write a checkpoint of the state after ``step`` optimizer steps; ``rank_files``: this rank's own small
         files (name -> text), written beside its RNG state."""
         self.wait()
+        started = time.perf_counter()
         partial = self.directory / (step_dir_name(step) + PARTIAL)
 
         def start() -> None:
@@ -245,14 +250,14 @@ class CheckpointManager:
                         process_group=self.group,
                         no_dist=not self.runtime.distributed,
                     )
-                    self.pending = (future, step, partial, meta)
+                    self.pending = (future, step, partial, meta, (started, time.perf_counter() - started))
                     self._inject_fault(step, partial)
                     return
                 dcp.save(state.state_dict(), checkpoint_id=str(partial), no_dist=not self.runtime.distributed)
         except (OSError, CheckpointException) as err:  # DCP gathers every rank's failure and raises on all
             raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
         self._inject_fault(step, partial)
-        self._commit(step, partial, meta)
+        self._commit(step, partial, meta, (started, None))
 
     def _inject_fault(self, step: int, partial: Path) -> None:
         if self.faults is not None:  # tests only: each rank's part is written (or, async, being written)
@@ -279,15 +284,17 @@ class CheckpointManager:
         """Finish and commit an async save still in flight (every rank calls this at the same point)."""
         if self.pending is None:
             return
-        future, step, partial, meta = self.pending
+        future, step, partial, meta, timing = self.pending
         self.pending = None
         try:
             future.result()
         except (OSError, CheckpointException) as err:
             raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
-        self._commit(step, partial, meta)
+        self._commit(step, partial, meta, timing)
 
-    def _commit(self, step: int, partial: Path, meta: dict) -> None:
+    def _commit(self, step: int, partial: Path, meta: dict, timing: tuple[float, float | None]) -> None:
+        """Make the written ``partial`` folder checkpoint ``step``; ``timing``: (when the save started, how long
+        training paused for an async one)."""
         self.runtime.barrier()  # every rank has written its shards
 
         def commit() -> None:
@@ -302,6 +309,9 @@ class CheckpointManager:
             self._prune(final)
 
         on_main(self.runtime, commit, lambda reason: self._failed(partial, reason))
+        if self.on_commit is not None:
+            started, paused = timing
+            self.on_commit(step, self.directory / step_dir_name(step), time.perf_counter() - started, paused)
 
     def _prune(self, newest: Path) -> None:
         if self.keep_last <= 0:

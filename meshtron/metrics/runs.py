@@ -19,12 +19,28 @@ class Run:
     rows: list[dict]
     """The last row logged for each step (a restart logs some steps again), in step order."""
     info: dict
-    """run.json: layout, world_size, family, tokens_per_step (empty for runs older than run.json)."""
+    """run.json: layout, world_size, family, tokens_per_step of the run's latest segment, and its ``segments``
+    (empty for runs older than run.json)."""
+
+    @property
+    def segments(self) -> list[dict]:
+        """The parts of the run that each start trained with one config and layout, oldest first (see
+        ``run_segments``)."""
+        return run_segments(self.info)
 
     @property
     def label(self) -> str:
-        layout = self.info.get("layout")
-        return f"{self.path.name} ({layout})" if layout else self.path.name
+        """The run's folder name with its layout, or its layouts and the steps they start from after a resume under
+        another layout: ``a (dp_shard=4; from step 4: dp_shard=2 tp=2)``."""
+        shown = []
+        for segment in self.segments:
+            layout = segment.get("layout")
+            if layout and (not shown or layout != shown[-1][1]):
+                shown.append((segment["first_step"], layout))
+        if not shown:
+            return self.path.name
+        layouts = [shown[0][1]] + [f"from step {first}: {layout}" for first, layout in shown[1:]]
+        return f"{self.path.name} ({'; '.join(layouts)})"
 
     def column(self, key: str) -> list[float | None]:
         return [row.get(key) for row in self.rows]
@@ -40,9 +56,36 @@ class Run:
 
     @property
     def tokens(self) -> list[float] | None:
-        """Tokens trained on after each step (global batch x sequence length x step), when known."""
+        """Tokens trained on after each step (global batch x sequence length, summed over the steps), when known;
+        each segment with its own tokens per step (a resume may change the global batch or the sequence length)."""
+        segments = self.segments
+        if len(segments) > 1 and all(segment.get("tokens_per_step") for segment in segments):
+            return [_tokens_after(step, segments) for step in self.steps]
         per_step = self.info.get("tokens_per_step")
         return [per_step * step for step in self.steps] if per_step else None
+
+
+def run_segments(info: dict) -> list[dict]:
+    """run.json's ``segments`` ({first_step, layout, world_size, tokens_per_step, config, ...} each), or for a
+    run.json written before segments one made of its layout, world size and tokens per step ([] for no run.json)."""
+    if "segments" in info:
+        return info["segments"]
+    if not info:
+        return []
+    keys = ("layout", "world_size", "tokens_per_step")
+    return [{"first_step": 1, **{key: info[key] for key in keys if info.get(key) is not None}, "config": "config.toml"}]
+
+
+def _tokens_after(step: int, segments: list[dict]) -> float:
+    """Tokens trained on after ``step``: each segment's tokens per step over its steps up to ``step`` (the first
+    segment's also before it: a run resumed in a new folder from another run's checkpoint)."""
+    tokens, upto = 0.0, 0
+    for segment, following in zip(segments, [*segments[1:], None]):
+        end = step if following is None else min(step, following["first_step"] - 1)
+        if end > upto:
+            tokens += segment["tokens_per_step"] * (end - upto)
+            upto = end
+    return tokens
 
 
 def _tokens_per_step_from_config(path: Path) -> int | None:
@@ -89,7 +132,23 @@ def _read_info(path: Path) -> dict:
         raise ConfigError(f"{path} is not a JSON object; remove it to plot the run without its layout")
     if info.get("tokens_per_step") is not None and not _is_number(info["tokens_per_step"]):
         raise ConfigError(f"{path}: tokens_per_step is {info['tokens_per_step']!r}, not a number; remove the file")
+    segments = info.get("segments", [])
+    if not (
+        isinstance(segments, list)
+        and all(_is_segment(segment) for segment in segments)
+        and [segment["first_step"] for segment in segments] == sorted({segment["first_step"] for segment in segments})
+    ):
+        raise ConfigError(
+            f"{path}: segments is not a list of {{first_step, layout, ...}} objects in step order; remove the file "
+            "to plot the run without its layout"
+        )
     return info
+
+
+def _is_segment(segment) -> bool:
+    if not (isinstance(segment, dict) and _is_number(segment.get("first_step"))):
+        return False
+    return segment.get("tokens_per_step") is None or _is_number(segment["tokens_per_step"])
 
 
 def read_run(path: str | Path) -> Run:

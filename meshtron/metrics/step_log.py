@@ -1,15 +1,48 @@
 """Per-step metrics: ``metrics.jsonl`` on rank 0 (and the experiment trackers ``run.loggers`` names) and a live
-progress line."""
+progress line with an estimate of the time left."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import IO
 
-from meshtron.metrics.runs import METRICS, RUN_INFO
+from meshtron.metrics.runs import METRICS
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as the progress line shows it: ``45s``, ``3m12s``, ``2h05m``, ``3d04h``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+class Eta:
+    """The time left to ``total_steps`` from the measured time per step: the wall time between the last logged rows
+    (up to ``window`` of them, so evaluations and saves count as they recur, and a change of speed shows within a
+    window), or the first row's own step time before there is a second row."""
+
+    def __init__(self, total_steps: int, window: int = 20):
+        self.total_steps = total_steps
+        self.marks: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def update(self, step: int, now: float, step_seconds: float | None = None) -> float | None:
+        """Seconds left after ``step`` (logged at time ``now``, its own step took ``step_seconds``), or None when
+        there is nothing to go on."""
+        if self.marks and step <= self.marks[-1][0]:  # a rollback trains steps again: measure afresh
+            self.marks.clear()
+        self.marks.append((step, now))
+        (first_step, first_time), (last_step, last_time) = self.marks[0], self.marks[-1]
+        per_step = (last_time - first_time) / (last_step - first_step) if last_step > first_step else step_seconds
+        return None if per_step is None else per_step * max(0, self.total_steps - step)
 
 
 class MetricsLogger:
@@ -24,8 +57,12 @@ class MetricsLogger:
         progress: bool,
         stream: IO | None = None,
         trackers: list | None = None,
+        log_every: int = 1,
     ):
         self.enabled = enabled
+        self.log_every = log_every
+        self.logged_steps = 0  # training rows of this start
+        self.eta = Eta(total_steps)
         self.trackers = trackers or []  # TensorBoard, W&B (meshtron.metrics.trackers): get every row too
         self.total_steps = total_steps
         self.progress = progress and enabled
@@ -35,25 +72,31 @@ class MetricsLogger:
         self.output_dir = Path(output_dir) if output_dir else None
         self._file = open(output_dir / METRICS, "a") if enabled and output_dir else None
 
-    def describe_run(self, info: dict) -> None:
-        """Write ``run.json`` beside metrics.jsonl: the layout and sizes that ``meshtron plot`` / ``compare`` show."""
-        if self.enabled and self.output_dir is not None:
-            (self.output_dir / RUN_INFO).write_text(json.dumps(info, indent=1))
+    def due(self, step: int) -> bool:
+        """Whether the row of ``step`` (1-based) is logged: every ``run.log_every`` steps, and always step 1, the
+        first step of this start (after a resume or restart) and the last step."""
+        return step % self.log_every == 0 or step in (1, self.total_steps) or not self.logged_steps
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, step_seconds: float | None = None) -> None:
+        """Write a row (``step_seconds``: the wall time of its step, for the first estimate of the time left)."""
+        trained = "tokens_per_s" in record  # a trained step's row (not a rollback's, not an evaluation's alone)
+        self.logged_steps += trained  # on every rank: ``due`` answers the same everywhere
         if not self.enabled:
             return
-        record = {"elapsed_s": round(time.perf_counter() - self.start, 3), "time": round(time.time(), 3), **record}
+        now = time.perf_counter()
+        record = {"elapsed_s": round(now - self.start, 3), "time": round(time.time(), 3), **record}
+        left = self.eta.update(record["step"], now, step_seconds) if trained else None
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
         for tracker in self.trackers:
             tracker.log(record)
         if self.progress:
-            self._print_progress(record)
+            self._print_progress(record, left)
 
-    def _print_progress(self, r: dict) -> None:
-        if "loss" not in r:  # an evaluation without training (meshtron eval): its result is printed at the end
+    def _print_progress(self, r: dict, eta: float | None) -> None:
+        # An evaluation without training (meshtron eval) is printed at the end; a rolled-back step has its own line.
+        if "loss" not in r or "tokens_per_s" not in r:
             return
         mfu = f" | mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
         aux = f" (aux {r['aux_loss']:.4f}, expert load {r['expert_load_max']:.2f}x)" if "aux_loss" in r else ""
@@ -62,6 +105,8 @@ class MetricsLogger:
             f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s{mfu} | "
             f"mem {r['max_memory_gb']:.2f} GB | {r['elapsed_s']:.0f}s"
         )
+        if eta is not None and r["step"] < self.total_steps:
+            line += f" | eta {format_duration(eta)}"
         if "eval_loss" in r:
             line += f" | eval loss {r['eval_loss']:.4f} (perplexity {r['eval_perplexity']:.2f})"
         if self.live:

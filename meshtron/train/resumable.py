@@ -13,6 +13,7 @@ from meshtron.config import Config, to_toml
 from meshtron.data.carry import SEQ_LEN_CHANGES, resume_with_changes
 from meshtron.data.streaming import load_stream_states, save_stream_state
 from meshtron.train.optim import apply_schedule
+from meshtron.train.run_messages import saved_message
 
 SKIPPED_KEY = "data.skip_batches"
 """meshtron.json's list of the global batches the run leaves out (data.skip_batches and rollbacks)."""
@@ -43,6 +44,22 @@ class Resumable:
     (meshtron.data.carry)."""
     seq_len_changes: list = field(default_factory=list)
     """The run's changes of ``data.seq_len`` so far (meshtron.data.carry.SEQ_LEN_CHANGES), saved in checkpoints."""
+    announce: object = None
+    """Prints a line on rank 0 (the MetricsLogger's ``message``): each complete save's one-line report."""
+    latest: tuple[int, Path] | None = None
+    """(step, folder) of the run's newest checkpoint: the last one this start saved, or the one it resumed from."""
+
+    def __post_init__(self):
+        self._watch(self.checkpoints)
+
+    def _watch(self, checkpoints: CheckpointManager | None) -> None:
+        if checkpoints is not None:
+            checkpoints.on_commit = self._saved
+
+    def _saved(self, step: int, path: Path, seconds: float, paused: float | None) -> None:
+        self.latest = (step, path)
+        if self.announce is not None:
+            self.announce(saved_message(step, path, seconds, paused))
 
     def save_due(self, step: int) -> bool:
         return self.checkpoints is not None and self.checkpoints.due(step, self.cfg.train.steps)
@@ -53,6 +70,7 @@ class Resumable:
             self.checkpoints = CheckpointManager(
                 checkpoint_directory(self.cfg), 0, self.cfg.checkpoint.keep_last, False, self.runtime
             )
+            self._watch(self.checkpoints)
         meta = checkpoint_meta(step, self.scheduler, self.hf_config, self.cfg, self.runtime, self.layout)
         meta[SKIPPED_KEY] = sorted(self.schedule.skipped_batches)
         meta[DATA_POSITION] = list(self.schedule.position_after(step))
@@ -80,8 +98,11 @@ class Resumable:
     def restore(self, path: Path) -> dict:
         """Load checkpoint ``path`` into the model, optimizer, LR schedule, loss scale and data order; its meta."""
         meta = self.checkpoints.load(path, self.state)
+        base_lrs = list(self.scheduler.base_lrs)  # this run's train.lr, not the checkpointed run's
         self.scheduler.load_state_dict(meta["scheduler"])
+        self.scheduler.base_lrs = base_lrs
         apply_schedule(self.scheduler)
+        self.latest = (meta["step"], Path(path))
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self.schedule.skip(meta.get(SKIPPED_KEY, []))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import shlex
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from torch import nn
 from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
+from meshtron.train.runtime import local_world_size
 
 
 def evaluated_message(result) -> str:
@@ -22,13 +25,60 @@ def evaluated_message(result) -> str:
     )
 
 
-def done_message(cfg, result) -> str:
-    """The last line of a training run (``result``: its TrainResult)."""
-    trained = f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "nothing left to train"
-    return (
-        f"meshtron: done, {cfg.train.steps} steps, {trained}; outputs in {result.output_dir}/ (config.toml, "
-        f"metrics.jsonl); see the curves with: {meshtron_command()} plot {result.output_dir}"
+def done_message(cfg, result, latest: tuple[int, Path] | None = None, runtime=None) -> str:
+    """The last lines of a training run (``result``: its TrainResult): the steps this start trained, the loss, the
+    outputs and the newest checkpoint (``latest``: its step and folder), then the commands that plot the run, train
+    on from the checkpoint and export it. ``runtime``: the run's Runtime (None: one process)."""
+    last, start = cfg.train.steps, result.start_step
+    if last <= start:
+        trained = f"nothing left to train (resumed after step {start} of train.steps={last})"
+    else:
+        trained = f"{last - start} step{'s' if last - start > 1 else ''}"
+        if start:
+            trained += f" ({start + 1}-{last})" if last - start > 1 else f" ({last})"
+        if result.losses:
+            trained += f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
+    output_dir = result.output_dir
+    command = meshtron_command()
+    commands = [("see the curves", f"{command} plot {shlex.quote(str(output_dir))}")]
+    checkpoint = ""
+    if runtime is None or not runtime.rehearsal:  # a rehearsal saves nothing, by design
+        checkpoint, more = checkpoint_hint(cfg, output_dir, latest, runtime)
+        checkpoint, commands = f"; {checkpoint}", commands + more
+    width = max(len(label) for label, _ in commands) + 2
+    return "\n".join(
+        [f"meshtron: done, {trained}; outputs in {output_dir}/ (config.toml, metrics.jsonl){checkpoint}"]
+        + [f"  {label + ':':<{width}}{line}" for label, line in commands]
     )
+
+
+def checkpoint_hint(cfg, output_dir: Path, latest: tuple[int, Path] | None, runtime=None) -> tuple[str, list]:
+    """What the done line says of the run's newest checkpoint (``latest``: its step and folder, None when the run saved
+    none), and the commands (label, command) that train on from it (twice the steps) and export it."""
+    if latest is None:
+        return "no checkpoint saved (checkpoint.interval=N saves one every N steps and after the last)", []
+    step, path = latest
+    if step < cfg.train.steps:
+        return f"latest checkpoint {path}, of step {step} (checkpoint.interval=0 saved none after it)", []
+    command, quoted = meshtron_command(), shlex.quote(str(path))
+    resume = f"--checkpoint.resume={quoted} --train.steps={2 * cfg.train.steps}"
+    world, local = (runtime.world_size, local_world_size(runtime.world_size)) if runtime is not None else (1, 1)
+    if world > local:  # several machines: the same launch on each, resuming
+        train_on = f"the launch command of this run with {resume}"
+    else:
+        nproc = f" --nproc {world}" if world > 1 else ""
+        train_on = f"{command} train{nproc} --config {shlex.quote(str(Path(output_dir) / 'config.toml'))} {resume}"
+    export = shlex.quote(str(Path(output_dir) / f"export-{path.name}"))
+    return f"latest checkpoint {path}", [("train on", train_on), ("export it", f"{command} export {quoted} {export}")]
+
+
+def saved_message(step: int, path: Path, seconds: float, paused: float | None = None) -> str:
+    """The line of a complete checkpoint: its step, folder and time (``paused``: an async save's pause of
+    training; its time is then until the background write was complete)."""
+    took = f"{seconds:.1f}s"
+    if paused is not None:
+        took = f"async: complete {took} after it began, training paused {paused:.1f}s"
+    return f"meshtron: saved the checkpoint of step {step} to {path} ({took})"
 
 
 def startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only: bool) -> str:

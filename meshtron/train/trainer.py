@@ -15,7 +15,7 @@ from torch import nn
 
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
-from meshtron.config import Config, save_config
+from meshtron.config import Config
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
@@ -46,6 +46,7 @@ from meshtron.train.router_balance import build_router_balance
 from meshtron.train.router_loss import build_router_loss
 from meshtron.train.run_messages import done_message, evaluated_message, startup_message
 from meshtron.train.runtime import Runtime
+from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 
 __all__ = ["Plan", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
@@ -176,7 +177,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
         balance=build_router_balance(built.parts, plan, cfg, dims, meshes),
     )
-    logger = _metrics_logger(cfg, runtime, output_dir, dims, built.adapter.family)
+    logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
@@ -197,9 +198,10 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         built.parts,
         stream=dataset if isinstance(dataset, StreamingDataset) else None,
         dataset=dataset,
+        announce=logger.message,  # a line per complete save
     )
     guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
-    result.start_step = _resume(resumable, plan, logger)
+    result.start_step = resume_run(resumable, plan, logger)  # and the warning of a learning rate that jumps
     guard.resumed(plan.resume_from, result.start_step)
     try:
         with guard:
@@ -209,7 +211,9 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
             else:
                 step = _train_steps(cfg, runtime, plan, result, loop)
                 guard.finish(step)
-        logger.message(evaluated_message(result) if evaluate_only else done_message(cfg, result))
+        logger.message(
+            evaluated_message(result) if evaluate_only else done_message(cfg, result, resumable.latest, runtime)
+        )
     finally:
         inputs.close()
         profiler.close()
@@ -246,24 +250,16 @@ def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
     )
 
 
-def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: ParallelDims, family: str) -> MetricsLogger:
-    """Rank 0's metrics.jsonl, progress line and trackers, with run.json written."""
-    logger = MetricsLogger(
+def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: ParallelDims) -> MetricsLogger:
+    """Rank 0's metrics.jsonl, progress line and trackers."""
+    return MetricsLogger(
         output_dir,
         cfg.train.steps,
         enabled=runtime.is_main,
         progress=cfg.run.progress,
         trackers=build_trackers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
+        log_every=cfg.run.log_every,
     )
-    logger.describe_run(
-        {
-            "layout": dims.describe(),
-            "world_size": runtime.world_size,
-            "family": family,
-            "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
-        }
-    )
-    return logger
 
 
 def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
@@ -304,8 +300,8 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
                 f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
             )
         evaluation = _evaluate_if_due(loop, step, model, result)
-        if step % cfg.run.log_every == 0 or step == cfg.train.steps or evaluation:
-            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
+        if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
+            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation}, elapsed)
         loop.profiler.after_step(step, logger.message)
         guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
     return step
@@ -354,7 +350,8 @@ class _MetricsRow:
 
 
 def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, str, CheckpointManager | None]:
-    """The output directory (with the resolved config), this start's id and the checkpoint manager, if any."""
+    """The output directory (with the resolved config and run.json: meshtron.train.segments), this start's id and
+    the checkpoint manager, if any."""
     output_dir, run_id = _resolve_output_dir(cfg, runtime)
     runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
     checkpoints = None
@@ -368,8 +365,7 @@ def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, st
         )
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        if not (plan.resume_from and (output_dir / "config.toml").exists()):  # a resumed run keeps its record
-            save_config(cfg, output_dir / "config.toml")
+        start_segment(cfg, output_dir, plan, runtime.world_size)  # a resumed run keeps its earlier configs
     return output_dir, run_id, checkpoints
 
 
@@ -412,18 +408,3 @@ def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: Seque
     # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
     attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
     return _Built(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
-
-
-def _resume(resumable: Resumable, plan: Plan, logger: MetricsLogger) -> int:
-    """Restore the checkpoint the run continues from, if any, and say so; the step it starts after."""
-    if not plan.resume_from:
-        if resumable.cfg.train.float8:
-            from meshtron.distributed.float8 import refresh_float8_scales
-
-            refresh_float8_scales(resumable.parts)  # FSDP's float8 all-gather: weight scales from the initial weights
-        return 0
-    meta = resumable.restore(plan.resume_from)
-    for line in plan.resume_skipped:
-        logger.message(f"meshtron: {line}; skipped it")
-    logger.message(f"meshtron: resumed from {plan.resume_from} (step {meta['step']}, saved as {meta['layout']})")
-    return meta["step"]

@@ -1,0 +1,279 @@
+"""What a run tells its user: the saved line, the done line and its commands, the first and last logged steps, the
+progress line's time left; and a resumed run's segments (config per resume segment, run.json) and the warning of a
+learning rate that jumps."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_main
+
+from meshtron.command import meshtron_command
+from meshtron.config import load_config, to_toml
+from meshtron.metrics.plot import compare_runs
+from meshtron.metrics.runs import read_run
+from meshtron.metrics.step_log import Eta, MetricsLogger, format_duration
+from meshtron.train.optim import lr_at
+from meshtron.train.run_messages import saved_message
+from meshtron.train.runtime import Runtime
+from meshtron.train.segments import schedule_change_warning, start_segment
+
+CPU = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0, 0.4, 45, 59.6, 60, 192, 3599, 3600, 7500, 86399, 86400, 273600)] == [
+        "0s",
+        "0s",
+        "45s",
+        "1m00s",
+        "1m00s",
+        "3m12s",
+        "59m59s",
+        "1h00m",
+        "2h05m",
+        "23h59m",
+        "1d00h",
+        "3d04h",
+    ]
+
+
+def test_eta_from_the_measured_step_time():
+    """The first row: its own step time x the steps left; later rows: the wall time per step between the rows of the
+    window (steps that were not logged count); a rollback (a step again) measures afresh."""
+    eta = Eta(total_steps=100, window=3)
+    assert eta.update(1, now=10.0) is None  # nothing measured yet
+    eta = Eta(total_steps=100, window=3)
+    assert eta.update(1, now=10.0, step_seconds=2.0) == pytest.approx(2.0 * 99)
+    assert eta.update(11, now=20.0, step_seconds=0.5) == pytest.approx(1.0 * 89)  # 10 s over 10 steps
+    assert eta.update(21, now=40.0) == pytest.approx(1.5 * 79)  # 30 s over 20 steps
+    assert eta.update(31, now=50.0) == pytest.approx(1.5 * 69)  # the window forgot step 1: 30 s over 20 steps
+    assert eta.update(100, now=60.0) == 0.0
+    assert eta.update(91, now=61.0, step_seconds=3.0) == pytest.approx(3.0 * 9)  # rolled back: afresh
+
+
+def test_the_progress_line_shows_the_time_left_and_the_first_and_last_steps_are_logged(tmp_path):
+    """With run.log_every=4 over 10 steps: steps 1, 4, 8 and 10 are due, and the first step of a start (a resume at
+    step 6); the progress line ends in `eta` except at the last step; a rolled-back row prints no progress line."""
+    stream = io.StringIO()
+    logger = MetricsLogger(tmp_path, 10, enabled=True, progress=True, stream=stream, log_every=4)
+    assert [step for step in range(1, 11) if logger.due(step)] == list(range(1, 11))  # nothing logged yet
+    row = {"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, "mfu": None, "max_memory_gb": 0.1}
+    logger.log({"step": 1, **row}, 4.0)
+    assert [step for step in range(1, 11) if logger.due(step)] == [1, 4, 8, 10]
+    logger.log({"step": 4, "loss": float("nan"), "grad_norm": 1.0, "lr": 1e-3, "rolled_back_to": 2})
+    logger.log({"step": 10, **row}, 1.0)
+    logger.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].endswith(" | eta 36s") and "eta" not in lines[1], lines
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 4, 10]
+    resumed = MetricsLogger(tmp_path, 10, enabled=False, progress=False, log_every=4)
+    assert resumed.due(6)  # on every rank alike (this one writes nothing)
+    resumed.log({"step": 6, **row})
+    assert [step for step in range(6, 11) if resumed.due(step)] == [8, 10]
+
+
+def test_the_saved_line():
+    path = Path("runs/a/checkpoints/step-00000010")
+    assert saved_message(10, path, 1.234) == f"meshtron: saved the checkpoint of step 10 to {path} (1.2s)"
+    assert saved_message(10, path, 4.06, 0.31) == (
+        f"meshtron: saved the checkpoint of step 10 to {path} (async: complete 4.1s after it began, training paused "
+        "0.3s)"
+    )
+
+
+def test_the_lr_jump_warning_names_the_settings_and_the_rates():
+    def train_cfg(*extra: str):
+        base = ["train.steps=10", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=2"]
+        return load_config(None, [*base, *extra], env={}).train
+
+    saved, longer = train_cfg(), train_cfg("train.steps=20")
+    old, new = lr_at(5, saved), lr_at(5, longer)
+    assert new > old
+    warning = schedule_change_warning(saved, longer, 5, old, new)
+    assert warning.startswith(
+        f"meshtron: warning: train.steps 10 -> 20 changes the cosine schedule: lr at step 6 jumps {old:.2e} -> "
+        f"{new:.2e}; "
+    )
+    two = schedule_change_warning(saved, train_cfg("train.lr_schedule=linear", "train.lr=1e-4"), 5, old, 0.5 * old)
+    assert (
+        "train.lr 0.0003 -> 0.0001, train.lr_schedule cosine -> linear change the schedule: lr at step 6 drops" in two
+    )
+    unknown = schedule_change_warning(None, longer, 5, old, new)
+    assert "the learning-rate settings change the cosine schedule: lr at step 6 jumps" in unknown
+    # The rate does not change: no warning (WSD extended in its stable phase, a setting the rate does not use).
+    wsd = ["train.lr_schedule=wsd", "train.decay_fraction=0.2"]
+    assert lr_at(5, train_cfg(*wsd)) == lr_at(5, train_cfg(*wsd, "train.steps=20"))
+    assert schedule_change_warning(train_cfg(*wsd), train_cfg(*wsd, "train.steps=20"), 5, 3e-4, 3e-4) is None
+    assert schedule_change_warning(saved, saved, 5, old, old * (1 + 1e-9)) is None
+    assert schedule_change_warning(saved, longer, 5, None, new) is None  # nothing to compare with
+
+
+def saved_checkpoint(directory: Path, step: int) -> Path:
+    """A whole checkpoint folder of ``step`` (one small tensor), as CheckpointManager writes it."""
+    from meshtron.checkpoint.manager import CheckpointManager
+
+    class State:
+        def state_dict(self):
+            return {"w": torch.ones(2)}
+
+    CheckpointManager(directory, 1, 0, False, CPU).save(step, State(), {"step": step}, "")
+    return directory / f"step-{step:08d}"
+
+
+def segment_plan(layout: str, resume_from: Path | None):
+    return SimpleNamespace(
+        dims=SimpleNamespace(describe=lambda: layout),
+        resume_from=resume_from,
+        hf_config=SimpleNamespace(model_type="llama"),
+    )
+
+
+def cfg_of(out: Path, *extra: str):
+    return load_config(None, [f"run.output_dir={out}", "data.seq_len=16", "train.global_batch_size=8", *extra], env={})
+
+
+def test_config_per_resume_segment_under_another_layout(tmp_path):
+    """A run of 3 steps under FSDP4, resumed in its folder at step 3 under DP2 x TP2 with 16 sequences a step, then at
+    step 5 again (the same settings: a restart goes on in its segment), then from step 3 again with another
+    setting: config.toml is the current segment's, each segment keeps its config, run.json lists the segments, and
+    `meshtron plot` / `compare` read them (label, tokens)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    first = cfg_of(out, "parallel.dp_shard=4")
+    start_segment(first, out, segment_plan("dp_shard=4", None), 4)
+    assert sorted(p.name for p in out.iterdir()) == ["config.toml", "run.json"]  # one segment: no copy
+    at_3 = saved_checkpoint(out / "checkpoints", 3)
+    second = cfg_of(out, "parallel.dp_shard=2", "parallel.tp=2", "train.global_batch_size=16")
+    start_segment(second, out, segment_plan("dp_shard=2 tp=2", at_3), 4)
+    info = json.loads((out / "run.json").read_text())
+    assert info["segments"] == [
+        {"first_step": 1, "layout": "dp_shard=4", "world_size": 4, "tokens_per_step": 128,
+         "config": "config-from-step-00000001.toml"},
+        {"first_step": 4, "layout": "dp_shard=2 tp=2", "world_size": 4, "tokens_per_step": 256,
+         "config": "config-from-step-00000004.toml", "resumed_from": str(at_3)},
+    ]  # fmt: skip
+    assert (info["layout"], info["tokens_per_step"], info["family"]) == ("dp_shard=2 tp=2", 256, "llama")
+    assert load_config(out / "config-from-step-00000001.toml", env={}) == first
+    assert (out / "config.toml").read_text() == (out / "config-from-step-00000004.toml").read_text() == to_toml(second)
+    # The same settings and layout again from a later checkpoint: the same segment.
+    start_segment(second, out, segment_plan("dp_shard=2 tp=2", saved_checkpoint(out / "checkpoints", 5)), 4)
+    assert json.loads((out / "run.json").read_text())["segments"] == info["segments"]
+    rows = [{"step": step, "loss": 3.0 - 0.1 * step, "tokens_per_s": 100.0} for step in range(1, 7)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = read_run(out)
+    assert run.label == "run (dp_shard=4; from step 4: dp_shard=2 tp=2)"
+    assert run.tokens == [128, 256, 384, 640, 896, 1152]  # 128 a step up to step 3, 256 a step after
+    said: list[str] = []
+    assert compare_runs(out, out, 1e-5, said.append) == 0 and said[0] == f"A: {run.label}\nB: {run.label}"
+    # From step 3 again, with another learning rate: the segment from step 4 is replaced.
+    third = cfg_of(out, "parallel.dp_shard=2", "parallel.tp=2", "train.global_batch_size=16", "train.lr=1e-4")
+    start_segment(third, out, segment_plan("dp_shard=2 tp=2", at_3), 4)
+    segments = json.loads((out / "run.json").read_text())["segments"]
+    assert [s["first_step"] for s in segments] == [1, 4]
+    assert load_config(out / segments[1]["config"], env={}) == third == load_config(out / "config.toml", env={})
+
+
+def test_a_run_json_written_before_segments_still_plots_and_gets_them_on_resume(tmp_path):
+    """An old run.json (layout, world size, tokens per step): read as one segment; a resume under another layout
+    keeps its config as the first segment's."""
+    out = tmp_path / "old"
+    out.mkdir()
+    old = {"layout": "dp_shard=2", "world_size": 2, "family": "llama", "tokens_per_step": 128}
+    (out / "run.json").write_text(json.dumps(old))
+    (out / "config.toml").write_text(to_toml(cfg_of(out)))
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2)))
+    run = read_run(out)
+    assert run.label == "old (dp_shard=2)" and run.tokens == [128, 256]
+    assert run.segments == [
+        {"first_step": 1, "layout": "dp_shard=2", "world_size": 2, "tokens_per_step": 128, "config": "config.toml"}
+    ]
+    start_segment(cfg_of(out, "train.steps=20"), out, segment_plan("single process", saved_checkpoint(out, 2)), 1)
+    segments = json.loads((out / "run.json").read_text())["segments"]
+    assert [(s["first_step"], s["layout"], s["config"]) for s in segments] == [
+        (1, "dp_shard=2", "config-from-step-00000001.toml"),
+        (3, "single process", "config-from-step-00000003.toml"),
+    ]
+    assert load_config(out / "config-from-step-00000001.toml", env={}) == cfg_of(out)
+    assert read_run(out).label == "old (dp_shard=2; from step 3: single process)"
+
+
+def printed_commands(stdout: str) -> dict[str, list[str]]:
+    """The commands the done line prints (label -> arguments after the meshtron command), checked to start with
+    meshtron_command()."""
+    commands = {}
+    for label, line in re.findall(r"^  ([a-z ]+):\s+(.+)$", stdout, re.MULTILINE):
+        assert line.startswith(meshtron_command() + " "), line
+        commands[label] = shlex.split(line[len(meshtron_command()) :])
+    return commands
+
+
+def test_a_run_and_its_resume_say_what_they_did_and_their_commands_run_as_printed(tmp_path, cache_dir):
+    """4 steps logged every 3 (steps 1, 3 and 4 logged), saved at step 4 (its line), the done line with the
+    checkpoint and the commands; the printed `train on` command (with another train.lr and global batch) resumes in
+    the run's folder: the lr-jump warning, the rates of the new settings, "4 steps (5-8)", a config per segment;
+    the printed export command exports."""
+    out = tmp_path / "run"
+    settings = [
+        "--model.preset=tiny",
+        "--data.max_documents=30",
+        "--data.seq_len=16",
+        f"--data.cache_dir={cache_dir}",
+        "--train.steps=4",
+        "--train.global_batch_size=2",
+        "--train.lr=3e-3",
+        "--train.warmup_steps=1",
+        "--run.log_every=3",
+        "--run.progress=false",
+        "--checkpoint.interval=4",
+        f"--run.output_dir={out}",
+    ]
+    first = run_main(["train", *settings])
+    assert first.returncode == 0, first.stderr
+    checkpoint = out / "checkpoints" / "step-00000004"
+    saved_line = rf"^meshtron: saved the checkpoint of step 4 to {re.escape(str(checkpoint))} \(\d+\.\ds\)$"
+    assert re.search(saved_line, first.stdout, re.M), first.stdout
+    done_line = r"^meshtron: done, 4 steps, loss [\d.]+ -> [\d.]+; outputs in (.+)/ \(.*\); latest checkpoint (.+)$"
+    done = re.search(done_line, first.stdout, re.M)
+    assert done and done.groups() == (str(out), str(checkpoint)), first.stdout
+    commands = printed_commands(first.stdout)
+    assert commands["see the curves"] == ["plot", str(out)]
+    assert commands["train on"] == [
+        "train", "--config", str(out / "config.toml"), f"--checkpoint.resume={checkpoint}", "--train.steps=8"
+    ]  # fmt: skip
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 3, 4]
+
+    resumed = run_main([*commands["train on"], "--train.lr=1e-3", "--train.global_batch_size=4"])
+    assert resumed.returncode == 0, resumed.stderr
+    saved_cfg, cfg = (
+        load_config(out / "config-from-step-00000001.toml", env={}),
+        load_config(out / "config.toml", env={}),
+    )
+    assert (cfg.train.steps, cfg.train.lr, saved_cfg.train.steps, saved_cfg.train.lr) == (8, 1e-3, 4, 3e-3)
+    old, new = lr_at(4, saved_cfg.train), lr_at(4, cfg.train)
+    warning = (
+        f"meshtron: warning: train.steps 4 -> 8, train.lr 0.003 -> 0.001 change the cosine schedule: lr at step 5 "
+        f"jumps {old:.2e} -> {new:.2e}; "
+    )
+    assert warning in resumed.stdout and old < new
+    assert re.search(r"^meshtron: done, 4 steps \(5-8\), loss", resumed.stdout, re.M), resumed.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 3, 4, 5, 6, 8]  # the first step of the resumed start, too
+    assert [row["lr"] for row in rows[3:]] == pytest.approx([lr_at(s - 1, cfg.train) for s in (5, 6, 8)])
+    segments = json.loads((out / "run.json").read_text())["segments"]
+    assert [(s["first_step"], s["tokens_per_step"], s["config"]) for s in segments] == [
+        (1, 32, "config-from-step-00000001.toml"),
+        (5, 64, "config-from-step-00000005.toml"),
+    ]
+    assert read_run(out).tokens == [32, 96, 128, 192, 256, 384]
+
+    exported = printed_commands(resumed.stdout)["export it"]
+    assert exported[:2] == ["export", str(out / "checkpoints" / "step-00000008")]
+    assert run_main(exported).returncode == 0 and (Path(exported[2]) / "config.json").is_file()
