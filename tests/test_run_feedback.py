@@ -49,31 +49,36 @@ def test_eta_from_the_measured_step_time():
     """The first row: its own step time x the steps left; later rows: the wall time per step between the rows of the
     window (steps that were not logged count); a rollback (a step again) measures afresh."""
     eta = Eta(total_steps=100, window=3)
-    assert eta.update(1, now=10.0) is None  # nothing measured yet
-    eta = Eta(total_steps=100, window=3)
-    assert eta.update(1, now=10.0, step_seconds=2.0) == pytest.approx(2.0 * 99)
-    assert eta.update(11, now=20.0, step_seconds=0.5) == pytest.approx(1.0 * 89)  # 10 s over 10 steps
+    assert eta.update(1, now=10.0) is None  # step 1's own time holds the warm-up: nothing measured yet
+    assert eta.update(11, now=20.0) == pytest.approx(1.0 * 89)  # 10 s over 10 steps
     assert eta.update(21, now=40.0) == pytest.approx(1.5 * 79)  # 30 s over 20 steps
     assert eta.update(31, now=50.0) == pytest.approx(1.5 * 69)  # the window forgot step 1: 30 s over 20 steps
     assert eta.update(100, now=60.0) == 0.0
-    assert eta.update(91, now=61.0, step_seconds=3.0) == pytest.approx(3.0 * 9)  # rolled back: afresh
+    assert eta.update(91, now=61.0) is None  # rolled back: measured afresh
+    assert eta.update(92, now=64.0) == pytest.approx(3.0 * 8)
 
 
-def test_the_progress_line_shows_the_time_left_and_the_first_and_last_steps_are_logged(tmp_path):
+def test_the_progress_line_shows_the_time_left_and_the_first_and_last_steps_are_logged(tmp_path, monkeypatch):
     """With run.log_every=4 over 10 steps: steps 1, 4, 8 and 10 are due, and the first step of a start (a resume at
-    step 6); the progress line ends in `eta` except at the last step; a rolled-back row prints no progress line."""
+    step 6); the progress line ends in `eta` from the second row on, except at the last step; a rolled-back row
+    prints no progress line."""
+    from meshtron.metrics import step_log
+
+    clock = iter([0.0, 100.0, 112.0, 150.0, 200.0, 300.0])  # each logger's start, each row's log time
+    monkeypatch.setattr(step_log.time, "perf_counter", lambda: next(clock))
     stream = io.StringIO()
     logger = MetricsLogger(tmp_path, 10, enabled=True, progress=True, stream=stream, log_every=4)
     assert [step for step in range(1, 11) if logger.due(step)] == list(range(1, 11))  # nothing logged yet
     row = {"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, "mfu": None, "max_memory_gb": 0.1}
-    logger.log({"step": 1, **row}, 4.0)
+    logger.log({"step": 1, **row})
     assert [step for step in range(1, 11) if logger.due(step)] == [1, 4, 8, 10]
-    logger.log({"step": 4, "loss": float("nan"), "grad_norm": 1.0, "lr": 1e-3, "rolled_back_to": 2})
-    logger.log({"step": 10, **row}, 1.0)
+    logger.log({"step": 4, **row})  # 12 s over 3 steps: 4 s a step, 6 steps left
+    logger.log({"step": 5, "loss": float("nan"), "grad_norm": 1.0, "lr": 1e-3, "rolled_back_to": 4})
+    logger.log({"step": 10, **row})
     logger.close()
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 2 and lines[0].endswith(" | eta 36s") and "eta" not in lines[1], lines
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 4, 10]
+    assert len(lines) == 3 and "eta" not in lines[0] and lines[1].endswith(" | eta 24s") and "eta" not in lines[2]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 4, 5, 10]
     resumed = MetricsLogger(tmp_path, 10, enabled=False, progress=False, log_every=4)
     assert resumed.due(6)  # on every rank alike (this one writes nothing)
     resumed.log({"step": 6, **row})

@@ -309,7 +309,7 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
     # No torchrun banner (the launcher sets OMP_NUM_THREADS), no torchao deprecation lines (transformers imports it).
     assert "OMP_NUM_THREADS" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr[-3000:]
     # The done line's command runs as printed, where PATH does not hold meshtron's venv (not activated).
-    [command] = re.findall(r"see the curves with: (.+)$", proc.stdout, re.MULTILINE)
+    [command] = re.findall(r"^  see the curves:\s+(.+)$", proc.stdout, re.MULTILINE)
     shown = subprocess.run(
         ["/bin/sh", "-c", command], cwd=tmp_path, env={**worker_env(), "PATH": "/usr/bin:/bin"}, capture_output=True
     )

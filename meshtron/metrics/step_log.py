@@ -28,21 +28,22 @@ def format_duration(seconds: float) -> str:
 class Eta:
     """The time left to ``total_steps`` from the measured time per step: the wall time between the last logged rows
     (up to ``window`` of them, so evaluations and saves count as they recur, and a change of speed shows within a
-    window), or the first row's own step time before there is a second row."""
+    window). None before a start's second row: its first step's time holds the warm-up (compilation, CUDA's start,
+    the first data), which on one H100 made step 1 of a 30-step run say "eta 8m39s" for a run that ended 1 s later."""
 
     def __init__(self, total_steps: int, window: int = 20):
         self.total_steps = total_steps
         self.marks: deque[tuple[int, float]] = deque(maxlen=window)
 
-    def update(self, step: int, now: float, step_seconds: float | None = None) -> float | None:
-        """Seconds left after ``step`` (logged at time ``now``, its own step took ``step_seconds``), or None when
-        there is nothing to go on."""
+    def update(self, step: int, now: float) -> float | None:
+        """Seconds left after ``step`` (logged at time ``now``), or None when there is nothing to go on yet."""
         if self.marks and step <= self.marks[-1][0]:  # a rollback trains steps again: measure afresh
             self.marks.clear()
         self.marks.append((step, now))
         (first_step, first_time), (last_step, last_time) = self.marks[0], self.marks[-1]
-        per_step = (last_time - first_time) / (last_step - first_step) if last_step > first_step else step_seconds
-        return None if per_step is None else per_step * max(0, self.total_steps - step)
+        if last_step == first_step:
+            return None
+        return (last_time - first_time) / (last_step - first_step) * max(0, self.total_steps - step)
 
 
 class MetricsLogger:
@@ -77,15 +78,15 @@ class MetricsLogger:
         first step of this start (after a resume or restart) and the last step."""
         return step % self.log_every == 0 or step in (1, self.total_steps) or not self.logged_steps
 
-    def log(self, record: dict, step_seconds: float | None = None) -> None:
-        """Write a row (``step_seconds``: the wall time of its step, for the first estimate of the time left)."""
+    def log(self, record: dict) -> None:
+        """Write a row (and print its progress line)."""
         trained = "tokens_per_s" in record  # a trained step's row (not a rollback's, not an evaluation's alone)
         self.logged_steps += trained  # on every rank: ``due`` answers the same everywhere
         if not self.enabled:
             return
         now = time.perf_counter()
         record = {"elapsed_s": round(now - self.start, 3), "time": round(time.time(), 3), **record}
-        left = self.eta.update(record["step"], now, step_seconds) if trained else None
+        left = self.eta.update(record["step"], now) if trained else None
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

@@ -301,7 +301,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
             )
         evaluation = _evaluate_if_due(loop, step, model, result)
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
-            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation}, elapsed)
+            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
         loop.profiler.after_step(step, logger.message)
         guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
     return step
