@@ -259,13 +259,17 @@ def _one_rank_world_size(args: argparse.Namespace, cfg, flag: str) -> int:
     config)."""
     if args.nproc is not None:
         return args.nproc
-    p = cfg.parallel
-    if p.dp_shard == -1:
+    if cfg.parallel.dp_shard == -1:
         raise ConfigError(
             f"{flag} needs --nproc N (the world size) unless parallel.dp_shard is set (not -1): the world size is "
             "then the product of the parallel degrees"
         )
-    return p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
+    return _processes_needed(cfg.parallel)
+
+
+def _processes_needed(p) -> int:
+    """The product of the configured parallel degrees (an unset dp_shard, -1, counted as 1)."""
+    return p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.cp * p.pp
 
 
 def _nodes(args: argparse.Namespace):
@@ -278,8 +282,7 @@ def _nodes(args: argparse.Namespace):
 
 
 def _check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
-    p = cfg.parallel
-    needed = p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.cp * p.pp
+    needed = _processes_needed(cfg.parallel)
     if not explicit and needed > world_size:
         raise ConfigError(
             f"the parallel degrees need {needed} processes but meshtron was started as 1; "
@@ -380,10 +383,14 @@ class _KnownNoise(logging.Filter):
         return not any(phrase in message for phrase in self.PHRASES)
 
 
+_KNOWN_NOISE = _KnownNoise()
+"""One filter for every call of main (tests call it many times in one process): addFilter adds it once."""
+
+
 def _quiet_known_noise() -> None:
     # transformers imports torchao when it is installed; on CPU builds it logs its unloadable CUDA kernels.
     logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils._pytree").addFilter(_KnownNoise())
+    logging.getLogger("torch.utils._pytree").addFilter(_KNOWN_NOISE)
 
 
 def main(argv: list[str] | None = None) -> int:
