@@ -1,5 +1,6 @@
 """``meshtron`` command line: ``meshtron train [--config FILE] [--nproc N] [--section.key=value ...]``,
-``meshtron plan ...`` (see meshtron.plan.cli), ``meshtron data prepare ...`` (meshtron.data.cli) and
+``meshtron plan ...`` (see meshtron.plan.cli), ``meshtron check [--nproc N]`` (meshtron.check),
+``meshtron data prepare ...`` (meshtron.data.cli) and
 ``meshtron eval CHECKPOINT_OR_MODEL_DIR --eval.path=DATA`` (docs/evaluation.md),
 ``meshtron export CHECKPOINT OUT_DIR``, ``meshtron plot RUN_DIR ...``, ``meshtron compare RUN_A RUN_B``
 (meshtron.metrics.cli) and ``meshtron generate CKPT_OR_EXPORT --prompt TEXT`` (meshtron.checkpoint.generate).
@@ -128,11 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--trust-remote-code", action="store_true", help="run the model's and tokenizer's own Python code"
     )
+    from meshtron.check.cli import add_check_parser
     from meshtron.data.cli import add_data_parser
     from meshtron.metrics.cli import add_runs_parsers
     from meshtron.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
+    add_check_parser(sub)
     add_data_parser(sub)
     add_runs_parsers(sub)
     return parser
@@ -414,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.plan.cli import run_plan
 
             return run_plan(args)
+        if args.command == "check":
+            if extra:
+                raise ConfigError(f"unexpected arguments {extra}; see meshtron check --help")
+            from meshtron.check.cli import run_check_command
+
+            return run_check_command(args)
         if args.command == "data":
             from meshtron.data.cli import run_data
 

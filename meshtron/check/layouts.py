@@ -1,0 +1,208 @@
+"""The layouts ``meshtron check`` runs on N processes, and the one-process runs each is compared with.
+
+Every layout uses all N ranks: its own degrees (tensor, context, pipeline, expert parallel, replicas), the rest of
+N as FSDP (``parallel.dp_shard``). The degrees respect the tiny models: 4 query heads and 2 KV heads (tp and
+Ulysses' cp x tp divide 4), 32 tokens (ring cp up to 8: 2 x cp chunks), 2 layers (``llama-tiny``) or 8
+(``llama-deep``, for pp > 2), 4 experts (ep divides 4). Names follow the parity suite's: ``ddp2``, ``fsdp2``,
+``hsdp2x2``, ``tp2``, ``cp2_ring``, ``cp2_ulysses``, ``pp2``, ``ep2``, and joined for combinations
+(``pp2_fsdp2_tp2``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DENSE = "llama-tiny"
+DEEP = "llama-deep"  # 8 layers: pipelines of more than 2 stages
+MOE = "qwen3moe-tiny"  # 4 experts, top-2, a sparse block in both layers
+LAYERS = {DENSE: 2, DEEP: 8, MOE: 2}
+HEADS = 4
+EXPERTS = 4
+SEQ_LEN = 32
+MAX_RING_CP = 8
+BATCH = 8
+"""Sequences per step (a multiple of N when N does not divide it, so that every data-parallel degree does)."""
+DEFAULT_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: ``world`` processes of ``model`` with ``overrides`` on ``device``."""
+
+    key: str
+    world: int
+    model: str
+    device: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A row of the table: ``run`` compared with ``reference`` (a one-process run)."""
+
+    name: str
+    run: Run
+    reference: Run
+    what: str = ""
+    """What a difference means, for the final line (e.g. the device's kernels)."""
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    cp_method: str = "ring"
+    pp: int = 1
+    ep: int = 1
+    moe: bool = False
+
+    @property
+    def model(self) -> str:
+        if self.moe:
+            return MOE
+        return DEEP if self.pp > LAYERS[DENSE] else DENSE
+
+    def name(self) -> str:
+        parts = []
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp{self.dp_replicate}")
+        elif self.dp_shard > 1 and not (self.ep > 1 and self.dp_shard * self.cp == self.ep):
+            parts.append(f"fsdp{self.dp_shard}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        name = "_".join(parts) or "fsdp1"
+        if self.cp > 1:
+            name += f"_{self.cp_method}"
+        return name
+
+    def overrides(self) -> tuple[str, ...]:
+        settings = [
+            f"parallel.dp_replicate={self.dp_replicate}",
+            f"parallel.dp_shard={self.dp_shard}",
+            f"parallel.tp={self.tp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.ep={self.ep}",
+        ]
+        if self.cp > 1:
+            settings.append(f"parallel.cp_method={self.cp_method}")
+        return tuple(settings)
+
+    def valid(self) -> bool:
+        heads_per_rank = HEADS // self.tp if HEADS % self.tp == 0 else 0
+        return (
+            heads_per_rank > 0
+            and (self.cp_method != "ulysses" or heads_per_rank % self.cp == 0)
+            and (self.cp_method != "ring" or (self.cp <= MAX_RING_CP and SEQ_LEN % (2 * self.cp) == 0))
+            and LAYERS[self.model] % self.pp == 0
+            and EXPERTS % self.ep == 0
+            and (self.dp_shard * self.cp) % self.ep == 0
+        )
+
+
+def _largest(n: int, limit: int, *, powers_of_two: bool = False) -> int:
+    """The largest divisor of ``n`` that divides ``limit`` (or, with ``powers_of_two``, that is a power of two up to
+    ``limit``)."""
+    candidates = [d for d in range(1, limit + 1) if limit % d == 0 or (powers_of_two and d & (d - 1) == 0)]
+    return max(d for d in candidates if n % d == 0)
+
+
+def _filled(n: int, **core) -> Degrees | None:
+    """``core``'s degrees with the rest of ``n`` as FSDP; None when ``n`` cannot host them."""
+    used = core.get("dp_replicate", 1) * core.get("tp", 1) * core.get("cp", 1) * core.get("pp", 1)
+    if any(core.get(key, 1) < 1 for key in ("tp", "cp", "pp", "ep", "dp_replicate")) or n % used:
+        return None
+    degrees = Degrees(dp_shard=n // used, **core)
+    return degrees if degrees.valid() else None
+
+
+def candidate_degrees(n: int) -> list[Degrees]:
+    """Every layout of the catalogue ``n`` ranks can host, each once (by name), in the table's order."""
+    tp, ulysses = _largest(n, HEADS), _largest(n, HEADS)
+    ring = _largest(n, MAX_RING_CP, powers_of_two=True)
+    pp, ep = _largest(n, LAYERS[DEEP]), _largest(n, EXPERTS)
+    catalogue = [
+        Degrees(dp_replicate=n, dp_shard=1),  # DDP
+        _filled(n),  # FSDP over all ranks
+        _filled(n, dp_replicate=2) if n >= 4 else None,  # HSDP
+        _filled(n, tp=tp),
+        _filled(n, cp=ring, cp_method="ring"),
+        _filled(n, cp=ulysses, cp_method="ulysses"),
+        _filled(n, pp=pp),
+        _filled(n, ep=ep, moe=True),
+        # 2-D
+        _filled(n, tp=2),
+        _filled(n, tp=2, cp=2, cp_method="ring"),
+        _filled(n, tp=2, cp=2, cp_method="ulysses"),
+        _filled(n, pp=2, tp=2),
+        _filled(n, pp=2),
+        _filled(n, ep=2, tp=2, moe=True),
+        _filled(n, ep=2, pp=2, moe=True),
+        # 3-D and 4-D
+        _filled(n, dp_replicate=2, tp=2),
+        _filled(n, pp=2, cp=2, tp=2),
+        _filled(n, dp_replicate=2, pp=2, tp=2),
+        _filled(n, dp_replicate=2, pp=2, cp=2, tp=2),
+        _filled(n, ep=2, pp=2, tp=2, moe=True),
+    ]
+    chosen: dict[str, Degrees] = {}
+    for degrees in catalogue:
+        if degrees is not None and degrees.valid():
+            chosen.setdefault(degrees.name(), degrees)
+    return list(chosen.values())
+
+
+def batch_size(n: int) -> int:
+    return math.lcm(BATCH, n)
+
+
+def layouts_for(n: int, device: str) -> list[Layout]:
+    """The rows of ``meshtron check --nproc n`` on ``device`` (cpu or cuda).
+
+    One process: on a GPU, that GPU's run against the CPU's (the device's kernels); on CPU, a second process against
+    the first (determinism). Several: every layout of ``candidate_degrees`` against one process on the same device,
+    and on GPUs also one GPU against the CPU."""
+    references = {model: Run(f"1proc-{model}-{device}", 1, model, device) for model in (DENSE, DEEP, MOE)}
+    on_cpu = Run(f"1proc-{DENSE}-cpu", 1, DENSE, "cpu")
+    device_row = (
+        Layout("1gpu_vs_cpu", Run("1gpu", 1, DENSE, "cuda"), on_cpu, "this GPU's kernels differ from the CPU's")
+        if device == "cuda"
+        else Layout("1proc", Run("1proc-again", 1, DENSE, "cpu"), on_cpu, "one process differs from run to run")
+    )
+    rows = [device_row] if n == 1 or device == "cuda" else []
+    if n > 1:
+        for degrees in candidate_degrees(n):
+            run = Run(degrees.name(), n, degrees.model, device, degrees.overrides())
+            rows.append(Layout(degrees.name(), run, references[degrees.model]))
+    return rows
+
+
+def base_overrides(n: int, steps: int, cache_dir: str) -> list[str]:
+    """The settings every run shares: the built-in corpus (byte tokens), fp32 without compile, ``steps`` steps."""
+    return [
+        "data.tokenizer=byte",
+        f"data.seq_len={SEQ_LEN}",
+        "data.max_documents=40",
+        f"data.cache_dir={cache_dir}",
+        f"train.steps={steps}",
+        f"train.global_batch_size={batch_size(n)}",
+        "train.lr=1e-3",
+        "train.warmup_steps=1",
+        "train.seed=7",
+        "train.mixed_precision=none",
+        "train.compile=false",
+        "model.dtype=float32",
+        "run.progress=false",
+        "run.log_every=1000",
+    ]
