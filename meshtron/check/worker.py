@@ -38,6 +38,10 @@ def import_before_forking() -> None:
     import importlib
     import logging
 
+    # torch.cuda.is_available() (called by some imports) asks NVML instead of initializing CUDA, which would leave
+    # the forked ranks unable to use it.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
     # As meshtron.cli quiets them: torchao (imported by transformers' quantizers) logs its unloadable CUDA kernels on
     # CPU builds, and torch 2.13 warns about its Enums registered as pytree constants.
     logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -96,6 +100,8 @@ def _train_rank(job: dict, out: Path, rank: int) -> None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
     torch.set_num_threads(job["threads"])
     if job["device"] == "cuda":  # fp32 means fp32: no TF32 in matmuls or convolutions
+        if torch.cuda._is_in_bad_fork():
+            raise RuntimeError("CUDA was initialized in meshtron check's forkserver before this rank was forked")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
