@@ -95,6 +95,73 @@ def test_sequence_inputs_plan_the_tiles_once_per_micro_batch(monkeypatch):
     assert len(calls) == 1
 
 
+def host_reads_in_tiles(monkeypatch) -> list[str]:
+    """Record every ``.tolist()`` / ``.item()`` made while the tile planner (context_parallel/tiles.py) is on the
+    stack: on a device each is a host sync."""
+    reads = []
+    for method in ("tolist", "item"):
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, _method=method, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_filename.endswith(("context_parallel/tiles.py", "context_parallel\\tiles.py")):
+                    reads.append(_method)
+                    break
+                frame = frame.f_back
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    return reads
+
+
+def test_tile_plans_from_host_document_bounds_read_nothing_back(monkeypatch):
+    """Issue 43, finding 10: planning the tiles read each chunk's first and last document id back from the device,
+    once per micro-batch and inside every pipeline stage's forward. Given the bounds computed from the batch while
+    it is in host memory, a micro-batch's plan reads nothing; a pipeline stage plans each microbatch from the bounds
+    of the step's whole batch (``StageInputs``): every tile it skips, or computes without a document mask, is so
+    for the microbatch's own rows, so the plan holds for them."""
+    from meshtron.train.batch import StageInputs, host_document_bounds
+
+    reads, differs = host_reads_in_tiles(monkeypatch), []
+    tokens = torch.tensor(
+        [
+            [5, 0, 7, 8, 0, 0, 9, 9, 4, 4, 0, 3, 3, 3, 3, 0],
+            [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5],  # one document: full and causal tiles
+            [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0],
+            [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8],
+        ]
+    )
+    for rank in (0, 1):
+        split = SequenceSplit(cp=2, cp_rank=rank, mask_documents=True, eos_token_id=0)
+        stage_inputs = StageInputs(split)
+        with stage_inputs.during(host_document_bounds(tokens, split)):
+            assert reads == []
+            for rows in (slice(0, 2), slice(2, 4)):
+                micro = tokens[rows]
+                exact = plans.planned_tiles(sequence_inputs(micro, split)["sequence_layout"], "cpu")
+                assert reads == ["tolist"]  # read back once: what every micro-batch and stage forward did
+                reads.clear()
+                alone = sequence_inputs(micro, split, host_document_bounds(micro, split))["sequence_layout"]
+                assert plans.planned_tiles(alone, "cpu") is not None and reads == []
+                assert [[t[:2] for t in tiles] for tiles in plans.planned_tiles(alone, "cpu").values()] == [
+                    [t[:2] for t in tiles] for tiles in exact.values()
+                ]
+                stage = plans.planned_tiles(stage_inputs(micro)["sequence_layout"], "cpu")
+                assert reads == []
+                for source, tiles in exact.items():
+                    kept = {(qi, ki): mask for qi, ki, mask in stage[source]}
+                    for qi, ki, mask in tiles:  # every tile the rows need is kept, with their own mask if masked
+                        got = kept[qi, ki]
+                        if got is None or isinstance(got, str):  # full or causal for the batch: so for the rows
+                            assert got == mask
+                        elif isinstance(mask, torch.Tensor):
+                            assert torch.equal(got, mask)
+                        differs.append(isinstance(got, torch.Tensor) and not isinstance(mask, torch.Tensor))
+        assert stage_inputs.document_bounds is None  # evaluation after the step plans from the device
+    assert any(differs)  # the batch's plan is not each microbatch's own: some tile masked for all rows
+
+
 def test_kernel_choice_per_device_dtype_and_mask():
     choose = tile_kernels.choose_tile_kernel
     dense = torch.ones(1, 4, 4, dtype=torch.bool)
@@ -307,3 +374,31 @@ def test_context_parallel_attention_matches_single_device(tmp_path):
     failures = {case: errs for case, errs in windowed.items() if max(errs.values()) > OP_TOLERANCE}
     print("worst relative error with a sliding window:", max(max(e.values()) for e in windowed.values()))
     assert not failures, failures
+
+
+@pytest.mark.parametrize("layout", [["parallel.cp=2"], ["parallel.pp=2", "parallel.cp=2"]], ids=["cp2", "pp2_cp2"])
+def test_training_plans_context_parallel_tiles_without_reading_the_device(layout, tmp_path, cache_dir, monkeypatch):
+    """Issue 43, finding 10, in training: rank 0 of a cp=2 (and of a pp=2 x cp=2) layout, trained alone on a fake
+    process group, with document masks: its micro-batches' and its pipeline stage's forwards plan the ring's tiles
+    from bounds computed in host memory, reading nothing back from the device."""
+    from meshtron.config import load_config
+    from meshtron.plan.rehearsal import rehearse
+
+    reads = host_reads_in_tiles(monkeypatch)
+    planned = []
+    plan = plans.plan_tiles
+    monkeypatch.setattr(plans, "plan_tiles", lambda *args: planned.append(args) or plan(*args))
+    settings = [
+        "model.preset=llama-tiny",
+        *layout,
+        "data.seq_len=32",
+        "data.max_documents=40",
+        f"data.cache_dir={cache_dir}",
+        "train.global_batch_size=4",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.device=cpu",
+        "run.progress=false",
+    ]
+    rehearse(load_config(None, settings, env={}), world_size=2 * len(layout), rank=0, steps=2)
+    assert planned and all(layout.document_ids is not None for layout, *_ in planned)
+    assert reads == []

@@ -171,3 +171,89 @@ def test_planner_pipeline_layouts_round_trip_through_train_micro_batch_size():
         cfg = train_config(layout, workload, ModelConfig(preset="llama-deep"))
         assert cfg.train.micro_batch_size == layout.micro_batch and cfg.parallel.pp_microbatches is None
         assert Layout.from_config(cfg, layout.world_size, hf_config) == layout
+
+
+def test_pipeline_x_tensor_parallel_dropout_makes_the_dtensor_rng_tracker_at_start_up_without_a_broadcast(
+    tmp_path, cache_dir, monkeypatch
+):
+    """PP x TP with LoRA dropout (issue 43, finding 1): on CUDA, DTensor makes its RNG tracker at the first random op
+    on a DTensor unless one exists, and that tracker broadcasts rank 0's RNG state over the world: stage 0 blocks in
+    it before sending its activations while stage 1 waits for them. Here DTensor's CUDA-only RNG path is switched on
+    for the CPU (a stand-in tracker that broadcasts as torch's does when asked to sync): rank 0 of a pp=2 x tp=2
+    rehearsal makes the tracker once, at start-up, without syncing, and its dropout on DTensors draws through it."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import _dispatch, _random
+
+    from meshtron.plan.rehearsal import rehearse
+
+    made, drawn, broadcasts = [], [], []
+
+    class Tracker:  # torch's OffsetBasedRNGTracker minus the CUDA generator
+        def __init__(self, device_mesh, run_state_sync=True):
+            made.append(run_state_sync)
+            if run_state_sync:
+                dist.broadcast(torch.zeros(16, dtype=torch.uint8), 0)  # what torch's does: the hang under PP
+            self.distribute_region_enabled = True
+
+        @contextlib.contextmanager
+        def _distribute_region(self, spec, generator=None):
+            drawn.append(spec.mesh.mesh_dim_names)
+            yield
+
+        def _manual_seed(self, seed):  # torch < 2.10 keeps the tracker's own state
+            pass
+
+    broadcast = dist.broadcast
+
+    def counting_broadcast(*args, **kwargs):
+        broadcasts.append(len(drawn))
+        return broadcast(*args, **kwargs)
+
+    monkeypatch.setattr(_random, "_rng_tracker", None)
+    monkeypatch.setattr(_random, "OffsetBasedRNGTracker", Tracker)
+    monkeypatch.setattr(_random, "is_rng_supported_mesh", lambda mesh: True)
+    monkeypatch.setattr(_dispatch, "is_rng_supported_mesh", lambda mesh: True)
+    monkeypatch.setattr(dist, "broadcast", counting_broadcast)
+    cfg = load_config(
+        None,
+        [
+            "model.preset=llama-tiny",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "lora.rank=4",
+            "lora.dropout=0.5",
+            "data.seq_len=32",
+            "data.max_documents=40",
+            f"data.cache_dir={cache_dir}",
+            "train.global_batch_size=4",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.device=cpu",
+            "run.progress=false",
+        ],
+        env={},
+    )
+    rehearse(cfg, world_size=4, rank=0, steps=2)
+    assert made == [False], "the tracker is made once, at start-up, with no state sync"
+    assert drawn, "the adapters' dropout drew through the tracker"
+    assert not broadcasts
+
+
+def test_rank_seeds_are_shared_by_a_tensor_parallel_group_and_distinct_elsewhere():
+    """Dropout seeds (meshtron.distributed.rng): the ranks of one tp group share a seed (the same masks for
+    replicated activations), every other coordinate (pp, dp_replicate, dp_shard, cp) has its own, and a single
+    process or a tp-only layout keeps train.seed."""
+    import itertools
+
+    from meshtron.distributed.mesh import MESH_DIMS
+    from meshtron.distributed.rng import rank_seed
+
+    assert MESH_DIMS[-1] == "tp"
+    shape = (2, 2, 2, 2, 2)
+    groups: dict[tuple, set] = {}
+    for coordinate in itertools.product(*(range(size) for size in shape)):
+        groups.setdefault(coordinate[:-1], set()).add(rank_seed(7, list(coordinate), shape))
+    assert all(len(seeds) == 1 for seeds in groups.values())
+    assert len(set().union(*groups.values())) == len(groups) == 16
+    assert rank_seed(7, [0, 0, 0, 0, 1], (1, 1, 1, 1, 2)) == rank_seed(7, [0] * 5, (1,) * 5) == 7

@@ -250,10 +250,13 @@ def materialize(
 ) -> None:
     """Allocate the (possibly sharded) parameters on ``device`` and fill them, one full tensor at a time.
 
-    ``buffer_device``: where the computed buffers (rotary frequencies) go, if not ``device``: the compute
-    device when FSDP offloads the parameters to the CPU (see data_parallel.parameter_device).
+    ``buffer_device``: where every buffer goes (computed ones such as rotary frequencies, and persistent ones
+    such as DeepSeek-V3's router bias), if not ``device``: the compute device when FSDP offloads the parameters
+    to the CPU (see data_parallel.parameter_device); FSDP moves only parameters between the two.
     """
     model.to_empty(device=device)
+    if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
+        _buffers_to_empty(model, torch.device(buffer_device))
     # to_empty gives each module a new Parameter for plain tensors, which unties a tied head.
     adapter.tie_weights(model)
     adapter.init_buffers(model, buffer_device or device)
@@ -277,6 +280,28 @@ def materialize(
         target = local_tensor(param)
         target.copy_(local.to(device=device, dtype=param.dtype))
     _fill_persistent_buffers(model, reader)
+
+
+def _buffers_to_empty(model: nn.Module, device: torch.device) -> None:
+    """Give every buffer of ``model`` fresh (uninitialized) memory on ``device``, as ``to_empty`` does; a DTensor
+    buffer (one a tensor-parallel style replicated) keeps its mesh and placements."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or buffer.device == device:
+                continue
+            if isinstance(buffer, DTensor):
+                local = torch.empty_like(buffer.to_local(), device=device)
+                fresh = DTensor.from_local(
+                    local,
+                    buffer.device_mesh,
+                    buffer.placements,
+                    run_check=False,
+                    shape=buffer.shape,
+                    stride=buffer.stride(),
+                )
+            else:
+                fresh = torch.empty_like(buffer, device=device)
+            module._buffers[name] = fresh
 
 
 @torch.no_grad()

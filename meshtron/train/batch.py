@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from meshtron.distributed.context_parallel import SequenceLayout, planned_tiles, shard_sequence
+from meshtron.distributed.context_parallel import SequenceLayout, chunk_document_bounds, planned_tiles, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 from meshtron.models.attention_kernels import prepare_masks
 
@@ -30,8 +31,23 @@ def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
     return shard_sequence(labels, split.cp, split.cp_rank)
 
 
-def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
-    """Token ids, position ids and (when meshtron's attention is in use) the sequence layout, for this rank."""
+def plans_tiles(split: SequenceSplit) -> bool:
+    """Whether attention plans context-parallel tiles from document bounds (ring / all-gather with documents)."""
+    return split.cp > 1 and split.cp_method != "ulysses" and split.mask_documents
+
+
+def host_document_bounds(input_ids: torch.Tensor, split: SequenceSplit) -> tuple | None:
+    """The document bounds the tile plan needs (``SequenceLayout.document_bounds``), from token ids still in host
+    memory: no device sync. None where no tiles are planned."""
+    if not plans_tiles(split) or input_ids.device.type != "cpu":
+        return None
+    return chunk_document_bounds(document_ids(input_ids, split.eos_token_id), split.cp)
+
+
+def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit, document_bounds: tuple | None = None) -> dict:
+    """Token ids, position ids and (when meshtron's attention is in use) the sequence layout, for this rank.
+    ``document_bounds``: ``host_document_bounds`` of these rows (or of a batch holding them), so that the tile
+    plan reads nothing back from the device; None: it reads them once."""
     docs = document_ids(input_ids, split.eos_token_id) if split.mask_documents else None
     if docs is not None:
         positions = document_positions(docs)
@@ -43,9 +59,17 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
         "use_cache": False,
     }
     if uses_meshtron_attention(split.cp, split.mask_documents):
-        layout = SequenceLayout(input_ids.shape[1], split.cp, split.cp_rank, split.cp_group, split.cp_method, docs)
+        layout = SequenceLayout(
+            input_ids.shape[1],
+            split.cp,
+            split.cp_rank,
+            split.cp_group,
+            split.cp_method,
+            docs,
+            document_bounds=document_bounds if docs is not None else None,
+        )
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
-        # plan, whose one host sync happens here and not in the layers; Ulysses attends whole sequences).
+        # plan, here and not in the layers; Ulysses attends whole sequences).
         if split.cp == 1 or split.cp_method == "ulysses":
             prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1], split.attention_windows)
         else:
@@ -53,3 +77,25 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit) -> dict:
                 planned_tiles(layout, input_ids.device, window)
         kwargs["sequence_layout"] = layout
     return kwargs
+
+
+class StageInputs:
+    """``sequence_inputs`` as a pipeline stage's forward calls it (``inputs_for`` of
+    meshtron.distributed.pipeline_parallel.set_stage_forward), with the document bounds of the step's whole batch,
+    set by the runner for the step (``during``): the stage's forward then plans tiles with no device sync."""
+
+    def __init__(self, split: SequenceSplit):
+        self.split = split
+        self.document_bounds = None
+
+    def __call__(self, input_ids: torch.Tensor) -> dict:
+        return sequence_inputs(input_ids, self.split, self.document_bounds)
+
+    @contextlib.contextmanager
+    def during(self, document_bounds: tuple | None):
+        """The bounds hold for the forwards inside (a step's microbatches) only; after, the plan reads them."""
+        self.document_bounds = document_bounds
+        try:
+            yield
+        finally:
+            self.document_bounds = None

@@ -20,7 +20,7 @@ from meshtron.distributed.pipeline_parallel import (
 from meshtron.distributed.precision import release_compute_weights
 from meshtron.models.moe import num_experts
 from meshtron.tensors import local_tensor
-from meshtron.train.batch import sequence_inputs
+from meshtron.train.batch import StageInputs
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.pipeline_rehearsal import RehearsalStage, stage_shapes
 from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
@@ -59,6 +59,8 @@ class PipelineRunner:
     """Their stage ids, in increasing order."""
     stage_ranks: dict = field(default_factory=dict)
     """Every stage's pipeline rank (meshtron.distributed.pipeline_parallel.local_stage_ids)."""
+    stage_inputs: StageInputs | None = None
+    """What the stages' forwards call for their model inputs (``run`` gives it the step's document bounds)."""
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's,
@@ -86,16 +88,26 @@ class PipelineRunner:
             compiled=self.compiled_loss,
         )
 
-    def run(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, aux_scale: float = 0.0) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        scale: float,
+        aux_scale: float = 0.0,
+        document_bounds: tuple | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage).
-        ``aux_scale``: what this rank's share of each microbatch's router loss is multiplied by."""
+        ``aux_scale``: what this rank's share of each microbatch's router loss is multiplied by;
+        ``document_bounds``: the batch's (``meshtron.train.batch.host_document_bounds``), for every stage's
+        forward."""
         self.scale, self.aux_scale, self.lm_losses = scale, aux_scale, []
         if self.router is not None:
             self.router.start_step()
         args = (input_ids,) if self.holds_first else ()
         kwargs = {"target": labels} if self.holds_last else {}
         # Loss parallel's context must cover the backward too, which the schedule runs inside step().
-        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+        bounds = self.stage_inputs.during(document_bounds) if self.stage_inputs else contextlib.nullcontext()
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext(), bounds:
             self.schedule.step(*args, **kwargs)
         release_compute_weights(*self.modules)  # the compute-dtype weight copies of this step
         if self.tied_gradients is not None:
@@ -131,12 +143,13 @@ def build_pipeline_runner(
     hf_config = plan.hf_config
     routes = router_loss_enabled(cfg.train.router_aux_loss, hf_config)
     pipeline_stages = []
+    stage_inputs = StageInputs(split)
     for stage_id, module in stages:
         first, last = stage_id == 0, stage_id == num_stages - 1
         routing = (
             StageRouting(module, hf_config, hf_config.num_hidden_layers, num_experts(hf_config)) if routes else None
         )
-        set_stage_forward(module, adapter, first, last, partial(sequence_inputs, split=split), tp_mesh, routing)
+        set_stage_forward(module, adapter, first, last, stage_inputs, tp_mesh, routing)
         if rehearsal:
             inputs, outputs = stage_shapes(
                 first,
@@ -178,6 +191,7 @@ def build_pipeline_runner(
         modules=[module for _, module in stages],
         stage_ids=[stage_id for stage_id, _ in stages],
         stage_ranks={stage: rank for rank in range(dims.pp) for stage in local_stage_ids(rank, cfg.parallel)},
+        stage_inputs=stage_inputs,
     )
     if routes:
         dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None

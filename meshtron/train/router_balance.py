@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshtron.distributed.devices import compute_device
 from meshtron.errors import ConfigError
 from meshtron.models.moe import (
     MODEL_ROUTER_BIAS,
@@ -124,7 +125,7 @@ class RouterBalance:
                     f"train.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
                     "meshtron can bias; set train.router_balance=aux_loss"
                 )
-            device = local_tensor(router.weight).device  # installed after parallelization: FSDP / TP DTensors
+            device = compute_device(router.weight)  # after parallelization: not the CPU of an offloaded weight
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
             # The family's routing: top-k of a softmax, or a softmax of the top-k (gpt-oss).
             forward = biased_top_k_softmax_forward if anatomy.top_k_softmax else biased_router_forward

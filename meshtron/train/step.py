@@ -32,7 +32,7 @@ from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
-from meshtron.train.batch import SequenceSplit, sequence_inputs, shard_labels
+from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.router_balance import RouterBalance
@@ -113,13 +113,13 @@ def _forward_backward(
 ) -> torch.Tensor:
     """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
 
-    ``batches``: (full token ids, this rank's labels) per micro-batch. ``held_grads``: gets the gradient
-    bytes this rank holds after each micro-batch but the last (see meshtron.metrics.gradient_memory).
+    ``batches``: (full token ids, this rank's labels, their document bounds) per micro-batch. ``held_grads``: gets
+    the gradient bytes this rank holds after each micro-batch but the last (see meshtron.metrics.gradient_memory).
     ``routing``: with the router loss on, gets each micro-batch's global aux loss; this rank's share of it
     goes into backward times ``aux_scale``.
     """
     local_loss_sum = torch.zeros((), device=ctx.device)
-    for index, (input_ids, labels) in enumerate(batches):
+    for index, (input_ids, labels, bounds) in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.cfg.fsdp.accumulate_unsharded)
         with contextlib.ExitStack() as recording:
@@ -127,7 +127,7 @@ def _forward_backward(
                 recording.enter_context(ctx.router.recording())
             if ctx.balance is not None:
                 recording.enter_context(ctx.balance.recording())
-            hidden = model(**sequence_inputs(input_ids, ctx.split))
+            hidden = model(**sequence_inputs(input_ids, ctx.split, bounds))
         aux = None
         if routing is not None:  # one all-reduce of the routers' counts over the dp x cp ranks
             aux = ctx.router.micro_batch()
@@ -192,8 +192,12 @@ def train_step(
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     step_inputs = inputs.get(step)
-    batches = [
-        (input_ids.to(device, non_blocking=True), shard_labels(labels.to(device, non_blocking=True), ctx.split))
+    batches = [  # the tile plan's document bounds from the host copy: no device sync in the forwards
+        (
+            input_ids.to(device, non_blocking=True),
+            shard_labels(labels.to(device, non_blocking=True), ctx.split),
+            host_document_bounds(input_ids, ctx.split),
+        )
         for input_ids, labels in step_inputs.micro_batches
     ]
     global_targets = step_inputs.global_targets
@@ -211,9 +215,9 @@ def train_step(
     measured: dict = {}
     with tracker.track() if tracker is not None else contextlib.nullcontext():
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-            ((input_ids, labels),) = batches
+            ((input_ids, labels, bounds),) = batches
             with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
-                local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale)
+                local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale, bounds)
         else:
             held_grads = [] if measure_state else None
             local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)

@@ -23,6 +23,7 @@ from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
+from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
@@ -155,6 +156,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     data = _load_data(cfg, plan, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
+    if meshes is not None:  # a seed per pipeline stage; DTensor's RNG tracker made now, with no collective
+        seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
     separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
     split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)

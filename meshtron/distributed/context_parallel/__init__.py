@@ -13,6 +13,7 @@
 from meshtron.distributed.context_parallel.layout import (
     SequenceLayout,
     check_context_parallel,
+    chunk_document_bounds,
     local_token_index,
     shard_sequence,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "ATTENTION_NAME",
     "SequenceLayout",
     "check_context_parallel",
+    "chunk_document_bounds",
     "check_ulysses",
     "context_parallel_attention",
     "hf_attention",

@@ -63,9 +63,23 @@ class SequenceLayout:
     """Masks that attention builds once for this micro-batch and every layer reuses (the tile plan
     with cp, one per sliding window)."""
     document_ranges: dict = field(default_factory=dict, compare=False, repr=False)
-    """Each cp chunk's first and last document id, read on the host once per micro-batch by the first plan
+    """Each cp chunk's first and last document id with the document ids on a device, found by the first plan
     and reused by the plans of other sliding windows (``planned_tiles``)."""
+    document_bounds: tuple | None = field(default=None, compare=False, repr=False)
+    """``(first, last)``: each row's first and last document id per chunk (``chunk_document_bounds``), known on
+    the host from the batch before it went to the device, so that planning reads nothing back from it. Its rows
+    may be more than ``document_ids``' (a pipeline step's whole batch for each of its microbatches): a tile
+    skipped, full or causal for every one of them is so for each. None: the plan reads them from the device."""
 
     @property
     def chunk(self) -> int:
         return self.seq_len // (2 * self.cp)
+
+
+def chunk_document_bounds(document_ids: torch.Tensor, cp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``(first, last)``: the document id of each row's first and last token in each of the ``2*cp`` chunks of
+    ``document_ids`` (B, S), as lists (what ``SequenceLayout.document_bounds`` holds). On a host tensor no
+    device is read."""
+    chunk = document_ids.shape[1] // (2 * cp)
+    first, last = torch.stack([document_ids[:, ::chunk], document_ids[:, chunk - 1 :: chunk]]).tolist()
+    return first, last

@@ -12,10 +12,12 @@ j only if i - j < window. Chunks have known global offsets (chunk ``n`` starts a
 window is decided per tile from the distance between its chunks, and masks get the offset between
 the query chunk's and the key chunk's starts.
 
-Planning reads each chunk's first and last document id on the host once (one device sync per
-micro-batch, in ``sequence_inputs``, outside the layers, kept in ``SequenceLayout.document_ranges`` so that
-the plans of other windows need none); every layer then reuses the plan from
-``SequenceLayout.attention_cache``. Document ids must not decrease along a row.
+Planning needs each chunk's first and last document id on the host. Training gives them, computed from the
+batch while it is still in host memory (``SequenceLayout.document_bounds``): no device sync, neither per
+micro-batch nor inside a pipeline stage's forward. Without them (evaluation, tests) the first plan of a
+micro-batch reads them back from the device once (kept in ``SequenceLayout.document_ranges`` so that the plans
+of other windows need none); every layer then reuses the plan from ``SequenceLayout.attention_cache``.
+Document ids must not decrease along a row.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from meshtron.distributed.context_parallel.layout import chunk_ids
+from meshtron.distributed.context_parallel.layout import chunk_document_bounds, chunk_ids
 from meshtron.models.attention_kernels import BLOCK_SIZE, _ordered, effective_window
 
 KERNELS = ("auto", "math", "flex")
@@ -73,16 +75,19 @@ def classify(
 
 
 def _document_ranges(layout, device):
-    """(document ids on ``device``, first, last): each chunk's first and last id per row, read on the host once
-    per micro-batch and kept in ``layout.document_ranges`` (None, None, None without documents)."""
+    """(document ids on ``device``, first, last): each chunk's first and last id per row, from
+    ``layout.document_bounds`` or else read back from the device once per micro-batch, kept in
+    ``layout.document_ranges`` (None, None, None without documents)."""
     if layout.document_ids is None:
         return None, None, None
     ranges = layout.document_ranges
     key = str(device)
     if key not in ranges:
         docs = layout.document_ids.to(device)
-        ends = docs.reshape(docs.shape[0], 2 * layout.cp, layout.chunk)
-        first, last = torch.stack([ends[:, :, 0], ends[:, :, -1]]).tolist()  # the one host sync
+        if layout.document_bounds is not None:
+            first, last = layout.document_bounds
+        else:
+            first, last = chunk_document_bounds(docs, layout.cp)  # a device sync: given no bounds only
         ranges[key] = docs, first, last
     return ranges[key]
 
