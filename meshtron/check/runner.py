@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -70,10 +69,10 @@ def select(layouts: list[Layout], only: str | None) -> list[Layout]:
     return [layout for layout in layouts if layout.name in names]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _threads(world: int) -> int:
@@ -111,7 +110,11 @@ class _Launcher:
             f"run.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
             *run.overrides,
         ]
-        port = _free_port() if run.world > 1 else 0
+        # The ranks' rendezvous store is served from here, bound at once to a port the OS picks (no port is chosen
+        # first and bound later, which another process could take in between); the ranks join it as clients, as
+        # torchrun's workers join their agent's store.
+        store = _rendezvous_store() if run.world > 1 else None
+        port = store.port if store else 0
         env = dict(os.environ)
         job = dict(
             world=run.world,

@@ -28,6 +28,7 @@ LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "GROUP_RANK",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 
@@ -98,6 +99,7 @@ def _train_rank(job: dict, out: Path, rank: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if world > 1:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the launcher serves the store; every rank is a client
     torch.set_num_threads(job["threads"])
     if job["device"] == "cuda":  # fp32 means fp32: no TF32 in matmuls or convolutions
         if torch.cuda._is_in_bad_fork():
