@@ -156,6 +156,9 @@ def test_pair_rows_backward_sums_each_tokens_slots():
     (got,) = torch.autograd.grad(rows, hidden, grad)
     (want,) = torch.autograd.grad(hidden[token], hidden, grad)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    none = torch.zeros(0, 4, requires_grad=True)  # a rank without tokens
+    order, token, _ = sort_by_expert(torch.zeros(0, 3, dtype=torch.long), 3)
+    assert torch.autograd.grad(pair_rows(none, order, token, 3).sum(), none)[0].shape == (0, 4)
 
 
 @pytest.fixture

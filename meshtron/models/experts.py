@@ -215,14 +215,14 @@ class _PairRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, token, inverse, k):
         ctx.save_for_backward(inverse)
-        ctx.k = k
+        ctx.shape = (hidden.shape[0], k, hidden.shape[-1])
         return hidden.index_select(0, token)
 
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         pairs = grad.index_select(0, inverse)
-        return pairs.view(-1, ctx.k, pairs.shape[-1]).sum(dim=1), None, None, None
+        return pairs.view(ctx.shape).sum(dim=1), None, None, None
 
 
 def pair_rows(
