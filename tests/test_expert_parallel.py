@@ -1,6 +1,7 @@
 """Expert parallelism: the local dispatch / grouped GEMM / combine math against transformers' experts
-(one process), the all-to-all traffic helper, and EP over 2 and 4 gloo ranks, alone and under FSDP /
-HSDP, against one process (tests/expert_parallel_worker.py, one torchrun launch)."""
+(one process), a deterministic combine and dispatch backward, one host sync per EP forward (one in-process gloo
+rank), the all-to-all traffic helper, and EP over 2 and 4 gloo ranks, alone and under FSDP / HSDP, against one
+process (tests/expert_parallel_worker.py, one torchrun launch)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from conftest import failure_report, run_torchrun
 
 from meshtron.distributed.expert_parallel import all_to_all_traffic
-from meshtron.models.experts import local_experts_forward, sort_by_expert
+from meshtron.models.experts import combine, local_experts_forward, pair_rows, sort_by_expert
 
 TOLERANCE = 1e-6
 
@@ -90,6 +91,144 @@ def test_sort_by_expert_is_stable_and_counts():
     assert order.tolist() == [1, 2, 3, 5, 0, 4]
     assert token.tolist() == [0, 1, 1, 2, 0, 2]
     assert counts.tolist() == [2, 2, 2, 0]
+
+
+def test_combine_sums_each_tokens_slots_in_a_fixed_order_whatever_the_dispatch_order():
+    """k = 4 experts per token: the combined output is bitwise the plain reference sum over each token's slots, for
+    the expert-sorted order and for shuffled orders alike (``index_add`` added a token's outputs in the order its
+    pairs came: rounding that moved with the order, and on a GPU with the atomics' timing); the gradients too."""
+    tokens, k, hidden = 11, 4, 6
+    generator = torch.Generator().manual_seed(0)
+    pairs = torch.randn(tokens * k, hidden, generator=generator, requires_grad=True)  # output of pair (t, j)
+    weights = torch.rand(tokens, k, generator=generator, requires_grad=True)
+    cotangent = torch.randn(tokens, hidden, generator=generator)
+    want = (pairs.view(tokens, k, hidden) * weights.unsqueeze(-1)).sum(dim=1)
+    want_grads = torch.autograd.grad((want * cotangent).sum(), (pairs, weights))
+    index = torch.randint(0, 8, (tokens, k), generator=generator)
+    orders = [sort_by_expert(index, 8)[0]] + [torch.randperm(tokens * k, generator=generator) for _ in range(3)]
+    for order in orders:
+        got = combine(pairs[order], order, weights, torch.float32)
+        assert torch.equal(got, want)
+        got_grads = torch.autograd.grad((got * cotangent).sum(), (pairs, weights))
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_dispatch_and_combine_accumulate_nothing():
+    """Forward and backward of the local experts (dispatch, grouped GEMMs or loop, combine) run no accumulating
+    scatter (``index_add``, ``scatter_add``, ``index_put(accumulate=True)``): on a GPU those add colliding rows with
+    atomics, in an order that varies, so two tensor-parallel ranks computing one replicated block would differ."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Accumulations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.__name__
+            accumulate = kwargs.get("accumulate", args[3] if "index_put" in name and len(args) > 3 else False)
+            if name.startswith(("index_add", "scatter_add", "scatter_reduce", "put")) or (
+                "index_put" in name and accumulate
+            ):
+                self.found.append(name)
+            return func(*args, **kwargs)
+
+    block = tiny_block("qwen3_moe")
+    hidden = torch.randn(13, 16, requires_grad=True)
+    for use_grouped_mm in (True, False):
+        _, weights, index = block.gate(hidden)
+        with Accumulations() as mode:
+            out = local_experts_forward(block.experts, hidden, index, weights, use_grouped_mm=use_grouped_mm)
+            out.square().sum().backward()
+        assert not mode.found, (use_grouped_mm, mode.found)
+
+
+def test_pair_rows_backward_sums_each_tokens_slots():
+    """The dispatch's backward (each token's row taken once per slot) sums the k slots' gradients per token."""
+    index = torch.tensor([[2, 0, 1], [0, 1, 2]])
+    order, token, _ = sort_by_expert(index, 3)
+    hidden = torch.randn(2, 4, requires_grad=True)
+    rows = pair_rows(hidden, order, token, 3)
+    assert torch.equal(rows, hidden[token])
+    grad = torch.randn(6, 4)
+    (got,) = torch.autograd.grad(rows, hidden, grad)
+    (want,) = torch.autograd.grad(hidden[token], hidden, grad)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    none = torch.zeros(0, 4, requires_grad=True)  # a rank without tokens
+    order, token, _ = sort_by_expert(torch.zeros(0, 3, dtype=torch.long), 3)
+    assert torch.autograd.grad(pair_rows(none, order, token, 3).sum(), none)[0].shape == (0, 4)
+
+
+@pytest.fixture
+def one_rank_ep():
+    """A 1-rank gloo group (in this process) and its 1-D ``ep`` mesh: the EP forward's own code, exchange included."""
+    import torch.distributed as dist
+    from conftest import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_an_expert_parallel_forward_syncs_with_the_host_once(one_rank_ep, monkeypatch, use_grouped_mm):
+    """One host sync per EP MoE forward: the ``tolist`` of every split size (counted: ``tolist``, and the ops that
+    read a GPU tensor on the host: ``item``, ``bincount``, ``nonzero``, ``repeat_interleave`` without
+    ``output_size``, ...). It was 4 on a GPU: two ``tolist``, an unsized ``repeat_interleave``, ``bincount``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.distributed.expert_parallel import apply_expert_parallel
+
+    syncs = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: syncs.append("tolist") or tolist(self))
+    host_reads = ("_local_scalar_dense", "bincount", "nonzero", "masked_select", "unique", "_unique")
+
+    class HostSyncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.__name__
+            unsized = name.startswith("repeat_interleave") and kwargs.get("output_size") is None
+            if name.split(".")[0] in host_reads or name.startswith("_unique") or unsized:
+                syncs.append(name)
+            return func(*args, **kwargs)
+
+    block = tiny_block("qwen3_moe")
+    hidden = torch.randn(13, 16)
+    with torch.no_grad():
+        _, weights, index = block.gate(hidden)
+        want = local_experts_forward(block.experts, hidden, index, weights)
+    apply_expert_parallel(block.experts, one_rank_ep, use_grouped_mm=use_grouped_mm)
+    with torch.no_grad(), HostSyncs():
+        got = block.experts(hidden, index, weights)
+    assert syncs == ["tolist"]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_expert_parallel_exchange_is_left_out_of_compilation(one_rank_ep):
+    """Under ``torch.compile`` (dynamo, eager backend) a function calling EP experts compiles once and is not
+    recompiled for another routing: the exchange, whose split sizes are host integers, runs eagerly."""
+    import torch._dynamo
+
+    from meshtron.distributed.expert_parallel import apply_expert_parallel
+
+    block = tiny_block("qwen3_moe")
+    apply_expert_parallel(block.experts, one_rank_ep)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, i, w: block.experts(h, i, w) * 2, backend="eager", fullgraph=False)
+    hidden = torch.randn(13, 16)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):  # a different routing, hence other split sizes, each time
+            index = torch.randint(0, 8, (13, 2), generator=generator)
+            weights = torch.rand(13, 2, generator=generator)
+            torch.testing.assert_close(compiled(hidden, index, weights), 2 * block.experts(hidden, index, weights))
+    torch._dynamo.reset()
 
 
 def test_all_to_all_traffic():

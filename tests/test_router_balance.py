@@ -12,6 +12,7 @@ from meshtron.config import load_config
 from meshtron.errors import ConfigError
 from meshtron.models.moe import router_of
 from meshtron.models.presets import make_preset_config
+from meshtron.train import router_balance
 from meshtron.train.router_balance import RouterBalance, check_router_balance, load_spread
 
 BYTE_VOCAB = 257
@@ -109,3 +110,36 @@ def test_a_lora_checkpoint_keeps_the_routers_biases():
         f"model.layers.{layer}.mlp.gate.balance_bias" for layer in (0, 1)
     }
     assert not any(name.endswith("q_proj.weight") for name in kept)
+
+
+class Communicated(Exception):
+    """Raised by the test's all-reduce once it has seen the tensor (on the "meta" device nothing can be read back)."""
+
+
+def test_bias_balancing_communicates_on_the_runs_device(monkeypatch):
+    """NCCL refuses CPU tensors: the biases and every tensor balancing all-reduces (the load over dp x cp, the spread
+    over the pipeline) are on the run's compute device, here "meta" (on the CPU the test could not tell). Also on a
+    pipeline stage without MoE layers (DeepSeek-V3's dense first layers), whose load and spread were CPU tensors, and
+    with the routers' weights on the CPU (fsdp.cpu_offload), where the biases were made."""
+    devices = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        devices.append(tensor.device)
+        raise Communicated
+
+    monkeypatch.setattr(router_balance.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(router_balance.dist, "get_world_size", lambda group=None: 2)
+    meta = torch.device("meta")
+    model = tiny("qwen3moe-tiny")  # its routers' weights on the CPU
+    moe_stage = RouterBalance([model], model.config, 1e-3, group="dp x cp", pp_group="pp", device=meta)
+    dense_stage = RouterBalance(
+        [torch.nn.Linear(4, 4)], model.config, 1e-3, group="dp x cp", pp_group="pp", device=meta
+    )
+    assert [router.balance_bias.device for router in moe_stage.routers] == [meta, meta]
+    with pytest.raises(Communicated):
+        moe_stage.update()
+    load = dense_stage.update()
+    assert load.shape == (0, model.config.num_experts) and load.device == meta
+    with pytest.raises(Communicated):
+        dense_stage.spread(load)
+    assert devices == [meta, meta]

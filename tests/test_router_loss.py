@@ -155,6 +155,43 @@ def test_hooks_on_a_transformers_model_record_its_aux_loss():
     router.remove()
 
 
+def test_no_tensor_is_made_from_host_data_per_micro_batch(monkeypatch):
+    """``torch.tensor(...)`` on a GPU is a blocking host-to-device copy: the router loss makes none per micro-batch
+    (it made one for the token count), a pipeline stage's routing carry one in all (its layer indices; it made one
+    per microbatch)."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.train.pipeline_router_loss import StageRouting
+
+    made = []
+    tensor = torch.tensor
+
+    def counting_tensor(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("meshtron."):
+            made.append(sys._getframe(1).f_globals["__name__"])
+        return tensor(*args, **kwargs)
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(tiny_moe_config())
+    input_ids = torch.randint(0, 64, (2, 24))
+    router = RouterLoss(model, model.config, model.config.router_aux_loss_coef)
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    for _ in range(3):
+        with router.recording():
+            model(input_ids=input_ids)
+        router.micro_batch()
+    assert made == []
+    router.remove()
+    stage = StageRouting(model, model.config, 2, E)
+    for _ in range(3):
+        _, carry = stage.run(lambda: model(input_ids=input_ids), None, torch.device("cpu"))
+    assert made == ["meshtron.train.pipeline_router_loss"]
+    assert carry[:, 2 * E].tolist() == [48.0, 48.0]  # both layers' rows landed: 2 x 24 tokens each
+    stage.remove()
+
+
 def test_hooks_on_gptoss_record_its_aux_loss():
     """gpt-oss's router is ``mlp.router`` (softmax over the top-k logits for the weights); its aux loss is
     transformers' Switch-style one on softmax(all logits), which the hooks compute from the logits alike."""

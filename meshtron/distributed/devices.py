@@ -34,14 +34,3 @@ def resolve_device_type(setting: str, local_processes: int) -> str:
             f"use --nproc {gpus} (or torchrun --nproc-per-node {gpus}) or --run.device=cpu"
         )
     return "cuda"
-
-
-def compute_device(param: torch.Tensor) -> torch.device:
-    """The device ``param`` computes on: a DTensor's mesh device (its local shard may be kept elsewhere: in host
-    memory under ``fsdp.cpu_offload``, which FSDP copies to the mesh's device for compute), else its own device."""
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is None:
-        return param.device
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())

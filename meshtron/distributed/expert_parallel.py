@@ -7,13 +7,15 @@ parameters into DTensors ``Shard(0)`` over a 1-D ``ep`` mesh (each EP rank owns 
 experts) and replaces the experts' forward by:
 
 1. sort this rank's (token, slot) pairs by expert id (stable), count the pairs per expert;
-2. exchange the per-expert counts (one all-to-all of ``E`` integers), which fixes the uneven splits;
+2. exchange the per-expert counts (one all-to-all of ``E`` integers), which fixes the uneven splits (read on the
+   host in one sync per forward; the forward runs eagerly under ``torch.compile``);
 3. all-to-all the token rows to the ranks owning their experts;
 4. regroup the received rows by local expert and run the local experts as grouped GEMMs
    (``torch._grouped_mm`` with offsets; a loop over local experts where it is unavailable):
    ``gate, up = (x @ gate_up_proj[e].T).chunk(2); y = (act(gate) * up) @ down_proj[e].T``
    (meshtron.models.experts; with LoRA's expert adapters, also split over experts, when the run has them);
-5. all-to-all the results back, multiply by the routing weights and ``index_add`` them per token.
+5. all-to-all the results back, multiply by the routing weights and sum them per token (unpermuted to (token,
+   slot) order, a sum over the slots: deterministic, where ``index_add`` on a GPU is not).
 
 Dropless (no capacity factor: every routed pair is computed) and exact under autograd: gradients reach
 the local tokens, the routing weights (hence the router) and the local expert shard. The routing is the
@@ -33,7 +35,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshtron.errors import ConfigError
-from meshtron.models.experts import combine, expert_math, local_expert_ffn, sort_by_expert
+from meshtron.models.experts import (
+    combine,
+    expert_math,
+    inverse_permutation,
+    local_expert_ffn,
+    pair_rows,
+    permute,
+    sort_by_expert,
+)
 from meshtron.models.lora import expert_adapters
 from meshtron.tensors import local_tensor
 
@@ -179,10 +189,16 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | No
     return experts
 
 
+@torch.compiler.disable
 def expert_parallel_forward(
     self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The EP forward of an experts module prepared by :func:`apply_expert_parallel`."""
+    """The EP forward of an experts module prepared by :func:`apply_expert_parallel`.
+
+    One host sync per forward: every size the exchange and the local experts need (the send and receive splits, the
+    rows per local expert) comes to the host in one ``tolist`` of one tensor. Run eagerly under ``torch.compile``
+    (the decoder block around it is compiled): the splits are host integers that change with every batch's routing,
+    on which dynamo would break the graph and recompile."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     group = self.ep_mesh.get_group()
@@ -201,28 +217,32 @@ def expert_parallel_forward(
     counts_recv = torch.empty_like(counts)
     dist.all_to_all_single(counts_recv, counts, group=group)
     counts_recv = counts_recv.view(ep, local)
-    send_splits = counts.view(ep, local).sum(1).tolist()
-    recv_splits = counts_recv.sum(1).tolist()
+    local_counts = counts_recv.sum(0)
+    sizes = torch.cat([counts.view(ep, local).sum(1), counts_recv.sum(1), local_counts]).tolist()  # the one sync
+    send_splits, recv_splits, host_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
     self.last_dispatch = (send_splits, recv_splits)
 
-    received = all_to_all_single_autograd(hidden[token].contiguous(), recv_splits, send_splits, group)
+    inverse = inverse_permutation(order)
+    rows_in = pair_rows(hidden, order, token, top_k_index.shape[-1], inverse)
+    received = all_to_all_single_autograd(rows_in.contiguous(), recv_splits, send_splits, group)
     # Received rows are source-major (src 0: its rows for local experts 0..L-1, src 1: ...): regroup by
     # local expert (stable, so within an expert rows stay in source order), run, and undo the regrouping.
-    local_id = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(counts_recv.reshape(-1))
-    regroup = torch.argsort(local_id, stable=True).to(hidden.device)
+    local_id = torch.arange(local, device=counts.device).repeat(ep)
+    local_id = local_id.repeat_interleave(counts_recv.reshape(-1), output_size=sum(recv_splits))
+    regroup = torch.argsort(local_id, stable=True)
+    back = inverse_permutation(regroup)
     rows = local_expert_ffn(
-        received[regroup],
+        permute(received, regroup, back),
         gate_up,
         down,
-        counts_recv.sum(0),
+        local_counts,
         expert_math(self, local_tensor),  # the family's layout, activation and (local) biases
         self.ep_use_grouped_mm,
         expert_adapters(self),
+        host_counts=host_counts,
     )
-    back = torch.empty_like(regroup)
-    back[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-    returned = all_to_all_single_autograd(rows[back].contiguous(), send_splits, recv_splits, group)
-    return combine(returned, order, token, top_k_weights, hidden.shape[0], hidden.dtype)
+    returned = all_to_all_single_autograd(permute(rows, back, regroup).contiguous(), send_splits, recv_splits, group)
+    return combine(returned, order, top_k_weights, hidden.dtype, inverse)
 
 
 # ---------------------------------------------------------------------------------------------- traffic

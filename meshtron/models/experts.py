@@ -82,6 +82,7 @@ def local_expert_ffn(
     math: ExpertMath,
     use_grouped_mm: bool | None = None,
     adapters: ExpertAdapters | None = None,
+    host_counts: list[int] | None = None,
 ) -> torch.Tensor:
     """The experts' FFN on rows ``x`` (N, H) grouped by expert: ``counts[e]`` consecutive rows for each
     local expert ``e`` of ``gate_up`` [E_l, 2I, H] / ``down`` [E_l, H, I] (``math.transposed``: [E_l, H, 2I] /
@@ -90,7 +91,8 @@ def local_expert_ffn(
     Same math as transformers' experts: ``h = x @ gate_up[e].T (+ bias[e])``, ``math.glu(h) @ down[e].T
     (+ bias[e])``; as grouped GEMMs (``torch._grouped_mm``) or, if that is unavailable or ``use_grouped_mm`` is
     False, a loop over the experts that have rows. ``adapters``: LoRA's update of both projections (in the loop
-    when their rank is too small for the grouped GEMM's 16-byte strides).
+    when their rank is too small for the grouped GEMM's 16-byte strides). ``host_counts``: ``counts`` as host
+    integers where the caller has them (the loop needs them; without them it reads ``counts``, a host sync on a GPU).
     """
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_available(x, gate_up)
@@ -127,7 +129,7 @@ def local_expert_ffn(
 
     pieces = []
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts.tolist() if host_counts is None else host_counts):
         if n:
             h = project_one(x[start : start + n], gate_up, gate_up_bias, adapters and adapters.gate_up, e)
             pieces.append(project_one(math.glu(h), down, down_bias, adapters and adapters.down, e))
@@ -170,26 +172,89 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
     """(order, token index, counts per expert) of the flattened (token, slot) pairs sorted by expert id
-    (stable: within an expert, in token order)."""
+    (stable: within an expert, in token order). The counts come from a search of the sorted ids, on the device:
+    ``bincount`` reads the ids' minimum and maximum on the host (two syncs on a GPU)."""
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // top_k_index.shape[-1], counts
+    ids, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(ids, torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    return order, order // top_k_index.shape[-1], bounds.diff()
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[order[i]] == i`` (one scatter of distinct indices: deterministic)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _Permute(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` of x's rows, ``inverse`` its inverse: backward is the gather
+    ``grad[inverse]``, not indexing's accumulating scatter (``index_put`` with ``accumulate``)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[index]`` for a permutation ``index`` of x's rows (``inverse``: its inverse, if at hand), with a gather as
+    backward (see ``_Permute``)."""
+    return _Permute.apply(x, index, inverse_permutation(index) if inverse is None else inverse)
+
+
+class _PairRows(torch.autograd.Function):
+    """``hidden[token]``: each token's row once for each of its ``k`` (token, slot) pairs, in the pairs' sorted
+    ``order`` (``token = order // k``). Backward unpermutes the pairs' gradients to (token, slot) order and sums each
+    token's ``k`` slots, a reduction in a fixed order, where indexing's backward accumulates them with atomics on
+    a GPU (an order that varies from run to run)."""
+
+    @staticmethod
+    def forward(ctx, hidden, token, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.shape = (hidden.shape[0], k, hidden.shape[-1])
+        return hidden.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        pairs = grad.index_select(0, inverse)
+        return pairs.view(ctx.shape).sum(dim=1), None, None, None
+
+
+def pair_rows(
+    hidden: torch.Tensor, order: torch.Tensor, token: torch.Tensor, k: int, inverse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The experts' input rows ``hidden[token]`` (``sort_by_expert``'s order and token; ``k`` experts per token;
+    ``inverse``: ``inverse_permutation(order)``, if at hand), with a deterministic backward (see ``_PairRows``)."""
+    return _PairRows.apply(hidden, token, inverse_permutation(order) if inverse is None else inverse, k)
 
 
 def combine(
     rows: torch.Tensor,
     order: torch.Tensor,
-    token: torch.Tensor,
     top_k_weights: torch.Tensor,
-    num_tokens: int,
     dtype: torch.dtype,
+    inverse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weight the expert outputs ``rows`` (in expert-sorted pair order) by their routing weights and sum
-    them per token, expert by expert as transformers' experts do."""
-    weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(num_tokens, rows.shape[-1], dtype=dtype, device=rows.device)
-    return out.index_add(0, token, weighted.to(dtype))
+    """Weight the expert outputs ``rows`` (in expert-sorted pair order: row ``i`` is flattened (token, slot) pair
+    ``order[i]``) by their routing weights ``top_k_weights`` (T, k) and sum them per token: unpermuted to (token,
+    slot) order and summed over the slots (T, k, H) -> (T, H) in ``dtype``.
+
+    Deterministic, forward and backward: a token's k outputs add up in slot order whatever order the pairs came in
+    (no ``index_add``, whose atomics on a GPU add in an order that varies, so tensor-parallel ranks computing the
+    same replicated block got bitwise different results). Equal to transformers' ``index_add`` per expert to fp32
+    rounding (bitwise for k <= 2). ``inverse``: ``inverse_permutation(order)``, if at hand (the dispatch's: one
+    index tensor kept for backward, not two). For backward it keeps ``rows`` and the weights, as ``index_add``
+    did, but not the weighted rows, which ``index_add`` kept too."""
+    tokens, k = top_k_weights.shape
+    inverse = inverse_permutation(order) if inverse is None else inverse
+    weights = permute(top_k_weights.reshape(-1), order, inverse)
+    weighted = (rows * weights.unsqueeze(-1)).to(dtype)
+    return permute(weighted, inverse, order).view(tokens, k, rows.shape[-1]).sum(dim=1)
 
 
 def local_experts_forward(
@@ -203,8 +268,15 @@ def local_experts_forward(
     """Single-process dispatch / grouped GEMM / combine over all experts of ``experts`` (no EP): the
     local math of the EP forward, equal to transformers' experts forward."""
     order, token, counts = sort_by_expert(top_k_index, experts.gate_up_proj.shape[0])
+    inverse = inverse_permutation(order)
     math = expert_math(experts)
     rows = local_expert_ffn(
-        hidden[token], experts.gate_up_proj, experts.down_proj, counts, math, use_grouped_mm, adapters
+        pair_rows(hidden, order, token, top_k_index.shape[-1], inverse),
+        experts.gate_up_proj,
+        experts.down_proj,
+        counts,
+        math,
+        use_grouped_mm,
+        adapters,
     )
-    return combine(rows, order, token, top_k_weights, hidden.shape[0], hidden.dtype)
+    return combine(rows, order, top_k_weights, hidden.dtype, inverse)

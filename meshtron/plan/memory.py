@@ -486,13 +486,13 @@ def moe_activation_per_token(shape: ModelShape, e: int, ep: int = 1) -> float:
     input, gate/up output, silu(gate), product and expert output, its routing weight and three int64 indices
     (token, slot, sort order). With EP (meshtron.distributed.expert_parallel) the received rows regrouped by
     expert (the experts' input), gate/up output, silu(gate) and product, on the receiving side, with the
-    regrouping's two int64 permutations; on the sending side the returned rows and the weighted rows
-    (``combine``'s multiply and ``index_add`` each keep one), the routing weight and two int64 indices (token,
-    sort order): one hidden row more per pair than without EP. Per token: the router's fp32 probabilities, its
-    top-k int64 indices and fp32 weights and their sum; a shared expert's gated MLP, output and gate."""
+    regrouping's two int64 permutations; on the sending side the returned rows (``combine``'s multiply keeps
+    them), the routing weight and two int64 indices (sort order and its inverse): one int64 more per pair than
+    without EP. Per token: the router's fp32 probabilities, its top-k int64 indices and fp32 weights and their
+    sum; a shared expert's gated MLP, output and gate."""
     h, inter = shape.hidden, shape.moe_intermediate
     if ep > 1:
-        pair = e * (3 * h + 4 * inter) + e + 4 * INDEX
+        pair = e * (2 * h + 4 * inter) + e + 4 * INDEX
     else:
         pair = e * (2 * h + 4 * inter) + e + 3 * INDEX
     router = FP32 * shape.experts + shape.experts_per_token * (INDEX + FP32) + FP32

@@ -41,6 +41,7 @@ class StageRouting:
         self.num_experts = num_experts
         self.recorder = RouterLoss(stage, hf_config, coef=0.0, allow_empty=True)
         self.layers = [layer_index(name) for name, _ in self.recorder.blocks]
+        self._index = None  # the layers as a tensor on the compute device, made once (not per microbatch)
 
     def run(self, forward, carry: torch.Tensor | None, device: torch.device):
         """(``forward()``, the carry with this stage's layers added): ``forward`` runs the stage with its routers
@@ -54,8 +55,9 @@ class StageRouting:
         local = self.recorder.take()
         tokens = local.tokens.reshape(1, 1).expand(len(self.layers), 1).to(local.prob_sums.dtype)
         rows = torch.cat([local.counts, local.prob_sums, tokens], dim=1)
-        index = torch.tensor(self.layers, device=rows.device)
-        return out, carry.index_add(0, index, rows.to(carry.dtype))
+        if self._index is None or self._index.device != rows.device:
+            self._index = torch.tensor(self.layers, device=rows.device)
+        return out, carry.index_add(0, self._index, rows.to(carry.dtype))
 
     def remove(self) -> None:
         self.recorder.remove()

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtron.distributed.devices import compute_device
 from meshtron.errors import ConfigError
 from meshtron.models.moe import (
     MODEL_ROUTER_BIAS,
@@ -99,14 +98,28 @@ def bias_of(router) -> torch.Tensor:
 class RouterBalance:
     """The balancing biases of the routers in ``parts`` (the model, or this rank's pipeline stages) and their update.
     ``group``: the dp x cp ranks whose loads add up; ``pp_group``: the pipeline ranks whose spreads are combined for
-    the metrics (each holds some layers)."""
+    the metrics (each holds some layers). ``device``: the run's compute device, where the biases live and every
+    tensor this communicates is (NCCL refuses CPU tensors; a pipeline stage without MoE layers communicates too,
+    and under ``fsdp.cpu_offload`` the routers' weights are on the CPU); None: the first router weight's device."""
 
-    def __init__(self, parts, hf_config, rate: float, group=None, pp_group=None, forwards_per_step: int | None = None):
+    def __init__(
+        self,
+        parts,
+        hf_config,
+        rate: float,
+        group=None,
+        pp_group=None,
+        forwards_per_step: int | None = None,
+        device: torch.device | None = None,
+    ):
         blocks = [block for part in parts for _, block in moe_blocks(part)]
         self.routers = [router_of(block) for block in blocks]
         anatomies = [experts_anatomy(block.experts) for block in blocks]
         if not self.routers and pp_group is None:  # a pipeline stage may hold no MoE layer
             raise ConfigError("train.router_balance=bias found no MoE router (gate + experts) in the model")
+        if device is None:  # installed after parallelization: FSDP / TP DTensors
+            device = local_tensor(self.routers[0].weight).device if self.routers else torch.device("cpu")
+        self.device = torch.device(device)
         self.rate = float(rate)
         self.group, self.pp_group = group, pp_group
         # Under a pipeline a step's forwards are its microbatches; torch.distributed.pipelining may run one more
@@ -125,8 +138,7 @@ class RouterBalance:
                     f"train.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
                     "meshtron can bias; set train.router_balance=aux_loss"
                 )
-            device = compute_device(router.weight)  # after parallelization: not the CPU of an offloaded weight
-            router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=device))
+            router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=self.device))
             # The family's routing: top-k of a softmax, or a softmax of the top-k (gpt-oss).
             forward = biased_top_k_softmax_forward if anatomy.top_k_softmax else biased_router_forward
             router.forward = types.MethodType(forward, router)
@@ -146,17 +158,17 @@ class RouterBalance:
         """After the optimizer step: the step's global load per layer (L, E) of this rank's layers, and every bias
         moved against it."""
         if not self.routers:
-            return torch.zeros(0, self.experts)
+            return torch.zeros(0, self.experts, device=self.device)
         kept = -self.forwards_per_step if self.forwards_per_step else 0
-        load = torch.stack(
-            [sum(router.balance_forwards[kept:], torch.zeros_like(bias_of(router))) for router in self.routers]
-        )
+        zero = torch.zeros(self.experts, dtype=torch.float32, device=self.device)
+        load = torch.stack([sum(router.balance_forwards[kept:], zero) for router in self.routers])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(load, group=self.group)
         mean = load.mean(dim=-1, keepdim=True)
         with torch.no_grad():
             for router, step in zip(self.routers, torch.sign(mean - load) * self.rate):
-                bias_of(router).add_(step)
+                bias = bias_of(router)
+                bias.add_(step.to(bias.device))
                 router.balance_forwards.clear()
         return load
 
@@ -169,11 +181,15 @@ class RouterBalance:
         """[max, min] of ``load_spread`` over every layer of the model (the pipeline ranks' layers combined)."""
         if self.pp_group is None:
             return load_spread(load).tolist()
-        device = bias_of(self.routers[0]).device if self.routers else load.device
-        local = load_spread(load.to(device)) if load.numel() else torch.tensor([0.0, float("inf")], device=device)
-        extremes = torch.stack([local[0], -local[1]])
+        if load.numel():  # (max, -min): one MAX all-reduce gives both
+            local = load_spread(load.to(self.device))
+            extremes = torch.stack([local[0], -local[1]])
+        else:  # a stage without MoE layers: neutral (0, -inf), made on the device (no copy from the host)
+            extremes = torch.zeros(2, device=self.device)
+            extremes[1] = -float("inf")
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.pp_group)
-        return [extremes[0].item(), -extremes[1].item()]
+        high, low = extremes.tolist()
+        return [high, -low]
 
 
 def load_spread(load: torch.Tensor) -> torch.Tensor:
@@ -200,12 +216,12 @@ def check_router_balance(setting: str, hf_config) -> None:
         )
 
 
-def build_router_balance(parts, plan, cfg, dims, meshes) -> RouterBalance | None:
+def build_router_balance(parts, plan, cfg, dims, meshes, device: torch.device | None = None) -> RouterBalance | None:
     """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise); ``parts``: this rank's model
-    parts (its pipeline stages)."""
+    parts (its pipeline stages); ``device``: the run's compute device."""
     if resolve_router_balance(cfg.train.router_balance, plan.hf_config) != "bias":
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
     forwards = plan.pp_microbatches if dims.pp > 1 else None
-    return RouterBalance(parts, plan.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards)
+    return RouterBalance(parts, plan.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards, device)

@@ -184,8 +184,8 @@ class RouterLoss:
         self._layers = []
         if len(set(tokens)) != 1:
             raise RuntimeError(f"MoE layers saw different token counts {tokens}")
-        device = counts[0].device
-        return LocalRouting(torch.stack(counts), torch.stack(prob_sums), torch.tensor(float(tokens[0]), device=device))
+        # A fill on the device, not torch.tensor(): no blocking host-to-device copy per micro-batch.
+        return LocalRouting(torch.stack(counts), torch.stack(prob_sums), counts[0].new_full((), float(tokens[0])))
 
     def micro_batch(self) -> MicroBatchAux:
         """After a micro-batch's forward: its global ``aux`` and this rank's share (one all-reduce)."""

@@ -178,7 +178,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
         policy,
         loss_scaler(policy, cfg),
         router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
-        balance=build_router_balance(built.parts, plan, cfg, dims, meshes),
+        balance=build_router_balance(built.parts, plan, cfg, dims, meshes, runtime.device),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
