@@ -9,6 +9,7 @@ deterministic mode, whose ``torch.empty`` fills floats with NaN and integers wit
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import multiprocessing
 import warnings
@@ -170,3 +171,42 @@ def test_rehearsal_is_finite_when_fake_collectives_leave_nan(name, tmp_path, cac
     assert got["losses"] and all(math.isfinite(loss) for loss in got["losses"]), got
     assert not any("non-finite" in note for note in got["notes"]), got["notes"]
     assert got["state_bytes"] > 0  # an update was measured
+
+
+def test_rehearse_layouts_tiny_on_cpu(tmp_path, cache_dir, capsys, monkeypatch):
+    """``bench/rehearse_layouts.py --tiny``: a TP rank, three pipeline stages and an EP rank under balanced and
+    worst-case routing, each rehearsed in a fork, printed as rows and written as JSON; the state each holds is what
+    the planner says, the pipeline's skew is reported, and worst-case routing keeps more activations than balanced."""
+    import importlib
+
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    bench = importlib.import_module("rehearse_layouts")
+    out = tmp_path / "rows.json"
+    result = bench.main(
+        ["--tiny", "--only", "tp8,pp8-1F1B,ep8-qwen3moe", f"--cache-dir={cache_dir}", f"--json={out}"]
+        + [f"--output-dir={tmp_path / 'runs'}"]
+    )
+    printed = capsys.readouterr().out
+    rows = result["rows"]
+    assert json.loads(out.read_text())["rows"] == rows
+    assert [(row["layout"], row["rank"], row["routing"]) for row in rows] == [
+        ("tp8", 1, "balanced"),
+        ("pp8-1F1B", 0, "balanced"),
+        ("pp8-1F1B", 2, "balanced"),
+        ("pp8-1F1B", 3, "balanced"),
+        ("ep8-qwen3moe", 0, "balanced"),
+        ("ep8-qwen3moe", 0, "worst"),
+    ]
+    assert all("error" not in row for row in rows), [row.get("error") for row in rows]
+    assert sum(line.startswith(("tp8 ", "pp8-1F1B ", "ep8-qwen3moe ")) for line in printed.splitlines()) == 6
+    for row in rows:
+        assert abs(row["diffs"]["state_bytes"]) <= bench.MEMORY_TOLERANCE, row
+        assert row["measured"]["step_s"] > 0
+    assert set(result["pipeline_skew"]) == {"pp8-1F1B"}
+    skew = result["pipeline_skew"]["pp8-1F1B"]
+    assert 0 < skew["measured"] < 1 and 0 < skew["planned"] < 1
+    balanced, worst = rows[-2]["measured"], rows[-1]["measured"]
+    assert worst["activation_bytes"] > balanced["activation_bytes"]  # every rank's tokens on this rank's experts
+    assert worst["state_bytes"] == balanced["state_bytes"]
