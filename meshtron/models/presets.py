@@ -282,6 +282,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=64,
         max_position_embeddings=4096,
     ),
+    # Qwen3-30B-A3B shape: 48 layers of 128 experts (768 wide), top-8, 32 query and 4 KV heads of 128, vocab 151936
+    # (for --dry-run, --rehearse and meshtron plan of expert parallelism at scale; bench/rehearse_layouts.py).
+    "qwen3moe-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        norm_topk_prob=True,
+        output_router_logits=False,
+        vocab_size=151936,
+    ),
     # gpt-oss (docs/models.md): attention sinks, q/k/v/o biases, a sliding layer (window 8 of the tests' 32 tokens)
     # then a full one; 4 transposed experts with biases and a clamped SwiGLU, top-2 by a router with a bias.
     "gptoss-tiny": dict(

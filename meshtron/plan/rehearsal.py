@@ -1,13 +1,15 @@
 """``meshtron train --rehearse``: train one rank of a big layout in one process, at that rank's real shapes.
 
-The process joins PyTorch's fake process group as rank R of N (collectives return at once and move no
-data: an all-gather hands back copies of this rank's input, an all-to-all its own input, a receive leaves
-its buffer as it was) and runs meshtron's real training loop for a few steps on the real device: its TP
+The process joins a fake process group as rank R of N (``meshtron.distributed.one_rank_group``: collectives
+return at once and move no data; each gives what this rank alone can: an all-gather hands back copies of
+this rank's input, a reduce-scatter its own chunk, an all-to-all its own input, a receive zeros) and runs
+meshtron's real training loop for a few steps on the real device: its TP
 shards, FSDP shards, pipeline stage, context-parallel tiles and experts, with its share of the global
 batch. What that rank holds and how long its computation takes are measured; what the other ranks would
 have sent is not, so:
 
-* losses are meaningless (the data of other ranks never arrives) and are not reported;
+* losses are meaningless (the data of other ranks never arrives) and are not reported, but finite: the
+  run's ``train.on_nonfinite`` applies as configured, and a non-finite step is a real finding;
 * ``step_s`` is the step without communication: compare it with the planner's compute time;
 * expert parallelism: each rank receives exactly as many (token, expert) rows as it sends, which is what
   balanced routing gives (the fake all-to-all returns the sender's own counts);
@@ -65,9 +67,11 @@ def rehearsal_config(cfg: Config, steps: int) -> Config:
     """``cfg`` for a rehearsal: ``steps`` steps, nothing saved or resumed, no trackers, only the metrics file."""
     if steps < 2:
         raise ConfigError(f"--rehearse-steps must be at least 2 (one to warm up, one to measure), got {steps}")
+    # as configured, but a rollback has nothing to roll back to (a rehearsal saves nothing): stop instead
+    on_nonfinite = "error" if cfg.train.on_nonfinite == "rollback" else cfg.train.on_nonfinite
     cfg = dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, steps=steps, on_nonfinite="skip"),
+        train=dataclasses.replace(cfg.train, steps=steps, on_nonfinite=on_nonfinite),
         checkpoint=dataclasses.replace(cfg.checkpoint, interval=0, resume="none"),
         run=dataclasses.replace(
             cfg.run,
@@ -129,8 +133,7 @@ def _known_gpu(device: torch.device, gpus: dict) -> str | None:
 
 def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_STEPS) -> Rehearsal:
     """Train rank ``rank`` of a ``world_size``-rank run of ``cfg`` alone for ``steps`` steps; measure it."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from meshtron.distributed.one_rank_group import one_rank_group
     from meshtron.metrics.memory import max_memory_gb
     from meshtron.train.preflight import preflight
     from meshtron.train.runtime import Runtime
@@ -148,12 +151,9 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
         notes.append(BALANCED_ROUTING_NOTE)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
+    with one_rank_group(rank, world_size):
         runtime = Runtime(rank=rank, local_rank=0, world_size=world_size, device=device, rehearsal=True)
         result = train(cfg, runtime, plan)
-    finally:
-        dist.destroy_process_group()
     timed = result.step_seconds[1:] or result.step_seconds
     measured = {
         "state_bytes": sum(result.state_bytes.values()),
@@ -162,10 +162,10 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
         "step_s": statistics.median(timed),
     }
     skipped = sum(not math.isfinite(loss) for loss in result.losses)
-    if skipped:  # a torch whose fake collectives leave their outputs uninitialized
+    if skipped:  # train.on_nonfinite = "skip" (the collectives' outputs are finite: the model's own values)
         notes.append(
-            f"{skipped} of {len(result.losses)} steps met non-finite values from the fake collectives and "
-            "skipped their update" + ("; state_bytes was not measured" if not measured["state_bytes"] else "")
+            f"{skipped} of {len(result.losses)} steps had a non-finite loss or gradient and skipped their update"
+            + ("; state_bytes was not measured" if not measured["state_bytes"] else "")
         )
     if device.type == "cpu":
         notes.append("peak_bytes on CPU is the process's peak resident memory (Python and libraries included)")

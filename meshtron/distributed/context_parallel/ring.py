@@ -49,13 +49,14 @@ def _peer(layout: SequenceLayout, offset: int) -> int:
 def _exchange(send: torch.Tensor, layout: SequenceLayout) -> tuple[torch.Tensor, list]:
     """Start sending ``send`` to the next rank and receiving the previous rank's into a new buffer."""
     received = torch.empty_like(send)
-    if is_fake_group(layout.group):  # a rehearsal: nothing will arrive,
-        received.copy_(send)  # so "receive" this rank's own keys and values, as the fake all-gather hands them back
     ops = [
         dist.P2POp(dist.isend, send, _peer(layout, 1), layout.group),
         dist.P2POp(dist.irecv, received, _peer(layout, -1), layout.group),
     ]
-    return received, dist.batch_isend_irecv(ops)
+    requests = dist.batch_isend_irecv(ops)
+    if is_fake_group(layout.group):  # a rehearsal: the receive gave zeros (meshtron.distributed.one_rank_group),
+        received.copy_(send)  # so "receive" this rank's own keys and values, as the all-gather hands them back
+    return received, requests
 
 
 def _finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
