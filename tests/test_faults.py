@@ -159,11 +159,13 @@ def test_stop_signals_are_recorded_once_and_handlers_come_back():
 
     before = signal.getsignal(signal.SIGUSR1)
     with StopSignals() as signals:
-        assert signals.agreed(None, distributed=False) is None
+        assert signals.flags() == [0, 0] and signals.agreed(signals.flags()) is None
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while stopping: counted, not acted on
-        assert signals.agreed(None, distributed=False) == "SIGUSR1" and signals.repeated == 1
+        assert signals.agreed(signals.flags()) == "SIGUSR1" and signals.repeated == 1
     assert signal.getsignal(signal.SIGUSR1) is before
+    # Summed over ranks: one rank's SIGUSR1 stops all; SIGTERM wins when ranks got different ones (as a max did).
+    assert StopSignals.agreed([0, 1]) == "SIGUSR1" and StopSignals.agreed([1, 3]) == "SIGTERM"
 
 
 def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):

@@ -182,6 +182,7 @@ class CheckpointManager:
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
         self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
+        self._asked = None  # the pending save that ``unfinished`` last looked at
         self.on_commit = None
         """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
         from the start of the save, ``paused`` (async saves; None for others) how long training waited for it."""
@@ -267,17 +268,17 @@ class CheckpointManager:
                 lambda reason: self._failed(partial, reason),
             )
 
-    def commit_if_done(self) -> None:
+    def unfinished(self) -> int:
+        """1 while this rank still writes its part of an async save, else 0: a flag of the step's all-reduce (which
+        sums it over the ranks, meshtron.train.step_stats) for ``commit_if_done``."""
+        self._asked = self.pending
+        return int(self.pending is not None and not self.pending[0].done())
+
+    def commit_if_done(self, unfinished_ranks: int) -> None:
         """Commit an async save as soon as every rank has written its part (every rank calls this after each
-        step), so that a run killed before the next save resumes from it."""
-        if self.pending is None:
-            return
-        done = self.pending[0].done()
-        if self.runtime.distributed:
-            flag = torch.tensor([int(done)], device=self.runtime.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            done = bool(flag.item())
-        if done:
+        step), so that a run killed before the next save resumes from it. ``unfinished_ranks``: ``unfinished()``
+        summed over the ranks in the step; a save started since then waits for the next step's."""
+        if self.pending is not None and self.pending is self._asked and unfinished_ranks == 0:
             self.wait()
 
     def wait(self) -> None:

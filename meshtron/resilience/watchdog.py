@@ -28,9 +28,9 @@ COLLECTIVE_GRACE_S = 60.0
 REPORT_WAIT_S = 10.0
 STORE_GRACE_S = 5.0
 """Beyond the report wait, how long a store operation may take before a rank that is giving up stops waiting."""
-# Functions in which a main thread waits for the other ranks: host syncs of the step, the stop flag and the
-# async-save flag (on GPUs the host waits there, not inside torch.distributed).
-WAITING_FUNCTIONS = {"host_values", "agreed", "commit_if_done", "synchronize", "barrier"}
+# Functions in which a main thread waits for the other ranks: host syncs of the step (on GPUs the host waits
+# there, not inside torch.distributed).
+WAITING_FUNCTIONS = {"host_values", "synchronize", "barrier"}
 
 
 def main_thread_location() -> tuple[bool, str]:

@@ -283,6 +283,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
             measure_state=not result.state_bytes,  # the first update
             measure_activations=step == activation_step,
             inject_nonfinite=inject_nonfinite,
+            shared_flags=guard.step_flags,  # stop signals, async saves: agreed in the step's all-reduce
         )
         rolled_to = guard.rolled_back(step, outcome, lr, result.start_step)
         if rolled_to is not None:  # train.on_nonfinite=rollback: on from the last checkpoint
@@ -303,7 +304,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
             logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
         loop.profiler.after_step(step, logger.message)
-        guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
+        guard.after_step(step, outcome.flag_sums)  # saves when due; after a stop signal, saves and raises Preempted
     return step
 
 
