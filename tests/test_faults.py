@@ -99,6 +99,90 @@ def test_hang_watchdog_names_the_ranks_that_did_not_arrive():
     assert "rank 1 busy at loader.py:12 in next_batch; rank 2 sent no report" in said
 
 
+def test_hang_watchdog_counts_a_busy_device_stream_as_waiting_and_writes_the_flight_recorder(tmp_path):
+    """Under NCCL the host runs ahead of the collectives: rank 0's host is past its all-reduce, in a sync of
+    its own (`.item()`), but its device stream still has work queued; rank 1 is busy with an idle stream (a stuck
+    data loader); rank 2 never reports. Rank 0 counts as waiting and names 1 and 2 only, and each rank that
+    gives up writes its flight recorder where the line says, named as torch's torchfrtrace reads them."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from meshtron.resilience.watchdog import EXIT_HUNG
+
+    store, streams, codes = HashStore(), [], []
+    synced = _watchdog(
+        0,
+        3,
+        store,
+        streams,
+        codes,
+        locate=lambda: (False, "experts.py:88 in exchange"),
+        stream_pending=lambda: True,
+        trace_dir=tmp_path,
+        dump_trace=lambda: b"rank 0 trace",
+    )
+    busy = _watchdog(
+        1,
+        3,
+        store,
+        streams,
+        codes,
+        locate=lambda: (False, "loader.py:12 in next_batch"),
+        stream_pending=lambda: False,
+        trace_dir=tmp_path,
+        dump_trace=lambda: b"rank 1 trace",
+    )
+    for watchdog in (synced, busy):
+        watchdog.progress(7)
+    threads = [threading.Thread(target=w.give_up, args=(31.0,)) for w in (synced, busy)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert codes == [EXIT_HUNG, EXIT_HUNG]
+    said = streams[0].getvalue()
+    folder = tmp_path / "flight-recorder-step-7"
+    assert "rank(s) 1, 2 did not arrive (rank 1 busy at loader.py:12 in next_batch; rank 2 sent no report" in said
+    assert f"NCCL flight recorder of each rank in {folder} (read it with: torchfrtrace {folder})" in said
+    assert sorted(path.name for path in folder.iterdir()) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
+    assert (folder / "nccl_trace_rank_1").read_bytes() == b"rank 1 trace"
+
+
+def test_device_stream_pending_asks_the_main_threads_cuda_stream(monkeypatch):
+    import torch
+
+    from meshtron.resilience.watchdog import device_stream_pending, flight_recorder_trace
+
+    class Stream:
+        done = False
+
+        def query(self):
+            return self.done
+
+    stream = Stream()
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or stream)
+    assert not device_stream_pending(torch.device("cpu"))() and asked == []
+    pending = device_stream_pending(torch.device("cuda", 3))
+    assert asked == [torch.device("cuda", 3)] and pending()
+    stream.done = True
+    assert not pending()
+    assert flight_recorder_trace() is None  # no NCCL process group here
+
+
+def test_flight_recorder_is_turned_on_unless_its_size_is_set():
+    from meshtron.resilience.watchdog import enable_flight_recorder
+
+    environ = {}
+    enable_flight_recorder(environ)
+    assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000"}
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        environ = {name: "0"}
+        enable_flight_recorder(environ)
+        assert environ == {name: "0"}
+
+
 def test_hang_watchdog_fires_only_without_progress():
     import time
 

@@ -51,7 +51,8 @@ class RunGuard:
 
     def __enter__(self) -> RunGuard:
         self.signals.__enter__()
-        self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s)  # None in one process
+        # None in one process; a hang under NCCL leaves each rank's flight recorder in the run's output directory
+        self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s, self.result.output_dir)
         return self
 
     def __exit__(self, *exc) -> None:
