@@ -18,6 +18,8 @@ def test_fault_spec_parses_and_bad_ones_name_the_format():
     assert faults_from_env({"MESHTRON_FAULT": "kill:step=6:rank=2"}).faults == (Fault("kill", 6, 2),)
     several = faults_from_env({"MESHTRON_FAULT": "kill:step=3:rank=1, hang:step=5:rank=0:attempt=1,nan:step=2"})
     assert several.faults == (Fault("kill", 3, 1), Fault("hang", 5, 0, 1), Fault("nan", 2, 0))
+    stale = faults_from_env({"MESHTRON_FAULT": "stale:step=3:rank=1"})
+    assert stale.stale_view(1) == 3 and stale.stale_view(0) is None
     for bad in ("explode:step=1:rank=0", "kill:step=x:rank=0", "kill:rank=0", "kill:step=1:rank=0:when=now"):
         with pytest.raises(ConfigError, match="kind:step=S:rank=R"):
             faults_from_env({"MESHTRON_FAULT": bad})
@@ -43,6 +45,20 @@ def test_restart_bookkeeping(tmp_path):
     line = restart_message(1, tmp_path / "step-00000002", 2, 3)
     assert "restart 1 of this run" in line and "resumed from step-00000002 (step 2); 1 step(s)" in line
     assert "no checkpoint yet: starting over; 3 step(s)" in restart_message(2, None, 0, 3)
+
+
+def test_a_stale_view_sees_no_checkpoint_newer_than_its_step(tmp_path):
+    from meshtron.checkpoint.manager import find_checkpoint, step_dir_name
+
+    for step in (3, 6):
+        folder = tmp_path / step_dir_name(step)
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(b"x")
+        (folder / "meshtron.json").write_text(json.dumps({"step": step, "files": file_manifest(folder)}))
+    (tmp_path / "latest").write_text(step_dir_name(6))
+    assert find_checkpoint(tmp_path, "auto") == tmp_path / step_dir_name(6)
+    assert find_checkpoint(tmp_path, "auto", visible_up_to=5) == tmp_path / step_dir_name(3)
+    assert find_checkpoint(tmp_path, "auto", visible_up_to=0) is None
 
 
 def test_file_list_finds_missing_and_truncated_files(tmp_path):

@@ -81,9 +81,12 @@ def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / META).read_text())
 
 
-def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = None) -> Path | None:
+def find_checkpoint(
+    directory: Path, resume: str, skipped: list[str] | None = None, visible_up_to: int | None = None
+) -> Path | None:
     """The checkpoint ``checkpoint.resume`` asks for: None, a given path, or (``auto``) the newest whole one in
-    ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity)."""
+    ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity).
+    ``visible_up_to``: tests only (meshtron.resilience.faults' ``stale``), checkpoints of later steps are not seen."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -100,6 +103,8 @@ def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = No
     latest = directory / marker.read_text().strip() if marker.is_file() else None
     if latest is not None and latest not in candidates:
         candidates.insert(0, latest)
+    if visible_up_to is not None:
+        candidates = [path for path in candidates if int(path.name.removeprefix("step-")) <= visible_up_to]
     reasons = []
     for path in candidates:
         reason = damage(path)
@@ -355,13 +360,13 @@ def check_fixed_directory(cfg, launched: bool) -> None:
         )
 
 
-def resume_point(cfg, hf_config, skipped: list[str] | None = None) -> Path | None:
+def resume_point(cfg, hf_config, skipped: list[str] | None = None, visible_up_to: int | None = None) -> Path | None:
     """The checkpoint this run continues from (checked against the model and data settings), or None;
-    ``skipped``: as for ``find_checkpoint``."""
+    ``skipped``, ``visible_up_to``: as for ``find_checkpoint``."""
     directory = checkpoint_directory(cfg)
     if cfg.checkpoint.resume == "auto" and directory is None:
         return None
-    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped)
+    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, visible_up_to)
     if path is not None:
         meta = read_meta(path)
         check_compatible(meta, path, hf_config, cfg.data, cfg.train.global_batch_size)

@@ -3,6 +3,7 @@ degrees, the batch split, the model, data and attention settings, and where the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.errors import ConfigError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.build import check_model_path, load_hf_config
+from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.router_balance import check_router_balance
 from meshtron.train.router_loss import router_loss_enabled
@@ -173,7 +175,9 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     router_loss_enabled(cfg.train.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     skipped: list[str] = []
-    resume_from = resume_point(cfg, hf_config, skipped)
+    faults = faults_from_env()  # tests only: a rank with a stale view of the checkpoint directory
+    stale = faults.stale_view(int(os.environ.get("RANK", "0"))) if faults is not None else None
+    resume_from = resume_point(cfg, hf_config, skipped, stale)
     check_stream_checkpoint(resume_from, cfg.data.streaming)
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
