@@ -18,7 +18,7 @@ from meshtron.config import load_config
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
-from meshtron.errors import MeshtronError
+from meshtron.errors import ConfigError, MeshtronError
 from meshtron.train.optim import lr_at
 from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
@@ -391,3 +391,51 @@ def test_stop_signals_and_async_saves_add_no_collective_to_a_step(tmp_path, cach
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000003"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
+
+
+def test_workers_resolve_the_resume_point_on_rank_0_and_every_rank_takes_its_choice_or_its_error(
+    tmp_path, cache_dir, monkeypatch, one_rank_group
+):
+    """Issue 43, finding 5. Under torchrun only rank 0 resolves checkpoint.resume (the other ranks may see the
+    directory differently); a problem it finds is raised on every rank once the process group exists, and a
+    launcher or a single process still raises it in preflight. (Ranks with different views: test_recovery.py.)"""
+    import torch.distributed as dist
+
+    from meshtron.train.preflight import agree_resume_point, preflight
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step-00000003").mkdir(parents=True)  # no meshtron.json: not a whole checkpoint
+    cfg = small_config(tmp_path, cache_dir, f"checkpoint.dir={checkpoints}")
+    with pytest.raises(MeshtronError, match="no whole checkpoint to resume from"):
+        preflight(cfg, 2, "cpu")  # the launcher's check, before any worker starts
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    other = preflight(cfg, 2, "cpu")  # looks at no checkpoint
+    assert not other.resume_agreed and other.resume_error is None and other.resume_from is None
+    monkeypatch.setenv("RANK", "0")
+    main_plan = preflight(cfg, 2, "cpu")
+    assert "no whole checkpoint to resume from" in str(main_plan.resume_error)
+    runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(MeshtronError, match="no whole checkpoint to resume from"):
+        agree_resume_point(main_plan, runtime)
+
+    sent = []
+
+    def from_rank_0(message):  # what rank 1 receives from rank 0's broadcast
+        def broadcast_object_list(objects, src):
+            assert src == 0 and objects == [None]
+            sent.append(1)
+            objects[0] = message
+
+        return broadcast_object_list
+
+    rank_1 = Runtime(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"))
+    chosen = str(checkpoints / "step-00000006")
+    monkeypatch.setattr(dist, "broadcast_object_list", from_rank_0((chosen, ["step-00000007 is damaged"], None)))
+    agreed = agree_resume_point(other, rank_1)
+    assert agreed.resume_agreed and agreed.resume_from == Path(chosen)
+    assert agreed.resume_skipped == ("step-00000007 is damaged",) and sent == [1]
+    assert agree_resume_point(agreed, rank_1) is agreed and sent == [1]  # once
+    monkeypatch.setattr(dist, "broadcast_object_list", from_rank_0((None, [], (True, "checkpoint.resume: bad"))))
+    with pytest.raises(ConfigError, match="checkpoint.resume: bad"):
+        agree_resume_point(other, rank_1)

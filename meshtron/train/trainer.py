@@ -40,7 +40,7 @@ from meshtron.train.evaluate import Evaluator, build_evaluator
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import Plan, preflight
+from meshtron.train.preflight import Plan, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
 from meshtron.train.router_balance import build_router_balance
 from meshtron.train.router_loss import build_router_loss
@@ -147,6 +147,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
     ``checkpoint.resume`` names, once, on the ``[eval]`` data."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
+    plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
     if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
         print(plan.tokenizer_notice, flush=True)
     dims = plan.dims
