@@ -210,6 +210,7 @@ class HangWatchdog:
         path = Path(self.trace_dir) / f"flight-recorder-step-{step}" / f"{TRACE_PREFIX}{self.rank}"
 
         def write() -> None:
+            path.unlink(missing_ok=True)  # an earlier attempt's, hung at the same step
             trace = self.dump_trace()
             if trace:
                 path.parent.mkdir(parents=True, exist_ok=True)
