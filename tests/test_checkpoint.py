@@ -631,6 +631,41 @@ def test_a_failed_write_during_a_save_is_one_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
+def test_an_async_save_commits_once_no_rank_still_writes_the_save_its_step_asked_about(tmp_path):
+    """``unfinished()`` is this rank's flag for the step's all-reduce; ``commit_if_done`` commits when the sum over
+    the ranks is 0, and only the save that the flag was asked about (a newer one waits for the next step's)."""
+    from meshtron.checkpoint import manager
+    from meshtron.train.runtime import Runtime
+
+    class Future:
+        def __init__(self, done: bool):
+            self.finished = done
+
+        def done(self) -> bool:
+            return self.finished
+
+    saver = manager.CheckpointManager(tmp_path / "ckpt", 1, 2, True, Runtime(0, 0, 1, torch.device("cpu")))
+    committed = []
+    saver.wait = lambda: committed.append(saver.pending[1]) or setattr(saver, "pending", None)
+    assert saver.unfinished() == 0
+    saver.commit_if_done(0)  # nothing in flight
+    saver.pending = (Future(False), 4, None, {}, None)
+    assert saver.unfinished() == 1
+    saver.commit_if_done(1)
+    saver.pending[0].finished = True
+    assert saver.unfinished() == 0
+    saver.commit_if_done(1)  # another rank still writes
+    assert committed == []
+    saver.commit_if_done(0)
+    assert committed == [4]
+    saver.pending = (Future(True), 5, None, {}, None)  # started after the step's flags were read
+    saver.commit_if_done(0)
+    assert committed == [4]
+    saver.unfinished()
+    saver.commit_if_done(0)
+    assert committed == [4, 5]
+
+
 @pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), OSError(28, "No space left on device")])
 def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_loadable(tmp_path, monkeypatch, error):
     """Step 1 saves; step 2's tensor write fails (permission, full disk): one clear error, `latest` still names

@@ -18,6 +18,8 @@ def test_fault_spec_parses_and_bad_ones_name_the_format():
     assert faults_from_env({"MESHTRON_FAULT": "kill:step=6:rank=2"}).faults == (Fault("kill", 6, 2),)
     several = faults_from_env({"MESHTRON_FAULT": "kill:step=3:rank=1, hang:step=5:rank=0:attempt=1,nan:step=2"})
     assert several.faults == (Fault("kill", 3, 1), Fault("hang", 5, 0, 1), Fault("nan", 2, 0))
+    stale = faults_from_env({"MESHTRON_FAULT": "stale:step=3:rank=1"})
+    assert stale.stale_view(1) == 3 and stale.stale_view(0) is None
     for bad in ("explode:step=1:rank=0", "kill:step=x:rank=0", "kill:rank=0", "kill:step=1:rank=0:when=now"):
         with pytest.raises(ConfigError, match="kind:step=S:rank=R"):
             faults_from_env({"MESHTRON_FAULT": bad})
@@ -43,6 +45,20 @@ def test_restart_bookkeeping(tmp_path):
     line = restart_message(1, tmp_path / "step-00000002", 2, 3)
     assert "restart 1 of this run" in line and "resumed from step-00000002 (step 2); 1 step(s)" in line
     assert "no checkpoint yet: starting over; 3 step(s)" in restart_message(2, None, 0, 3)
+
+
+def test_a_stale_view_sees_no_checkpoint_newer_than_its_step(tmp_path):
+    from meshtron.checkpoint.manager import find_checkpoint, step_dir_name
+
+    for step in (3, 6):
+        folder = tmp_path / step_dir_name(step)
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(b"x")
+        (folder / "meshtron.json").write_text(json.dumps({"step": step, "files": file_manifest(folder)}))
+    (tmp_path / "latest").write_text(step_dir_name(6))
+    assert find_checkpoint(tmp_path, "auto") == tmp_path / step_dir_name(6)
+    assert find_checkpoint(tmp_path, "auto", visible_up_to=5) == tmp_path / step_dir_name(3)
+    assert find_checkpoint(tmp_path, "auto", visible_up_to=0) is None
 
 
 def test_file_list_finds_missing_and_truncated_files(tmp_path):
@@ -97,6 +113,90 @@ def test_hang_watchdog_names_the_ranks_that_did_not_arrive():
     assert said.count("\n") == 1 and streams[1].getvalue() == ""  # one rank speaks for all
     assert "step 7 made no progress for 31 s (run.collective_timeout_s=0.3): rank(s) 1, 2 did not arrive" in said
     assert "rank 1 busy at loader.py:12 in next_batch; rank 2 sent no report" in said
+
+
+def test_hang_watchdog_counts_a_busy_device_stream_as_waiting_and_writes_the_flight_recorder(tmp_path):
+    """Under NCCL the host runs ahead of the collectives: rank 0's host is past its all-reduce, in a sync of
+    its own (`.item()`), but its device stream still has work queued; rank 1 is busy with an idle stream (a stuck
+    data loader); rank 2 never reports. Rank 0 counts as waiting and names 1 and 2 only, and each rank that
+    gives up writes its flight recorder where the line says, named as torch's torchfrtrace reads them."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from meshtron.resilience.watchdog import EXIT_HUNG
+
+    store, streams, codes = HashStore(), [], []
+    synced = _watchdog(
+        0,
+        3,
+        store,
+        streams,
+        codes,
+        locate=lambda: (False, "experts.py:88 in exchange"),
+        stream_pending=lambda: True,
+        trace_dir=tmp_path,
+        dump_trace=lambda: b"rank 0 trace",
+    )
+    busy = _watchdog(
+        1,
+        3,
+        store,
+        streams,
+        codes,
+        locate=lambda: (False, "loader.py:12 in next_batch"),
+        stream_pending=lambda: False,
+        trace_dir=tmp_path,
+        dump_trace=lambda: b"rank 1 trace",
+    )
+    for watchdog in (synced, busy):
+        watchdog.progress(7)
+    threads = [threading.Thread(target=w.give_up, args=(31.0,)) for w in (synced, busy)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert codes == [EXIT_HUNG, EXIT_HUNG]
+    said = streams[0].getvalue()
+    folder = tmp_path / "flight-recorder-step-7"
+    assert "rank(s) 1, 2 did not arrive (rank 1 busy at loader.py:12 in next_batch; rank 2 sent no report" in said
+    assert f"NCCL flight recorder of each rank in {folder} (read it with: torchfrtrace {folder})" in said
+    assert sorted(path.name for path in folder.iterdir()) == ["nccl_trace_rank_0", "nccl_trace_rank_1"]
+    assert (folder / "nccl_trace_rank_1").read_bytes() == b"rank 1 trace"
+
+
+def test_device_stream_pending_asks_the_main_threads_cuda_stream(monkeypatch):
+    import torch
+
+    from meshtron.resilience.watchdog import device_stream_pending, flight_recorder_trace
+
+    class Stream:
+        done = False
+
+        def query(self):
+            return self.done
+
+    stream = Stream()
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or stream)
+    assert not device_stream_pending(torch.device("cpu"))() and asked == []
+    pending = device_stream_pending(torch.device("cuda", 3))
+    assert asked == [torch.device("cuda", 3)] and pending()
+    stream.done = True
+    assert not pending()
+    assert flight_recorder_trace() is None  # no NCCL process group here
+
+
+def test_flight_recorder_is_turned_on_unless_its_size_is_set():
+    from meshtron.resilience.watchdog import enable_flight_recorder
+
+    environ = {}
+    enable_flight_recorder(environ)
+    assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000"}
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        environ = {name: "0"}
+        enable_flight_recorder(environ)
+        assert environ == {name: "0"}
 
 
 def test_hang_watchdog_fires_only_without_progress():
@@ -159,11 +259,13 @@ def test_stop_signals_are_recorded_once_and_handlers_come_back():
 
     before = signal.getsignal(signal.SIGUSR1)
     with StopSignals() as signals:
-        assert signals.agreed(None, distributed=False) is None
+        assert signals.flags() == [0, 0] and signals.agreed(signals.flags()) is None
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while stopping: counted, not acted on
-        assert signals.agreed(None, distributed=False) == "SIGUSR1" and signals.repeated == 1
+        assert signals.agreed(signals.flags()) == "SIGUSR1" and signals.repeated == 1
     assert signal.getsignal(signal.SIGUSR1) is before
+    # Summed over ranks: one rank's SIGUSR1 stops all; SIGTERM wins when ranks got different ones (as a max did).
+    assert StopSignals.agreed([0, 1]) == "SIGUSR1" and StopSignals.agreed([1, 3]) == "SIGTERM"
 
 
 def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):

@@ -94,7 +94,8 @@ def test_kills_and_failed_saves_restart_the_run_which_continues_exactly(straight
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tmp_path, cache_dir):
     """SIGTERM to the launcher at step 2 (and again during the save): every rank finishes its step, saves it
-    and exits 75. The same command resumes; here with async saves and a rank killed while the step-6 save is
+    and exits 75. The same command resumes, although rank 1 sees no checkpoint (a stale directory cache: rank 0
+    resolves checkpoint.resume=auto for all); here with async saves and a rank killed while the step-6 save is
     being written, which resumes from step 3 by itself. Losses and final weights equal the uninterrupted run's."""
     out = tmp_path / "run"
     stopped = run_cli(command(cache_dir, out), env=worker_env(MESHTRON_FAULT="term:step=2:rank=1"), timeout=300)
@@ -109,9 +110,10 @@ def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tm
     meta = json.loads((out / "checkpoints" / f"step-0000000{said[1]}" / "meshtron.json").read_text())
     assert meta["stopped_by"] == "SIGTERM"
 
+    # Rank 1 starts with a stale view of the checkpoint folder (sees none): every rank resumes rank 0's choice.
     rerun = run_cli(
         [*command(cache_dir, out, "--checkpoint.async=true"), "--max-restarts", "1"],
-        env=worker_env(MESHTRON_FAULT="killsave:step=6:rank=0"),
+        env=worker_env(MESHTRON_FAULT="killsave:step=6:rank=0,stale:step=0:rank=1"),
         timeout=300,
     )
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]

@@ -18,7 +18,7 @@ from meshtron.config import load_config
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
-from meshtron.errors import MeshtronError
+from meshtron.errors import ConfigError, MeshtronError
 from meshtron.train.optim import lr_at
 from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
@@ -326,3 +326,116 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
     assert all(json.loads(p.read_text())["traceEvents"] for p in (out / "profile").iterdir())
     communication = re.search(r"^  communication\s+([\d.]+) ms", proc.stdout, re.MULTILINE)
     assert communication and float(communication.group(1)) > 0, proc.stdout
+
+
+def test_step_sums_carry_the_flags_of_every_rank_in_the_one_all_reduce(monkeypatch):
+    """The step's all-reduce (here of 2 ranks: another rank's numbers added) sums the flags with the loss and norm."""
+    import torch.distributed as dist
+
+    from meshtron.train.step_stats import global_step_sums
+
+    calls = []
+
+    def all_reduce(tensor):  # rank 1: loss share 1.0, its half of the replicated gradient's square, flags (0, 1, 1)
+        calls.append(tensor.clone())
+        tensor.add_(torch.tensor([1.0, 12.5, 0.0, 1.0, 1.0]))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 4.0])
+    loss, norm, flags = global_step_sums(torch.tensor(3.0), [param], 4, flags=[1, 0, 1])
+    assert len(calls) == 1 and float(loss) == 1.0 and float(norm) == 5.0 and flags.tolist() == [1.0, 1.0, 2.0]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group: every path that agrees across ranks runs, with nothing to wait for."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_stop_signals_and_async_saves_add_no_collective_to_a_step(tmp_path, cache_dir, monkeypatch, one_rank_group):
+    """The flags of a stop signal and of an async save in flight ride in the step's own all-reduce (issue 43,
+    finding 10): in a one-rank group (whose step needs no all-reduce) a run with async saves makes none at all,
+    and SIGUSR1 at step 3 still stops it after step 3 with that step's checkpoint saved."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    import meshtron.train.trainer as trainer
+    from meshtron.resilience.preemption import Preempted
+
+    calls = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs))
+    train_step = trainer.train_step
+
+    def signalled_step(model, optimizer, inputs, step, *args, **kwargs):
+        if step == 2:  # 0-based: step 3 as the logs count
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return train_step(model, optimizer, inputs, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", signalled_step)
+    cfg = small_config(tmp_path, cache_dir, "train.steps=6", "checkpoint.interval=2", "checkpoint.async=true")
+    runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert runtime.distributed
+    with pytest.raises(Preempted, match="stopped by SIGUSR1 after step 3 of 6: checkpoint step-00000003 saved"):
+        train(cfg, runtime)
+    assert calls == []
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000003"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+
+
+def test_workers_resolve_the_resume_point_on_rank_0_and_every_rank_takes_its_choice_or_its_error(
+    tmp_path, cache_dir, monkeypatch, one_rank_group
+):
+    """Issue 43, finding 5. Under torchrun only rank 0 resolves checkpoint.resume (the other ranks may see the
+    directory differently); a problem it finds is raised on every rank once the process group exists, and a
+    launcher or a single process still raises it in preflight. (Ranks with different views: test_recovery.py.)"""
+    import torch.distributed as dist
+
+    from meshtron.train.preflight import agree_resume_point, preflight
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step-00000003").mkdir(parents=True)  # no meshtron.json: not a whole checkpoint
+    cfg = small_config(tmp_path, cache_dir, f"checkpoint.dir={checkpoints}")
+    with pytest.raises(MeshtronError, match="no whole checkpoint to resume from"):
+        preflight(cfg, 2, "cpu")  # the launcher's check, before any worker starts
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    other = preflight(cfg, 2, "cpu")  # looks at no checkpoint
+    assert not other.resume_agreed and other.resume_error is None and other.resume_from is None
+    monkeypatch.setenv("RANK", "0")
+    main_plan = preflight(cfg, 2, "cpu")
+    assert "no whole checkpoint to resume from" in str(main_plan.resume_error)
+    runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(MeshtronError, match="no whole checkpoint to resume from"):
+        agree_resume_point(main_plan, runtime)
+
+    sent = []
+
+    def from_rank_0(message):  # what rank 1 receives from rank 0's broadcast
+        def broadcast_object_list(objects, src):
+            assert src == 0 and objects == [None]
+            sent.append(1)
+            objects[0] = message
+
+        return broadcast_object_list
+
+    rank_1 = Runtime(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"))
+    chosen = str(checkpoints / "step-00000006")
+    monkeypatch.setattr(dist, "broadcast_object_list", from_rank_0((chosen, ["step-00000007 is damaged"], None)))
+    agreed = agree_resume_point(other, rank_1)
+    assert agreed.resume_agreed and agreed.resume_from == Path(chosen)
+    assert agreed.resume_skipped == ("step-00000007 is damaged",) and sent == [1]
+    assert agree_resume_point(agreed, rank_1) is agreed and sent == [1]  # once
+    monkeypatch.setattr(dist, "broadcast_object_list", from_rank_0((None, [], (True, "checkpoint.resume: bad"))))
+    with pytest.raises(ConfigError, match="checkpoint.resume: bad"):
+        agree_resume_point(other, rank_1)

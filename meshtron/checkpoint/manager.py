@@ -81,9 +81,12 @@ def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / META).read_text())
 
 
-def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = None) -> Path | None:
+def find_checkpoint(
+    directory: Path, resume: str, skipped: list[str] | None = None, visible_up_to: int | None = None
+) -> Path | None:
     """The checkpoint ``checkpoint.resume`` asks for: None, a given path, or (``auto``) the newest whole one in
-    ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity)."""
+    ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity).
+    ``visible_up_to``: tests only (meshtron.resilience.faults' ``stale``), checkpoints of later steps are not seen."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -100,6 +103,8 @@ def find_checkpoint(directory: Path, resume: str, skipped: list[str] | None = No
     latest = directory / marker.read_text().strip() if marker.is_file() else None
     if latest is not None and latest not in candidates:
         candidates.insert(0, latest)
+    if visible_up_to is not None:
+        candidates = [path for path in candidates if int(path.name.removeprefix("step-")) <= visible_up_to]
     reasons = []
     for path in candidates:
         reason = damage(path)
@@ -182,6 +187,7 @@ class CheckpointManager:
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
         self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
+        self._asked = None  # the pending save that ``unfinished`` last looked at
         self.on_commit = None
         """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
         from the start of the save, ``paused`` (async saves; None for others) how long training waited for it."""
@@ -267,17 +273,17 @@ class CheckpointManager:
                 lambda reason: self._failed(partial, reason),
             )
 
-    def commit_if_done(self) -> None:
+    def unfinished(self) -> int:
+        """1 while this rank still writes its part of an async save, else 0: a flag of the step's all-reduce (which
+        sums it over the ranks, meshtron.train.step_stats) for ``commit_if_done``."""
+        self._asked = self.pending
+        return int(self.pending is not None and not self.pending[0].done())
+
+    def commit_if_done(self, unfinished_ranks: int) -> None:
         """Commit an async save as soon as every rank has written its part (every rank calls this after each
-        step), so that a run killed before the next save resumes from it."""
-        if self.pending is None:
-            return
-        done = self.pending[0].done()
-        if self.runtime.distributed:
-            flag = torch.tensor([int(done)], device=self.runtime.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            done = bool(flag.item())
-        if done:
+        step), so that a run killed before the next save resumes from it. ``unfinished_ranks``: ``unfinished()``
+        summed over the ranks in the step; a save started since then waits for the next step's."""
+        if self.pending is not None and self.pending is self._asked and unfinished_ranks == 0:
             self.wait()
 
     def wait(self) -> None:
@@ -354,13 +360,13 @@ def check_fixed_directory(cfg, launched: bool) -> None:
         )
 
 
-def resume_point(cfg, hf_config, skipped: list[str] | None = None) -> Path | None:
+def resume_point(cfg, hf_config, skipped: list[str] | None = None, visible_up_to: int | None = None) -> Path | None:
     """The checkpoint this run continues from (checked against the model and data settings), or None;
-    ``skipped``: as for ``find_checkpoint``."""
+    ``skipped``, ``visible_up_to``: as for ``find_checkpoint``."""
     directory = checkpoint_directory(cfg)
     if cfg.checkpoint.resume == "auto" and directory is None:
         return None
-    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped)
+    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, visible_up_to)
     if path is not None:
         meta = read_meta(path)
         check_compatible(meta, path, hf_config, cfg.data, cfg.train.global_batch_size)

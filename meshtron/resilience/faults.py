@@ -12,6 +12,9 @@
 - ``nan``: step S's loss is made non-finite (every rank; ``rank`` is ignored), once per process.
 - ``killsave``: rank R kills itself with SIGKILL in the save of step S, after writing its part.
 - ``failsave``: rank R's save of step S fails with "No space left on device".
+- ``stale``: rank R's view of ``checkpoint.dir`` at start-up is stale: ``checkpoint.resume=auto`` sees no
+  checkpoint newer than step S there (0: none), as a node whose cached directory listing predates the later
+  saves would.
 
 Unset, nothing happens: training calls these hooks, which return at once. Not a user setting.
 """
@@ -29,7 +32,7 @@ from meshtron.errors import ConfigError
 from meshtron.resilience.restart import restart_count
 
 ENV = "MESHTRON_FAULT"
-KINDS = ("kill", "hang", "term", "nan", "killsave", "failsave")
+KINDS = ("kill", "hang", "term", "nan", "killsave", "failsave", "stale")
 
 
 def _announce(what: str) -> None:
@@ -86,6 +89,13 @@ class Faults:
     def nonfinite(self, step: int) -> bool:
         """Whether step ``step``'s loss is to be made non-finite."""
         return self._due("nan", step, -1)
+
+    def stale_view(self, rank: int) -> int | None:
+        """The newest step whose checkpoint rank ``rank`` sees at start-up (a ``stale`` fault), or None: all."""
+        for fault in self.faults:
+            if fault.kind == "stale" and fault.rank == rank and restart_count() == fault.attempt:
+                return fault.step
+        return None
 
     def during_save(self, step: int, rank: int) -> None:
         """Called by every rank in the save of ``step``, after writing its part and before the commit."""

@@ -5,6 +5,8 @@
 - a hang watchdog with the step as its progress mark (watchdog),
 - ``train.on_nonfinite=rollback`` (rollback),
 - saves at the interval, and an async save committed as soon as every rank has written it,
+- the flags that the ranks agree on in every step (stop signals, an async save still being written), which
+  ride in the step's own all-reduce (``step_flags``, then ``after_step``): no collective of their own,
 - test-only faults from ``MESHTRON_FAULT`` (faults), which do nothing in a normal run.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from meshtron.checkpoint.manager import step_dir_name
 from meshtron.resilience.faults import faults_from_env
-from meshtron.resilience.preemption import Preempted, StopSignals, stop_message
+from meshtron.resilience.preemption import STOP_SIGNALS, Preempted, StopSignals, stop_message
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 from meshtron.resilience.rollback import NonfiniteRollback
 from meshtron.resilience.watchdog import start_watchdog
@@ -49,7 +51,8 @@ class RunGuard:
 
     def __enter__(self) -> RunGuard:
         self.signals.__enter__()
-        self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s)  # None in one process
+        # None in one process; a hang under NCCL leaves each rank's flight recorder in the run's output directory
+        self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s, self.result.output_dir)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -93,15 +96,22 @@ class RunGuard:
             **({"rollbacks": rollbacks} if rollbacks else {}),
         }
 
-    def after_step(self, step: int) -> None:
-        """After ``step`` steps are done: save when due or stopped; raise Preempted after a stop's save."""
+    def step_flags(self) -> list[int]:
+        """This rank's flags for the step's all-reduce (meshtron.train.step.train_step's ``shared_flags``, read just
+        before it): one per stop signal received, and an async save this rank still writes."""
+        return [*self.signals.flags(), self.resumable.unfinished_save()]
+
+    def after_step(self, step: int, flag_sums) -> None:
+        """After ``step`` steps are done (``flag_sums``: ``step_flags`` summed over the ranks in that step): save
+        when due or stopped; raise Preempted after a stop's save."""
         last = self.cfg.train.steps
-        stop = self.signals.agreed(self.runtime.device, self.runtime.distributed) if step < last else None
+        signals, unfinished = flag_sums[: len(STOP_SIGNALS)], flag_sums[len(STOP_SIGNALS)]
+        stop = self.signals.agreed(signals) if step < last else None
         if stop or self.resumable.save_due(step):
             self._progress(step, "saving a checkpoint")
             self.resumable.save(step, stopped_by=stop)
         else:
-            self.resumable.commit_if_done()
+            self.resumable.commit_if_done(unfinished)
         if stop:
             self.resumable.wait()
             raise Preempted(stop_message(stop, step, last, step_dir_name(step)))

@@ -2,20 +2,20 @@
 
 SLURM sends SIGTERM before it ends or preempts a job (or SIGUSR1 some seconds earlier with
 ``--signal=USR1@120``); torchrun's agent forwards the signals it handles to every worker. Each rank records
-a signal when it comes; after every step all ranks agree (one all-reduce of a flag) whether any got one, so
-they stop after the same step even when the signal reached only some of them. Then they save a checkpoint
-at that step (also between ``checkpoint.interval`` steps), wait for it to be complete, and exit with
-``EXIT_PREEMPTED``: running the same command again resumes from it. Further signals while stopping are
-ignored, and a kill in the middle of the save leaves the previous checkpoint complete (saves are atomic).
+a signal when it comes; in every step all ranks agree whether any got one (a flag per signal, summed in the
+step's own all-reduce of its loss: meshtron.train.step_stats), so they stop after the same step even when the
+signal reached only some of them (a signal that comes after that all-reduce stops the run after the next
+step). Then they save a checkpoint at that step (also between ``checkpoint.interval`` steps), wait for it to
+be complete, and exit with ``EXIT_PREEMPTED``: running the same command again resumes from it. Further
+signals while stopping are ignored, and a kill in the middle of the save leaves the previous checkpoint
+complete (saves are atomic).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-
-import torch
-import torch.distributed as dist
+from collections.abc import Sequence
 
 EXIT_PREEMPTED = 75
 """Exit status after a stop by a signal with the checkpoint saved (``EX_TEMPFAIL``: run again to resume)."""
@@ -53,14 +53,16 @@ class StopSignals:
         else:
             self.received = signum
 
-    def agreed(self, device: torch.device, distributed: bool) -> str | None:
-        """The name of a stop signal that any rank got (every rank calls this after each step), or None."""
-        received = self.received
-        if distributed:
-            flag = torch.tensor([received], dtype=torch.int64, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            received = int(flag.item())
-        return signal.Signals(received).name if received else None
+    def flags(self) -> list[int]:
+        """Whether this rank got each of STOP_SIGNALS (first), for the step's all-reduce to sum over the ranks."""
+        return [int(self.received == sig) for sig in STOP_SIGNALS]
+
+    @staticmethod
+    def agreed(counts: Sequence[int]) -> str | None:
+        """The name of a stop signal that any rank got, from ``flags()`` summed over the ranks, or None; SIGTERM
+        before SIGUSR1 when ranks got different ones (every rank decides the same)."""
+        got = [sig for sig, count in zip(STOP_SIGNALS, counts, strict=True) if count > 0]
+        return signal.Signals(max(got)).name if got else None
 
 
 def stop_message(signal_name: str, step: int, total: int, checkpoint_name: str) -> str:

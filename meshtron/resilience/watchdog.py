@@ -3,10 +3,16 @@
 A background thread on each rank watches the training loop's progress marks (the start of a step, the end
 of a save). When ``run.collective_timeout_s`` passes without one, it looks at where its main thread is:
 inside torch.distributed or a host sync of the step (waiting for the other ranks), or elsewhere (busy: a
-stuck data loader, a deadlock in user code). Each rank writes that to the rendezvous store and waits a few
+stuck data loader, a deadlock in user code). On GPUs a rank whose device stream still has work queued counts
+as waiting wherever its host is: NCCL calls return at once and the host blocks at the next sync (``.item()``,
+``.tolist()``) behind the collective that cannot finish. Each rank writes that to the rendezvous store and waits a few
 seconds for the others' reports; a rank that sends none is gone (a dead host, a process stuck holding the
 GIL). The lowest waiting rank prints one line naming the step and the ranks that did not arrive, a busy
 rank prints where it is, and every rank exits with ``EXIT_HUNG``, so torchrun ends (or restarts) the group.
+Under NCCL each rank first writes NCCL's flight recorder (its last collectives of every process group and
+their state) to ``<run.output_dir>/flight-recorder-step-<N>/nccl_trace_rank_<R>``, the folder that the line
+names and torch's ``torchfrtrace`` reads; ``enable_flight_recorder`` turns the recorder on before the process
+group exists.
 It does not depend on the backend's own timeouts, so it works alike for gloo and NCCL; the process group's
 collective timeout is set ``COLLECTIVE_GRACE_S`` later so that this line comes first.
 """
@@ -20,6 +26,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 EXIT_HUNG = 124
@@ -28,9 +35,54 @@ COLLECTIVE_GRACE_S = 60.0
 REPORT_WAIT_S = 10.0
 STORE_GRACE_S = 5.0
 """Beyond the report wait, how long a store operation may take before a rank that is giving up stops waiting."""
-# Functions in which a main thread waits for the other ranks: host syncs of the step, the stop flag and the
-# async-save flag (on GPUs the host waits there, not inside torch.distributed).
-WAITING_FUNCTIONS = {"host_values", "agreed", "commit_if_done", "synchronize", "barrier"}
+# Functions in which a main thread waits for the other ranks: host syncs of the step (on GPUs the host waits
+# there, not inside torch.distributed).
+WAITING_FUNCTIONS = {"host_values", "synchronize", "barrier"}
+TRACE_PREFIX = "nccl_trace_rank_"
+"""A flight recorder file's name before its rank (torch's own, TORCH_NCCL_DEBUG_INFO_TEMP_FILE's default)."""
+FLIGHT_RECORDER_ENTRIES = 20000
+"""Collectives NCCL's flight recorder keeps per rank when the user did not choose (as torchtitan's default)."""
+FLIGHT_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""torch's settings of the recorder's size (the first from torch 2.10; the second read by both 2.11 and 2.13)."""
+
+
+def enable_flight_recorder(environ=os.environ) -> None:
+    """Turn NCCL's flight recorder on for this process (call before the process group is created), unless the
+    user set its size (0 turns it off)."""
+    if not any(environ.get(name) for name in FLIGHT_RECORDER_VARIABLES):
+        environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+def flight_recorder_trace() -> bytes | None:
+    """NCCL's flight recorder of this rank, pickled, or None without an NCCL process group (or a torch without
+    ``_dump_nccl_trace``, present in 2.11 and 2.13 CUDA builds)."""
+    import torch
+    import torch.distributed as dist
+
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+    if dump is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if "nccl" not in str(dist.get_backend()):
+        return None
+    return dump(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+
+
+def device_stream_pending(device) -> Callable[[], bool]:
+    """Whether ``device``'s stream of the calling (main) thread still has work queued or running; always False
+    off CUDA. Call in the main thread: the watchdog thread asks the stream it returns."""
+    if device is None or device.type != "cuda":
+        return lambda: False
+    import torch
+
+    stream = torch.cuda.current_stream(device)
+
+    def pending() -> bool:
+        try:
+            return not stream.query()
+        except Exception:  # noqa: BLE001 - a device in an error state: nothing to learn from it
+            return False
+
+    return pending
 
 
 def main_thread_location() -> tuple[bool, str]:
@@ -54,7 +106,9 @@ class HangWatchdog:
     """Stops this process (``EXIT_HUNG``) when no progress mark comes for ``timeout_s`` seconds.
 
     ``store`` (a torch.distributed Store shared by the ranks, with keys of this attempt) is where the ranks
-    tell each other where they are; ``locate``, ``exit`` and ``stream`` are for tests.
+    tell each other where they are; ``stream_pending`` (``device_stream_pending``) whether this rank's device
+    still works on what the host queued; ``trace_dir`` where the flight recorder (``dump_trace``) goes when
+    giving up; ``locate``, ``exit``, ``stream`` and ``dump_trace`` are for tests.
     """
 
     def __init__(
@@ -69,8 +123,12 @@ class HangWatchdog:
         locate=main_thread_location,
         exit=os._exit,
         stream=None,
+        stream_pending: Callable[[], bool] = lambda: False,
+        trace_dir: Path | None = None,
+        dump_trace: Callable[[], bytes | None] = flight_recorder_trace,
     ):
-        self.locate = locate
+        self.locate, self.stream_pending = locate, stream_pending
+        self.trace_dir, self.dump_trace = trace_dir, dump_trace
         self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
         self.poll_s, self.report_wait_s, self.exit, self.stream = poll_s, report_wait_s, exit, stream or sys.stderr
         self.step, self.phase, self.last = 0, "start-up", time.monotonic()
@@ -105,6 +163,9 @@ class HangWatchdog:
         """Tell the others where this rank is, learn where they are, print one line and exit."""
         step, phase = self.step, self.phase
         waiting, where = self.locate()
+        if not waiting and self.stream_pending():  # the host runs ahead; its device waits for a collective
+            waiting, where = True, f"{where} (its device stream still has work queued)"
+        traces = self._write_trace(step)
         reports: dict[int, dict] = {}
         self._in_time(lambda: self._exchange(step, waiting, where, reports))
         missing = [r for r in range(self.world_size) if r not in reports and r != self.rank]
@@ -129,12 +190,34 @@ class HangWatchdog:
                 f"progress for {idle:.0f} s "
                 f"(run.collective_timeout_s={self.timeout_s:g}): rank(s) {who} did not arrive"
                 + (f" ({details})" if details else "")
+                + (
+                    f"; NCCL flight recorder of each rank in {traces} (read it with: torchfrtrace {traces})"
+                    if traces
+                    else ""
+                )
                 + f"; every rank exits with status {EXIT_HUNG}",
                 file=self.stream,
                 flush=True,
             )
             self._in_time(lambda: self.store.set(announced, "1"))
         self.exit(EXIT_HUNG)
+
+    def _write_trace(self, step: int) -> Path | None:
+        """Write this rank's flight recorder into ``trace_dir``; the folder of every rank's, or None when this
+        rank has none (named as torch names them: ``torchfrtrace FOLDER`` reads them)."""
+        if self.trace_dir is None:
+            return None
+        path = Path(self.trace_dir) / f"flight-recorder-step-{step}" / f"{TRACE_PREFIX}{self.rank}"
+
+        def write() -> None:
+            path.unlink(missing_ok=True)  # an earlier attempt's, hung at the same step
+            trace = self.dump_trace()
+            if trace:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(trace)
+
+        self._in_time(write)
+        return path.parent if path.is_file() else None
 
     def _in_time(self, action) -> None:
         """Run a store operation, giving up after the report wait (a store on a dead host must not hold us)."""
@@ -173,8 +256,9 @@ class HangWatchdog:
             time.sleep(0.2)
 
 
-def start_watchdog(runtime, timeout_s: float) -> HangWatchdog | None:
-    """A running watchdog for this rank of a multi-process run (None in a single process)."""
+def start_watchdog(runtime, timeout_s: float, trace_dir: Path | None = None) -> HangWatchdog | None:
+    """A running watchdog for this rank of a multi-process run (None in a single process); ``trace_dir``: where
+    the flight recorder goes (the run's output directory). Call in the main thread."""
     if not runtime.distributed:
         return None
     from torch.distributed import PrefixStore
@@ -183,4 +267,11 @@ def start_watchdog(runtime, timeout_s: float) -> HangWatchdog | None:
     from meshtron.resilience.restart import restart_count
 
     store = PrefixStore(f"meshtron/hang/attempt-{restart_count()}/", _get_default_store())
-    return HangWatchdog(runtime.rank, runtime.world_size, timeout_s, store).start()
+    return HangWatchdog(
+        runtime.rank,
+        runtime.world_size,
+        timeout_s,
+        store,
+        stream_pending=device_stream_pending(runtime.device),
+        trace_dir=trace_dir,
+    ).start()

@@ -1,10 +1,20 @@
 """Checks that run before any collective, identically on every rank and by the launcher: the parallel
-degrees, the batch split, the model, data and attention settings, and where the run resumes from."""
+degrees, the batch split, the model, data and attention settings, and where the run resumes from.
+
+Where the run resumes from depends on what a rank sees of the checkpoint directory, which can differ between
+nodes (a shared file system's cached listings after a restart). In the workers of a multi-process run rank 0
+alone resolves it (``checkpoint.resume=auto``, the checks of that checkpoint and of the output directory); once
+the process group exists, ``agree_resume_point`` gives every rank rank 0's choice, or raises rank 0's error on
+every rank. A launcher (``meshtron train --nproc``) and a single process resolve it here, before anything starts.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch.distributed as dist
 
 from meshtron.checkpoint.manager import check_fixed_directory, resume_point
 from meshtron.config import BUILTIN_CORPUS, Config, parse_batch_rampup
@@ -19,9 +29,10 @@ from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
-from meshtron.errors import ConfigError
+from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.build import check_model_path, load_hf_config
+from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.router_balance import check_router_balance
 from meshtron.train.router_loss import router_loss_enabled
@@ -48,6 +59,11 @@ class Plan:
     """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
     tokenizer_notice: str | None = None
     """A line for rank 0 when a pretrained model trains on the byte tokenizer (meshtron.data.tokenizer)."""
+    resume_agreed: bool = True
+    """False in the workers of a multi-process run until ``agree_resume_point`` gave them rank 0's resume point."""
+    resume_error: MeshtronError | None = None
+    """Rank 0 of a multi-process run: the error its resolution of the resume point met, which
+    ``agree_resume_point`` raises on every rank."""
 
 
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -172,11 +188,16 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_router_balance(cfg.train.router_balance, hf_config)
     router_loss_enabled(cfg.train.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
     check_fixed_directory(cfg, launched=launched_by_torchrun())
-    skipped: list[str] = []
-    resume_from = resume_point(cfg, hf_config, skipped)
-    check_stream_checkpoint(resume_from, cfg.data.streaming)
-    # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
-    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
+    rank = int(os.environ.get("RANK", "0"))
+    by_rank_0 = world_size > 1 and launched_by_torchrun()  # the other ranks learn it from rank 0 (agree_resume_point)
+    resume_from, skipped, error = None, [], None
+    if rank == 0 or not by_rank_0:
+        try:
+            resume_from, skipped = _resume_point(cfg, hf_config, rank)
+        except MeshtronError as err:
+            if not by_rank_0:
+                raise
+            error = err  # raised on every rank once they can be told
     return Plan(
         dims,
         micro,
@@ -188,4 +209,48 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
         precision,
         tuple(skipped),
         tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
+        resume_agreed=not by_rank_0,
+        resume_error=error,
+    )
+
+
+def _resume_point(cfg: Config, hf_config, rank: int) -> tuple[Path | None, list[str]]:
+    """(the checkpoint the run continues from, the newer ones skipped as damaged), checked with the output
+    directory; a MeshtronError for a checkpoint or directory that cannot be used."""
+    skipped: list[str] = []
+    faults = faults_from_env()  # tests only: a rank with a stale view of the checkpoint directory
+    stale = faults.stale_view(rank) if faults is not None else None
+    resume_from = resume_point(cfg, hf_config, skipped, stale)
+    check_stream_checkpoint(resume_from, cfg.data.streaming)
+    # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
+    check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
+    return resume_from, skipped
+
+
+def agree_resume_point(plan: Plan, runtime) -> Plan:
+    """``plan`` with rank 0's resume point on every rank, learned in one broadcast once the process group exists
+    (``runtime``), or rank 0's error raised on every rank; ``plan`` itself where it was resolved by preflight."""
+    if plan.resume_agreed:
+        return plan
+    if not runtime.distributed:  # no one to agree with (not a torchrun worker's usual case)
+        if plan.resume_error is not None:
+            raise plan.resume_error
+        return replace(plan, resume_agreed=True)
+    choice: list = [None]
+    if runtime.is_main:
+        error = plan.resume_error
+        path = str(plan.resume_from) if plan.resume_from is not None else None
+        said = None if error is None else (isinstance(error, ConfigError), str(error))
+        choice = [(path, list(plan.resume_skipped), said)]
+    dist.broadcast_object_list(choice, src=0)
+    path, skipped, error = choice[0]
+    if error is not None:  # every rank has it: rank 0 prints it (meshtron.cli)
+        config_error, message = error
+        raise (ConfigError if config_error else MeshtronError)(message)
+    return replace(
+        plan,
+        resume_from=Path(path) if path is not None else None,
+        resume_skipped=tuple(skipped),
+        resume_agreed=True,
+        resume_error=None,
     )

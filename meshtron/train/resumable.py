@@ -87,9 +87,13 @@ class Resumable:
         if self.on_save is not None:
             self.on_save()
 
-    def commit_if_done(self) -> None:
+    def unfinished_save(self) -> int:
+        """1 while this rank still writes an async save (CheckpointManager.unfinished), else 0."""
+        return self.checkpoints.unfinished() if self.checkpoints is not None else 0
+
+    def commit_if_done(self, unfinished_ranks: int) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.commit_if_done()
+            self.checkpoints.commit_if_done(unfinished_ranks)
 
     def wait(self) -> None:
         if self.checkpoints is not None:

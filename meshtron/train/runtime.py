@@ -87,6 +87,10 @@ def init_runtime(timeout_s: float = 1800, device: str = "auto", host_collectives
     backend = process_group_backend(chosen.type, host_collectives)
     if launched_by_torchrun() and not dist.is_initialized():
         from meshtron.resilience.restart import attempt_store, restart_count
+        from meshtron.resilience.watchdog import enable_flight_recorder
+
+        if "nccl" in backend:  # read when the group is created: the hang watchdog writes it out (docs/faults.md)
+            enable_flight_recorder()
 
         kwargs = {"device_id": chosen} if chosen.type == "cuda" else {}
         timeout = timedelta(seconds=timeout_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,7 @@ from meshtron.train.loss import head_loss_sum
 from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.router_balance import RouterBalance
 from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
-from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
+from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class StepResult:
     """With ``measure_state``: the peak gradient bytes held between accumulated micro-batches."""
     activation_bytes: int | None = None
     """With ``measure_activations``: the peak bytes autograd kept for backward."""
+    flag_sums: tuple[int, ...] = ()
+    """The ``shared_flags`` of ``train_step`` summed over all ranks (in the step's own all-reduce)."""
 
 
 def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -184,11 +187,15 @@ def train_step(
     measure_state: bool = False,
     measure_activations: bool = False,
     inject_nonfinite: bool = False,
+    shared_flags: Callable[[], Sequence[int]] | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches.
 
     ``inputs`` gives the step's batches (meshtron.data.prefetch); ``measure_state`` / ``measure_activations``: fill
-    those fields of the StepResult; ``inject_nonfinite``: tests only (meshtron.resilience.faults), a NaN loss.
+    those fields of the StepResult; ``inject_nonfinite``: tests only (meshtron.resilience.faults), a NaN loss;
+    ``shared_flags``: gives this rank's flags (meshtron.resilience.guard.RunGuard.step_flags) just before the
+    step's all-reduce, which sums them over the ranks into ``StepResult.flag_sums``: no collective or host sync
+    of their own.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     step_inputs = inputs.get(step)
@@ -229,19 +236,28 @@ def train_step(
     if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
     # One all-reduce for both: loss shares (only last pipeline stages hold one; tp ranks hold copies)
-    # and squared gradient norms; one device-to-host transfer.
-    loss, grad_norm = global_loss_and_grad_norm(
-        local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp
+    # and squared gradient norms, with the run's flags; one device-to-host transfer.
+    flags = list(shared_flags()) if shared_flags is not None else []
+    loss, grad_norm, flag_sums = global_step_sums(
+        local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp, flags=flags
     )
     if inject_nonfinite:
         loss = loss * float("nan")
     router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
-    loss_value, norm_value, *routed = host_values(loss, grad_norm / loss_scale, *router_tensors)
+    loss_value, norm_value, *values = host_values(loss, grad_norm / loss_scale, *router_tensors, *flag_sums)
+    routed, summed = values[: len(router_tensors)], values[len(router_tensors) :]
     metrics = {}
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
         metrics = router_metrics(routed)
         loss_value += router.coef * metrics["aux_loss"]
-    result = dict(loss=loss_value, grad_norm=norm_value, tokens=float(global_targets), metrics=metrics, **measured)
+    result = dict(
+        loss=loss_value,
+        grad_norm=norm_value,
+        tokens=float(global_targets),
+        metrics=metrics,
+        flag_sums=tuple(round(value) for value in summed),
+        **measured,
+    )
     if ctx.scaler is not None and math.isfinite(loss_value):
         overflowed = not math.isfinite(norm_value)
         ctx.scaler.update(overflowed)

@@ -5,10 +5,14 @@
   (``GlobalBatchSchedule``), so no all-reduce is needed, and it is a Python int (no device sync).
 * The global loss and the global gradient norm are summed in one all-reduce of two numbers over all
   ranks, after backward, instead of one each (and, under pipeline parallelism, a second one for the loss).
-* Both reach the host in one transfer (one device sync on GPUs).
+  The run's per-step flags (a stop signal, an async save not yet written: meshtron.resilience.guard) ride
+  in the same all-reduce, so that they cost no collective of their own.
+* All reach the host in one transfer (one device sync on GPUs).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,6 +47,27 @@ def global_loss_and_grad_norm(
     ``targets``: the global target count; ``loss_copies``: how many ranks hold the same loss sum (the
     tensor-parallel degree); ``pipeline_degree`` as in ``global_grad_norm``.
     """
+    loss, grad_norm, _ = global_step_sums(
+        local_loss_sum, parameters, targets, loss_copies=loss_copies, pipeline_degree=pipeline_degree
+    )
+    return loss, grad_norm
+
+
+@torch.no_grad()
+def global_step_sums(
+    local_loss_sum: torch.Tensor,
+    parameters,
+    targets: int,
+    *,
+    loss_copies: int = 1,
+    pipeline_degree: int = 1,
+    flags: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, gradient norm, ``flags`` summed over all ranks), identical on every rank, from one all-reduce.
+
+    As ``global_loss_and_grad_norm``; ``flags``: small counts of this rank (exact in float32 up to 2**24 over
+    the ranks), put on the device without a host-to-device copy (a fill each: no device sync).
+    """
     parameters = list(parameters)
     square_sum = local_grad_square_sum(parameters, pipeline_degree=pipeline_degree)
     loss_share = local_loss_sum.detach().float()
@@ -50,10 +75,11 @@ def global_loss_and_grad_norm(
         loss_share = loss_share / loss_copies
     if square_sum is None:
         square_sum = torch.zeros((), device=loss_share.device)
-    both = torch.stack([loss_share, square_sum.to(loss_share.device)])
+    flag_values = [loss_share.new_full((), float(flag)) for flag in flags]
+    both = torch.stack([loss_share, square_sum.to(loss_share.device), *flag_values])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(both)
-    return both[0] / targets, both[1].sqrt()
+    return both[0] / targets, both[1].sqrt(), both[2:]
 
 
 @torch.no_grad()

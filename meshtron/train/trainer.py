@@ -41,7 +41,7 @@ from meshtron.train.evaluate import Evaluator, build_evaluator
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.pipeline_runner import build_pipeline_runner
 from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import Plan, preflight
+from meshtron.train.preflight import Plan, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
 from meshtron.train.router_balance import build_router_balance
 from meshtron.train.router_loss import build_router_loss
@@ -148,6 +148,7 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
     ``checkpoint.resume`` names, once, on the ``[eval]`` data."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
+    plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
     if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
         print(plan.tokenizer_notice, flush=True)
     dims = plan.dims
@@ -286,6 +287,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
             measure_state=not result.state_bytes,  # the first update
             measure_activations=step == activation_step,
             inject_nonfinite=inject_nonfinite,
+            shared_flags=guard.step_flags,  # stop signals, async saves: agreed in the step's all-reduce
         )
         rolled_to = guard.rolled_back(step, outcome, lr, result.start_step)
         if rolled_to is not None:  # train.on_nonfinite=rollback: on from the last checkpoint
@@ -306,7 +308,7 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
             logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
         loop.profiler.after_step(step, logger.message)
-        guard.after_step(step)  # saves when due; after a stop signal, saves and raises Preempted
+        guard.after_step(step, outcome.flag_sums)  # saves when due; after a stop signal, saves and raises Preempted
     return step
 
 
