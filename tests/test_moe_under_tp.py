@@ -17,7 +17,6 @@ import copy
 import torch
 import torch.distributed as dist
 from conftest import free_port
-from test_expert_parallel import tiny_block
 
 from meshtron.distributed.expert_parallel import apply_expert_parallel, expert_meshes, shard_experts
 from meshtron.distributed.mesh import ParallelDims
@@ -28,11 +27,24 @@ DIVIDE = 2.0
 """The experts' gradient divide factor: the dense one, dp_shard x cp = 2 in ep2_pp2_tp2 (efsdp = 1)."""
 
 
+def qwen3_moe_block():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.3)
+    return block
+
+
 def test_experts_gathered_between_forwards_keep_fsdp_gradient_division():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    reference = tiny_block("qwen3_moe")
+    reference = qwen3_moe_block()
     hidden = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
     (reference(hidden).float().pow(2).sum() / DIVIDE).backward()  # the loss that FSDP's division gives the experts
 
