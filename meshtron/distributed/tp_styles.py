@@ -160,13 +160,20 @@ class ReplicatedBlockParallel(ParallelStyle):
         return output.to_local(grad_placements=[Replicate()])
 
     @staticmethod
-    def _local_forward(module: nn.Module):
+    def _local_forward(module: nn.Module, device_mesh):
         forward = module.forward
 
         def local_forward(*args, **kwargs):
+            # Only the parameters replicated over the tp mesh. Others (expert-parallel experts, sharded over ep and
+            # gathered by their own FSDP in their own pre-forward, inside this forward) are left to their module,
+            # which takes their local piece itself: swapped here, they would be restored after the forward as the
+            # sharded parameter FSDP had replaced by the gathered one, and a later forward while FSDP still holds
+            # them gathered (pipelining, reshard_after_forward=false) would compute with the sharded parameter,
+            # whose gradient then bypasses FSDP's reduction and division (efsdp = 1: same shape, no error).
             params = {
-                name: param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
+                name: param.to_local(grad_placements=param.placements)
                 for name, param in module.named_parameters()
+                if isinstance(param, DTensor) and param.device_mesh == device_mesh
             }
             # Replicated buffers too (DeepSeek-V3's router bias): the same tensor's local value, updated in place.
             params.update(
@@ -180,7 +187,7 @@ class ReplicatedBlockParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         # No partition function: distribute_module replicates the parameters over the tp mesh.
         module = distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
-        self._local_forward(module)
+        self._local_forward(module, device_mesh)
         return module
 
 
