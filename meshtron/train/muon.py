@@ -245,7 +245,9 @@ def _orthogonalize_batch(owned_by: dict, exchange: _Exchange, update_of, steps: 
         updates[slot].to_local().to(dtype) if slot in updates else first.to_local().new_zeros(local_shape, dtype=dtype)
         for slot in range(exchange.owners)
     ]
-    whole = _gather(torch.stack(shards).view(*exchange.sizes, *local_shape), exchange)
+    # The mesh's device carries the exchange (under fsdp.cpu_offload the shards are on the host, NCCL wants the GPU)
+    device = torch.device(exchange.mesh.device_type)
+    whole = _gather(torch.stack(shards).view(*exchange.sizes, *local_shape).to(device), exchange)
     if exchange.slot in updates:  # as one process computes it: on the matrix's own shape (a 2-D matmul for 2-D)
         result = newton_schulz(whole.view(whole.shape[len(exchange.sizes) :]), steps, dtype).view(whole.shape)
     else:  # no matrix for this rank in this batch
@@ -253,7 +255,7 @@ def _orthogonalize_batch(owned_by: dict, exchange: _Exchange, update_of, steps: 
     results = _scatter(result, exchange).reshape(exchange.owners, *local_shape)
     for slot, param in owned_by.items():
         update = updates[slot]
-        local = results[slot].to(update.dtype)
+        local = results[slot].to(update.to_local().device, update.dtype)
         yield (
             param,
             DTensor.from_local(
