@@ -118,3 +118,24 @@ def test_each_matrix_is_orthogonalized_by_one_owner_in_the_iterations_dtype(tmp_
         assert got["carried"] == [dtype], key
         assert got["collectives"] == ["c10d.alltoall_base_"], key
     assert results["partial/torch.bfloat16"]["carried"] == []
+
+
+def test_the_exchange_on_a_fake_group_reads_zeros_where_the_fake_writes_nothing(monkeypatch):
+    """A rehearsal's fake process group (torch 2.11's) leaves an all-to-all's output as allocated; on a GPU that is
+    recycled memory, often NaN. Here the fake writes nothing and fresh memory is NaN: the exchange still returns
+    finite (zero) pieces, so a rehearsed Muon step stays finite."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtron.train import muon
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        monkeypatch.setattr(dist, "all_to_all_single", lambda *args, **kwargs: None)
+        monkeypatch.setattr(muon.torch, "empty", lambda *args, **kwargs: torch.full(args, math.nan, **kwargs))
+        pieces = [torch.ones(2, 3), torch.ones(1, 3)]
+        received = muon._all_to_all(pieces, [[2, 3], [2, 3]], dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert [tuple(r.shape) for r in received] == [(2, 3), (2, 3)]
+    assert all(torch.equal(r, torch.zeros(2, 3)) for r in received)
