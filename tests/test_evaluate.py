@@ -5,10 +5,13 @@ one process in test_parity.py."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from meshtron.cli import main
 from meshtron.config import DataConfig, load_config
@@ -153,3 +156,70 @@ def test_meshtron_eval_of_a_checkpoint_and_of_its_export(tmp_path, capsys):
     assert "meshtron eval needs evaluation data" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), f"--run.output_dir={tmp_path / 'y'}"]) == 2
     assert "is neither a checkpoint" in capsys.readouterr().err
+
+
+class _Stage(nn.Module):
+    """A pipeline stage of a toy model: the first embeds and hands on two tensors (hidden states and a carry, as
+    the router loss's), the last combines them."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        self.layer = nn.Embedding(16, 4) if first else nn.Linear(4, 4)
+
+    def forward(self, *args):
+        if self.first:
+            hidden = self.layer(args[0])
+            return hidden, hidden.sum(-1)
+        hidden, carry = args
+        return self.layer(hidden) + carry.unsqueeze(-1)
+
+
+def _runner(rank: int, stage: nn.Module):
+    return SimpleNamespace(
+        pp_group=None,
+        modules=[stage],
+        stage_ids=[rank],
+        stage_ranks=[0, 1],
+        holds_first=rank == 0,
+        holds_last=rank == 1,
+        microbatches=2,
+        router=None,
+        loss_parallel=False,
+        loss_sum=lambda hidden, targets: (hidden.sum(-1) * targets).sum(),
+    )
+
+
+def test_pipeline_evaluation_sends_shapes_once_per_batch_shape(monkeypatch):
+    """Two pipeline ranks (simulated in this process: rank 0 runs its sends, then rank 1 its receives): over three
+    evaluation batches of two shapes, the stage output's shapes go over once per batch shape (2 object messages,
+    before: one per transfer, 6), and the loss is the one-process forward's."""
+    import torch.distributed as dist
+
+    from meshtron.train.pipeline_eval import pipeline_eval_loss_sum
+
+    wire, counts, rank = [], Counter(), [0]
+
+    def send_object_list(objects, group_dst, group, device):
+        counts["send_object"] += 1
+        wire.append(list(objects))
+
+    def recv_object_list(objects, group_src, group, device):
+        counts["recv_object"] += 1
+        objects[:] = wire.pop(0)
+
+    monkeypatch.setattr(dist, "send_object_list", send_object_list)
+    monkeypatch.setattr(dist, "recv_object_list", recv_object_list)
+    monkeypatch.setattr(dist, "send", lambda tensor, group_dst, group: wire.append(tensor.clone()))
+    monkeypatch.setattr(dist, "recv", lambda tensor, group_src, group: tensor.copy_(wire.pop(0)))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank[0])
+    torch.manual_seed(0)
+    first, last = _Stage(first=True), _Stage(first=False)
+    batches = [(torch.randint(0, 16, (rows, 6)), torch.randn(rows, 6)) for rows in (4, 4, 2)]
+    runners = [_runner(0, first), _runner(1, last)]
+    for rank[0] in (0, 1):
+        losses = [pipeline_eval_loss_sum(runners[rank[0]], ids, labels) for ids, labels in batches]
+    assert not wire
+    assert counts == {"send_object": 2, "recv_object": 2}
+    expected = [(last(*first(ids)).sum(-1) * labels).sum() for ids, labels in batches]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))

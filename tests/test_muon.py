@@ -4,9 +4,11 @@ test_checkpoint.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
+from conftest import run_torchrun
 from torch import nn
 
 from meshtron.config import load_config
@@ -71,3 +73,69 @@ def test_muon_takes_the_blocks_matrices_and_experts_not_embeddings_head_norms_or
     groups = {bool(g.get("muon")): g for g in optimizer.param_groups}
     assert len(groups[True]["params"]) == len(chosen)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+# Per case of tests/muon_worker.py: the groups of ranks that share out each matrix (one owner in each group), or
+# None where every rank orthogonalizes its own whole matrices (experts split only over experts) or every matrix
+# (a partial sum, gathered whole).
+OWNER_GROUPS = {
+    "fsdp": [[0, 1, 2, 3]],
+    "fsdp_cols": [[0, 1, 2, 3]],
+    "fsdp_tp_rowwise": [[0, 1, 2, 3]],
+    "fsdp_tp_colwise": [[0, 1, 2, 3]],
+    "hsdp": [[0, 1], [2, 3]],
+    "tp": [[0, 1], [2, 3]],
+    "ep_tp": [[0, 1], [2, 3]],
+    "ep_only": None,
+    "partial": None,
+}
+
+
+def test_each_matrix_is_orthogonalized_by_one_owner_in_the_iterations_dtype(tmp_path):
+    """Four ranks (gloo): updates split as FSDP (rows, columns, uneven), FSDP x TP (row- and column-wise, FSDP's
+    _StridedShard), HSDP, TP and EP x TP come back equal to one process's Newton-Schulz of the whole matrix, in
+    float32 and bf16; each matrix was orthogonalized by exactly one rank of the group that splits it, the owners
+    balanced; the only collectives are all-to-alls in the iteration's dtype (no all-gather of float32 matrices).
+    Before: every rank gathered every matrix in float32 (full_tensor) and orthogonalized all of them."""
+    out = tmp_path / "muon.json"
+    proc = run_torchrun(4, ["tests/muon_worker.py", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    assert results.pop("step") == 0.0  # two MuonAdamW steps of FSDP x TP parameters: one process's, bit for bit
+    assert {key.split("/")[0] for key in results} == set(OWNER_GROUPS)
+    for key, got in results.items():
+        name, dtype = key.split("/")
+        assert got["diff"] == 0.0, key
+        per_rank, count, local = got["matrices_per_rank"], got["updates"], got["local_matrices"]
+        groups = OWNER_GROUPS[name]
+        if groups is None:  # whole matrices where they are: each rank its own
+            assert per_rank == [count * local] * 4, key
+            continue
+        for group in groups:
+            work = [per_rank[rank] for rank in group]
+            assert sum(work) == count * local, key  # each matrix once in the group
+            assert max(work) - min(work) <= local, key  # balanced: one update's matrices apart at most
+        assert got["carried"] == [dtype], key
+        assert got["collectives"] == ["c10d.alltoall_base_"], key
+    assert results["partial/torch.bfloat16"]["carried"] == []
+
+
+def test_the_exchange_on_a_fake_group_reads_zeros_where_the_fake_writes_nothing(monkeypatch):
+    """A rehearsal's fake process group (torch 2.11's) leaves an all-to-all's output as allocated; on a GPU that is
+    recycled memory, often NaN. Here the fake writes nothing and fresh memory is NaN: the exchange still returns
+    finite (zero) pieces, so a rehearsed Muon step stays finite."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtron.train import muon
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        monkeypatch.setattr(dist, "all_to_all_single", lambda *args, **kwargs: None)
+        monkeypatch.setattr(muon.torch, "empty", lambda *args, **kwargs: torch.full(args, math.nan, **kwargs))
+        pieces = [torch.ones(2, 3), torch.ones(1, 3)]
+        received = muon._all_to_all(pieces, [[2, 3], [2, 3]], dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert [tuple(r.shape) for r in received] == [(2, 3), (2, 3)]
+    assert all(torch.equal(r, torch.zeros(2, 3)) for r in received)

@@ -6,13 +6,13 @@ holds the head as a parameter of its own (see ``pipeline_parallel.split_pipeline
 with the embeddings' values. After each step's backward the two gradients are summed: each copy then holds
 the gradient of the single tied weight, the optimizer updates both identically and they stay equal.
 
-The sum is an all-reduce over a group of two ranks, the pipeline rank holding the first stage and the one
-holding the last, for each (dp_replicate, dp_shard, cp, tp) coordinate; when one rank holds both stages
-(ZBV's V shape) it is a local addition. Both parameters have the same placements (vocabulary rows split by
-TP's row-wise embedding and column-wise head, then by FSDP on dim 0), so the local shards line up; it
-runs after FSDP reduced the gradients. The head copy is marked ``DUPLICATE_GRADIENT`` so that the gradient
-norm counts the tied weight once.
-"""
+The sum is an all-reduce over a group of two ranks, the pipeline rank holding the first stage and the one holding
+the last, for each (dp_replicate, dp_shard, cp, tp) coordinate; when one rank holds both stages (ZBV's V shape) it
+is a local addition. All the pairs come from one ``split_group`` of the world where the backend can split (NCCL
+bound to the GPU: one communicator split), else from one ``new_group`` each (gloo). Both parameters have the same
+placements (vocabulary rows split by TP's row-wise embedding and column-wise head, then by FSDP on dim 0), so the
+local shards line up; it runs after FSDP reduced the gradients. The head copy is marked ``DUPLICATE_GRADIENT`` so
+that the gradient norm counts the tied weight once."""
 
 from __future__ import annotations
 
@@ -74,6 +74,35 @@ def _check_alike(a: tuple, b: tuple) -> None:
         )
 
 
+def can_split_groups() -> bool:
+    """Whether ``torch.distributed.split_group`` can create subgroups here: NCCL bound to this rank's GPU
+    (``init_process_group(device_id=...)``, as meshtron starts it on CUDA), the condition torch's DeviceMesh splits
+    under. Not gloo: the CPU runs create each group with ``new_group``."""
+    default = dist.distributed_c10d._get_default_group()
+    if not hasattr(dist, "split_group") or getattr(default, "bound_device_id", None) is None:
+        return False
+    if not torch.accelerator.is_available():
+        return False
+    backend = default._get_backend(torch.accelerator.current_accelerator())
+    return bool(getattr(backend, "supports_splitting", False))
+
+
+def pair_groups(pairs: list[tuple[int, int]]):
+    """This rank's process group among ``pairs`` (disjoint pairs of global ranks; None when it is in none). Every
+    rank must call this. One ``split_group`` of the world for all pairs where the backend can split (one
+    communicator split, however many pairs); else one ``new_group`` per pair, every rank creating every group in
+    the same order (gloo)."""
+    me = dist.get_rank()
+    if can_split_groups():
+        return dist.split_group(split_ranks=[list(pair) for pair in pairs])
+    group = None
+    for pair in pairs:
+        created = dist.new_group(list(pair))
+        if me in pair:
+            group = created
+    return group
+
+
 def tied_embedding_sync(
     parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes
 ) -> TiedEmbeddingSync | None:
@@ -95,13 +124,8 @@ def tied_embedding_sync(
         raise MeshtronError(f"pipeline stages: '{embedding_name}' or '{head_name}' not found on their stage")
     group = None
     if first_rank != last_rank:
-        world = meshes["world"]
-        ranks = world.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
-        me = dist.get_rank()
-        for a, b in zip(ranks[first_rank].flatten().tolist(), ranks[last_rank].flatten().tolist()):
-            pair = dist.new_group([a, b])  # every rank creates every group, in the same order
-            if me in (a, b):
-                group = pair
+        ranks = meshes["world"].mesh  # (pp, dp_replicate, dp_shard, cp, tp)
+        group = pair_groups(list(zip(ranks[first_rank].flatten().tolist(), ranks[last_rank].flatten().tolist())))
     if group is None:
         for embedding, head in zip(embeddings, heads):
             _check_alike(_split(embedding), _split(head))

@@ -18,24 +18,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtron.errors import MeshtronError
 from meshtron.tensors import local_tensor
 
 
-def _send(tensors: tuple, to_rank: int, group, device: torch.device) -> None:
-    """Shapes and dtypes first (the receiver cannot know them: the carry of the router loss comes and goes),
-    then each tensor."""
-    dist.send_object_list(
-        [[(tuple(t.shape), t.dtype) for t in tensors]], group_dst=to_rank, group=group, device=_object_device(device)
-    )
+def _send(tensors: tuple, to_rank: int, group, device: torch.device, known: dict, key) -> None:
+    """Each tensor of a stage's output to the next stage's rank; their shapes and dtypes first, once per ``key``
+    (the receiver cannot know them: the carry of the router loss comes and goes). ``known``: the metadata sent so
+    far on this rank, by key."""
+    meta = [(tuple(t.shape), t.dtype) for t in tensors]
+    if key not in known:
+        dist.send_object_list([meta], group_dst=to_rank, group=group, device=_object_device(device))
+        known[key] = meta
+    elif known[key] != meta:
+        raise MeshtronError(
+            f"pipeline evaluation: stage output {meta} differs from the first of its batch shape ({known[key]})"
+        )
     for tensor in tensors:
         dist.send(tensor.contiguous(), group_dst=to_rank, group=group)
 
 
-def _recv(from_rank: int, group, device: torch.device) -> tuple:
-    meta = [None]
-    dist.recv_object_list(meta, group_src=from_rank, group=group, device=_object_device(device))
+def _recv(from_rank: int, group, device: torch.device, known: dict, key) -> tuple:
+    if key not in known:
+        meta = [None]
+        dist.recv_object_list(meta, group_src=from_rank, group=group, device=_object_device(device))
+        known[key] = meta[0]
     tensors = []
-    for shape, dtype in meta[0]:
+    for shape, dtype in known[key]:
         tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(tensor, group_src=from_rank, group=group)
         tensors.append(tensor)
@@ -51,16 +60,21 @@ def _object_device(device: torch.device):
 def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor:
     """This rank's summed token loss of one batch (0 off the last stage), forward only.
 
-    ``runner``: the run's meshtron.train.pipeline_runner.PipelineRunner; ``input_ids`` (on the first stage's
-    ranks) and ``labels`` (on the last's, already cut to this rank's context-parallel shard) are this
-    data-parallel rank's sequences, split into ``runner.microbatches`` microbatches as training splits them.
+    ``runner``: the run's meshtron.train.pipeline_runner.PipelineRunner; ``input_ids`` and ``labels`` (already
+    cut to this rank's context-parallel shard) are this data-parallel rank's sequences, read on every pipeline rank,
+    split into ``runner.microbatches`` microbatches as training splits them. A stage's output shapes follow from its
+    microbatch's shape: they go to the next stage's rank once per (stage, microbatch shape) in the run
+    (``runner.eval_transfer_meta``), not before every transfer.
     """
     group, device = runner.pp_group, runner.modules[0].parameters().__next__().device
     my_rank = dist.get_rank(group)
     last_stage = max(runner.stage_ranks)
-    inputs = input_ids.tensor_split(runner.microbatches) if runner.holds_first else None
+    inputs = input_ids.tensor_split(runner.microbatches)
     targets = labels.tensor_split(runner.microbatches) if runner.holds_last else None
     total = torch.zeros((), device=device)
+    known = getattr(runner, "eval_transfer_meta", None)  # both ends of a transfer fill theirs alike
+    if known is None:
+        known = runner.eval_transfer_meta = {}
     for micro in range(runner.microbatches):
         kept = None  # the output of this rank's previous stage, when the next stage is this rank's too
         for stage_id, module in zip(runner.stage_ids, runner.modules):
@@ -69,7 +83,8 @@ def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch
             elif kept is not None:
                 args = kept
             else:
-                args = _recv(runner.stage_ranks[stage_id - 1], group, device)
+                key = (stage_id - 1, tuple(inputs[micro].shape))
+                args = _recv(runner.stage_ranks[stage_id - 1], group, device, known, key)
             output = module(*args)
             kept = None
             if stage_id == last_stage:
@@ -79,5 +94,6 @@ def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch
             elif runner.stage_ranks[stage_id + 1] == my_rank:
                 kept = output
             else:
-                _send(output, runner.stage_ranks[stage_id + 1], group, device)
+                key = (stage_id, tuple(inputs[micro].shape))
+                _send(output, runner.stage_ranks[stage_id + 1], group, device, known, key)
     return total
