@@ -50,6 +50,9 @@ class Layout:
     """Expert parallelism: ``balanced`` (the rehearsal's all-to-all), ``worst`` (every token to this rank's experts)."""
     tiny: dict = field(default_factory=dict)
     """The --tiny variant: ``world``, ``ranks`` and ``overrides`` (tiny presets and shapes, CPU)."""
+    max_positions: int | None = None
+    """The preset's max_position_embeddings raised to this (rotary positions only; the shapes of every weight are
+    the preset's): llama-8b's preset says 8192 (Llama 3), the context-parallel rows rehearse 32768 tokens."""
 
 
 def _llama8b(seq: int, batch: int) -> tuple[str, ...]:
@@ -92,6 +95,7 @@ LAYOUTS = [
             8,
             (0,),
             (*_llama8b(32768, 1), "--parallel.cp=8", f"--parallel.cp_method={method}"),
+            max_positions=32768,
             tiny=dict(world=2, ranks=(1,), overrides=(*TINY, "--parallel.cp=2", f"--parallel.cp_method={method}")),
         )
         for method in ("ring", "allgather", "ulysses")
@@ -200,6 +204,8 @@ def _rehearse_one(job: dict, connection) -> None:
 
         if job["routing"] == "worst":
             _force_worst_case_routing()
+        if job.get("max_positions"):
+            _raise_max_positions(job["overrides"], job["max_positions"])
         cfg = load_config(None, job["overrides"], env={})
         report = rehearse(cfg, job["world"], job["rank"], steps=job["steps"]).to_json()
         connection.send({"report": report, "seconds": time.perf_counter() - started})
@@ -209,6 +215,14 @@ def _rehearse_one(job: dict, connection) -> None:
         connection.send({"error": message, "seconds": time.perf_counter() - started})
     finally:
         connection.close()
+
+
+def _raise_max_positions(overrides: list[str], positions: int) -> None:
+    """In the rehearsal's fork only: the preset named in ``overrides`` allows ``positions`` positions."""
+    from meshtron.models.presets import PRESETS
+
+    (preset,) = [item.split("=", 1)[1] for item in overrides if item.startswith("--model.preset=")]
+    PRESETS[preset] = {**PRESETS[preset], "max_position_embeddings": positions}
 
 
 def run_job(job: dict, timeout: float) -> dict:
@@ -344,6 +358,7 @@ def jobs_of(
             "rank": rank,
             "routing": routing,
             "steps": steps,
+            "max_positions": None if tiny else layout.max_positions,
             "overrides": overrides + [f"--run.output_dir={output_root / f'{layout.name}-{rank}-{routing}'}"],
             "log": str(output_root / f"{layout.name}-{rank}-{routing}.log"),
         }
@@ -416,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = summarize(job, run_job(job, args.timeout))
         rows.append(row)
         print(format_row(row), flush=True)
+        if args.json:  # row by row, so that a run cut short keeps what it measured
+            _write_json(args.json, {"rows": rows, "complete": False})
     skews = {}
     for layout in layouts:
         if "--parallel.pp" in " ".join(layout.tiny["overrides"] if args.tiny else layout.overrides):
@@ -457,10 +474,14 @@ def main(argv: list[str] | None = None) -> dict:
         "pipeline_skew": skews,
     }
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        _write_json(args.json, {**result, "complete": True})
         print(f"wrote {args.json}")
     return result
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, indent=1) + "\n")
 
 
 if __name__ == "__main__":
