@@ -10,7 +10,14 @@ from conftest import two_step_run
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.models.build import build_meta_model, canonical_name, init_tensor, load_hf_config, materialize
+from meshtron.models.build import (
+    build_meta_model,
+    canonical_name,
+    init_region,
+    init_tensor,
+    load_hf_config,
+    materialize,
+)
 from meshtron.models.presets import PRESETS, make_preset_config
 
 CPU = torch.device("cpu")
@@ -49,6 +56,67 @@ def test_init_depends_on_seed_and_name_only():
     q, k = a.model.layers[0].self_attn.q_proj.weight, a.model.layers[1].self_attn.q_proj.weight
     assert not torch.equal(q, k)
     assert torch.equal(init_tensor("x.bias", torch.Size([3]), 0.02, 0), torch.zeros(3))
+
+
+def _blocks(size: int, parts: int) -> list[slice]:
+    step = -(-size // parts)  # torch.chunk's uneven split, as FSDP's and tensor parallel's Shard(dim)
+    return [slice(start, min(size, start + step)) for start in range(0, size, step)]
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("model.embed_tokens.weight", (1300, 700)),  # several tiles each way, ragged edges
+        ("model.layers.0.self_attn.q_proj.weight", (16, 8)),  # one small tile
+        ("model.layers.0.mlp.down_proj.weight", (3, 1500)),  # one row of tiles
+        ("model.layers.0.mlp.experts.gate_up_proj", (3, 600, 530)),  # experts: one index per tile
+        ("model.layers.0.self_attn.sinks", (6,)),
+        ("model.layers.0.input_layernorm.weight", (40,)),
+        ("model.layers.0.mlp.experts.down_proj_bias", (3, 40)),
+    ],
+)
+def test_init_region_is_the_full_draws_slice(name, shape):
+    """Any region of a parameter drawn on its own (row blocks, column blocks, uneven ones, one element, all of
+    it) is exactly that slice of the full draw, so each rank drawing only its shard keeps the layout out of it."""
+    full = init_tensor(name, torch.Size(shape), 0.02, 7, 0.5)
+    assert full.shape == shape and init_tensor(name, torch.Size(shape), 0.02, 8, 0.5).shape == shape
+    whole = tuple(slice(0, size) for size in shape)
+    regions = [whole, None, tuple(slice(size - 1, size) for size in shape)]  # all; all; the last element
+    for dim in range(len(shape)):
+        for parts in (2, 3, 8):
+            regions += [(*whole[:dim], block, *whole[dim + 1 :]) for block in _blocks(shape[dim], parts)]
+    if len(shape) >= 2:  # a block cut across tiles both ways
+        regions.append((*whole[:-2], slice(shape[-2] // 3, shape[-2] // 2 + 1), slice(shape[-1] // 5, shape[-1])))
+    for region in regions:
+        expected = full if region is None else full[region]
+        assert torch.equal(init_region(name, torch.Size(shape), 0.02, 7, 0.5, region), expected), region
+    if name.endswith("_proj") or name.endswith(".weight") and len(shape) == 2:  # drawn: the seed changes it
+        assert not torch.equal(full, init_tensor(name, torch.Size(shape), 0.02, 8, 0.5))
+        assert abs(full.std().item() - 0.02) < 0.005
+
+
+def test_init_region_draws_about_only_its_shard(monkeypatch):
+    """An eighth of a large matrix (FSDP8's dim-0 shard, tensor parallel's column block) draws about an eighth of
+    its values, counted at torch.normal, and its tiles differ from each other."""
+    drawn = []
+    normal = torch.normal
+
+    def counting_normal(*args, **kwargs):
+        values = normal(*args, **kwargs)
+        drawn.append(values.numel())
+        return values
+
+    monkeypatch.setattr(torch, "normal", counting_normal)
+    shape = torch.Size([16032, 2048])  # 128256 // 8 rows: an eighth of Llama-8B's embedding
+    full = init_tensor("model.embed_tokens.weight", shape, 0.02, 0)
+    assert sum(drawn) == shape.numel()
+    tiles = full.unfold(0, 256, 256).unfold(1, 256, 256).reshape(-1, 256 * 256)
+    assert len(tiles) > 400 and len({tuple(tile[:4].tolist()) for tile in tiles}) == len(tiles)
+    for region in ((slice(2004, 4008), slice(0, 2048)), (slice(0, 16032), slice(768, 1024))):
+        drawn.clear()
+        part = init_region("model.embed_tokens.weight", shape, 0.02, 0, 1.0, region)
+        assert torch.equal(part, full[region])
+        assert part.numel() <= sum(drawn) <= 0.15 * shape.numel(), (region, sum(drawn))
 
 
 def test_vocab_is_padded_from_tokenizer():
