@@ -23,6 +23,24 @@ class RehearsalStage(PipelineStage):
     zeros (valid ids, finite updates), so that a rehearsed step never turns non-finite and skips its update.
     """
 
+    def __init__(self, *args, output_args=None, **kwargs):
+        super().__init__(*args, output_args=output_args, **kwargs)
+        self._static_output_shapes = [tuple(t.shape) for t in output_args] if output_args is not None else None
+
+    def forward_one_chunk(self, *args, **kwargs):
+        output = super().forward_one_chunk(*args, **kwargs)
+        if self.is_last:  # torch 2.11 checks the last stage's outputs against output_args too, 2.13 does not: check
+            self._check_last_outputs(output)  # them on every torch, so that a wrong shape fails here as well
+        return output
+
+    def _check_last_outputs(self, output) -> None:
+        actual = [tuple(t.shape) for t in (output if isinstance(output, tuple) else (output,))]
+        if self._static_output_shapes is not None and actual != self._static_output_shapes:
+            raise RuntimeError(
+                f"rehearsed stage {self.stage_index}: its outputs have shapes {actual}, "
+                f"stage_shapes said {self._static_output_shapes}"
+            )
+
     def _warmup_forward_vote(self, has_backward, received_acc=None):  # torch >= 2.13
         return torch.ones(1, dtype=torch.int32, device=self.device)
 
@@ -56,16 +74,23 @@ def stage_shapes(
     hidden_size: int,
     dtype: torch.dtype,
     carry_shape: tuple[int, int] | None,
+    last_seq_len: int | None = None,
 ) -> tuple[tuple, tuple]:
     """(inputs, outputs) of one stage as meta tensors, in ``set_stage_forward``'s order: a first stage takes the
     micro-batch's token ids; the others take (hidden shard, token ids as float32[, routing carry]); every stage
-    but the last returns the same three, the last its hidden states (the loss applies the head) and carry."""
+    but the last returns the same three, the last its hidden states (the loss applies the head) and carry.
+    ``last_seq_len``: the sequence length of the last stage's hidden states, where it differs from the shard the
+    stages send (under sequence parallelism the last stage returns a DTensor, whose shape is the whole sequence
+    of this context-parallel rank)."""
     meta = torch.device("meta")
     hidden = torch.empty(micro_batch, local_seq_len, hidden_size, dtype=dtype, device=meta, requires_grad=True)
+    last_hidden = torch.empty(
+        micro_batch, last_seq_len or local_seq_len, hidden_size, dtype=dtype, device=meta, requires_grad=True
+    )
     token_ids = torch.empty(micro_batch, seq_len, dtype=torch.float32, device=meta, requires_grad=True)
     carry = (torch.empty(*carry_shape, device=meta, requires_grad=True),) if carry_shape else ()
     inputs = (
         (torch.empty(micro_batch, seq_len, dtype=torch.long, device=meta),) if first else (hidden, token_ids, *carry)
     )
-    outputs = (hidden, *carry) if last else (hidden, token_ids, *carry)
+    outputs = (last_hidden, *carry) if last else (hidden, token_ids, *carry)
     return inputs, outputs

@@ -157,6 +157,7 @@ def build_pipeline_runner(
                 micro_batch=plan.micro_batch_size // plan.pp_microbatches,
                 seq_len=cfg.data.seq_len,
                 local_seq_len=cfg.data.seq_len // dims.cp // (dims.tp if tp_mesh is not None else 1),
+                last_seq_len=cfg.data.seq_len // dims.cp,
                 hidden_size=hf_config.hidden_size,
                 dtype=compute_dtype or next(module.parameters()).dtype,
                 carry_shape=(hf_config.num_hidden_layers, 2 * num_experts(hf_config) + 1) if routes else None,
