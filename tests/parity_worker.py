@@ -141,27 +141,14 @@ def run_layout(
 
 
 def import_before_forking() -> None:
-    """Import here, once, what every rank would otherwise import again: transformers' lazily loaded modules (the
-    model classes of every family meshtron knows, modeling_utils with its quantizers) and torch's parallel APIs.
-    Nothing here starts a thread or touches a tensor (a fork keeps neither safely)."""
+    """Import here, once, what every rank would otherwise import again (meshtron check's list: transformers' model
+    classes of every family meshtron knows, torch's parallel APIs, the training loop), and torchao's float8 for
+    the float8 layouts. Nothing here starts a thread or touches a tensor (a fork keeps neither safely)."""
     import importlib
 
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from meshtron.check.worker import import_before_forking as import_what_ranks_use
 
-    from meshtron.models.families import FAMILIES
-
-    for module in (
-        "transformers.modeling_utils",
-        "torch.distributed.pipelining",
-        "torch.distributed.fsdp",
-        "torch.distributed.tensor.parallel",
-        "torch.distributed.checkpoint.state_dict",
-        "torch._dynamo",
-    ):
-        importlib.import_module(module)
-    for model_type in FAMILIES:
-        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    import_what_ranks_use()
     try:
         importlib.import_module("torchao.float8")
     except ImportError:  # float8 layouts need it; the others do not
