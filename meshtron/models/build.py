@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import zlib
 from pathlib import Path
 
@@ -132,8 +133,12 @@ def _name_seed(seed: int, name: str) -> int:
 # 256 x 256 tiles align with the FSDP8 / tp8 shards of Llama-8B's and -70B's matrices, except the vocabulary's
 # and the key/value projections' 128-row FSDP8 shards (rank 0 of Llama-8B's FSDP8 draws 1.038e9 values for its
 # 1.004e9); a tile costs ~6 us on top of its ~0.3 ms of drawing.
+# Tensors of at most WHOLE_DRAW_ELEMENTS values are drawn whole from one generator seeded from (seed, name), as all
+# were before tiles: drawing one costs milliseconds, and small models (every test model) keep the values, and so the
+# rounding noise, their runs were measured with.
 TILE_COLUMNS = 256
 TILE_ELEMENTS = 2**16
+WHOLE_DRAW_ELEMENTS = 2**20
 
 
 def _tile_seed(seed: int, name: str, index: int) -> int:
@@ -170,9 +175,9 @@ def init_region(
     out_shape = tuple(stop - start for start, stop in bounds)
     if name.endswith((".bias", "_bias")):
         return torch.zeros(out_shape)
-    if len(shape) <= 1:
-        if not name.endswith(".sinks"):
-            return torch.full(out_shape, float(norm_value))
+    if len(shape) <= 1 and not name.endswith(".sinks"):
+        return torch.full(out_shape, float(norm_value))
+    if len(shape) <= 1 or math.prod(shape) <= WHOLE_DRAW_ELEMENTS:
         generator = torch.Generator().manual_seed(_name_seed(seed, name))
         full = torch.normal(0.0, std, shape, generator=generator)
         return full[tuple(slice(start, stop) for start, stop in bounds)].clone()
