@@ -135,7 +135,7 @@ def verdict(rows: list[Row], device: str, kept: str | None) -> list[str]:
                 + (": check the driver and CUDA, and ECC errors (nvidia-smi -q -d ECC)" if device == "cuda" else "")
             )
     compared_multi = [row for row in bad if row.ranks > 1 and row.comparison is not None]
-    if compared_multi and len(compared_multi) == len(multi):
+    if len(compared_multi) > 1 and len(compared_multi) == len(multi):  # one layout alone says nothing of the others
         lines.append(
             "  every multi-process layout differs: suspect the collectives themselves"
             + (
