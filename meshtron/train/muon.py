@@ -28,8 +28,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshtron.distributed.mesh import is_fake_group
-
 # Keller Jordan's quintic coefficients: fast convergence of the singular values towards ~1 (not exactly 1).
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2
@@ -180,9 +178,8 @@ def _scatter(whole: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
 def _all_to_all(pieces: list[torch.Tensor], shapes: list[list[int]], group) -> list[torch.Tensor]:
     """Send ``pieces[r]`` to rank r of ``group``; returns what each rank sent here, shaped ``shapes[r]``."""
     counts = [math.prod(shape) for shape in shapes]
-    # A rehearsal's fake group may write nothing (torch 2.11's): zeros then, not recycled (NaN) memory
-    allocate = torch.zeros if is_fake_group(group) else torch.empty
-    out = allocate(sum(counts), dtype=pieces[0].dtype, device=pieces[0].device)
+    # (In a rehearsal the all-to-all is meshtron.distributed.one_rank_group's: it writes this rank's own pieces.)
+    out = torch.empty(sum(counts), dtype=pieces[0].dtype, device=pieces[0].device)
     dist.all_to_all_single(
         out,
         torch.cat([piece.reshape(-1) for piece in pieces]),
