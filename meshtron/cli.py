@@ -362,7 +362,8 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
         host_collectives=cfg.fsdp.cpu_offload,
     )
     try:
-        train(cfg, runtime, plan, evaluate_only=evaluate_only)
+        planned = None if evaluate_only else _planned_figures(cfg, runtime, plan)
+        train(cfg, runtime, plan, evaluate_only=evaluate_only, planned=planned)
     except Preempted as stop:
         if runtime.is_main:
             print(stop, flush=True)
@@ -370,6 +371,19 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
     finally:
         shutdown_runtime()
     return 0
+
+
+def _planned_figures(cfg, runtime, plan):
+    """The planner's figures for this run, which its metrics rows carry beside the measured ones (GPU runs only). A
+    run the planner cannot model still trains: rank 0 says why in one line."""
+    from meshtron.plan.for_run import planned_figures
+
+    try:
+        return planned_figures(cfg, runtime.world_size, runtime.rank, runtime.device, plan.hf_config)
+    except Exception as err:  # the planner's figures are advice: never a reason not to train
+        if runtime.is_main:
+            print(f"meshtron: no planned figures for this run ({type(err).__name__}: {err})", flush=True)
+        return None
 
 
 class _KnownNoise(logging.Filter):

@@ -90,51 +90,11 @@ def _device(setting: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _planned(cfg: Config, world_size: int, rank: int, device: torch.device) -> tuple[dict, list[str]]:
-    from meshtron.plan.hardware import GPUS
-    from meshtron.plan.memory import config_view, memory_per_pipeline_rank
-    from meshtron.plan.throughput import estimate_step
-
-    shape, layout, workload = config_view(cfg, world_size, device.type)
-    pp_rank = rank // (world_size // layout.pp)
-    memory = memory_per_pipeline_rank(shape, layout, workload)[pp_rank]
-    # state as measured after the first update: gradients sharded like their parameters (memory.grads is the
-    # larger of that and what is held between micro-batches, which the rehearsal does not measure)
-    planned = {
-        "state_bytes": 2 * memory.params + memory.optimizer,
-        "activation_bytes": memory.activations,
-        "peak_bytes": memory.total,
-        "step_s": None,
-        "compute_s": None,
-    }
-    notes = []
-    gpu = _known_gpu(device, GPUS)
-    if gpu is None:
-        notes.append("no planner step time: the planner models GPUs (" + ", ".join(GPUS) + ") only")
-    else:
-        from meshtron.data.tokenizer import load_tokenizer
-        from meshtron.models.build import load_hf_config
-
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
-        hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
-        step = estimate_step(shape, layout, workload, GPUS[gpu], hf_config)
-        planned.update(step_s=step.seconds, compute_s=step.compute_s)
-    return planned, notes
-
-
-def _known_gpu(device: torch.device, gpus: dict) -> str | None:
-    """The planner's name of this CUDA device (``h100``, ``h200``, ...), or None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower().replace(" ", "")
-    matches = [key for key in gpus if key.split("-")[0] in name]
-    return max(matches, key=len) if matches else None
-
-
 def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_STEPS) -> Rehearsal:
     """Train rank ``rank`` of a ``world_size``-rank run of ``cfg`` alone for ``steps`` steps; measure it."""
     from meshtron.distributed.one_rank_group import one_rank_group
     from meshtron.metrics.memory import max_memory_gb
+    from meshtron.plan.for_run import planned_for_rank
     from meshtron.train.preflight import preflight
     from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
@@ -169,7 +129,7 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
         )
     if device.type == "cpu":
         notes.append("peak_bytes on CPU is the process's peak resident memory (Python and libraries included)")
-    planned, plan_notes = _planned(cfg, world_size, rank, device)
+    planned, plan_notes = planned_for_rank(cfg, world_size, rank, device, plan.hf_config)
     report = Rehearsal(
         rank, world_size, plan.dims.describe(), str(device), measured, planned, notes + plan_notes, cfg.run.output_dir
     )

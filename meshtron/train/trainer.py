@@ -40,6 +40,7 @@ from meshtron.train.batch import SequenceSplit
 from meshtron.train.evaluate import Evaluator, build_evaluator
 from meshtron.train.optim import build_optimizer, build_scheduler
 from meshtron.train.pipeline_runner import build_pipeline_runner
+from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
@@ -142,11 +143,19 @@ class _Built:
     pp_group: object
 
 
-def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_only: bool = False) -> TrainResult:
+def train(
+    cfg: Config,
+    runtime: Runtime,
+    plan: Plan | None = None,
+    *,
+    evaluate_only: bool = False,
+    planned: PlannedFigures | None = None,
+) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config.
 
     ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
-    ``checkpoint.resume`` names, once, on the ``[eval]`` data."""
+    ``checkpoint.resume`` names, once, on the ``[eval]`` data. ``planned``: the planner's figures for this run
+    (meshtron.plan.for_run), which its metrics rows carry from the first steady step (meshtron.train.planned)."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
     if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
@@ -209,7 +218,8 @@ def train(cfg: Config, runtime: Runtime, plan: Plan | None = None, *, evaluate_o
     guard.resumed(plan.resume_from, result.start_step)
     try:
         with guard:
-            loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator, profiler)
+            compared = PlannedVsMeasured(planned, result.start_step)
+            loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator, profiler, compared)
             if evaluate_only:
                 logger.log({"step": result.start_step, **_evaluate(loop, result.start_step, model, result)})
             else:
@@ -238,6 +248,7 @@ class _Loop:
     logger: MetricsLogger
     evaluator: Evaluator | None
     profiler: StepProfiler
+    planned: PlannedVsMeasured
 
 
 def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
@@ -305,8 +316,12 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
                 f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
             )
         evaluation = _evaluate_if_due(loop, step, model, result)
+        line = loop.planned.message(step, max_memory_gb(runtime.device), elapsed)
+        if line:
+            logger.message(line)
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
-            logger.log({**row(step, outcome, lr, result.tokens_per_s[-1]), **guard.metrics(), **evaluation})
+            figures = row(step, outcome, lr, result.tokens_per_s[-1], elapsed)
+            logger.log({**figures, **loop.planned.fields(step), **guard.metrics(), **evaluation})
         loop.profiler.after_step(step, logger.message)
         guard.after_step(step, outcome.flag_sums)  # saves when due; after a stop signal, saves and raises Preempted
     return step
@@ -339,7 +354,7 @@ class _MetricsRow:
         )
         self.world_size, self.device, self.scaler = runtime.world_size, runtime.device, step_context.scaler
 
-    def __call__(self, step: int, outcome, lr: float, tokens_per_s: float) -> dict:
+    def __call__(self, step: int, outcome, lr: float, tokens_per_s: float, step_s: float) -> dict:
         mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if self.peak else None
         return {
             "step": step,
@@ -347,6 +362,7 @@ class _MetricsRow:
             "grad_norm": outcome.grad_norm,
             "lr": lr,
             "tokens_per_s": tokens_per_s,
+            "step_s": round(step_s, 4),
             "mfu": mfu,
             "max_memory_gb": max_memory_gb(self.device),
             **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
