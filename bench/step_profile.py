@@ -2,9 +2,11 @@
 
 One process, meshtron's defaults for the bench (fp32 master weights, bf16 compute, compile on CUDA). The first
 ``--warmup`` optimizer steps run unprofiled (compilation, allocator warm-up); the next ``--steps`` are recorded,
-cut at optimizer steps by an optimizer post-step hook. On CUDA the table sums device (kernel) time; on CPU the
-operators' own CPU time. Kinds, by kernel name: matmul, attention (FlexAttention / SDPA), softmax + cross-entropy,
-copies and casts, optimizer, communication, other. Examples:
+cut at optimizer steps by an optimizer post-step hook, and their Chrome trace is written to the output directory.
+The table is ``run.profile_steps``'s summary (meshtron/metrics/profiling.py, docs/profiling.md): on CUDA the GPU
+kernel, memcpy and memset time by kernel name, per step and as a share of the kernel time, and the GPU-busy share;
+on CPU the operators' own CPU time. Kinds: matmul, attention, communication, optimizer, copies (and casts), other.
+Examples:
 
     python bench/step_profile.py                                   # CUDA: llama-1b, seq 2048, batch 8
     python bench/step_profile.py --set train.loss_chunk_size=0     # the unchunked loss, for comparison
@@ -15,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -27,48 +27,13 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-KINDS = [  # first match wins; patterns are matched against lower-cased kernel / operator names
-    ("communication", r"nccl|all_reduce|allreduce|all_gather|reduce_scatter|all_to_all|c10d"),
-    ("optimizer", r"adam|foreach|multi_tensor_apply|_fused_"),
-    ("softmax + cross-entropy", r"softmax|log_softmax|nll_loss|cross_entropy|logsumexp"),
-    ("attention", r"flex_attention|flash|fmha|attention|sdpa|triton_tem_fused"),
-    (
-        "matmul",
-        r"gemm|cutlass|sm90_xmma|sm80_xmma|ampere|hopper|\bmm\b|aten::mm|aten::addmm|aten::bmm|matmul|_scaled_mm|wgmma",
-    ),
-    ("copies and casts", r"copy|to_copy|direct_copy|convert|cast|_to_bf16|bfloat16|elementwise_kernel_with_index"),
-]
-
-
-def kind_of(name: str) -> str:
-    lowered = name.lower()
-    for kind, pattern in KINDS:
-        if re.search(pattern, lowered):
-            return kind
-    return "other"
-
-
-def breakdown(events, device_type: str, steps: int) -> dict[str, float]:
-    """Milliseconds per step of each kind: device time of CUDA kernels, or self CPU time of operators."""
-    totals: dict[str, float] = defaultdict(float)
-    for event in events:
-        if device_type == "cuda":
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            micros = event.self_device_time_total
-        else:
-            if event.device_type != torch.autograd.DeviceType.CPU or not event.key.startswith("aten::"):
-                continue
-            micros = event.self_cpu_time_total
-        totals[kind_of(event.key)] += micros / 1000 / steps
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
-
 
 def run(args) -> dict:
     from peers import data_overrides
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from meshtron.config import load_config
+    from meshtron.metrics.profiling import summarize_profile
     from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
@@ -92,9 +57,11 @@ def run(args) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace = output_dir / "trace.json"
     profiler = torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.steps),
+        on_trace_ready=lambda done: done.export_chrome_trace(str(trace)),
     )
     handle = register_optimizer_step_post_hook(lambda *_: profiler.step())
     runtime = init_runtime(device=args.device)
@@ -104,7 +71,7 @@ def run(args) -> dict:
     finally:
         handle.remove()
         shutdown_runtime()
-    kinds = breakdown(profiler.key_averages(), args.device, args.steps)
+    summary = summarize_profile(profiler, trace, args.device, args.steps)
     measured = result.tokens_per_s[args.warmup :]
     step_ms = 1000 * args.batch * args.seq_len / (sum(measured) / len(measured)) if measured else None
     return {
@@ -114,22 +81,22 @@ def run(args) -> dict:
         "batch": args.batch,
         "overrides": args.set,
         "step_ms": step_ms,
-        "kinds_ms_per_step": kinds,
+        "trace": str(trace),
+        "basis": summary.basis,
+        "kinds_ms_per_step": {kind: micros / 1e3 / args.steps for kind, micros in summary.times_us.items()},
+        "kinds_share": {kind: summary.share(kind) for kind in summary.times_us},
+        "busy_share": summary.busy_share,
+        "wall_ms": summary.wall_us / 1e3 if summary.wall_us else None,
+        "summary": summary.markdown(),
     }
 
 
 def table(report: dict) -> str:
     total = sum(report["kinds_ms_per_step"].values())
     step = report["step_ms"]
-    basis = "device" if report["device"] == "cuda" else "CPU operator"
-    rows = [
-        f"step: {step:.1f} ms (wall, profiled steps, profiler on); {basis} time per step: {total:.1f} ms",
-        "| kind | ms per step | share of the step |",
-        "| --- | ---: | ---: |",
-    ]
-    for kind, ms in report["kinds_ms_per_step"].items():
-        rows.append(f"| {kind} | {ms:.1f} | {ms / step:.1%} |")
-    return "\n".join(rows)
+    wall = f"{step:.1f} ms" if step else "not measured"
+    head = f"step: {wall} (wall, profiled steps, profiler on); {report['basis']}: {total:.1f} ms per step"
+    return f"{head}\n{report['summary']}\ntrace: {report['trace']}"
 
 
 def main(argv: list[str] | None = None) -> int:
