@@ -1,14 +1,18 @@
-"""Document-masked attention kernels: FlexAttention + block mask vs SDPA + dense mask, exactness and time.
+"""Document-masked attention kernels: FlexAttention + block mask and varlen flash vs SDPA + dense mask, exactness
+and time.
 
-On CUDA (default shape: batch 4, 32 query / 8 key-value heads, 2048 tokens, head dim 64, 7 documents
-per row at random cuts, bfloat16) it
+On CUDA (default shape, llama-1b's attention: batch 4, 32 query / 8 key-value heads, 2048 tokens, head dim 64,
+7 documents per row at random cuts (about 290 tokens each), bfloat16) it
 
 1. checks meshtron's flex path (``document_attention(kernel="flex")``: compiled FlexAttention with the
-   document ``BlockMask``) against SDPA with the dense (B, 1, S, S) mask: output and q/k/v gradients,
-   each as relative error against a float32 SDPA reference, next to the error of bf16 SDPA itself;
+   document ``BlockMask``) and its varlen path (``kernel="varlen"``: torch's flash varlen attention over the
+   documents' cumulative lengths, **not yet run on a GPU**; plain causal document masks in bf16 / fp16 only)
+   against SDPA with the dense (B, 1, S, S) mask: output and q/k/v gradients, each as relative error against a
+   float32 SDPA reference, next to the error of bf16 SDPA itself;
 2. times forward + backward (CUDA events, median) of SDPA causal without document mask, SDPA with the
-   dense document mask, flex with the document block mask, and flex causal; masks are built once
-   beforehand (as in training, where every layer reuses them), their build time is printed apart.
+   dense document mask, flex with the document block mask, flex causal, varlen with the document lengths and
+   varlen with one document per row (= causal); masks and lengths are built once beforehand (as in training,
+   where every layer reuses them), their build time is printed apart.
 
 On CPU it runs a tiny shape in seconds: FlexAttention runs eagerly (its unfused reference) and forward
 only, since it has no CPU backward, and the timings say nothing about a GPU.
@@ -16,6 +20,7 @@ only, since it has no CPU backward, and the timings say nothing about a GPU.
 Exit status 1 when a check fails. Example:
 
     python bench/attention_kernels.py
+    python bench/attention_kernels.py --seq-len 8192 --batch 2 --documents 28   # seq 8192, ~290-token documents
     python bench/attention_kernels.py --seq-len 4096 --documents 14 --dtype float16
     python bench/attention_kernels.py --sinks     # gpt-oss's attention sinks (checked and timed with them)
 """
@@ -82,11 +87,18 @@ def forward_backward(fn, inputs, grad_out):
     return [out.detach()] + [t.grad for t in leaves]
 
 
+def varlen_runs(q, v, sinks=None, **variant) -> bool:
+    """Whether ``kernel="varlen"`` runs the varlen kernel here (else it is FlexAttention: nothing of its own)."""
+    cuda = q.device.type == "cuda" and kernels.VARLEN is not None
+    return cuda and kernels.varlen_applies(q, v, variant.get("window"), variant.get("softcap"), sinks)
+
+
 def check(q, k, v, docs, scale, dtype, sinks=None, **variant) -> bool:
-    """Flex vs the dense-mask SDPA path (soft-capped or with sinks: transformers' eager math), each against float32
-    SDPA; gradients where flex has a backward. ``sinks`` (H,): attention sinks (gpt-oss) on both paths (the flex one
-    by its log-sum-exp correction), their gradient checked too; ``variant``: ``document_attention``'s window /
-    softcap."""
+    """Flex and varlen vs the dense-mask SDPA path (soft-capped or with sinks: transformers' eager math), each against
+    float32 SDPA; gradients where flex has a backward; varlen where it runs (CUDA, plain document masks, bf16 /
+    fp16), and an error it raises counts as a failure. ``sinks`` (H,): attention sinks (gpt-oss) on both paths (the
+    flex one by its log-sum-exp correction), their gradient checked too; ``variant``: ``document_attention``'s
+    window / softcap."""
     device = q.device
     grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, generator=torch.Generator(device).manual_seed(1))
     grad_out = grad_out.to(dtype)
@@ -105,13 +117,61 @@ def check(q, k, v, docs, scale, dtype, sinks=None, **variant) -> bool:
         flex = forward_backward(attend("flex"), inputs, grad_out)
     else:  # no CPU backward for FlexAttention: output only
         flex = [attend("flex")(*inputs)]
-    ok = True
-    print(f"relative error vs float32 SDPA + dense mask (pass: flex <= {TOLERANCE[dtype]:g})")
+    ok, varlen, varlen_note = True, [], "n/a (CUDA, plain document masks, bf16 / fp16 only)"
+    if varlen_runs(q, v, sinks, **variant):
+        try:
+            varlen = forward_backward(attend("varlen"), inputs, grad_out)
+        except Exception as err:  # noqa: BLE001 - never run on a GPU before: say what broke, fail the check
+            ok, varlen_note = False, f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    print(f"relative error vs float32 SDPA + dense mask (pass: flex, varlen <= {TOLERANCE[dtype]:g})")
     names = ("out", "dq", "dk", "dv", "dsinks")
-    for name, want, got_sdpa, got_flex in zip(names, reference, sdpa, flex + [None] * 4):
+    for name, want, got_sdpa, got_flex, got_varlen in zip(
+        names, reference, sdpa, flex + [None] * 4, varlen + [None] * 5
+    ):
         flex_err = "n/a (no CPU backward)" if got_flex is None else f"{relative_error(got_flex, want):.2e}"
-        print(f"  {name}: sdpa {str(dtype)[6:]} {relative_error(got_sdpa, want):.2e}   flex {flex_err}")
+        varlen_err = varlen_note if got_varlen is None else f"{relative_error(got_varlen, want):.2e}"
+        print(
+            f"  {name}: sdpa {str(dtype)[6:]} {relative_error(got_sdpa, want):.2e}   flex {flex_err}   "
+            f"varlen {varlen_err}"
+        )
         ok &= got_flex is None or relative_error(got_flex, want) <= TOLERANCE[dtype]
+        ok &= got_varlen is None or relative_error(got_varlen, want) <= TOLERANCE[dtype]
+    return ok
+
+
+def check_compiled_varlen(q, k, v, args, scale, dtype) -> bool:
+    """The varlen path as training runs it, inside ``torch.compile`` with the lengths in a prepared cache: output and
+    q/k/v gradients against the eager varlen path, for two micro-batches with different counts of documents; one
+    compile expected (the lengths' size is marked dynamic)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(
+        lambda q, k, v, cache: kernels.document_attention(q, k, v, None, scale, kernel="varlen", cache=cache),
+        backend=counter,
+    )
+    ok = True
+    for documents in (args.documents, args.documents + 3):
+        gen = torch.Generator().manual_seed(args.seed + documents)
+        host_docs = packed_document_ids(args.batch, args.seq_len, documents, gen)
+        cache = {}
+        kernels.prepare_masks(
+            cache, None, q.device, args.seq_len, kernel="varlen", lengths=kernels.document_lengths(host_docs)
+        )
+        grad_out = torch.randn(q.shape, device=q.device, generator=torch.Generator(q.device).manual_seed(2)).to(dtype)
+        eager = forward_backward(
+            lambda *t: kernels.document_attention(*t, host_docs.to(q.device), scale, kernel="varlen"),
+            (q, k, v),
+            grad_out,
+        )
+        got = forward_backward(lambda *t, c=cache: compiled(*t, c), (q, k, v), grad_out)
+        errors = [relative_error(g, w) for g, w in zip(got, eager)]
+        print(
+            f"  compiled varlen, {documents} documents per row: out / dq / dk / dv vs eager varlen "
+            + " / ".join(f"{e:.1e}" for e in errors)
+        )
+        ok &= all(e <= TOLERANCE[dtype] for e in errors)
+    print(f"  compiles: {counter.frame_count} (1 expected: the count of documents does not recompile)")
     return ok
 
 
@@ -149,8 +209,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device).manual_seed(args.seed)
-    docs = packed_document_ids(args.batch, args.seq_len, args.documents, torch.Generator().manual_seed(args.seed))
-    docs = docs.to(device)
+    host_docs = packed_document_ids(args.batch, args.seq_len, args.documents, torch.Generator().manual_seed(args.seed))
+    docs = host_docs.to(device)
     q, k, v = (
         torch.randn(args.batch, heads, args.seq_len, dim, device=device, generator=gen).to(dtype)
         for heads, dim in (
@@ -181,11 +241,23 @@ def main(argv=None) -> int:
 
     sinks = torch.randn(args.heads, device=device, generator=gen).to(dtype) if args.sinks else None
     ok = check(q, k, v, docs, scale, dtype, sinks, **variant)
+    if varlen_runs(q, v, sinks, **variant):
+        try:
+            ok &= check_compiled_varlen(q, k, v, args, scale, dtype)
+        except Exception as err:  # noqa: BLE001 - never run on a GPU before: say what broke, fail the check
+            ok = False
+            print(f"  compiled varlen FAILED: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
     timed_sinks = None if sinks is None else sinks.detach()  # the timings run the sink path too (no sink gradient)
 
     grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=device, dtype=dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    caches = {"doc": {}, "causal": {}}
+    caches = {"doc": {}, "causal": {}, "varlen": {}, "varlen-causal": {}}
+    varlen = varlen_runs(q, v, timed_sinks, **variant)
+    lengths = kernels.document_lengths(host_docs)  # what training's host_document_bounds makes
+    if varlen:  # the lengths as training makes them: on the host, copied once (kernels.prepare_masks)
+        kernels.prepare_masks(caches["varlen"], docs, device, args.seq_len, kernel="varlen", lengths=lengths)
+        rows = kernels.document_lengths(None, rows=args.batch, length=args.seq_len)
+        kernels.prepare_masks(caches["varlen-causal"], None, device, args.seq_len, kernel="varlen", lengths=rows)
 
     def step(kernel, doc_ids, cache, backward=True):
         inputs = leaves if backward else [t.detach() for t in leaves]  # flex refuses CPU inputs that need grad
@@ -208,13 +280,28 @@ def main(argv=None) -> int:
         ("flex + document block mask", step("flex", docs, caches["doc"], flex_backward)),
         ("flex causal block mask", step("flex", None, caches["causal"], flex_backward)),
     ]
+    if varlen:
+        cases += [
+            ("varlen + document lengths", step("varlen", docs, caches["varlen"])),
+            ("varlen, one document per row", step("varlen", None, caches["varlen-causal"])),
+        ]
     print(f"median of {args.iters} (after {args.warmup} warm-up), masks prebuilt:")
     for name, fn in cases:
         what = "fwd+bwd" if flex_backward or not name.startswith("flex") else "fwd only"
-        print(f"  {name:32s} {what:8s} {time_ms(fn, args.iters, args.warmup, device):8.3f} ms")
+        try:
+            print(f"  {name:32s} {what:8s} {time_ms(fn, args.iters, args.warmup, device):8.3f} ms")
+        except Exception as err:  # noqa: BLE001 - the varlen path has not run on a GPU before
+            ok = False
+            print(f"  {name:32s} {what:8s} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    if not varlen:
+        print("  varlen: n/a here (CUDA, torch with varlen attention, plain document masks, bf16 / fp16 only)")
     builds = [
         ("dense (B,1,S,S) mask build", lambda: kernels.dense_document_mask(docs, device)),
         ("flex block mask build", lambda: kernels.document_block_mask(docs, device, args.seq_len)),
+        (
+            "varlen lengths (host) + copy",
+            lambda: kernels.prepare_masks({}, None, device, 0, (), "varlen", kernels.document_lengths(host_docs)),
+        ),
     ]
     print("once per micro-batch:")
     for name, build in builds:

@@ -28,6 +28,7 @@ from meshtron.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
+ATTENTION_KERNELS = ("auto", "flex", "varlen", "sdpa")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip", "rollback")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -53,6 +54,7 @@ BUILTIN_CORPUS = "builtin:python-stdlib"
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES,
     "model.attn_implementation": ATTN_IMPLEMENTATIONS,
+    "model.attention_kernel": ATTENTION_KERNELS,
     "data.format": DATA_FORMATS,
     "data.train_on": TRAIN_ON,
     "train.lr_schedule": LR_SCHEDULES,
@@ -91,6 +93,12 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """The model's own attention where meshtron's is not in use (no document masks, cp = 1): ``sdpa``, ``eager``, or
     ``auto`` (sdpa, or eager for a family whose attention sdpa cannot compute: Gemma 2's soft-capped scores)."""
+    attention_kernel: str = "auto"
+    """The kernel of meshtron's document-masked attention (data.mask_documents, parallel.cp = 1): ``auto``
+    (FlexAttention on CUDA, SDPA elsewhere), ``flex``, ``sdpa`` (a dense mask), or ``varlen``: CUDA, bf16 / fp16,
+    torch's flash attention over the documents' cumulative lengths (layers with a sliding window, soft cap or
+    sinks keep FlexAttention); **not yet run on a GPU**, check it with ``python bench/attention_kernels.py``
+    (docs/attention.md#varlen-modelattention_kernelvarlen)."""
     trust_remote_code: bool = False
     """Allow a model or tokenizer directory's own Python code to run; off unless you ask."""
 

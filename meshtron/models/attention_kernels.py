@@ -5,6 +5,13 @@
   ever made, and blocks the mask hides entirely are skipped by the kernel.
 * elsewhere (CPU): PyTorch's SDPA, whose CPU flash kernel takes a dense (B, 1, S, S) boolean mask
   (FlexAttention has no CPU backward).
+* ``varlen`` (CUDA, chosen by ``model.attention_kernel=varlen``, never by ``auto``; **not yet run on a GPU**):
+  torch's flash attention over variable-length sequences (``torch.nn.attention.varlen.varlen_attn``): the rows
+  are laid end to end as (B*L, H, D) and every document is one causal sequence of it, given by the documents'
+  cumulative lengths (``document_lengths``), so the kernel does the work of causal attention over the
+  documents and nothing else. For plain causal document masks in fp16 / bf16 only: layers with a sliding
+  window, soft cap or sinks (and fp32) keep FlexAttention. Check it on a GPU with
+  ``python bench/attention_kernels.py`` (docs/attention.md).
 
 Sliding window (``window``, per layer: transformers' attention modules pass ``sliding_window``): a query
 at index i also needs i - j < window to see the key at index j (transformers' ``sliding_window_overlay``),
@@ -25,12 +32,23 @@ window: full and sliding layers alternate in Gemma and Qwen2). Document ids must
 from __future__ import annotations
 
 import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-KERNELS = ("auto", "flex", "sdpa")
+from meshtron.config import Config
+from meshtron.errors import ConfigError, MeshtronError
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _torch_varlen_attn = None
+
+KERNELS = ("auto", "flex", "varlen", "sdpa")
 BLOCK_SIZE = 128
 """FlexAttention's (query, key) block size: the granularity at which masked work is skipped."""
 
@@ -57,6 +75,103 @@ def mask_key(kind: str, device, length: int, window: int | None = None) -> tuple
     return key if window is None else (*key, window)
 
 
+@dataclass(frozen=True)
+class VarlenOp:
+    """torch's ``varlen_attn`` (or a stand-in with the same signature, for tests), called causally with a scale and
+    grouped-query heads whatever the installed torch's signature: ``window_size=(-1, 0)`` (torch >= 2.11) or
+    ``is_causal=True`` (2.10) for causal; without a ``scale`` argument (2.10) the queries are multiplied by
+    ``scale * sqrt(D)`` (the kernel's own scale is 1/sqrt(D)); without ``enable_gqa`` the key / value heads are
+    repeated to the query heads (torch's flash kernel takes fewer kv heads, but only 2.12's signature says so).
+    Autograd: torch registers the op's backward (flash attention's) from 2.10 on."""
+
+    attend: Callable
+    causal: tuple
+    """(keyword, value) that makes the call causal."""
+    takes_scale: bool
+    takes_gqa: bool
+
+    @classmethod
+    def of(cls, attend: Callable | None) -> VarlenOp | None:
+        """The adapter of ``attend``, or None when there is none or its signature has no causal argument."""
+        if attend is None:
+            return None
+        params = inspect.signature(attend).parameters
+        if "window_size" in params:
+            causal = ("window_size", (-1, 0))
+        elif "is_causal" in params:
+            causal = ("is_causal", True)
+        else:
+            return None
+        return cls(attend, causal, "scale" in params, "enable_gqa" in params)
+
+    def __call__(self, query, key, value, cu_lengths, max_length: int, scale: float) -> torch.Tensor:
+        """Causal attention within each sequence of ``cu_lengths``: ``query`` (T, H, D), ``key``/``value``
+        (T, Hkv, D) -> (T, H, D). ``max_length``: a bound on the longest sequence."""
+        kwargs = {self.causal[0]: self.causal[1]}
+        factor = scale * query.shape[-1] ** 0.5  # the given scale over the kernel's own
+        if self.takes_scale:
+            kwargs["scale"] = scale
+        elif abs(factor - 1.0) > 1e-12:
+            query = query * factor
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            if self.takes_gqa:
+                kwargs["enable_gqa"] = True
+            else:
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        return self.attend(query, key, value, cu_lengths, cu_lengths, max_length, max_length, **kwargs)
+
+
+VARLEN = VarlenOp.of(_torch_varlen_attn)
+"""The installed torch's varlen flash attention (None: torch has none); tests put a CPU stand-in here."""
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+"""What flash attention computes in (fp32 calls of the varlen kernel go to FlexAttention)."""
+
+
+def varlen_applies(query: torch.Tensor, value: torch.Tensor, window=None, softcap=None, sinks=None) -> bool:
+    """Whether the varlen kernel computes this call: a plain causal document mask (no sliding window, soft cap
+    or sinks), in fp16 / bf16, with q/k and v heads of one size, a multiple of 8 up to 256 (flash attention's)."""
+    dim = query.shape[-1]
+    plain = window is None and not softcap and sinks is None
+    return plain and query.dtype in VARLEN_DTYPES and value.shape[-1] == dim and dim % 8 == 0 and dim <= 256
+
+
+def check_attention_kernel(cfg: Config, device_type: str, precision: str) -> None:
+    """Refuse a ``model.attention_kernel`` that cannot run: not ``auto`` where meshtron's whole-sequence attention
+    is not in use (cp > 1, or no document masks), ``varlen`` off CUDA, without torch's varlen attention, or with
+    fp32 compute. ``precision``: the run's mixed precision (``bf16``, ``fp16`` or ``none``)."""
+    setting = cfg.model.attention_kernel
+    if setting == "auto":
+        return
+    if cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"model.attention_kernel={setting} applies with parallel.cp=1 only (context parallelism has its own "
+            "kernels); set model.attention_kernel=auto"
+        )
+    if not cfg.data.mask_documents:
+        raise ConfigError(
+            f"model.attention_kernel={setting} applies to document-masked attention only (without "
+            "data.mask_documents the model's own model.attn_implementation runs); set model.attention_kernel=auto"
+        )
+    if setting != "varlen":
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"model.attention_kernel=varlen runs on CUDA only (flash attention), not on {device_type}; "
+            "set model.attention_kernel=auto"
+        )
+    if VARLEN is None:
+        raise ConfigError(
+            f"model.attention_kernel=varlen needs torch.nn.attention.varlen (torch >= 2.10), which torch "
+            f"{torch.__version__} lacks; set model.attention_kernel=auto"
+        )
+    if precision == "none" and cfg.model.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(
+            f"model.attention_kernel=varlen computes in bf16 / fp16 only (flash attention), and this run computes "
+            f"in {cfg.model.dtype}; set train.mixed_precision=bf16 or model.attention_kernel=auto"
+        )
+
+
 def document_attention(
     query,
     key,
@@ -79,6 +194,10 @@ def document_attention(
         kernel = choose_kernel(query.device)
     length = query.shape[2]
     window = effective_window(window, length)
+    if kernel == "varlen":
+        if varlen_applies(query, value, window, softcap, sinks):
+            return _varlen_attention(query, key, value, document_ids, scale, cache)
+        kernel = "flex"  # sliding windows, soft caps, sinks, fp32: FlexAttention
     if kernel == "flex":
         return _flex_attention(query, key, value, document_ids, scale, cache, window, softcap, sinks)
     if document_ids is None and window is None and not softcap and sinks is None:
@@ -91,13 +210,29 @@ def document_attention(
 
 
 def prepare_masks(
-    cache: dict, document_ids: torch.Tensor | None, device: torch.device, length: int, windows=(None,)
+    cache: dict,
+    document_ids: torch.Tensor | None,
+    device: torch.device,
+    length: int,
+    windows=(None,),
+    kernel: str = "auto",
+    lengths: torch.Tensor | None = None,
 ) -> None:
     """Build the masks ``document_attention`` will look up, one per sliding window in ``windows`` (None: no
     window), before the model runs: compiled decoder blocks then find them in ``cache`` and never call a
-    mask builder (no graph break)."""
+    mask builder (no graph break). ``kernel``: ``document_attention``'s. With ``varlen``: the documents'
+    cumulative lengths too, copied from ``lengths`` (``document_lengths`` of these rows, computed on the host: no
+    device sync) or else computed from ``document_ids`` (one device sync); the FlexAttention masks are built as
+    well, for the layers the varlen kernel leaves to FlexAttention (windows, soft caps, sinks)."""
+    kernel = choose_kernel(device) if kernel == "auto" else kernel
+    if kernel == "varlen":
+        if lengths is not None:
+            _cached(cache, mask_key("varlen", device, length), _to_device, lengths, device)
+        elif document_ids is not None:  # without documents the first call knows the batch size
+            _cached(cache, mask_key("varlen", device, length), document_lengths, document_ids, device)
+        kernel = "flex"
     for window in dict.fromkeys(effective_window(w, length) for w in windows):
-        if choose_kernel(device) == "flex":
+        if kernel == "flex":
             _cached(
                 cache,
                 mask_key("flex", device, length, window),
@@ -118,6 +253,61 @@ def prepare_masks(
                 window,
                 length,
             )
+
+
+@torch.compiler.disable
+def document_lengths(
+    document_ids: torch.Tensor | None, device=None, rows: int = 1, length: int | None = None
+) -> torch.Tensor:
+    """(N + 1,) int32 on ``device`` (default: ``document_ids``'): the cumulative lengths of the N documents of
+    ``document_ids`` (B, L) laid end to end row by row (B*L tokens), what the varlen kernel takes: 0, the index
+    at which every later document starts, B*L. A document starts wherever the id changes and at every row's
+    start (the rows are separate sequences: a document never runs on into the next row). None: one document per
+    row, ``rows`` rows of ``length`` tokens. From a host tensor nothing is read back from a device; from a device
+    tensor the count of documents is (one sync), so training computes them on the host (meshtron.train.batch)."""
+    if document_ids is None:
+        return torch.arange(0, (rows + 1) * length, length, dtype=torch.int32, device=device)
+    rows, length = document_ids.shape
+    starts = torch.ones(rows, length, dtype=torch.bool, device=document_ids.device)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    end = torch.full((1,), rows * length, dtype=torch.int64, device=document_ids.device)
+    lengths = torch.cat([starts.flatten().nonzero().flatten(), end]).to(torch.int32)
+    return lengths if device is None else _to_device(lengths, device)
+
+
+def _to_device(lengths: torch.Tensor, device) -> torch.Tensor:
+    """``lengths`` on ``device`` (an asynchronous copy from the host), marked as of varying size for
+    torch.compile: a micro-batch with another count of documents does not recompile the blocks."""
+    lengths = lengths.to(device, non_blocking=True)
+    torch._dynamo.maybe_mark_dynamic(lengths, 0)
+    return lengths
+
+
+def pack_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B*L, H, D): the rows laid end to end, token b*L + i of row b at index i (a copy unless
+    the tensor's memory is already (B, L, H, D), as the projections make it)."""
+    return tensor.transpose(1, 2).reshape(-1, tensor.shape[1], tensor.shape[3])
+
+
+def unpack_rows(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B*L, H, D) -> (B, H, L, D), a view (its (B, L, H, D) memory is what the caller's transpose back wants)."""
+    return tensor.unflatten(0, (batch, -1)).transpose(1, 2)
+
+
+def _varlen_attention(query, key, value, document_ids, scale: float, cache: dict | None) -> torch.Tensor:
+    """Causal attention within documents by the varlen kernel: each document of each row is one sequence of the
+    packed rows. The longest sequence is bounded by the row length L (no device read; blocks past a document's
+    end do nothing)."""
+    if VARLEN is None:
+        raise MeshtronError(
+            f"attention kernel 'varlen' needs torch.nn.attention.varlen (torch >= 2.10); torch {torch.__version__} "
+            "has none"
+        )
+    batch, length = query.shape[0], query.shape[2]
+    key_ = mask_key("varlen", query.device, length)
+    lengths = _cached(cache, key_, document_lengths, document_ids, query.device, batch, length)
+    out = VARLEN(pack_rows(query), pack_rows(key), pack_rows(value), lengths, length, scale)
+    return unpack_rows(out, batch)
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import torch
 
 from meshtron.distributed.context_parallel import SequenceLayout, chunk_document_bounds, planned_tiles, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
-from meshtron.models.attention_kernels import prepare_masks
+from meshtron.models.attention_kernels import document_lengths, prepare_masks
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class SequenceSplit:
     eos_token_id: int | None = None
     attention_windows: tuple = (None,)
     """The sliding windows the model's layers use (None: full attention), whose masks are built up front."""
+    attention_kernel: str = "auto"
+    """``model.attention_kernel``: the kernel of whole-sequence document attention (cp = 1)."""
 
 
 def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
@@ -36,19 +38,35 @@ def plans_tiles(split: SequenceSplit) -> bool:
     return split.cp > 1 and split.cp_method != "ulysses" and split.mask_documents
 
 
-def host_document_bounds(input_ids: torch.Tensor, split: SequenceSplit) -> tuple | None:
-    """The document bounds the tile plan needs (``SequenceLayout.document_bounds``), from token ids still in host
-    memory: no device sync. None where no tiles are planned."""
-    if not plans_tiles(split) or input_ids.device.type != "cpu":
+def uses_varlen(split: SequenceSplit) -> bool:
+    """Whether whole-sequence document attention runs the varlen kernel (it needs the documents' lengths)."""
+    return split.cp == 1 and split.mask_documents and split.attention_kernel == "varlen"
+
+
+def host_document_bounds(input_ids: torch.Tensor, split: SequenceSplit) -> tuple | torch.Tensor | None:
+    """What attention needs to know of the documents, from token ids still in host memory: no device sync. The
+    tile plan's bounds (``SequenceLayout.document_bounds``) with cp tiles; the documents' cumulative lengths
+    (``attention_kernels.document_lengths``, a host tensor) for the varlen kernel; None otherwise."""
+    if input_ids.device.type != "cpu":
         return None
-    return chunk_document_bounds(document_ids(input_ids, split.eos_token_id), split.cp)
+    if plans_tiles(split):
+        return chunk_document_bounds(document_ids(input_ids, split.eos_token_id), split.cp)
+    if uses_varlen(split):
+        return document_lengths(document_ids(input_ids, split.eos_token_id))
+    return None
 
 
-def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit, document_bounds: tuple | None = None) -> dict:
+def sequence_inputs(
+    input_ids: torch.Tensor, split: SequenceSplit, document_bounds: tuple | torch.Tensor | None = None
+) -> dict:
     """Token ids, position ids and (when meshtron's attention is in use) the sequence layout, for this rank.
     ``document_bounds``: ``host_document_bounds`` of these rows (or of a batch holding them), so that the tile
-    plan reads nothing back from the device; None: it reads them once."""
+    plan or the varlen kernel reads nothing back from the device; None: it reads them once."""
     docs = document_ids(input_ids, split.eos_token_id) if split.mask_documents else None
+    lengths = None
+    if isinstance(document_bounds, torch.Tensor):  # the varlen kernel's, of these rows only (host: no sync)
+        lengths = document_bounds if int(document_bounds[-1]) == input_ids.numel() else None
+        document_bounds = None
     if docs is not None:
         positions = document_positions(docs)
     else:
@@ -67,11 +85,20 @@ def sequence_inputs(input_ids: torch.Tensor, split: SequenceSplit, document_boun
             split.cp_method,
             docs,
             document_bounds=document_bounds if docs is not None else None,
+            document_kernel=split.attention_kernel if split.cp == 1 else "auto",
         )
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
         # plan, here and not in the layers; Ulysses attends whole sequences).
         if split.cp == 1 or split.cp_method == "ulysses":
-            prepare_masks(layout.attention_cache, docs, input_ids.device, input_ids.shape[1], split.attention_windows)
+            prepare_masks(
+                layout.attention_cache,
+                docs,
+                input_ids.device,
+                input_ids.shape[1],
+                split.attention_windows,
+                kernel=layout.document_kernel,
+                lengths=lengths,
+            )
         else:
             for window in split.attention_windows:
                 planned_tiles(layout, input_ids.device, window)

@@ -31,6 +31,7 @@ from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
+from meshtron.models.attention_kernels import check_attention_kernel
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
@@ -156,6 +157,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     check_data_parallel(cfg.fsdp, dims)
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type)
+    check_attention_kernel(cfg, device_type, precision.name)
     check_model_path(cfg.model)
     check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)

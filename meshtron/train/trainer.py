@@ -129,6 +129,7 @@ def _sequence_split(
         cfg.data.mask_documents,
         eos_token_id,
         attention_windows=attention_windows(hf_config),
+        attention_kernel=cfg.model.attention_kernel,
     )
 
 

@@ -70,6 +70,9 @@ class SequenceLayout:
     the host from the batch before it went to the device, so that planning reads nothing back from it. Its rows
     may be more than ``document_ids``' (a pipeline step's whole batch for each of its microbatches): a tile
     skipped, full or causal for every one of them is so for each. None: the plan reads them from the device."""
+    document_kernel: str = "auto"
+    """The kernel of whole-sequence document attention with cp = 1 (``model.attention_kernel``: see
+    ``meshtron.models.attention_kernels.KERNELS``)."""
 
     @property
     def chunk(self) -> int:

@@ -29,13 +29,14 @@ def _single_device_attention(
     sinks=None,
 ):
     """Whole-sequence attention with the document mask (and the layer's sliding ``window``, soft cap and sinks), by
-    the device's kernel (see ``attention_kernels``)."""
+    the layout's kernel (``model.attention_kernel``; ``auto``: the device's, see ``attention_kernels``)."""
     return document_attention(
         query,
         key,
         value,
         layout.document_ids,
         scale,
+        kernel=layout.document_kernel,
         cache=layout.attention_cache,
         window=window,
         softcap=softcap,
