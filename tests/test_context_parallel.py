@@ -315,7 +315,8 @@ def test_planner_charges_fused_tiles_on_cuda_and_fp32_ones_elsewhere():
 
     hf_config = make_preset_config("llama-1b", 259)
     shape, hw = ModelShape.from_hf_config(hf_config), hardware("h100")
-    cp2, fsdp2 = Layout(cp=2), Layout(dp_shard=2)
+    # the same rows per matmul (micro x seq / cp) and micro-batches per step, whose count the planner also charges
+    cp2, fsdp2 = Layout(cp=2, micro_batch=2), Layout(dp_shard=2, micro_batch=1)
     runs = {d: Workload(seq_len=8192, global_batch=8, loss_chunk_size=0, device=d) for d in ("cuda", "cpu")}
     compute = {
         (d, name): estimate_step(shape, layout, w, hw, hf_config).compute_s
@@ -324,7 +325,7 @@ def test_planner_charges_fused_tiles_on_cuda_and_fp32_ones_elsewhere():
     }
     assert compute["cuda", "cp2"] == pytest.approx(compute["cuda", "fsdp2"], rel=1e-12)
     assert compute["cpu", "cp2"] > 1.5 * compute["cpu", "fsdp2"]  # attention FLOPs at the fp32 rate
-    chunk, rows = 8192 // 4, 1 * shape.heads * 8192 // 4
+    chunk, rows = 8192 // 4, 2 * shape.heads * 8192 // 4
     transient = {d: estimate_memory(shape, cp2, w).temporaries for d, w in runs.items()}
     assert transient["cpu"] - transient["cuda"] == 3 * 4 * rows * chunk - 4 * 4 * rows * shape.head_dim
 

@@ -241,7 +241,9 @@ def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
     mfu_bf16 = estimate_step(shape, single, bf16, hw, hf_config).mfu
     mfu_fp32 = estimate_step(shape, single, fp32, hw, hf_config).mfu
     print(f"llama-1b on one H100, seq 2048, batch 8: MFU {mfu_bf16:.1%} in bf16, {mfu_fp32:.1%} in fp32")
-    assert mfu_bf16 > 0.25 and mfu_bf16 > 10 * mfu_fp32
+    # fp32 matmuls run at 67 of the bf16 989 TFLOP/s; the step's memory-bound kernels (optimizer, elementwise) barely
+    # change, so the whole step is 5-15x slower
+    assert mfu_bf16 > 0.25 and mfu_bf16 > 5 * mfu_fp32
     for layout in (single, Layout(tp=2), Layout(pp=2, micro_batch=1)):
         assert not layout.fsdp_enabled
         ratio = block_activation_per_token(shape, layout, bf16) / block_activation_per_token(shape, layout, fp32)
@@ -883,10 +885,12 @@ def test_the_table_and_json_name_each_rows_cp_method(capsys):
     ],
 )
 def test_a_checkpointing_recommendation_says_why_when_no_plain_layout_fits(capsys, memory, note):
-    """llama-1b on one GPU at seq 8192: with 80 GB a plain layout fits (no note); with 44 GB none does and the line
-    under the table names the smallest plain layout and its GB (the same figure as --json's); with 40 GB selective
-    checkpointing does not fit either and the line says so too."""
+    """llama-1b on one GPU at seq 8192, eager blocks: with 80 GB a plain layout fits (no note); with 44 GB none does
+    and the line under the table names the smallest plain layout and its GB (the same figure as --json's); with
+    40 GB selective checkpointing does not fit either and the line says so too."""
+    # eager blocks: compiled ones keep about what selective checkpointing keeps, which then saves little
     args = ["--model", "llama-1b", "--gpus", "1", "--seq-len", "8192", "--global-batch", "8", "--gpu-memory", memory]
+    args.append("--no-compile")
     status, stdout, stderr = plan_cli(capsys, *args, "--top", "1")
     assert status == 0, stderr[-2000:]
     _, as_json, _ = plan_cli(capsys, *args, "--json")

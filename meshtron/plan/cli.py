@@ -83,6 +83,11 @@ def add_plan_parser(sub) -> None:
         help="plan for train.compile=false (eager blocks; default: compiled, as auto does on GPUs)",
     )
     plan.add_argument(
+        "--float8",
+        action="store_true",
+        help="plan for train.float8=true (the blocks' linears in float8, tensorwise; H100-class GPUs)",
+    )
+    plan.add_argument(
         "--accumulate-unsharded",
         action="store_true",
         help="fsdp.accumulate_unsharded: hold full gradients between accumulated micro-batches, "
@@ -150,7 +155,7 @@ def _describe_precision(workload) -> str:
     )
     return (
         f"{short[workload.model_dtype]} weights + AdamW, {short[workload.compute_dtype]} compute in every layout, "
-        f"{chunks}, {'compiled' if workload.compiled else 'eager'} blocks"
+        f"{chunks}, {'compiled' if workload.compiled else 'eager'} blocks{', float8 linears' * workload.float8}"
     )
 
 
@@ -191,8 +196,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.loss_chunk_size < 0:
         raise ConfigError(f"--loss-chunk-size must be >= 0 (0 disables chunking), got {args.loss_chunk_size}")
     overrides = {name: getattr(args, name) for name in HARDWARE_OVERRIDES}
+    may_be_zero = ("reserved_gb", "fp8_tflops")  # nothing reserved; a GPU without float8 matmuls
     for name, value in overrides.items():
-        if value is not None and not (math.isfinite(value) and (value > 0 or (value == 0 and name == "reserved_gb"))):
+        if value is not None and not (math.isfinite(value) and (value > 0 or (value == 0 and name in may_be_zero))):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     hw = hardware(args.gpu).with_overrides(
         memory_gb=parse_gigabytes(args.gpu_memory) if args.gpu_memory else None, **overrides
@@ -226,6 +232,7 @@ def run_plan(args: argparse.Namespace) -> int:
         accumulate_unsharded=args.accumulate_unsharded,
         compiled=not args.no_compile,
         attn_implementation=attn_implementation,
+        float8=args.float8,
     )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
@@ -259,7 +266,8 @@ def run_plan(args: argparse.Namespace) -> int:
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --seq-len {args.seq_len} "
             f"--global-batch {args.global_batch} --gpu {args.gpu} --mixed-precision {args.mixed_precision} "
             f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}"
-            f"{' --no-compile' * args.no_compile} --attn-implementation {attn_implementation}"
+            f"{' --no-compile' * args.no_compile}{' --float8' * args.float8} "
+            f"--attn-implementation {attn_implementation}"
             f"{f' --lora-rank {args.lora_rank}' if lora else ''}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} "
             "tokens/s, "

@@ -1,8 +1,9 @@
 """Devices and links the planner assumes: documented constants, every one overridable from the CLI.
 
-Figures are the vendors' data-sheet numbers (dense bf16, no sparsity; NVLink per GPU and direction;
-one 400 Gb/s NIC per GPU for H100/H200-class clusters, 200 Gb/s for A100) and two efficiencies that
-turn data-sheet peaks into what training kernels and NCCL reach in practice.
+Figures are the vendors' data-sheet numbers (dense bf16 and float8, no sparsity; memory bandwidth; NVLink per
+GPU and direction; one 400 Gb/s NIC per GPU for H100/H200-class clusters, 200 Gb/s for A100) and efficiencies
+that turn data-sheet peaks into what training kernels and NCCL reach in practice (the compiled step's are
+fitted on measured H100 runs: meshtron.plan.calibration).
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ class Hardware:
     """Fraction of peak a training step's model FLOPs run at, before communication: meshtron measured
     32.1% MFU on one H100 (llama-1b, bf16, BENCHMARKS.md); torchtitan's eager Llama-3-8B FSDP runs
     report 33-39%. Fused-kernel stacks (NeMo / Transformer Engine) reach 50-60%."""
-    compiled_matmul_efficiency: float = 0.41
-    """The same with ``train.compile`` on: meshtron-compile measured 40.9% MFU on one H100 (llama-1b, batch 8,
-    seq 2048, document masks; issue 28's table, before its fused loss and once-per-step casts)."""
+    compiled_matmul_efficiency: float = 0.81
+    """With ``train.compile`` on, the step is modelled kernel by kernel (meshtron.plan.calibration): this is the
+    fraction of the compute dtype's peak cuBLAS matmuls reach when they are large. Fitted on one H100: llama-1b,
+    batch 8, seq 2048, the trace's 156.8 ms of matmul kernels a step for 121.6 TFLOP (2026-11-26)."""
     link_efficiency: float = 0.8
     """Fraction of link bandwidth NCCL collectives reach (bus bandwidth / line rate)."""
     nvlink_latency_us: float = 5.0
     network_latency_us: float = 15.0
+    hbm_gbps: float = 3350.0
+    """Device memory bandwidth in GB/s (data sheet): what the step's elementwise kernels, casts and optimizer
+    are bound by."""
+    hbm_efficiency: float = 0.57
+    """Fraction of ``hbm_gbps`` those memory-bound kernels reach. Fitted on one H100: the llama-1b batch-8 trace's
+    fused AdamW, casts and fp32 gradient adds (33.8 ms a step for 64 GB moved, 2026-11-26)."""
+    fp8_tflops: float = 0.0
+    """Dense float8 peak (``train.float8``); 0 where the GPU has no float8 matmuls (they run at the bf16 rate)."""
     reserved_gb: float = 3.0
     """Memory not available to tensors: CUDA context, NCCL buffers, allocator fragmentation."""
 
@@ -52,11 +62,11 @@ class Hardware:
 
 
 GPUS: dict[str, Hardware] = {
-    "h100": Hardware("H100 SXM 80GB", 80, 989, 450, 50, 67),
-    "h200": Hardware("H200 SXM 141GB", 141, 989, 450, 50, 67),
-    "a100": Hardware("A100 SXM 80GB", 80, 312, 300, 25, 19.5),
-    "a100-40gb": Hardware("A100 SXM 40GB", 40, 312, 300, 25, 19.5),
-    "b200": Hardware("B200 180GB", 180, 2250, 900, 100, 80),
+    "h100": Hardware("H100 SXM 80GB", 80, 989, 450, 50, 67, hbm_gbps=3350, fp8_tflops=1979),
+    "h200": Hardware("H200 SXM 141GB", 141, 989, 450, 50, 67, hbm_gbps=4800, fp8_tflops=1979),
+    "a100": Hardware("A100 SXM 80GB", 80, 312, 300, 25, 19.5, hbm_gbps=2039),
+    "a100-40gb": Hardware("A100 SXM 40GB", 40, 312, 300, 25, 19.5, hbm_gbps=1555),
+    "b200": Hardware("B200 180GB", 180, 2250, 900, 100, 80, hbm_gbps=8000, fp8_tflops=4500),
 }
 
 

@@ -55,6 +55,9 @@ class Workload:
     """``train.optimizer``: under ``muon`` the blocks' matrices keep one momentum buffer, not AdamW's two moments."""
     muon_ns_steps: int = 5
     """``train.muon_ns_steps``: Newton-Schulz iterations per Muon step (its time in the step estimate)."""
+    float8: bool = False
+    """``train.float8``: the blocks' linears multiply in float8 (the GPU's float8 rate; compiled blocks keep
+    the linears' inputs as their float8 casts)."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -88,6 +91,7 @@ class Workload:
             attn_implementation=cfg.model.attn_implementation,
             optimizer=cfg.train.optimizer,
             muon_ns_steps=cfg.train.muon_ns_steps,
+            float8=cfg.train.float8,
         )
 
 

@@ -39,14 +39,27 @@ class MemoryEstimate:
     temporaries: int
     """Transient buffers outside autograd's saved set: one loss chunk's logits, their fp32 copy and
     gradient; a block's recomputation under activation checkpointing; CP attention's tile buffers."""
+    grads_in_forward: int | None = None
+    """Gradient bytes live while the activations peak (at the turn from forward to backward): none with one
+    micro-batch a step (meshtron frees gradients after each update and backward makes them as it frees
+    activations), ``grads`` when micro-batches accumulate. None: ``grads``."""
 
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer
 
     @property
+    def peak_state(self) -> int:
+        """The state at the forward's end: parameters, optimizer state and the gradients held through the forward."""
+        held = self.grads if self.grads_in_forward is None else self.grads_in_forward
+        return self.params + self.optimizer + held
+
+    @property
     def total(self) -> int:
-        return self.state + self.activations + self.gathered + self.temporaries
+        """The peak: the larger of the forward's end (``peak_state``, activations, FSDP's buffers and the loss's
+        temporaries) and the backward's end (parameters, optimizer state, FSDP's buffers and all gradients)."""
+        forward_end = self.peak_state + self.activations + self.gathered + self.temporaries
+        return max(forward_end, self.params + self.optimizer + self.gathered + self.grads)
 
 
 def stage_layout(
@@ -177,9 +190,26 @@ def _norm(hidden: int, e: int, frozen: bool = False) -> int:
     return FP32 * hidden + FP32 + (0 if frozen else e * hidden)
 
 
+def compiled_elementwise(shape: ModelShape, workload: Workload) -> bool:
+    """Whether a block's elementwise work is compiled (``train.compile``), for a block whose anatomy the compiled
+    accounting covers (Llama-family attention and a dense gated MLP, LoRA adapters included; others keep the eager
+    accounting)."""
+    plain = not (shape.eager_attention or shape.kv_latent or shape.head_norms or shape.experts)
+    return workload.compiled and plain and shape.gated_mlp
+
+
 def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, dense: bool = False) -> float:
     """Bytes one decoder block keeps for backward per token of this rank's sequence chunk, no checkpointing;
-    ``dense``: one of an MoE model's dense first layers (DeepSeek-V3's ``first_k_dense_replace``)."""
+    ``dense``: one of an MoE model's dense first layers (DeepSeek-V3's ``first_k_dense_replace``).
+
+    Compiled blocks (``train.compile``, see compiled_elementwise): inductor's partitioner keeps what a matmul or
+    attention needs and recomputes the elementwise rest in backward: each norm's input (compute dtype) and 1/rms
+    instead of its fp32 upcast and normalized output, gate and up and their product (not SiLU(gate)), the
+    attention output once (its copy for o_proj is recomputed). Under ``train.float8`` the linears' inputs are not
+    kept (see _compiled_block_per_token). Measured on one H100 (llama-1b b8: 23.17 GB kept; llama-8b tp=8
+    rehearsal: 10.43 GB; meshtron.plan.calibration); eager blocks keep what Hugging Face's code saves."""
+    if compiled_elementwise(shape, workload):
+        return _compiled_block_per_token(shape, layout, workload)
     e, tp = compute_bytes(workload), layout.tp
     h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
     heads = shape.heads // tp
@@ -210,6 +240,28 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     else:
         mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
     adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x (whole on every tp rank, or a partial sum)
+    return norms + gathered_inputs + attention + mlp + adapters
+
+
+def _compiled_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """block_activation_per_token of a compiled Llama-family block."""
+    e, tp = compute_bytes(workload), layout.tp
+    h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
+    heads = shape.heads // tp
+    kv_local = max(shape.kv_heads // tp, 1)
+    kv_stored = shape.kv_heads // tp if shape.kv_heads >= tp else shape.kv_heads
+    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    # A linear's input, kept in the compute dtype for its weight gradient; under float8 not at all: the backward
+    # casts its operands afresh anyway, and recomputes the float8 cast from what the block keeps (a norm's input
+    # and 1/rms, gate and up) and the per-tensor scale.
+    linear_in = 0 if workload.float8 else e
+    norms = shape.residual_norms * (e * h + FP32) / stream_split  # each norm's input and 1/rms
+    gathered_inputs = 2 * linear_in * h  # q/k/v's and gate/up's inputs, whole sequence on every tp rank
+    attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
+    if dense_document_mask(layout, workload):
+        attention += e * workload.seq_len
+    mlp = (2 * e + linear_in) * inter // tp  # gate, up, and down's input SiLU(gate) * up
+    adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x
     return norms + gathered_inputs + attention + mlp + adapters
 
 
@@ -427,6 +479,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
             # one (query chunk, key chunk) tile's fp32 scores, probabilities and their gradient
             temporaries += 3 * FP32 * query_rows * chunk
     logits = logits_bytes(shape, layout, workload)
+    accumulates = layout.microbatches(workload) > 1  # gradients held from the second micro-batch's forward on
     estimates = []
     per_rank = zip(
         stage_layout(shape, layout, workload),
@@ -449,6 +502,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
                 activations=int(acts),
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
+                grads_in_forward=int(max(trained * state_bytes, held_grads)) if accumulates else 0,
             )
         )
     return estimates

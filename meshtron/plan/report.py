@@ -28,6 +28,7 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
             "gathered": m.gathered / GB,
             "temporaries": m.temporaries / GB,
             "total": m.total / GB,
+            "state_at_peak": m.peak_state / GB,
         },
         "step_s": s.seconds,
         "compute_s": s.compute_s,
@@ -94,7 +95,7 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
         lines.append(
             f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  "
             f"{layout.activation_checkpointing:<9}  {method:<9}  {schedule:<15} | "
-            f"{m.state / GB:>13.1f} {m.activations / GB:>4.1f} "
+            f"{m.peak_state / GB:>13.1f} {m.activations / GB:>4.1f} "
             f"{(m.gathered + m.temporaries) / GB:>6.1f} "
             f"{m.total / GB:>6.1f} | {s.seconds:>6.2f} {s.tokens_per_s / gpus:>10,.0f} {s.mfu:>5.1%}"
         )
@@ -134,6 +135,7 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lor
     cfg.train.mixed_precision = workload.mixed_precision
     cfg.train.loss_chunk_size = workload.loss_chunk_size
     cfg.train.compile = "auto" if workload.compiled else "false"
+    cfg.train.float8 = workload.float8
     cfg.fsdp.accumulate_unsharded = workload.accumulate_unsharded
     cfg.parallel = layout.parallel_config()  # no parallel.pp_microbatches: train.micro_batch_size says it
     return cfg

@@ -8,9 +8,11 @@ most ``gpus_per_node``, across nodes otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from meshtron.metrics.flops import flops_per_token
+from meshtron.plan import calibration
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
 from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, stage_layout, state_numel
@@ -31,7 +33,10 @@ class StepEstimate:
     ``exposed_comm_s``; 0 without EP."""
     optimizer_s: float = 0.0
     """Muon's step (``train.optimizer=muon``): gathering sharded matrices and their Newton-Schulz iterations, on the
-    critical path; 0 under AdamW (whose elementwise step the model leaves out)."""
+    critical path; 0 under AdamW (whose step is part of ``compute_s``: ``kernels.parameters``)."""
+    kernels: "KernelTimes | None" = None
+    """A compiled step's kernels by kind (compiled steps on CUDA; None for eager steps, whose compute is the whole
+    step's FLOPs at ``Hardware.matmul_efficiency``)."""
 
 
 def _collective_s(nbytes: float, group: int, span: int, hw: Hardware, factor: float = 1.0) -> float:
@@ -119,7 +124,8 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     e = compute_bytes(workload)  # every layout computes in the compute dtype (train.mixed_precision)
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
     efficiency = hw.compiled_matmul_efficiency if workload.compiled else hw.matmul_efficiency
-    compute = model_flops * recompute / (peak * efficiency)
+    # Small matmuls (few tokens per forward on a rank) run further from peak: a fixed cost per kernel.
+    efficiency *= matmul_size_factor(layout, workload)
     # meshtron's context-parallel attention runs fused tile kernels on CUDA (flash, FlexAttention): the
     # compute-dtype rate, as without cp (the one extra forward of document-masked tiles in backward is
     # left out, as is document sparsity). Elsewhere its masked tiles are plain fp32 matmuls: the fp32 rate.
@@ -127,8 +133,14 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * width / 2 * shape.layers * tokens / world
     attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
     ulysses = layout.cp > 1 and layout.cp_method == "ulysses"  # whole sequences by the device's kernel, as cp = 1
-    if layout.cp > 1 and not ulysses:
-        compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
+    if workload.compiled and workload.device == "cuda":
+        kernels = compiled_kernels(shape, layout, workload, hw, hf_config)
+        compute = kernels.seconds * recompute
+    else:  # eager (or off CUDA): the whole step's FLOPs at one measured fraction of peak
+        kernels = None
+        compute = model_flops * recompute / (peak * efficiency)
+        if layout.cp > 1 and not ulysses:
+            compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
     compute *= 1 + bubble_fraction(layout, workload)
 
     forwards = layout.microbatches(workload)
@@ -195,7 +207,105 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         mfu=model_flops / (seconds * hw.peak_tflops * 1e12),
         all_to_all_s=a2a_s,
         optimizer_s=optimizer_s,
+        kernels=kernels,
     )
+
+
+def matmul_size_factor(layout: Layout, workload: Workload) -> float:
+    """The fraction of the large-matmul rate a rank's matmuls reach at ``micro x seq_len / cp`` rows
+    (``calibration.MATMUL_HALF_ROWS``)."""
+    rows = layout.micro_batch * workload.seq_len / layout.cp
+    return rows / (rows + calibration.MATMUL_HALF_ROWS)
+
+
+@dataclass(frozen=True)
+class KernelTimes:
+    """A compiled step's GPU time on one rank, by kind of kernel as a profile counts them (seconds)."""
+
+    matmul: float
+    attention: float
+    elementwise: float
+    """The blocks' fused elementwise kernels, the loss's, and float8's casts."""
+    parameters: float
+    """Passes over the parameters: the per-micro-batch gradient casts and adds, the weight casts, AdamW."""
+    host: float
+    """Time the GPU waits on the host (tensor parallelism's dispatch), beyond the kernels' idle share."""
+
+    @property
+    def seconds(self) -> float:
+        return (self.matmul + self.attention + self.elementwise + self.parameters) / calibration.GPU_BUSY + self.host
+
+
+def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, hf_config) -> KernelTimes:
+    """A compiled step's kernels on the busiest rank, without communication (meshtron.plan.calibration says which
+    measured run each constant comes from). Matmuls: the blocks' and the head's FLOPs at
+    ``compiled_matmul_efficiency x matmul_size_factor`` of the compute dtype's peak (the blocks' at the float8 peak
+    under ``train.float8``). Attention: causal attention FLOPs at ``ATTENTION_EFFICIENCY``, less on short spans.
+    The rest is bound by memory bandwidth (``hbm_gbps x hbm_efficiency``): elementwise work in proportion to what
+    blocks keep for backward, the loss's passes over its logits, and passes over every trained parameter."""
+    from meshtron.plan.memory import (
+        block_activation_per_token,
+        casts_weights,
+        fused_loss,
+        fused_loss_vocab,
+        loss_vocab,
+        trained_numel,
+    )
+
+    world, e = layout.world_size, compute_bytes(workload)
+    rank_tokens = workload.global_batch * workload.seq_len / world  # FLOPs of a rank: its share of the step's
+    local_tokens = layout.local_batch(workload) * workload.seq_len / layout.cp  # tokens a rank's blocks see
+    peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
+    rate = peak * hw.compiled_matmul_efficiency * matmul_size_factor(layout, workload)
+    head_flops = 6 * shape.hidden * shape.vocab * rank_tokens
+    matmul_flops = (flops_per_token(hf_config, 0) + shape.lora_flops_per_token) * rank_tokens
+    block_flops = matmul_flops - head_flops
+    float8_rate = hw.fp8_tflops * 1e12 * hw.compiled_matmul_efficiency * matmul_size_factor(layout, workload)
+    block_rate = float8_rate if workload.float8 and float8_rate > rate else rate
+    matmul = block_flops / block_rate + head_flops / rate
+
+    span = workload.seq_len
+    attention_flops = (flops_per_token(hf_config, span) - flops_per_token(hf_config, 0)) * rank_tokens
+    # (under cp the fused tile kernels cover the same span in pieces: costed as without cp)
+    attention_rate = peak * calibration.ATTENTION_EFFICIENCY * span / (span + calibration.ATTENTION_HALF_SPAN)
+
+    bandwidth = hw.hbm_gbps * 1e9 * hw.hbm_efficiency
+    layers = max(sum(n for n, _, _ in stages) for stages in stage_layout(shape, layout, workload))
+    unconverted = dataclasses.replace(workload, float8=False)  # float8 changes what is kept, not what is computed
+    kept = block_activation_per_token(shape, layout, unconverted) * layers * local_tokens
+    elementwise = calibration.ELEMENTWISE_PASSES * kept
+    holds_head = layout.pp == 1  # the busiest pipeline rank is costed as if it held the head too
+    if holds_head and fused_loss(workload):
+        elementwise += local_tokens * fused_loss_vocab(shape, layout) * (3 * e + calibration.FUSED_LOSS_BYTES_PER_LOGIT)
+    elif holds_head:
+        elementwise += local_tokens * loss_vocab(shape, layout) * (3 * e + calibration.UNFUSED_LOSS_BYTES_PER_LOGIT)
+    if workload.float8:
+        elementwise += calibration.FLOAT8_CAST_BYTES_PER_ELEMENT * local_tokens * layers * _linear_width(shape, layout)
+    trained = max(trained_numel(shape, layout, workload))
+    per_step = calibration.ADAMW_BYTES_PER_PARAM if workload.optimizer == "adamw" else 0
+    if casts_weights(layout, workload):
+        per_step += calibration.WEIGHT_CAST_BYTES_PER_PARAM
+    passes = layout.microbatches(workload) * calibration.GRADIENT_PASS_BYTES_PER_PARAM + per_step
+    host = 0.0
+    if layout.tp > 1:
+        host = calibration.TP_HOST_S_PER_BLOCK_PASS * 2 * layers * layout.microbatches(workload)
+    return KernelTimes(
+        matmul=matmul,
+        attention=attention_flops / attention_rate,
+        elementwise=elementwise / bandwidth,
+        parameters=trained * passes / bandwidth,
+        host=host,
+    )
+
+
+def _linear_width(shape: ModelShape, layout: Layout) -> int:
+    """Elements per token a block's float8 casts scan: every linear's input in forward (q/k/v's and gate/up's
+    inputs, o_proj's and down's) and every linear's output gradient in backward, on one tp rank."""
+    tp = layout.tp
+    q, kv = shape.heads // tp * shape.head_dim, max(shape.kv_heads // tp, 1) * shape.head_dim
+    inputs = 2 * shape.hidden + q + shape.intermediate // tp
+    output_gradients = q + 2 * kv + 2 * shape.hidden + 2 * shape.intermediate // tp
+    return inputs + output_gradients
 
 
 def muon_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware) -> float:
