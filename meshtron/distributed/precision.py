@@ -10,7 +10,10 @@ compute in the chosen dtype; gradients are reduced in ``fsdp.reduce_dtype`` (flo
   compute-dtype copies (a differentiable cast, so their gradients arrive in the master dtype; made once
   per optimizer step and reused by every micro-batch and recomputation) and floating inputs are cast too.
   Every layout therefore runs the same arithmetic, which is what lets the parity tests compare them with
-  each other and with one process.
+  each other and with one process. The cast's backward makes each master gradient in one pass over the
+  parameter: the first micro-batch's float32 gradient is the conversion itself (autograd assigns it, no
+  add), a later micro-batch's compute-dtype gradient is added into the float32 one in one kernel (the
+  conversion and the accumulation at once, the same float32 sum as before).
 
 fp16's loss scaling is a training-loop matter: ``meshtron.train.precision``. CPU runs use ``none`` under
 ``auto``; bf16 (and fp16) also run on CPU, which is how the tests check this.
@@ -89,6 +92,56 @@ def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
     return PrecisionPolicy(compute, reduce_dtype, name)
 
 
+def _accumulation_runs(ctx) -> bool:
+    """Whether this backward ends in the parameter's AccumulateGrad (``loss.backward()``), rather than handing the
+    gradient to the caller (``torch.autograd.grad``, as zero-bubble pipeline schedules compute weight gradients)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return False
+    try:
+        return bool(will_execute(ctx.next_functions[0][0]))
+    except RuntimeError:  # autograd.grad() with the parameter as an input: its gradient is captured, not accumulated
+        return False
+
+
+class _ComputeCast(torch.autograd.Function):
+    """``param.to(dtype)`` whose backward makes the master gradient in one pass over the parameter.
+
+    Without a gradient held yet it returns the gradient converted to the master dtype, which AccumulateGrad
+    takes as ``param.grad`` (assigned, not added). With one held (a later micro-batch of the step) it adds the
+    compute-dtype gradient into it in place, one kernel that reads it in its own dtype and adds in float32,
+    where ToCopyBackward + AccumulateGrad converted it first (a float32 copy) and added that (a second pass):
+    the same float32 sum, bit for bit. Only for plain tensors under a plain ``backward()`` without hooks on the
+    parameter; otherwise (DTensor gradients of tensor parallelism, ``autograd.grad``, double backward) it
+    returns the converted gradient as ToCopyBackward does.
+    """
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.param = param
+        return param.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        param = ctx.param
+        held = param.grad if param.is_leaf else None
+        if (
+            held is not None
+            and type(held) is torch.Tensor
+            and type(grad) is torch.Tensor
+            and held.dtype == param.dtype
+            and held.shape == grad.shape
+            and held.layout == torch.strided
+            and not torch.is_grad_enabled()
+            and not param._backward_hooks
+            and getattr(param, "_post_accumulate_grad_hooks", None) is None
+            and _accumulation_runs(ctx)
+        ):
+            held.add_(grad)  # float32 += compute dtype: the conversion and the accumulation in one kernel
+            return None, None
+        return grad.to(param.dtype), None
+
+
 class ComputeWeights:
     """The compute-dtype copies of master weights, made once per optimizer step.
 
@@ -108,7 +161,7 @@ class ComputeWeights:
         entry = self._copies.get(id(param))
         if entry is not None and entry[0] is param and entry[1] == param._version and entry[2].requires_grad == trains:
             return entry[2]
-        copy = param.to(self.dtype)
+        copy = _ComputeCast.apply(param, self.dtype) if trains else param.to(self.dtype)
         self._copies[id(param)] = (param, param._version, copy)
         return copy
 
@@ -178,6 +231,23 @@ def apply_compute_casts(
         hooks = _CastHooks(module, weights, skip)
         module.register_forward_pre_hook(hooks.before, with_kwargs=True)
         module.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+
+
+def compute_weight(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The compute-dtype copy of ``model``'s parameter ``weight`` that its casts use this step, or ``weight``
+    itself where ``model`` has no casts of its own (FSDP's policy, no mixed precision) or it is no parameter.
+
+    For a head applied outside the model's forward (the loss): it computes with the copy the forward made
+    (no second cast), and its gradient joins that copy's, as it does under FSDP (whose head weight is the
+    compute-dtype parameter): a tied embedding's two gradients are summed in the compute dtype as FSDP sums
+    them, and converted to the master dtype once.
+    """
+    weights = model.__dict__.get(COMPUTE_WEIGHTS_ATTRIBUTE)
+    if weights is None or not isinstance(weight, nn.Parameter) or not weight.is_floating_point():
+        return weight
+    if weight.dtype == weights.dtype:
+        return weight
+    return weights.copy_of(weight)
 
 
 def release_compute_weights(*models: nn.Module) -> None:

@@ -64,6 +64,22 @@ def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_
     return loss, probs.to(weight.dtype)
 
 
+def _add_float32(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """``total + part`` in float32, in place; ``part`` itself (in float32) when there is no total yet: a loss of one
+    chunk makes its weight gradient without a zero-filled buffer and an addition over the whole head."""
+    if total is None:
+        return part.float()
+    return total.add_(part)
+
+
+def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(grad * scale).to(dtype)`` in one pass: the product is computed in ``grad``'s dtype and rounded once as it
+    is written (the same values as multiplying, then casting)."""
+    if grad.dtype == dtype or isinstance(grad, DTensor):
+        return (grad * scale).to(dtype)
+    return torch.mul(grad, scale, out=torch.empty_like(grad, dtype=dtype))
+
+
 @functools.cache
 def _compiled_chunk():
     """``_chunk`` compiled (made on first use: importing dynamo costs seconds that an uncompiled run need not pay)."""
@@ -80,8 +96,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         chunk_fn = _compiled_chunk() if compiled and group is None else _chunk
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(h) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+        grad_weight = grad_bias = None  # float32 sums over the chunks; the first chunk's is assigned, not added
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, labels.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
@@ -89,11 +104,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             total += loss
             if grad_hidden is not None:
                 torch.matmul(grad_logits, w, out=grad_hidden[part])
-            if grad_weight is not None:
-                grad_weight += grad_logits.t() @ h[part]
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
+            if want_weight:
+                grad_weight = _add_float32(grad_weight, grad_logits.t() @ h[part])
+            if want_bias:
+                grad_bias = _add_float32(grad_bias, grad_logits.sum(0))
             del grad_logits
+        if want_weight and grad_weight is None:  # no tokens
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if want_bias and grad_bias is None:
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.compute = compute
@@ -108,7 +127,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # so that every layout (FSDP or meshtron's own casts) rounds the same and an fp16 overflow happens in all.
         wanted = ctx.needs_input_grad
         scaled = [
-            None if grad is None or not want else (grad * grad_loss).to(ctx.compute).to(dtype)
+            None if grad is None or not want else _scaled(grad, grad_loss, ctx.compute).to(dtype)
             for grad, dtype, want in (
                 (grad_hidden, hidden_dtype, wanted[0]),
                 (grad_weight, weight_dtype, wanted[1]),

@@ -26,7 +26,7 @@ from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import compile_enabled
-from meshtron.distributed.precision import PrecisionPolicy, release_compute_weights
+from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
@@ -92,6 +92,8 @@ class StepResult:
 def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """The summed token loss of ``model``'s head on ``hidden`` (the caller holds loss parallel's context)."""
     weight, bias = ctx.adapter.head_parameters(model)
+    # Without FSDP: the copy the forward's casts made (a tied head's gradient joins the embedding's, as under FSDP).
+    weight, bias = compute_weight(model, weight), (compute_weight(model, bias) if bias is not None else None)
     return head_loss_sum(
         hidden,
         labels,
