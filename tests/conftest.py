@@ -16,14 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 # The suite means CPU and gloo everywhere, also on a machine with GPUs: hide them from this process
 # (before torch initializes CUDA) and from every process it starts.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-# One intra-op thread here, as in every rank it starts: the models are tiny, and `make test` runs two pytest workers
+# One intra-op thread here, as in every rank it starts: the models are tiny, and `make test` runs three pytest workers
 # beside multi-process launches on a 2-core machine, where a second OpenMP thread spins waiting for a core (measured:
 # the in-process reference runs took 153 s instead of 12 s, the suite's CPU time grew by a quarter).
 os.environ["OMP_NUM_THREADS"] = "1"
 
-# `make test` runs two pytest workers (pytest-xdist, --dist loadscope: a module's tests, and so its module-scoped
-# launches, stay on one worker). Modules whose launches take minutes go first, so that neither worker is left with
-# one of them at the end; the rest keep their order.
+# `make test` runs three pytest workers (pytest-xdist, --dist loadscope: a module's tests, and so its module-scoped
+# launches, stay on one worker). Modules whose launches take minutes go first, one per worker, so that no worker is
+# left with one of them at the end; the rest keep their order.
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_recovery.py")
 
 

@@ -16,6 +16,7 @@ device mesh (DTensor's sharding propagation) that would hand a destroyed group t
 so the groups could not simply be destroyed. Launching through torchrun is covered by the CLI and recovery tests.
 """
 
+import gc
 import json
 import multiprocessing
 import os
@@ -158,6 +159,9 @@ def import_before_forking() -> None:
 def main() -> None:
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     import_before_forking()
+    # Every object imported so far moves to a generation the collector never scans: a forked rank's collections then
+    # do not write into the pages it shares with this process (copy-on-write), which measured ~10% of a launch's CPU.
+    gc.freeze()
     context = multiprocessing.get_context("fork")
     for name, overrides in spec["layouts"].items():
         started, world = time.perf_counter(), spec["worlds"][name]
