@@ -115,14 +115,21 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path
 
 
 def run_layouts(
-    world: int | dict[str, int], base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900
+    world: int | dict[str, int],
+    base: list[str],
+    layouts: dict[str, list[str]],
+    out: Path,
+    *,
+    timeout: float = 900,
+    lanes: int = 1,
 ):
     """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes (or
-    ``world[name]``) forked by tests/parity_worker.py (results in ``out``); fails the test with every rank's first
-    errors if a layout fails. Returns the CompletedProcess, whose stdout has each layout's time."""
+    ``world[name]``) forked by tests/parity_worker.py (results in ``out``), up to ``lanes`` layouts at once (1: one
+    after another, for layouts that resume from an earlier one); fails the test with every rank's first errors if a
+    layout fails. Returns the CompletedProcess, whose stdout has each layout's time."""
     worlds = world if isinstance(world, dict) else dict.fromkeys(layouts, world)
     spec = out / f"spec-{len(list(out.glob('spec*.json')))}.json"
-    spec.write_text(json.dumps({"base": base, "layouts": layouts, "worlds": worlds}))
+    spec.write_text(json.dumps({"base": base, "layouts": layouts, "worlds": worlds, "lanes": lanes}))
     cmd = [sys.executable, str(REPO / "tests" / "parity_worker.py"), str(spec), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, failure_report(proc)
