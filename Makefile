@@ -33,7 +33,7 @@ lint: $(TEST_STAMP)
 
 # Two pytest workers (tests/conftest.py says how the modules are spread); `$(PY) -m pytest tests/...` runs in one.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n 3 --dist loadscope --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 bench: $(TEST_STAMP)
 	$(PY) bench/throughput.py

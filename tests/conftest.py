@@ -16,14 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 # The suite means CPU and gloo everywhere, also on a machine with GPUs: hide them from this process
 # (before torch initializes CUDA) and from every process it starts.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-# One intra-op thread here, as in every rank it starts: the models are tiny, and `make test` runs three pytest workers
+# One intra-op thread here, as in every rank it starts: the models are tiny, and `make test` runs two pytest workers
 # beside multi-process launches on a 2-core machine, where a second OpenMP thread spins waiting for a core (measured:
 # the in-process reference runs took 153 s instead of 12 s, the suite's CPU time grew by a quarter).
 os.environ["OMP_NUM_THREADS"] = "1"
 
-# `make test` runs three pytest workers (pytest-xdist, --dist loadscope: a module's tests, and so its module-scoped
-# launches, stay on one worker). Modules whose launches take minutes go first, one per worker, so that no worker is
-# left with one of them at the end; the rest keep their order.
+# `make test` runs two pytest workers (pytest-xdist, --dist loadscope: a module's tests, and so its module-scoped
+# launches, stay on one worker). Modules whose launches take minutes go first, so that neither worker is left with
+# one of them at the end; the rest keep their order.
 LONGEST_FIRST = ("test_parity.py", "test_checkpoint.py", "test_recovery.py")
 
 
@@ -115,21 +115,14 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path
 
 
 def run_layouts(
-    world: int | dict[str, int],
-    base: list[str],
-    layouts: dict[str, list[str]],
-    out: Path,
-    *,
-    timeout: float = 900,
-    lanes: int = 1,
+    world: int | dict[str, int], base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900
 ):
     """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes (or
-    ``world[name]``) forked by tests/parity_worker.py (results in ``out``), up to ``lanes`` layouts at once (1: one
-    after another, for layouts that resume from an earlier one); fails the test with every rank's first errors if a
-    layout fails. Returns the CompletedProcess, whose stdout has each layout's time."""
+    ``world[name]``) forked by tests/parity_worker.py (results in ``out``); fails the test with every rank's first
+    errors if a layout fails. Returns the CompletedProcess, whose stdout has each layout's time."""
     worlds = world if isinstance(world, dict) else dict.fromkeys(layouts, world)
     spec = out / f"spec-{len(list(out.glob('spec*.json')))}.json"
-    spec.write_text(json.dumps({"base": base, "layouts": layouts, "worlds": worlds, "lanes": lanes}))
+    spec.write_text(json.dumps({"base": base, "layouts": layouts, "worlds": worlds}))
     cmd = [sys.executable, str(REPO / "tests" / "parity_worker.py"), str(spec), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, failure_report(proc)

@@ -1,13 +1,13 @@
-"""Runs training layouts, each on its own number of processes forked from this one.
+"""Runs training layouts one after another, each on its own number of processes forked from this one.
 
 Usage: python tests/parity_worker.py SPEC.json OUT_DIR
-SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}, "worlds": {name: processes}, "lanes": N};
-an override ``env:VAR=VALUE`` sets an environment variable for that layout only (e.g.
-``env:MESHTRON_FAULT=nan:step=6``). For each layout, rank 0 writes OUT_DIR/<name>.json (per-step losses and grad
-norms, [step, loss] of each evaluation, the largest parameter + gradient + optimizer bytes of any rank, the largest
-activation peak and the largest gradient bytes held between accumulated micro-batches) and OUT_DIR/<name>.pt (full
-final weights). Layouts start in order, one at a time (a later one may resume from an earlier one's checkpoint) or
-up to ``lanes`` at once; the first that fails ends the launch with its name and exit codes.
+SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}, "worlds": {name: processes}}; an override
+``env:VAR=VALUE`` sets an environment variable for that layout only (e.g. ``env:MESHTRON_FAULT=nan:step=6``).
+For each layout, rank 0 writes OUT_DIR/<name>.json (per-step losses and grad norms, [step, loss] of each
+evaluation, the largest parameter +
+gradient + optimizer bytes of any rank, the largest activation peak and the largest gradient bytes held between
+accumulated micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may
+resume from an earlier one's checkpoint); the first that fails ends the launch with its name and exit codes.
 
 Why forks rather than one torchrun launch for all layouts: the imports (transformers' is ~5 s of CPU) happen once,
 here, and every layout starts from fresh processes. Layouts that shared processes slowed each other down (each
@@ -114,60 +114,31 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
         )
 
 
-class RunningLayout:
-    """One layout's forked ranks; the first rank that fails (or the timeout) stops them all."""
-
-    def __init__(self, context, world: int, name: str, overrides: list[str], base: list[str], out: Path, timeout_s):
-        port = free_port()
-        self.name, self.world, self.timeout_s = name, world, timeout_s
-        self.ranks = [
-            context.Process(target=run_rank, args=(rank, world, port, name, overrides, base, out))
-            for rank in range(world)
-        ]
-        for process in self.ranks:
-            process.start()
-        self.started, self.deadline = time.perf_counter(), time.monotonic() + timeout_s
-
-    def sentinels(self) -> list:
-        return [process.sentinel for process in self.ranks if process.exitcode is None]
-
-    def done(self) -> bool:
-        """Whether every rank finished; exits the launch (stopping this layout's ranks) if one failed or time is up."""
-        failed = [process for process in self.ranks if process.exitcode not in (None, 0)]
-        if failed or time.monotonic() > self.deadline:
-            self.stop()
-            codes = [process.exitcode for process in self.ranks]
-            why = f"timed out after {self.timeout_s:.0f} s" if not failed else f"exit codes {codes}"
-            sys.exit(f"layout {self.name} on {self.world} processes failed: {why}")
-        return all(process.exitcode == 0 for process in self.ranks)
-
-    def stop(self) -> None:
-        for process in self.ranks:
-            if process.exitcode is None:
+def run_layout(
+    context, world: int, name: str, overrides: list[str], base: list[str], out: Path, timeout_s: float
+) -> None:
+    """Fork the layout's ranks and wait for them; the first rank that fails (or the timeout) stops them all."""
+    port = free_port()
+    ranks = [
+        context.Process(target=run_rank, args=(rank, world, port, name, overrides, base, out)) for rank in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    running = list(ranks)
+    while running:
+        wait([process.sentinel for process in running], timeout=max(0.0, deadline - time.monotonic()))
+        running = [process for process in ranks if process.exitcode is None]
+        failed = [process for process in ranks if process.exitcode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for process in running:
                 process.kill()
-        for process in self.ranks:
-            process.join()
-
-
-def run_layouts_in_lanes(context, spec: dict, out: Path) -> None:
-    """Every layout of ``spec``, in order, up to ``spec["lanes"]`` of them at once (default 1: one after another, for
-    layouts that resume from an earlier one's checkpoint); prints each one's time as it ends."""
-    pending, running = list(spec["layouts"].items()), []
-    lanes, timeout_s = spec.get("lanes", 1), spec.get("timeout_s", 600)
-    try:
-        while pending or running:
-            while pending and len(running) < lanes:
-                name, overrides = pending.pop(0)
-                world = spec["worlds"][name]
-                running.append(RunningLayout(context, world, name, overrides, spec["base"], out, timeout_s))
-            wait([sentinel for layout in running for sentinel in layout.sentinels()], timeout=1.0)
-            for layout in [layout for layout in running if layout.done()]:
-                running.remove(layout)
-                seconds = time.perf_counter() - layout.started
-                print(f"layout {layout.name}: {layout.world} processes, {seconds:.1f} s", flush=True)
-    finally:  # a failed layout ends the launch: the others running beside it are stopped too
-        for layout in running:
-            layout.stop()
+            for process in ranks:
+                process.join()
+            why = (
+                f"timed out after {timeout_s:.0f} s" if not failed else "exit codes " + str([p.exitcode for p in ranks])
+            )
+            sys.exit(f"layout {name} on {world} processes failed: {why}")
 
 
 def import_before_forking() -> None:
@@ -191,7 +162,11 @@ def main() -> None:
     # Every object imported so far moves to a generation the collector never scans: a forked rank's collections then
     # do not write into the pages it shares with this process (copy-on-write), which measured ~10% of a launch's CPU.
     gc.freeze()
-    run_layouts_in_lanes(multiprocessing.get_context("fork"), spec, out)
+    context = multiprocessing.get_context("fork")
+    for name, overrides in spec["layouts"].items():
+        started, world = time.perf_counter(), spec["worlds"][name]
+        run_layout(context, world, name, overrides, spec["base"], out, spec.get("timeout_s", 600))
+        print(f"layout {name}: {world} processes, {time.perf_counter() - started:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -801,9 +801,7 @@ def parity_runs(tmp_path_factory, cache_dir):
     }
     started = time.perf_counter()
     worlds = {name: world for world, name in launched}
-    # Two layouts at once (none resumes from another): the launch is the suite's longest, and two keep its share of
-    # the cores up while the other pytest workers run theirs.
-    proc = run_layouts(worlds, base_overrides(cache_dir), layouts, out, timeout=1800, lanes=2)
+    proc = run_layouts(worlds, base_overrides(cache_dir), layouts, out, timeout=1800)
     print(f"{len(layouts)} layouts in {time.perf_counter() - started:.0f} s")
     print(proc.stdout)
     return out
