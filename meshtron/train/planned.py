@@ -45,9 +45,13 @@ class PlannedVsMeasured:
             fields["planned_step_s"] = round(self.planned.step_s, 4)
         return fields
 
+    def due(self, step: int) -> bool:
+        """Whether the comparison's line is said after ``step``: once, at the first steady step, with a plan."""
+        return self.planned is not None and not self.reported and step >= self.first_step
+
     def message(self, step: int, measured_peak_gb: float, step_s: float) -> str | None:
         """The comparison's line, once: at the first steady step (None at every other call)."""
-        if self.planned is None or self.reported or step < self.first_step:
+        if not self.due(step):
             return None
         self.reported = True
         planned = self.planned

@@ -317,9 +317,8 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
                 f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
             )
         evaluation = _evaluate_if_due(loop, step, model, result)
-        line = loop.planned.message(step, max_memory_gb(runtime.device), elapsed)
-        if line:
-            logger.message(line)
+        if loop.planned.due(step):  # once: reading the peak memory is not every step's work
+            logger.message(loop.planned.message(step, max_memory_gb(runtime.device), elapsed))
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
             figures = row(step, outcome, lr, result.tokens_per_s[-1], elapsed)
             logger.log({**figures, **loop.planned.fields(step), **guard.metrics(), **evaluation})
