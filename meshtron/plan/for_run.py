@@ -28,25 +28,15 @@ def gpu_key(device_name: str) -> str | None:
     return max(matches, key=len) if matches else None
 
 
-def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.device, hf_config=None):
+def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.device, hf_config):
     """``(planned, notes)``: the planner's bytes and seconds for global rank ``rank`` (its pipeline position) of a
     ``world_size``-rank run of ``cfg`` on ``device``: ``state_bytes`` (as measured after the first update),
     ``activation_bytes``, ``peak_bytes``, and ``step_s`` / ``compute_s`` for a GPU the planner knows (else None,
-    with a note). ``hf_config``: the run's model config when the caller has it (else loaded from ``cfg``)."""
-    from meshtron.plan.layout import Layout, Workload
-    from meshtron.plan.memory import memory_per_pipeline_rank
-    from meshtron.plan.model_shape import ModelShape
+    with a note). ``hf_config``: the run's model config (preflight's)."""
+    from meshtron.plan.memory import config_view, memory_per_pipeline_rank
     from meshtron.plan.throughput import estimate_step
 
-    if hf_config is None:
-        from meshtron.data.tokenizer import load_tokenizer
-        from meshtron.models.build import load_hf_config
-
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
-        hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
-    shape = ModelShape.from_hf_config(hf_config, cfg.model, cfg.lora)
-    layout = Layout.from_config(cfg, world_size, hf_config)
-    workload = Workload.from_config(cfg, device.type)
+    shape, layout, workload = config_view(cfg, world_size, device.type, hf_config)
     pp_rank = rank // (world_size // layout.pp)
     memory = memory_per_pipeline_rank(shape, layout, workload)[pp_rank]
     # state as measured after the first update: gradients sharded like their parameters (memory.grads is the

@@ -508,13 +508,15 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
     return estimates
 
 
-def config_view(cfg, world_size: int, device: str = "cuda") -> tuple[ModelShape, Layout, Workload]:
-    """The planner's inputs for a meshtron config run on ``world_size`` processes on ``device``."""
-    from meshtron.data.tokenizer import load_tokenizer
-    from meshtron.models.build import load_hf_config
+def config_view(cfg, world_size: int, device: str = "cuda", hf_config=None) -> tuple[ModelShape, Layout, Workload]:
+    """The planner's inputs for a meshtron config run on ``world_size`` processes on ``device``; ``hf_config``: the
+    run's model config where the caller has it (else loaded from ``cfg``)."""
+    if hf_config is None:
+        from meshtron.data.tokenizer import load_tokenizer
+        from meshtron.models.build import load_hf_config
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
-    hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+        hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     return (
         ModelShape.from_hf_config(hf_config, cfg.model, cfg.lora),
         Layout.from_config(cfg, world_size, hf_config),
