@@ -26,7 +26,7 @@ import torch
 
 from meshtron.checkpoint.manager import CheckpointManager
 from meshtron.config import load_config
-from meshtron.train.runtime import Runtime
+from meshtron.distributed.runtime import Runtime
 from meshtron.train.trainer import train
 
 

@@ -54,8 +54,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from meshtron.config import load_config
+    from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.train.preflight import preflight
-    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
     runtime = init_runtime()

@@ -116,7 +116,7 @@ def run_loop(args, use_accelerate: bool) -> list[float]:
     from meshtron.data.sampler import GlobalBatchSchedule
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
-    from meshtron.train.optim import lr_at
+    from meshtron.train.optim.build import lr_at
 
     if use_accelerate:
         from accelerate import Accelerator

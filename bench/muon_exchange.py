@@ -1,4 +1,5 @@
-"""Muon's per-rank orthogonalization work, before and after the owner exchange (meshtron.train.muon), on one device.
+"""Muon's per-rank orthogonalization work, before and after the owner exchange (meshtron.train.optim.muon), on one
+device.
 
 Rank 0 of a fake 8-rank world (torch's fake process group: collectives return at once, so this times the
 Newton-Schulz iterations and copies one rank does, not the network) holds llama-1b's block matrices (16 layers of
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from meshtron.train import muon
+from meshtron.train.optim import muon
 
 
 def main() -> None:

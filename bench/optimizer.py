@@ -4,7 +4,8 @@ Each cell is one ``meshtron train`` run (self-launched with ``--nproc`` for the 
 ``--steps`` steps of the preset on the builtin corpus; the figure is the median over the steps after the first
 ``--warmup`` of the step time (``tokens_per_s`` of metrics.jsonl turned back into seconds per step). Muon's extra
 work is its Newton-Schulz iterations on every block matrix (in float32 on CPU) and, under FSDP and TP, the
-all-gather of each matrix's update (meshtron/train/muon.py). Rounds alternate the order of the optimizers. Example:
+all-gather of each matrix's update (meshtron/train/optim/muon.py). Rounds alternate the order of the optimizers.
+Example:
 
     python bench/optimizer.py                                   # llama-small, 1 process, FSDP2, TP2; 2 rounds
     python bench/optimizer.py --layouts single --rounds 1 --steps 8

@@ -34,7 +34,7 @@ def run(args) -> dict:
 
     from meshtron.config import load_config
     from meshtron.metrics.profiling import summarize_profile
-    from meshtron.train.runtime import init_runtime, shutdown_runtime
+    from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
     output_dir = Path(tempfile.mkdtemp(prefix="meshtron-profile-"))

@@ -147,8 +147,8 @@ def worker(args) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from meshtron.config import load_config
+    from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.train.preflight import preflight
-    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
     runtime = init_runtime()

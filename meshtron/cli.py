@@ -180,7 +180,7 @@ def _report_error(err: MeshtronError) -> None:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from meshtron.config import load_config, parse_overrides
-    from meshtron.train.runtime import check_torch_version, launched_world_size
+    from meshtron.distributed.runtime import check_torch_version, launched_world_size
 
     check_torch_version()
     cfg = load_config(args.config, parse_overrides(extra, USAGE))
@@ -227,7 +227,7 @@ def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
     """``meshtron eval MODEL``: one evaluation of a checkpoint or model directory, in one process or ``--nproc N``."""
     from meshtron.checkpoint.eval_config import check_eval_output_dir, eval_config
     from meshtron.config import parse_overrides
-    from meshtron.train.runtime import check_torch_version
+    from meshtron.distributed.runtime import check_torch_version
 
     check_torch_version()
     overrides = parse_overrides(extra, EVAL_USAGE)
@@ -345,16 +345,12 @@ def _self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comma
 
 
 def _run_worker(cfg, evaluate_only: bool = False) -> int:
+    from meshtron.distributed.devices import resolve_device_type
+    from meshtron.distributed.runtime import launched_world_size, local_world_size
     from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
+    from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
     from meshtron.train.preflight import preflight
-    from meshtron.train.runtime import (
-        init_runtime,
-        launched_world_size,
-        local_world_size,
-        resolve_device_type,
-        shutdown_runtime,
-    )
     from meshtron.train.trainer import train
 
     plan = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))

@@ -241,7 +241,7 @@ class TrainConfig:
     router_balance: str = "auto"
     """How mixture-of-experts routers are kept balanced: ``aux_loss`` (the loss above, as ``router_aux_loss`` says)
     or ``bias`` (auxiliary-loss-free: a per-expert bias in the top-k choice, moved against each step's global load;
-    meshtron.train.router_balance, docs/moe.md); ``auto``: the model's own method (``bias`` for DeepSeek-V3, whose
+    meshtron.train.moe.router_balance, docs/moe.md); ``auto``: the model's own method (``bias`` for DeepSeek-V3, whose
     routers have the bias, ``aux_loss`` for the rest)."""
     router_bias_rate: float = 1e-3
     """``router_balance=bias``: how far each step moves a bias (DeepSeek-V3's update speed, 0.001)."""

@@ -1,4 +1,4 @@
-"""Four-rank checks of Muon's owner exchange (meshtron.train.muon.orthogonalized), in one torchrun launch (gloo).
+"""Four-rank checks of Muon's owner exchange (meshtron.train.optim.muon.orthogonalized), in one torchrun launch (gloo).
 
 Usage: torchrun --nproc-per-node 4 tests/muon_worker.py OUT.json
 Updates split as FSDP, TP, FSDP x TP (row- and column-wise, FSDP's _StridedShard), HSDP, EP x TP and expert-only
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from meshtron.train import muon
+from meshtron.train.optim import muon
 
 
 def cases(flat, grid):

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from meshtron.config import load_config
 from meshtron.metrics.memory import local_bytes
+from meshtron.resilience.process_group import init_runtime, shutdown_runtime
 from meshtron.train.preflight import preflight
-from meshtron.train.runtime import init_runtime, shutdown_runtime
 from meshtron.train.trainer import train
 
 

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import load_config
 from meshtron.distributed.parallelize import parallelize_model
 from meshtron.models import build
+from meshtron.resilience.process_group import init_runtime, shutdown_runtime
 from meshtron.train.preflight import preflight
-from meshtron.train.runtime import init_runtime, shutdown_runtime
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ from meshtron.data.dataset import cache_path
 from meshtron.data.shards import TokenCorpus
 from meshtron.data.sources import iter_documents
 from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, has_tokenizer, resolve_tokenizer
+from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
 from meshtron.train.preflight import preflight
-from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

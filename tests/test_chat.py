@@ -83,7 +83,7 @@ def chat_overrides(chat_dir, out, *extra) -> list[str]:
 def chat_runs(chat_dir, tmp_path_factory):
     """One-step chat fine-tunes in this process, each checkpointing its step, trained the first time a test asks
     for its overrides: ``chat_runs(*extra)`` is (config, train's result, run directory)."""
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     done = {}

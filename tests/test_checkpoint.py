@@ -68,7 +68,7 @@ def from_half(out: Path, name: str) -> str:
 
 def in_process(name: str, overrides: list[str], out: Path, cache_dir):
     from meshtron.config import load_config
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     cfg = load_config(None, base(cache_dir) + overrides + [f"run.output_dir={out / name}"], env={})
@@ -617,8 +617,8 @@ def test_checkpoint_dir_not_shared_by_all_ranks_is_refused_at_start(tmp_path, ca
 def test_a_failed_write_during_a_save_is_one_clear_error(tmp_path, monkeypatch):
     """A rank that cannot write its part of a save reports it (on every rank) instead of crashing alone."""
     from meshtron.checkpoint import manager
+    from meshtron.distributed.runtime import Runtime
     from meshtron.errors import MeshtronError
-    from meshtron.train.runtime import Runtime
 
     saver = manager.CheckpointManager(tmp_path / "ckpt", 1, 2, False, Runtime(0, 0, 1, torch.device("cpu")))
 
@@ -635,7 +635,7 @@ def test_an_async_save_commits_once_no_rank_still_writes_the_save_its_step_asked
     """``unfinished()`` is this rank's flag for the step's all-reduce; ``commit_if_done`` commits when the sum over
     the ranks is 0, and only the save that the flag was asked about (a newer one waits for the next step's)."""
     from meshtron.checkpoint import manager
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
 
     class Future:
         def __init__(self, done: bool):
@@ -673,8 +673,8 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_whole_and_loada
     import torch.distributed.checkpoint as dcp
 
     from meshtron.checkpoint import manager
+    from meshtron.distributed.runtime import Runtime
     from meshtron.errors import MeshtronError
-    from meshtron.train.runtime import Runtime
 
     class State:
         def __init__(self, value: float):

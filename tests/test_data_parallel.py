@@ -16,7 +16,7 @@ from meshtron.data.dataset import PackedDataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.distributed.grad_norm import global_grad_norm
 from meshtron.train.loss import IGNORE_INDEX
-from meshtron.train.optim import build_optimizer
+from meshtron.train.optim.build import build_optimizer
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
 
@@ -92,7 +92,7 @@ def test_cpu_offload_is_checked_against_the_layout_before_any_collective():
 def test_cpu_offload_on_gpus_adds_gloo_for_host_tensors():
     """Offloaded shards, gradients and AdamW state are CPU tensors: on GPUs the process group needs a
     CPU backend beside NCCL for any collective on them (this machine has no GPU to run it)."""
-    from meshtron.train.runtime import process_group_backend
+    from meshtron.distributed.runtime import process_group_backend
 
     assert process_group_backend("cuda", host_collectives=True) == "cuda:nccl,cpu:gloo"
     assert process_group_backend("cuda") == "nccl"

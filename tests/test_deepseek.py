@@ -88,7 +88,7 @@ def test_trains_with_its_own_bias_balancing_and_exports_what_transformers_loads(
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     cfg = two_step_run("model.preset=deepseekv3-tiny", tmp_path, cache_dir, "train.router_bias_rate=0.01")
@@ -110,8 +110,8 @@ def test_trains_with_its_own_bias_balancing_and_exports_what_transformers_loads(
 def test_balancing_and_router_loss_settings():
     """auto is bias for DeepSeek-V3 and the router loss for the other MoE families; DeepSeek-V3's sigmoid routers
     have no load-balancing loss in transformers, so asking for one is refused with one line."""
-    from meshtron.train.router_balance import resolve_router_balance
-    from meshtron.train.router_loss import router_loss_enabled
+    from meshtron.train.moe.router_balance import resolve_router_balance
+    from meshtron.train.moe.router_loss import router_loss_enabled
 
     deepseek, qwen = make_preset_config("deepseekv3-tiny", 257), make_preset_config("qwen3moe-tiny", 257)
     assert resolve_router_balance("auto", deepseek) == "bias"

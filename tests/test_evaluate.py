@@ -19,7 +19,7 @@ from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.labels import IGNORE_INDEX
 from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.data.training_data import build_training_data
-from meshtron.train.runtime import Runtime
+from meshtron.distributed.runtime import Runtime
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -196,7 +196,7 @@ def test_pipeline_evaluation_sends_shapes_once_per_batch_shape(monkeypatch):
     before: one per transfer, 6), and the loss is the one-process forward's."""
     import torch.distributed as dist
 
-    from meshtron.train.pipeline_eval import pipeline_eval_loss_sum
+    from meshtron.train.pipeline.evaluate import pipeline_eval_loss_sum
 
     wire, counts, rank = [], Counter(), [0]
 

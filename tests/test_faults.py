@@ -313,7 +313,7 @@ def _train(tmp_path, cache_dir, name: str, overrides: list[str]):
     import torch
 
     from meshtron.config import load_config
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     base = [

@@ -13,10 +13,10 @@ import torch
 
 from meshtron.config import ModelConfig, load_config
 from meshtron.distributed.float8 import apply_float8, check_capability, check_float8, refresh_float8_scales
+from meshtron.distributed.runtime import Runtime
 from meshtron.distributed.tensor_parallel import _block_styles
 from meshtron.errors import ConfigError
 from meshtron.models.build import build_meta_model, load_hf_config
-from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -80,7 +80,7 @@ def test_a_lora_run_exports_a_merged_model_and_a_peft_adapter_with_the_same_logi
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     base = tmp_path / "base"

@@ -361,7 +361,7 @@ def test_phi3_trains_its_fused_projections_split_and_exports_them_fused(tmp_path
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     config = make_preset_config("phi3-tiny", 257)
@@ -738,7 +738,7 @@ def test_moe_trains_and_exports_its_experts_one_by_one(tmp_path, cache_dir, pres
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     cfg = two_step_run(f"model.preset={preset}", tmp_path, cache_dir)
@@ -825,7 +825,7 @@ def test_gptoss_checkpoint_loads_and_trained_export_loads_in_transformers(tmp_pa
     from transformers import AutoModelForCausalLM
 
     from meshtron.checkpoint.export import export_checkpoint
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     config = make_preset_config("gptoss-tiny", 257)

@@ -88,7 +88,7 @@ def test_two_launchers_from_a_fake_slurm_environment_train_as_one_process(tmp_pa
     """Two `meshtron train --nproc 2` launchers, each told by a fake SLURM environment that it is node 0 or 1 of
     job 4242 (node list "localhost"), meet over c10d and train FSDP over 4 ranks: the losses of one process."""
     from meshtron.config import load_config
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     port, out = free_port(), tmp_path / "two-nodes"

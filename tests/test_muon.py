@@ -12,8 +12,8 @@ from conftest import run_torchrun
 from torch import nn
 
 from meshtron.config import load_config
-from meshtron.train.muon import RMS_MATCH, MuonAdamW, muon_parameters, newton_schulz
-from meshtron.train.optim import build_optimizer
+from meshtron.train.optim.build import build_optimizer
+from meshtron.train.optim.muon import RMS_MATCH, MuonAdamW, muon_parameters, newton_schulz
 
 
 def test_newton_schulz_brings_every_singular_value_near_one():
@@ -128,7 +128,7 @@ def test_the_exchange_in_a_rehearsal_reads_what_one_rank_has_where_the_fake_writ
     import torch.distributed as dist
 
     from meshtron.distributed.one_rank_group import one_rank_group
-    from meshtron.train import muon
+    from meshtron.train.optim import muon
 
     with one_rank_group(0, 2):
         monkeypatch.setattr(muon.torch, "empty", lambda *args, **kwargs: torch.full(args, math.nan, **kwargs))

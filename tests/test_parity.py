@@ -474,7 +474,7 @@ REFERENCES["olmoe-tiny"] = ["model.preset=olmoe-tiny"]
 for _family in ("mixtral", "qwen2moe"):
     for _name in ("fsdp2", "tp2"):
         LAYOUTS[f"{_name}_{_family}"] = (2, FAMILY_LAYOUTS[_name], f"{_family}-tiny")
-# Qwen3-MoE with the router load-balancing loss (meshtron.train.router_loss) at router_aux_loss_coef 0.1 (at
+# Qwen3-MoE with the router load-balancing loss (meshtron.train.moe.router_loss) at router_aux_loss_coef 0.1 (at
 # transformers' 0.001 it moves the gradient norm by 4e-6, under the norm check). The aux loss is a mean over the
 # global micro-batches, so a layout that accumulates matches the one-process run with the same accumulation
 # (train.micro_batch_size = dp x its own).
@@ -651,7 +651,7 @@ LAYOUTS.update(
             "moe-aux-accum2",
         ),
         # Pipeline stages pass each microbatch's routing statistics on with the hidden states
-        # (meshtron.train.pipeline_router_loss); pipeline microbatches play the accumulation micro-batches' part.
+        # (meshtron.train.moe.pipeline_router_loss); pipeline microbatches play the accumulation micro-batches' part.
         "ep2_pp2_moe_aux": (
             4,
             ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=2"],
@@ -811,7 +811,7 @@ def parity_runs(tmp_path_factory, cache_dir):
 def references(tmp_path_factory, cache_dir):
     """Single-process runs, no process group at all, one per entry of REFERENCES."""
     from meshtron.config import load_config
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     out = tmp_path_factory.mktemp("reference")

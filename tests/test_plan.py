@@ -402,8 +402,8 @@ def test_planned_half_precision_activations_match_a_cpu_run(tmp_path, cache_dir,
     import torch
 
     from meshtron.config import load_config
+    from meshtron.distributed.runtime import Runtime
     from meshtron.plan.memory import activation_bytes, config_view
-    from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
     cfg = load_config(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshtron.config import load_config
+from meshtron.distributed.runtime import Runtime
 from meshtron.models.presets import make_preset_config
 from meshtron.plan import for_run
 from meshtron.plan.layout import Layout, Workload
@@ -18,7 +19,6 @@ from meshtron.plan.memory import memory_per_pipeline_rank
 from meshtron.plan.model_shape import ModelShape
 from meshtron.plan.throughput import estimate_step
 from meshtron.train.planned import STEADY_STEP, PlannedFigures, PlannedVsMeasured
-from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -17,9 +17,9 @@ from meshtron.distributed.precision import (
     release_compute_weights,
     resolve_mixed_precision,
 )
+from meshtron.distributed.runtime import check_torch_version
 from meshtron.errors import ConfigError
 from meshtron.train.precision import LossScaler
-from meshtron.train.runtime import check_torch_version
 
 
 def test_device_choice(monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from meshtron.config import load_config, parse_step_range
+from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
 from meshtron.metrics.profiling import (
     CATEGORIES,
@@ -25,7 +26,6 @@ from meshtron.metrics.profiling import (
     summarize_operators,
     summarize_profile,
 )
-from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
 

@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free router balancing (train.router_balance=bias, meshtron.train.router_balance): the biased
+"""Auxiliary-loss-free router balancing (train.router_balance=bias, meshtron.train.moe.router_balance): the biased
 router equals transformers' while the bias is zero, the load of a skewed router tightens as the bias moves, and the
 settings fail with one line. Parity under EP2 / TP2 / FSDP2 (biases compared) is in test_parity.py, a resumed run
 in test_checkpoint.py."""
@@ -12,8 +12,8 @@ from meshtron.config import load_config
 from meshtron.errors import ConfigError
 from meshtron.models.moe import router_of
 from meshtron.models.presets import make_preset_config
-from meshtron.train import router_balance
-from meshtron.train.router_balance import RouterBalance, check_router_balance, load_spread
+from meshtron.train.moe import router_balance
+from meshtron.train.moe.router_balance import RouterBalance, check_router_balance, load_spread
 
 BYTE_VOCAB = 257
 

@@ -1,4 +1,4 @@
-"""The MoE router load-balancing loss (meshtron.train.router_loss): transformers' value and gradient, the
+"""The MoE router load-balancing loss (meshtron.train.moe.router_loss): transformers' value and gradient, the
 same over any split of the global micro-batch over data- / context-parallel ranks, and in training."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from meshtron.data.dataset import build_packed_dataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.context_parallel import shard_sequence
+from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import flops_per_token
-from meshtron.train.router_loss import (
+from meshtron.train.moe.router_loss import (
     LocalRouting,
     RouterLoss,
     StepRouting,
@@ -25,7 +26,6 @@ from meshtron.train.router_loss import (
     pack,
     router_loss_enabled,
 )
-from meshtron.train.runtime import Runtime
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -163,7 +163,7 @@ def test_no_tensor_is_made_from_host_data_per_micro_batch(monkeypatch):
 
     from transformers import AutoModelForCausalLM
 
-    from meshtron.train.pipeline_router_loss import StageRouting
+    from meshtron.train.moe.pipeline_router_loss import StageRouting
 
     made = []
     tensor = torch.tensor
@@ -187,7 +187,7 @@ def test_no_tensor_is_made_from_host_data_per_micro_batch(monkeypatch):
     stage = StageRouting(model, model.config, 2, E)
     for _ in range(3):
         _, carry = stage.run(lambda: model(input_ids=input_ids), None, torch.device("cpu"))
-    assert made == ["meshtron.train.pipeline_router_loss"]
+    assert made == ["meshtron.train.moe.pipeline_router_loss"]
     assert carry[:, 2 * E].tolist() == [48.0, 48.0]  # both layers' rows landed: 2 x 24 tokens each
     stage.remove()
 
@@ -290,14 +290,14 @@ def test_single_process_loss_at_step_1_is_transformers_loss(tmp_path, cache_dir)
 
 def test_pipeline_stages_carry_the_routing_to_transformers_value_and_gradient():
     """Two pipeline stages (layers 0-1, 2-3 of a 4-layer Qwen3-MoE), chained by hand with the routing carry
-    (meshtron.train.pipeline_router_loss): the last stage's aux and the gradient of its share reaching every
+    (meshtron.train.moe.pipeline_router_loss): the last stage's aux and the gradient of its share reaching every
     parameter of both stages equal transformers' aux_loss of the whole model and its gradient."""
     from meshtron.distributed.context_parallel import register_attention
     from meshtron.distributed.pipeline_parallel import set_stage_forward, split_pipeline
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.moe import moe_layer_indices
     from meshtron.train.batch import SequenceSplit, sequence_inputs
-    from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting
+    from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss, StageRouting
 
     cfg = load_config(None, ["model.preset=qwen3moe-tiny", "parallel.pp=2"], env={})
     tokenizer = load_tokenizer("byte")

@@ -17,12 +17,12 @@ from conftest import run_main
 
 from meshtron.command import meshtron_command
 from meshtron.config import load_config, to_toml
+from meshtron.distributed.runtime import Runtime
 from meshtron.metrics.plot import compare_runs
 from meshtron.metrics.runs import read_run
 from meshtron.metrics.step_log import Eta, MetricsLogger, format_duration
-from meshtron.train.optim import lr_at
+from meshtron.train.optim.build import lr_at
 from meshtron.train.run_messages import saved_message
-from meshtron.train.runtime import Runtime
 from meshtron.train.segments import schedule_change_warning, start_segment
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

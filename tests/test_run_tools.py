@@ -18,7 +18,7 @@ STEPS = 6
 
 
 def train_run(out: Path, *overrides: str) -> Path:
-    from meshtron.train.runtime import Runtime
+    from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
     cfg = load_config(

@@ -18,9 +18,9 @@ from meshtron.config import load_config
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
+from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.train.optim import lr_at
-from meshtron.train.runtime import Runtime
+from meshtron.train.optim.build import lr_at
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -20,8 +20,8 @@ os.environ.setdefault("MASTER_PORT", "29517")
 import torch.distributed as dist  # noqa: E402
 from torch.distributed import HashStore  # noqa: E402
 
+from meshtron.resilience.process_group import init_runtime, shutdown_runtime  # noqa: E402
 from meshtron.resilience.watchdog import HangWatchdog, device_stream_pending, flight_recorder_trace  # noqa: E402
-from meshtron.train.runtime import init_runtime, shutdown_runtime  # noqa: E402
 
 runtime = init_runtime(timeout_s=120, device="cuda")
 print("backend", dist.get_backend(), "TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))

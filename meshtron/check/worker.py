@@ -111,9 +111,9 @@ def _train_rank(job: dict, out: Path, rank: int) -> None:
         _scale_linear_outputs(BREAK_SCALE)
 
     from meshtron.config import load_config
+    from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
     from meshtron.train.preflight import preflight
-    from meshtron.train.runtime import init_runtime, shutdown_runtime
     from meshtron.train.trainer import train
 
     cfg = load_config(None, list(job["overrides"]), env={})

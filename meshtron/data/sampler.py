@@ -160,7 +160,7 @@ class GlobalBatchSchedule:
         every rank processes global micro-batch ``i``, rank ``r`` its ``r``-th slice of ``micro_batch_size``.
         So the sequences processed together at an accumulation step are the same whatever ``dp_size`` (the
         ``i``-th ``A``-th of the global batch), as the router load-balancing loss, a mean over each global
-        micro-batch, needs (meshtron.train.router_loss); a one-process run with the same ``A`` has them in
+        micro-batch, needs (meshtron.train.moe.router_loss); a one-process run with the same ``A`` has them in
         its micro-batches.
         """
         batch = self.global_batch(step)

@@ -241,7 +241,7 @@ def set_stage_forward(
     A first stage takes ``(input_ids,)``, the others ``(hidden, token_ids)`` with the token ids as
     float32; every stage but the last returns ``(hidden, token_ids)``, the last its output. Under
     sequence parallel the hidden states are a sequence-sharded DTensor; they travel as their local
-    shard and are rewrapped on arrival. ``routing`` (a ``meshtron.train.pipeline_router_loss.StageRouting``,
+    shard and are rewrapped on arrival. ``routing`` (a ``meshtron.train.moe.pipeline_router_loss.StageRouting``,
     with the router load-balancing loss on): every stage also takes (but the first) and returns the routing
     carry, last in its inputs and outputs.
     """

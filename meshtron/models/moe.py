@@ -83,7 +83,7 @@ def router_of(block: nn.Module) -> nn.Module:
 
 ROUTER_BIAS = "balance_bias"
 """The buffer name of a router's auxiliary-loss-free balancing bias (``...mlp.gate.balance_bias``,
-meshtron.train.router_balance): state that training changes without a gradient."""
+meshtron.train.moe.router_balance): state that training changes without a gradient."""
 MODEL_ROUTER_BIAS = "e_score_correction_bias"
 """The balancing bias a family's own router has (DeepSeek-V3), used in place of ``ROUTER_BIAS``."""
 ROUTER_BIASES = (ROUTER_BIAS, MODEL_ROUTER_BIAS)

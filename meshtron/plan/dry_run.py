@@ -43,7 +43,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     from meshtron.distributed.parallelize import parallelize
     from meshtron.metrics.memory import model_state_bytes
     from meshtron.models.build import build_meta_model
-    from meshtron.train.optim import build_optimizer
+    from meshtron.train.optim.build import build_optimizer
     from meshtron.train.preflight import preflight
 
     if not 0 <= rank < world_size:

@@ -15,7 +15,7 @@ from meshtron.metrics.flops import lora_flops_change
 from meshtron.models.adapter import canonical_name
 from meshtron.models.lora import LORA_A, add_lora, is_lora_parameter
 from meshtron.models.moe import experts_per_token, is_moe, num_experts
-from meshtron.train.muon import muon_parameters
+from meshtron.train.optim.muon import muon_parameters
 
 NORM_ROLES = ("norm", "head_norm", "gathered_norm")
 """Roles of the parameters no tensor-parallel rank splits: norms (and the biases that share their role)."""

@@ -93,10 +93,10 @@ def _device(setting: str) -> torch.device:
 def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_STEPS) -> Rehearsal:
     """Train rank ``rank`` of a ``world_size``-rank run of ``cfg`` alone for ``steps`` steps; measure it."""
     from meshtron.distributed.one_rank_group import one_rank_group
+    from meshtron.distributed.runtime import Runtime
     from meshtron.metrics.memory import max_memory_gb
     from meshtron.plan.for_run import planned_for_rank
     from meshtron.train.preflight import preflight
-    from meshtron.train.runtime import Runtime
     from meshtron.train.trainer import train
 
     if not 0 <= rank < world_size:

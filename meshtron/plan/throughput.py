@@ -309,8 +309,8 @@ def _linear_width(shape: ModelShape, layout: Layout) -> int:
 
 
 def muon_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware) -> float:
-    """Muon's optimizer step on the busiest rank (meshtron.train.muon): every block matrix a rank holds a shard of is
-    all-gathered whole over its FSDP x TP ranks (model dtype) and orthogonalized there, by every one of them, with
+    """Muon's optimizer step on the busiest rank (meshtron.train.optim.muon): every block matrix a rank holds a shard
+    of is all-gathered whole over its FSDP x TP ranks (model dtype) and orthogonalized there, by every one of them, with
     ``workload.muon_ns_steps`` Newton-Schulz iterations of ``4 m^2 n + 2 m^3`` FLOPs for an (m, n) matrix, m <= n, at
     the compute dtype's matmul rate; expert matrices are whole on their rank (only its own experts). 0 under AdamW."""
     if workload.optimizer != "muon":

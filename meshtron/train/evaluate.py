@@ -24,7 +24,7 @@ from meshtron.distributed.data_parallel import reshard_all
 from meshtron.distributed.precision import release_compute_weights
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import sequence_inputs, shard_labels
-from meshtron.train.pipeline_eval import pipeline_eval_loss_sum
+from meshtron.train.pipeline.evaluate import pipeline_eval_loss_sum
 from meshtron.train.step import StepContext, model_head_loss, step_sequences
 from meshtron.train.step_stats import global_loss_sum, global_target_count, host_values
 

@@ -29,15 +29,15 @@ from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
+from meshtron.distributed.runtime import launched_by_torchrun
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
-from meshtron.train.router_balance import check_router_balance
-from meshtron.train.router_loss import router_loss_enabled
-from meshtron.train.runtime import launched_by_torchrun
+from meshtron.train.moe.router_balance import check_router_balance
+from meshtron.train.moe.router_loss import router_loss_enabled
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 

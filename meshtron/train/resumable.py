@@ -12,7 +12,7 @@ from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_toml
 from meshtron.data.carry import SEQ_LEN_CHANGES, resume_with_changes
 from meshtron.data.streaming import load_stream_states, save_stream_state
-from meshtron.train.optim import apply_schedule
+from meshtron.train.optim.build import apply_schedule
 from meshtron.train.run_messages import saved_message
 
 SKIPPED_KEY = "data.skip_batches"

@@ -13,7 +13,7 @@ from torch import nn
 from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
-from meshtron.train.runtime import local_world_size
+from meshtron.distributed.runtime import local_world_size
 
 
 def evaluated_message(result) -> str:

@@ -22,12 +22,12 @@ from meshtron.checkpoint.manager import read_meta
 from meshtron.config import Config, TrainConfig, load_config, to_toml
 from meshtron.errors import MeshtronError
 from meshtron.metrics.runs import RUN_INFO, run_segments
-from meshtron.train.optim import lr_at
+from meshtron.train.optim.build import lr_at
 
 CONFIG = "config.toml"
 SEGMENT_CONFIG = "config-from-step-{:08d}.toml"
 SCHEDULE_KEYS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "decay_fraction", "decay_shape")
-"""The train settings the learning rate at a step depends on (meshtron.train.optim.lr_at)."""
+"""The train settings the learning rate at a step depends on (meshtron.train.optim.build.lr_at)."""
 
 
 def start_segment(cfg: Config, output_dir: Path, plan, world_size: int) -> None:

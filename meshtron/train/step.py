@@ -4,7 +4,7 @@ norm, mixed-precision loss scaling, clipping and the optimizer step.
 Loss is the sum of token losses over the whole global batch divided by the global number of target
 tokens, so it is the same number whatever the layout, micro-batch size or accumulation. Mixture-of-experts
 models with the router loss on add ``coef`` times the mean over the accumulation micro-batches of each
-global micro-batch's load-balancing loss (meshtron.train.router_loss).
+global micro-batch's load-balancing loss (meshtron.train.moe.router_loss).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
+from meshtron.train.moe.router_balance import RouterBalance
+from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.precision import LossScaler, unscale_gradients
-from meshtron.train.router_balance import RouterBalance
-from meshtron.train.router_loss import RouterLoss, StepRouting, router_metrics
 from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
 
@@ -57,7 +57,7 @@ class StepContext:
     precision: PrecisionPolicy | None = None
     scaler: LossScaler | None = None
     router: RouterLoss | None = None
-    """The MoE router load-balancing loss, when on (meshtron.train.router_loss.build_router_loss)."""
+    """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
     """The routers' auxiliary-loss-free balancing biases, under ``train.router_balance=bias``."""
 
@@ -214,7 +214,7 @@ def train_step(
     scale = dims.dp * dims.cp / global_targets
     loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
     # The router loss: the mean over the accumulation (or pipeline) micro-batches, scaled for FSDP's mean like
-    # the LM loss. Pipeline stages compute it in the runner (meshtron.train.pipeline_router_loss).
+    # the LM loss. Pipeline stages compute it in the runner (meshtron.train.moe.pipeline_router_loss).
     pipeline_router = ctx.runner.router if ctx.runner is not None else None
     router = ctx.router or pipeline_router
     routing = StepRouting() if ctx.router is not None else None

@@ -24,6 +24,7 @@ from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.rng import seed_parallel_rng
+from meshtron.distributed.runtime import Runtime
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
@@ -38,16 +39,15 @@ from meshtron.models.moe import moe_layer_indices
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.evaluate import Evaluator, build_evaluator
-from meshtron.train.optim import build_optimizer, build_scheduler
-from meshtron.train.pipeline_runner import build_pipeline_runner
+from meshtron.train.moe.router_balance import build_router_balance
+from meshtron.train.moe.router_loss import build_router_loss
+from meshtron.train.optim.build import build_optimizer, build_scheduler
+from meshtron.train.pipeline.runner import build_pipeline_runner
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
-from meshtron.train.router_balance import build_router_balance
-from meshtron.train.router_loss import build_router_loss
 from meshtron.train.run_messages import done_message, evaluated_message, startup_message
-from meshtron.train.runtime import Runtime
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 

@@ -232,7 +232,7 @@ def router_coef(hf_config) -> float:
 def build_router_loss(model, hf_config, cfg, dims, meshes) -> RouterLoss | None:
     """The run's RouterLoss, or None when train.router_aux_loss leaves it off (a dense model, or auto with
     the model config's output_router_logits false) or pipeline stages compute it
-    (meshtron.train.pipeline_router_loss)."""
+    (meshtron.train.moe.pipeline_router_loss)."""
     if dims.pp > 1 or not router_loss_enabled(cfg.train.router_aux_loss, hf_config):
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None

@@ -1,5 +1,5 @@
 """The optimizer: AdamW with decoupled weight decay on matrices only, or Muon for the blocks' matrices
-(meshtron.train.muon); and the learning-rate schedules (warmup, then cosine, linear, constant or
+(meshtron.train.optim.muon); and the learning-rate schedules (warmup, then cosine, linear, constant or
 warmup-stable-decay)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from meshtron.config import TrainConfig
-from meshtron.train.muon import MuonAdamW, muon_parameters
+from meshtron.train.optim.muon import MuonAdamW, muon_parameters
 
 FUSED_DEVICES = ("cpu", "cuda")
 """Devices whose fused AdamW kernel meshtron uses (one kernel per parameter group instead of a dozen
@@ -22,7 +22,7 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW (``train.optimizer=adamw``); weight decay applies to 2-D+ parameters (matrices, embeddings), not to norms
     or biases. With ``train.optimizer=muon``, Muon for the decoder blocks' matrices of ``parts`` (the model, or this
-    rank's pipeline stages; ``adapter``: their family's) and AdamW for the rest (meshtron.train.muon); its
+    rank's pipeline stages; ``adapter``: their family's) and AdamW for the rest (meshtron.train.optim.muon); its
     Newton-Schulz iterations run in bf16 when ``compute_dtype`` (the mixed precision's) is bf16, else in float32.
 
     Fused on CPU and CUDA parameters, foreach elsewhere (the meta device of ``--dry-run``).

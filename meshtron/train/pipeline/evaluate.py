@@ -60,7 +60,7 @@ def _object_device(device: torch.device):
 def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor:
     """This rank's summed token loss of one batch (0 off the last stage), forward only.
 
-    ``runner``: the run's meshtron.train.pipeline_runner.PipelineRunner; ``input_ids`` and ``labels`` (already
+    ``runner``: the run's meshtron.train.pipeline.runner.PipelineRunner; ``input_ids`` and ``labels`` (already
     cut to this rank's context-parallel shard) are this data-parallel rank's sequences, read on every pipeline rank,
     split into ``runner.microbatches`` microbatches as training splits them. A stage's output shapes follow from its
     microbatch's shape: they go to the next stage's rank once per (stage, microbatch shape) in the run

@@ -22,9 +22,9 @@ from meshtron.models.moe import num_experts
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import StageInputs
 from meshtron.train.loss import head_loss_sum
-from meshtron.train.pipeline_rehearsal import RehearsalStage, stage_shapes
-from meshtron.train.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
-from meshtron.train.router_loss import router_coef, router_loss_enabled
+from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
+from meshtron.train.moe.router_loss import router_coef, router_loss_enabled
+from meshtron.train.pipeline.rehearsal import RehearsalStage, stage_shapes
 
 
 @dataclass
@@ -121,7 +121,7 @@ class PipelineRunner:
         return torch.stack(self.lm_losses).sum()
 
     def router_values(self, device: torch.device) -> list[torch.Tensor]:
-        """The step's (mean aux, max and min expert load) on every pipeline rank (meshtron.train.router_loss)."""
+        """The step's (mean aux, max and min expert load) on every pipeline rank (meshtron.train.moe.router_loss)."""
         return pipeline_router_values(self.router, self.pp_group, device)
 
 
@@ -130,7 +130,7 @@ def build_pipeline_runner(
 ) -> tuple[nn.ModuleList, PipelineRunner]:
     """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
     ``moe_layers``: the whole model's decoder layers with a router (for the router load-balancing loss).
-    ``rehearsal``: one rank on a fake process group (``meshtron.train.pipeline_rehearsal``): shapes given, not
+    ``rehearsal``: one rank on a fake process group (``meshtron.train.pipeline.rehearsal``): shapes given, not
     learned from the neighbours.
 
     Returns the stages as one module (for the optimizer and metrics) and the runner.

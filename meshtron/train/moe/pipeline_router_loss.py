@@ -1,6 +1,6 @@
 """The router load-balancing loss under pipeline parallelism: the routing statistics travel with the stages.
 
-transformers' ``aux`` (meshtron.train.router_loss) multiplies means over *every* MoE layer's tokens, while a
+transformers' ``aux`` (meshtron.train.moe.router_loss) multiplies means over *every* MoE layer's tokens, while a
 pipeline stage holds only some layers. So each microbatch carries, from stage to stage beside its hidden
 states, a routing tensor of shape (layers, 2E + 1): per decoder layer the top-k assignment counts (E,
 detached), the softmax probability sums (E, differentiable) and the tokens its router saw (0: a layer
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.models.moe import layer_index
-from meshtron.train.router_loss import (
+from meshtron.train.moe.router_loss import (
     LocalRouting,
     MicroBatchAux,
     RouterLoss,

@@ -1,0 +1,1 @@
+"""Optimizers (AdamW, Muon) and the learning-rate schedule."""
