@@ -39,7 +39,7 @@ def check_layout(
     if dims.cp > 1 and parallel.cp_method == "ulysses":
         shape = adapter_for(hf_config).attention_shape(hf_config)
         check_ulysses(shape.num_heads, shape.num_kv_heads, dims.cp, dims.tp)
-    check_attention(hf_config, attn_implementation, dims.cp, mask_documents, seq_len, parallel.cp_method)
+    check_attention(hf_config, attn_implementation, dims.cp, mask_documents, parallel.cp_method)
     microbatches = check_pipeline(parallel, hf_config, local_batch, micro_batch_size, device_type)
     check_tensor_parallel(hf_config, adapter_for(hf_config), dims.tp, seq_len, parallel.sequence_parallel, dims.cp)
     return microbatches

@@ -82,7 +82,7 @@ def model_attention_masks(config, hidden: torch.Tensor, position_ids: torch.Tens
 
 
 def check_attention(
-    hf_config, attn_implementation: str, cp: int, mask_documents: bool, seq_len: int, cp_method: str = "ring"
+    hf_config, attn_implementation: str, cp: int, mask_documents: bool, cp_method: str = "ring"
 ) -> None:
     """Refuse settings meshtron's attention cannot honour, before any process-group work. (Sliding windows it
     keeps; pipeline stages without it build the model's own masks.)"""

@@ -95,7 +95,7 @@ def local_expert_ffn(
     integers where the caller has them (the loop needs them; without them it reads ``counts``, a host sync on a GPU).
     """
     if use_grouped_mm is None:
-        use_grouped_mm = _grouped_mm_available(x, gate_up)
+        use_grouped_mm = _grouped_mm_available(gate_up)
     use_grouped_mm = use_grouped_mm and (adapters is None or _aligned(adapters))
     gate_up_bias, down_bias = math.biases or (None, None)
 
@@ -144,7 +144,7 @@ def local_expert_ffn(
     return torch.cat(pieces)
 
 
-def _grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _grouped_mm_available(weight: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if weight.device.type == "cuda":
