@@ -104,6 +104,16 @@ def load_hf_config(model_cfg: ModelConfig, tokenizer_vocab_size: int):
     return config
 
 
+def check_seq_len(hf_config, seq_len: int, setting: str = "data.seq_len") -> None:
+    """Refuse sequences longer than the model's positions (``max_position_embeddings``, where it has one)."""
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if max_positions is not None and seq_len > max_positions:
+        raise ConfigError(
+            f"{setting} {seq_len} is larger than the model's max_position_embeddings {max_positions}; "
+            f"use {setting} <= {max_positions}"
+        )
+
+
 def build_meta_model(hf_config, model_cfg: ModelConfig) -> tuple[nn.Module, DecoderAdapter]:
     """Instantiate the model on the meta device (no memory) and find its adapter."""
     from transformers import AutoModelForCausalLM

@@ -184,6 +184,7 @@ def _run_line(out: Path, gpus: int, hw: Hardware) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from meshtron.models.build import check_seq_len
     from meshtron.models.families import resolve_attn_implementation
     from meshtron.plan.layout import Workload
     from meshtron.plan.model_shape import ModelShape
@@ -207,11 +208,8 @@ def run_plan(args: argparse.Namespace) -> int:
     hf_config, model_cfg = resolve_model(args.model)
     if args.emit_config:
         check_new_file(args.emit_config)  # before the search: a path that cannot take the config fails at once
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    if max_positions is not None and args.seq_len is not None and args.seq_len > max_positions:
-        raise ConfigError(
-            f"--seq-len {args.seq_len} is larger than the model's max_position_embeddings {max_positions}"
-        )
+    if args.seq_len is not None:
+        check_seq_len(hf_config, args.seq_len, setting="--seq-len")
     defaulted = {name for name in ("seq_len", "global_batch") if getattr(args, name) is None}
     if args.seq_len is None:
         args.seq_len = default_seq_len(hf_config)

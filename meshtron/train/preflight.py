@@ -33,7 +33,7 @@ from meshtron.distributed.runtime import launched_by_torchrun
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel
-from meshtron.models.build import check_model_path, load_hf_config
+from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
@@ -170,12 +170,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     if cfg.data.format == "chat":
         check_chat_tokenizer(tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    if max_positions is not None and cfg.data.seq_len > max_positions:
-        raise ConfigError(
-            f"data.seq_len {cfg.data.seq_len} is larger than the model's max_position_embeddings {max_positions}; "
-            f"use data.seq_len <= {max_positions}"
-        )
+    check_seq_len(hf_config, cfg.data.seq_len)
     pp_microbatches = check_layout(
         hf_config,
         cfg.parallel,
