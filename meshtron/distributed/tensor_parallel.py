@@ -59,19 +59,18 @@ from meshtron.distributed.tp_styles import (
 )
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
-from meshtron.models.families import check_family
 
 
 def check_tensor_parallel(
     hf_config, adapter: DecoderAdapter, tp: int, seq_len: int, sequence_parallel: bool, cp: int = 1
 ) -> None:
-    """Refuse a tp degree the model cannot be split by, naming the setting and a fix (no process group needed).
+    """Refuse a tp degree the model cannot be split by, naming the setting and a fix (no process group needed). A
+    family's own refusals are ``check_family``'s, which ``check_layout`` runs before this.
 
     ``seq_len`` is the whole sequence; under context parallelism each rank holds ``seq_len / cp`` of it.
     """
     if tp == 1:
         return
-    check_family(hf_config, tp=tp)  # families whose blocks tensor parallelism cannot split
     shape = adapter.attention_shape(hf_config)
     if shape.num_heads % tp:
         raise ConfigError(
