@@ -92,10 +92,11 @@ FAMILIES: dict[str, Family] = {
         extra_roles={"self_attn.q_norm": "gathered_norm", "self_attn.k_norm": "gathered_norm"},
         tp_over_kv_heads_refusal="its k_norm normalizes over all KV heads together, which tp > KV heads replicates",
     ),
-    # gpt-oss (meshtron.models.gpt_oss): attention with per-head sinks (split with the heads under TP: role
-    # attention_sinks) and q/k/v/o biases, sliding and full layers alternating; its sparse block at mlp routes with
-    # mlp.router (a bias, softmax over the top-k logits) to transposed, interleaved experts with biases and a clamped
-    # SwiGLU (meshtron.models.moe's experts anatomy); checkpoints hold the fused experts as the model does.
+    # gpt-oss (shared DecoderAdapter; docs/models.md): attention with per-head sinks (split with the heads under TP:
+    # role attention_sinks, distributed/tp_styles.py) and q/k/v/o biases, sliding and full layers alternating; its
+    # sparse block at mlp routes with mlp.router (a bias, softmax over the top-k logits) to transposed, interleaved
+    # experts with biases and a clamped SwiGLU (meshtron.models.moe's experts anatomy); checkpoints hold the fused
+    # experts as the model does.
     "gpt_oss": Family(
         extra_roles={"self_attn": "attention_sinks"},
         eager_only="its attention sinks are not in torch's sdpa",
