@@ -474,6 +474,12 @@ def document_block_mask(
         gap = (q_block - kv_block) * block_size
         visible = visible & (gap - (block_size - 1) < window)
         full = full & (gap + block_size - 1 < window)
+    return block_mask_of(visible, full, block_size, document_mask_mod(docs, window), length)
+
+
+def block_mask_of(visible: torch.Tensor, full: torch.Tensor, block_size: int, mask_mod, length: int) -> BlockMask:
+    """The ``BlockMask`` of (B, Q, KV) block booleans over ``length`` queries and keys: ``visible`` blocks are
+    computed, ``full`` ones (a subset) without calling ``mask_mod``, which masks the others score by score."""
     kv_num, kv_index = _ordered(visible & ~full)
     full_num, full_index = _ordered(full)
     return BlockMask.from_kv_blocks(
@@ -482,7 +488,7 @@ def document_block_mask(
         full_num,
         full_index,
         BLOCK_SIZE=block_size,
-        mask_mod=document_mask_mod(docs, window),
+        mask_mod=mask_mod,
         seq_lengths=(length, length),
     )
 

@@ -26,7 +26,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from meshtron.distributed.context_parallel.layout import chunk_document_bounds, chunk_ids
-from meshtron.models.attention_kernels import BLOCK_SIZE, _ordered, effective_window
+from meshtron.models.attention_kernels import BLOCK_SIZE, block_mask_of, effective_window
 
 KERNELS = ("auto", "math", "flex")
 """``SequenceLayout.kernel``: ``auto`` (fused kernels: see ``tile_kernels.choose_tile_kernel``), ``math``
@@ -205,8 +205,6 @@ def chunk_block_mask(
         farthest = offset + ends[:, None] - starts[None, :]
         visible = visible & (nearest < window)
         full = full & (farthest < window)
-    kv_num, kv_index = _ordered(visible & ~full)
-    full_num, full_index = _ordered(full)
     # Padding reads of the mask_mod see ids that match nothing: queries a new document, keys -1.
     pad = blocks * block_size - length
     q_padded = torch.cat([q_docs, (q_docs[:, -1:] + 1).expand(-1, pad)], dim=1)
@@ -215,15 +213,7 @@ def chunk_block_mask(
         mask_mod = _chunk_mask_mod(q_padded, kv_padded, diagonal, window, offset)
     else:
         mask_mod = _chunk_window_mask_mod(length, window, offset)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_index,
-        full_num,
-        full_index,
-        BLOCK_SIZE=block_size,
-        mask_mod=mask_mod,
-        seq_lengths=(length, length),
-    )
+    return block_mask_of(visible, full, block_size, mask_mod, length)
 
 
 def _chunk_window_mask_mod(length: int, window: int | None, offset: int):
