@@ -59,6 +59,7 @@ from meshtron.distributed.tp_styles import (
 )
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
+from meshtron.tensors import dtensor_like
 
 
 def check_tensor_parallel(
@@ -253,9 +254,7 @@ def shard_replicated_gradients(parameters) -> None:
         ):
             continue
         local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
-        param.grad = DTensor.from_local(
-            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        param.grad = dtensor_like(local, param)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from meshtron.models.families import resolve_attn_implementation
 from meshtron.models.lora import is_lora_parameter, lora_init
 from meshtron.models.moe import read_experts
 from meshtron.models.presets import make_preset_config
-from meshtron.tensors import local_tensor
+from meshtron.tensors import dtensor_like, local_tensor
 
 DEFAULT_PRESET = "tiny"
 
@@ -372,14 +372,7 @@ def _buffers_to_empty(model: nn.Module, device: torch.device) -> None:
                 continue
             if isinstance(buffer, DTensor):
                 local = torch.empty_like(buffer.to_local(), device=device)
-                fresh = DTensor.from_local(
-                    local,
-                    buffer.device_mesh,
-                    buffer.placements,
-                    run_check=False,
-                    shape=buffer.shape,
-                    stride=buffer.stride(),
-                )
+                fresh = dtensor_like(local, buffer)
             else:
                 fresh = torch.empty_like(buffer, device=device)
             module._buffers[name] = fresh

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshtron.tensors import dtensor_like
+
 # Keller Jordan's quintic coefficients: fast convergence of the singular values towards ~1 (not exactly 1).
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2
@@ -257,17 +259,7 @@ def _orthogonalize_batch(owned_by: dict, exchange: _Exchange, update_of, steps: 
     for slot, param in owned_by.items():
         update = updates[slot]
         local = results[slot].to(update.to_local().device, update.dtype)
-        yield (
-            param,
-            DTensor.from_local(
-                local,
-                update.device_mesh,
-                update.placements,
-                run_check=False,
-                shape=update.shape,
-                stride=update.stride(),
-            ),
-        )
+        yield param, dtensor_like(local, update)
 
 
 def _orthogonalize_local(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -275,9 +267,7 @@ def _orthogonalize_local(update: torch.Tensor, steps: int, dtype: torch.dtype) -
     if not isinstance(update, DTensor):
         return newton_schulz(update, steps, dtype).to(update.dtype)
     local = newton_schulz(update.to_local(), steps, dtype).to(update.dtype)
-    return DTensor.from_local(
-        local, update.device_mesh, update.placements, run_check=False, shape=update.shape, stride=update.stride()
-    )
+    return dtensor_like(local, update)
 
 
 def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
