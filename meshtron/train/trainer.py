@@ -1,5 +1,5 @@
-"""The training loop: build, parallelize and materialize the model, then step through the global batches
-(each step is meshtron.train.step.train_step)."""
+"""The training loop: build, parallelize and materialize the model (meshtron.train.build), then step through the
+global batches (each step is meshtron.train.step.train_step)."""
 
 from __future__ import annotations
 
@@ -19,30 +19,22 @@ from meshtron.config import Config
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
-from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.runtime import Runtime
-from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
 from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
 from meshtron.metrics.memory import max_memory_gb
 from meshtron.metrics.profiling import StepProfiler
 from meshtron.metrics.step_log import MetricsLogger
 from meshtron.metrics.trackers import build_trackers
-from meshtron.models.attention import attention_windows
-from meshtron.models.build import build_meta_model, materialize
-from meshtron.models.lora import add_lora
-from meshtron.models.moe import moe_layer_indices
 from meshtron.resilience.guard import RunGuard
-from meshtron.train.batch import SequenceSplit
+from meshtron.train.build import build_model, sequence_split
 from meshtron.train.evaluate import Evaluator, build_evaluator
 from meshtron.train.moe.router_balance import build_router_balance
 from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
-from meshtron.train.pipeline.runner import build_pipeline_runner
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, agree_resume_point, preflight
@@ -114,36 +106,6 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
     return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
-def _sequence_split(
-    meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None, hf_config
-) -> SequenceSplit:
-    cp_rank, cp_group = 0, None
-    if dims.cp > 1:
-        cp_mesh = meshes["world"]["cp"]
-        cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
-    return SequenceSplit(
-        dims.cp,
-        cp_rank,
-        cp_group,
-        cfg.parallel.cp_method,
-        cfg.data.mask_documents,
-        eos_token_id,
-        attention_windows=attention_windows(hf_config),
-        attention_kernel=cfg.model.attention_kernel,
-    )
-
-
-@dataclass
-class _Built:
-    """The parallelized, materialized model of this rank and what drives it."""
-
-    model: nn.Module
-    parts: list[nn.Module]
-    adapter: object
-    runner: object
-    pp_group: object
-
-
 def train(
     cfg: Config,
     runtime: Runtime,
@@ -171,9 +133,9 @@ def train(
         seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
     separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
-    split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)
+    split = sequence_split(meshes, dims, cfg, separator, plan.hf_config)
     policy = plan.precision or precision_policy(cfg, runtime.device.type)
-    built = _build_model(cfg, runtime, plan, meshes, split, policy)
+    built = build_model(cfg, runtime, plan, meshes, split, policy)
     model = built.model
     optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg.train)
@@ -388,44 +350,3 @@ def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, st
         output_dir.mkdir(parents=True, exist_ok=True)
         start_segment(cfg, output_dir, plan, runtime.world_size)  # a resumed run keeps its earlier configs
     return output_dir, run_id, checkpoints
-
-
-def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: SequenceSplit, policy) -> _Built:
-    """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1."""
-    dims = plan.dims
-    model, adapter = build_meta_model(plan.hf_config, cfg.model)
-    if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
-        add_lora(model, adapter, cfg.lora)
-    if dims.pp == 1:
-        adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
-    moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
-    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
-    for _, stage in stages:
-        materialize(
-            stage,
-            adapter,
-            parameter_device(cfg.fsdp, runtime.device),
-            seed=cfg.train.seed,
-            pretrained_dir=cfg.model.name_or_path,
-            buffer_device=runtime.device,
-        )
-        stage.train()
-    parts = [stage for _, stage in stages]
-    if dims.pp == 1:
-        return _Built(parts[0], parts, adapter, None, None)
-    model, runner = build_pipeline_runner(
-        stages,
-        adapter,
-        cfg,
-        plan,
-        dims,
-        meshes,
-        runtime.device,
-        split,
-        policy.compute_dtype,
-        moe_layers,
-        rehearsal=runtime.rehearsal,
-    )
-    # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
-    attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
-    return _Built(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
