@@ -24,10 +24,10 @@ from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
-from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
 from meshtron.metrics.memory import max_memory_gb
 from meshtron.metrics.profiling import StepProfiler
 from meshtron.metrics.step_log import MetricsLogger
+from meshtron.metrics.step_row import StepRow
 from meshtron.metrics.trackers import build_trackers
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.build import build_model, sequence_split
@@ -245,7 +245,8 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
     model, optimizer = result.model, result.optimizer
     guard, logger = loop.guard, loop.logger
     activation_step = min(result.start_step + 1, cfg.train.steps - 1)
-    row = _MetricsRow(cfg, plan, runtime, loop.step_context)
+    row = StepRow(cfg, plan.hf_config, runtime.device, runtime.world_size)
+    scaler = loop.step_context.scaler  # fp16's loss scaling, else None
     step = result.start_step
     while step < cfg.train.steps:
         inject_nonfinite = guard.before_step(step)
@@ -282,7 +283,10 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
         if loop.planned.due(step):  # once: reading the peak memory is not every step's work
             logger.message(loop.planned.message(step, max_memory_gb(runtime.device), elapsed))
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
-            figures = row(step, outcome, lr, result.tokens_per_s[-1], elapsed)
+            scale = scaler.scale if scaler is not None else None
+            figures = row(
+                step, outcome.loss, outcome.grad_norm, lr, result.tokens_per_s[-1], elapsed, scale, outcome.metrics
+            )
             logger.log({**figures, **loop.planned.fields(step), **guard.metrics(), **evaluation})
         loop.profiler.after_step(step, logger.message)
         guard.after_step(step, outcome.flag_sums)  # saves when due; after a stop signal, saves and raises Preempted
@@ -304,32 +308,6 @@ def _evaluate(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     evaluated = loop.evaluator.evaluate(model)
     result.eval_losses.append((step, evaluated.loss))
     return evaluated.metrics()
-
-
-class _MetricsRow:
-    """One metrics.jsonl row of a step: loss, gradient norm, lr, throughput, MFU, memory, loss scale, router."""
-
-    def __init__(self, cfg: Config, plan: Plan, runtime: Runtime, step_context):
-        self.peak = device_peak_flops(runtime.device)
-        self.flops_per_token = flops_per_token(plan.hf_config, cfg.data.seq_len) + lora_flops_per_token_change(
-            plan.hf_config, cfg.model, cfg.lora
-        )
-        self.world_size, self.device, self.scaler = runtime.world_size, runtime.device, step_context.scaler
-
-    def __call__(self, step: int, outcome, lr: float, tokens_per_s: float, step_s: float) -> dict:
-        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if self.peak else None
-        return {
-            "step": step,
-            "loss": outcome.loss,
-            "grad_norm": outcome.grad_norm,
-            "lr": lr,
-            "tokens_per_s": tokens_per_s,
-            "step_s": round(step_s, 4),
-            "mfu": mfu,
-            "max_memory_gb": max_memory_gb(self.device),
-            **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
-            **outcome.metrics,
-        }
 
 
 def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, str, CheckpointManager | None]:
