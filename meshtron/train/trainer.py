@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -39,7 +40,7 @@ from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
-from meshtron.train.run_messages import done_message, evaluated_message, startup_message
+from meshtron.train.run_messages import done_message, startup_message
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 
@@ -107,18 +108,31 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
 
 
 def train(
-    cfg: Config,
-    runtime: Runtime,
-    plan: Plan | None = None,
-    *,
-    evaluate_only: bool = False,
-    planned: PlannedFigures | None = None,
+    cfg: Config, runtime: Runtime, plan: Plan | None = None, *, planned: PlannedFigures | None = None
 ) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config.
 
-    ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
-    ``checkpoint.resume`` names, once, on the ``[eval]`` data. ``planned``: the planner's figures for this run
-    (meshtron.plan.for_run), which its metrics rows carry from the first steady step (meshtron.train.planned)."""
+    ``planned``: the planner's figures for this run (meshtron.plan.for_run), which its metrics rows carry from the
+    first steady step (meshtron.train.planned). ``meshtron eval`` is meshtron.train.evaluate_run."""
+    return run_session(cfg, runtime, plan, _train_to_end, planned=planned)
+
+
+Work = Callable[[Config, Runtime, Plan, TrainResult, "_Loop", Resumable], str]
+"""What a run does once set up, inside its guard (``train``'s steps, ``meshtron eval``'s one evaluation); the line it
+ends with."""
+
+
+def run_session(
+    cfg: Config,
+    runtime: Runtime,
+    plan: Plan | None,
+    work: Work,
+    *,
+    planned: PlannedFigures | None = None,
+    evaluates_once: bool = False,
+) -> TrainResult:
+    """Set this rank's run up (data, model, optimizer, checkpoint restored, guard), do ``work``, close what it opened.
+    ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
     if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
@@ -157,7 +171,7 @@ def train(
     # A rehearsal (one rank on a fake process group) measures training only.
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
-    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only))
+    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluates_once))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
@@ -183,14 +197,8 @@ def train(
         with guard:
             compared = PlannedVsMeasured(planned, result.start_step)
             loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator, profiler, compared)
-            if evaluate_only:
-                logger.log({"step": result.start_step, **_evaluate(loop, result.start_step, model, result)})
-            else:
-                step = _train_steps(cfg, runtime, plan, result, loop)
-                guard.finish(step)
-        logger.message(
-            evaluated_message(result) if evaluate_only else done_message(cfg, result, resumable.latest, runtime)
-        )
+            ended = work(cfg, runtime, plan, result, loop, resumable)
+        logger.message(ended)
     finally:
         inputs.close()
         profiler.close()
@@ -212,6 +220,15 @@ class _Loop:
     evaluator: Evaluator | None
     profiler: StepProfiler
     planned: PlannedVsMeasured
+
+
+def _train_to_end(
+    cfg: Config, runtime: Runtime, plan: Plan, result: TrainResult, loop: _Loop, resumable: Resumable
+) -> str:
+    """Train on from ``result.start_step`` to ``train.steps``; the run's last line."""
+    step = _train_steps(cfg, runtime, plan, result, loop)
+    loop.guard.finish(step)
+    return done_message(cfg, result, resumable.latest, runtime)
 
 
 def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
@@ -297,10 +314,10 @@ def _evaluate_if_due(loop: _Loop, step: int, model, result: TrainResult) -> dict
     """The evaluation's metrics after ``step`` steps when one is due (``eval.interval``, the last step), else {}."""
     if loop.evaluator is None or not loop.evaluator.due(step):
         return {}
-    return _evaluate(loop, step, model, result)
+    return evaluate_model(loop, step, model, result)
 
 
-def _evaluate(loop: _Loop, step: int, model, result: TrainResult) -> dict:
+def evaluate_model(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     """Evaluate after ``step`` steps; the metrics row's fields."""
     if loop.evaluator is None:
         raise ConfigError("nothing to evaluate on: set eval.path or eval.holdout_documents")
