@@ -282,6 +282,7 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
     from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
     from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
+    from meshtron.train.evaluate_run import evaluate_run
     from meshtron.train.preflight import preflight
     from meshtron.train.trainer import train
 
@@ -292,8 +293,10 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
         host_collectives=cfg.fsdp.cpu_offload,
     )
     try:
-        planned = None if evaluate_only else _planned_figures(cfg, runtime, plan)
-        train(cfg, runtime, plan, evaluate_only=evaluate_only, planned=planned)
+        if evaluate_only:  # meshtron eval
+            evaluate_run(cfg, runtime, plan)
+        else:
+            train(cfg, runtime, plan, planned=_planned_figures(cfg, runtime, plan))
     except Preempted as stop:
         if runtime.is_main:
             print(stop, flush=True)

@@ -20,6 +20,8 @@ from meshtron.data.labels import IGNORE_INDEX
 from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.runtime import Runtime
+from meshtron.errors import ConfigError
+from meshtron.train.evaluate_run import evaluate_run
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -117,6 +119,21 @@ def test_evaluation_changes_no_training_and_is_the_plain_models_loss(tmp_path):
     expected = plain_model_loss(evaluated.model, eval_dataset, 8)
     assert evaluated.eval_losses[-1][1] == pytest.approx(expected, rel=1e-5)
     assert rows[-1]["eval_tokens"] == 8 * 32
+
+
+def test_evaluate_run_trains_nothing_and_needs_evaluation_data(tmp_path):
+    """meshtron eval's entry (evaluate_run): no step trained, one evaluation at step 0 (the model as built, which is
+    transformers' own model's loss) in the metrics rows; without [eval] data, the one-line error naming the settings."""
+    eval_source = write_documents(tmp_path / "eval.jsonl", 30)
+    cfg = run_config(tmp_path, f"eval.path={eval_source}", "eval.batches=2", f"run.output_dir={tmp_path / 'a'}")
+    result = evaluate_run(cfg, CPU_RUNTIME)
+    assert result.losses == [] and [step for step, _ in result.eval_losses] == [0]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["eval_loss"]) for row in rows] == result.eval_losses
+    eval_dataset = build_training_data(cfg.data, ByteTokenizer(), 4, is_builder=True, evaluation=cfg.eval).eval_dataset
+    assert result.eval_losses[0][1] == pytest.approx(plain_model_loss(result.model, eval_dataset, 8), rel=1e-5)
+    with pytest.raises(ConfigError, match="nothing to evaluate on: set eval.path or eval.holdout_documents"):
+        evaluate_run(run_config(tmp_path, f"run.output_dir={tmp_path / 'b'}"), CPU_RUNTIME)
 
 
 def test_meshtron_eval_of_a_checkpoint_and_of_its_export(tmp_path, capsys):

@@ -85,6 +85,30 @@ def test_the_progress_line_shows_the_time_left_and_the_first_and_last_steps_are_
     assert [step for step in range(6, 11) if resumed.due(step)] == [8, 10]
 
 
+def test_a_step_row_has_the_mfu_of_the_models_flops_over_the_worlds_peak(monkeypatch):
+    """A metrics row's MFU: training FLOPs per token (by hand: 6 x 98,304 matmul weights + 3 x 8,192 of causal
+    attention at seq_len 32) x tokens/s over the peak of every rank; None where the peak is unknown (CPUs); the fp16
+    loss scale and the step's other metrics after the fixed fields."""
+    from transformers import LlamaConfig
+
+    from meshtron.metrics import step_row
+    from meshtron.metrics.step_row import StepRow
+
+    hf_config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128
+    )
+    hf_config.vocab_size = 256
+    cfg = load_config(None, ["data.seq_len=32"], env={})
+    cpu = StepRow(cfg, hf_config, torch.device("cpu"), 4)
+    assert cpu(1, 2.0, 1.0, 1e-3, 1000.0, 0.123456)["mfu"] is None
+    monkeypatch.setattr(step_row, "device_peak_flops", lambda device: 1e12)
+    row = StepRow(cfg, hf_config, torch.device("cpu"), 4)(3, 2.0, 1.0, 1e-3, 1000.0, 0.123456, 512.0, {"router": 0.5})
+    assert row["mfu"] == pytest.approx((6 * 98_304 + 3 * 8_192) * 1000.0 / (4 * 1e12))
+    fixed = ["step", "loss", "grad_norm", "lr", "tokens_per_s", "step_s", "mfu", "max_memory_gb"]
+    assert list(row) == [*fixed, "loss_scale", "router"]
+    assert (row["step"], row["step_s"], row["loss_scale"], row["router"]) == (3, 0.1235, 512.0, 0.5)
+
+
 def test_the_saved_line():
     path = Path("runs/a/checkpoints/step-00000010")
     assert saved_message(10, path, 1.234) == f"meshtron: saved the checkpoint of step 10 to {path} (1.2s)"

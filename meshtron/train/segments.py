@@ -103,10 +103,6 @@ def resume_run(resumable, plan, logger) -> int:
     """Restore the checkpoint the run continues from, if any, and say so (and whether the learning rate jumps);
     the step it starts after."""
     if not plan.resume_from:
-        if resumable.cfg.train.float8:
-            from meshtron.distributed.float8 import refresh_float8_scales
-
-            refresh_float8_scales(resumable.parts)  # FSDP's float8 all-gather: weight scales from the initial weights
         return 0
     meta = resumable.restore(plan.resume_from)
     for line in plan.resume_skipped:

@@ -1,10 +1,11 @@
-"""The training loop: build, parallelize and materialize the model, then step through the global batches
-(each step is meshtron.train.step.train_step)."""
+"""The training loop: build, parallelize and materialize the model (meshtron.train.build), then step through the
+global batches (each step is meshtron.train.step.train_step)."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -19,35 +20,27 @@ from meshtron.config import Config
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
-from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.runtime import Runtime
-from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
 from meshtron.errors import ConfigError
-from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
 from meshtron.metrics.memory import max_memory_gb
 from meshtron.metrics.profiling import StepProfiler
 from meshtron.metrics.step_log import MetricsLogger
+from meshtron.metrics.step_row import StepRow
 from meshtron.metrics.trackers import build_trackers
-from meshtron.models.attention import attention_windows
-from meshtron.models.build import build_meta_model, materialize
-from meshtron.models.lora import add_lora
-from meshtron.models.moe import moe_layer_indices
 from meshtron.resilience.guard import RunGuard
-from meshtron.train.batch import SequenceSplit
+from meshtron.train.build import build_model, sequence_split
 from meshtron.train.evaluate import Evaluator, build_evaluator
 from meshtron.train.moe.router_balance import build_router_balance
 from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
-from meshtron.train.pipeline.runner import build_pipeline_runner
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import Plan, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
-from meshtron.train.run_messages import done_message, evaluated_message, startup_message
+from meshtron.train.run_messages import done_message, startup_message
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 
@@ -114,49 +107,32 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
     return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
-def _sequence_split(
-    meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None, hf_config
-) -> SequenceSplit:
-    cp_rank, cp_group = 0, None
-    if dims.cp > 1:
-        cp_mesh = meshes["world"]["cp"]
-        cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
-    return SequenceSplit(
-        dims.cp,
-        cp_rank,
-        cp_group,
-        cfg.parallel.cp_method,
-        cfg.data.mask_documents,
-        eos_token_id,
-        attention_windows=attention_windows(hf_config),
-        attention_kernel=cfg.model.attention_kernel,
-    )
-
-
-@dataclass
-class _Built:
-    """The parallelized, materialized model of this rank and what drives it."""
-
-    model: nn.Module
-    parts: list[nn.Module]
-    adapter: object
-    runner: object
-    pp_group: object
-
-
 def train(
-    cfg: Config,
-    runtime: Runtime,
-    plan: Plan | None = None,
-    *,
-    evaluate_only: bool = False,
-    planned: PlannedFigures | None = None,
+    cfg: Config, runtime: Runtime, plan: Plan | None = None, *, planned: PlannedFigures | None = None
 ) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config.
 
-    ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
-    ``checkpoint.resume`` names, once, on the ``[eval]`` data. ``planned``: the planner's figures for this run
-    (meshtron.plan.for_run), which its metrics rows carry from the first steady step (meshtron.train.planned)."""
+    ``planned``: the planner's figures for this run (meshtron.plan.for_run), which its metrics rows carry from the
+    first steady step (meshtron.train.planned). ``meshtron eval`` is meshtron.train.evaluate_run."""
+    return run_session(cfg, runtime, plan, _train_to_end, planned=planned)
+
+
+Work = Callable[[Config, Runtime, Plan, TrainResult, "_Loop", Resumable], str]
+"""What a run does once set up, inside its guard (``train``'s steps, ``meshtron eval``'s one evaluation); the line it
+ends with."""
+
+
+def run_session(
+    cfg: Config,
+    runtime: Runtime,
+    plan: Plan | None,
+    work: Work,
+    *,
+    planned: PlannedFigures | None = None,
+    evaluates_once: bool = False,
+) -> TrainResult:
+    """Set this rank's run up (data, model, optimizer, checkpoint restored, guard), do ``work``, close what it opened.
+    ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
     plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
     plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
     if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
@@ -171,9 +147,9 @@ def train(
         seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
     separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
-    split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)
+    split = sequence_split(meshes, dims, cfg, separator, plan.hf_config)
     policy = plan.precision or precision_policy(cfg, runtime.device.type)
-    built = _build_model(cfg, runtime, plan, meshes, split, policy)
+    built = build_model(cfg, runtime, plan, meshes, split, policy)
     model = built.model
     optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg.train)
@@ -195,7 +171,7 @@ def train(
     # A rehearsal (one rank on a fake process group) measures training only.
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
-    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only))
+    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluates_once))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
@@ -221,14 +197,8 @@ def train(
         with guard:
             compared = PlannedVsMeasured(planned, result.start_step)
             loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator, profiler, compared)
-            if evaluate_only:
-                logger.log({"step": result.start_step, **_evaluate(loop, result.start_step, model, result)})
-            else:
-                step = _train_steps(cfg, runtime, plan, result, loop)
-                guard.finish(step)
-        logger.message(
-            evaluated_message(result) if evaluate_only else done_message(cfg, result, resumable.latest, runtime)
-        )
+            ended = work(cfg, runtime, plan, result, loop, resumable)
+        logger.message(ended)
     finally:
         inputs.close()
         profiler.close()
@@ -250,6 +220,15 @@ class _Loop:
     evaluator: Evaluator | None
     profiler: StepProfiler
     planned: PlannedVsMeasured
+
+
+def _train_to_end(
+    cfg: Config, runtime: Runtime, plan: Plan, result: TrainResult, loop: _Loop, resumable: Resumable
+) -> str:
+    """Train on from ``result.start_step`` to ``train.steps``; the run's last line."""
+    step = _train_steps(cfg, runtime, plan, result, loop)
+    loop.guard.finish(step)
+    return done_message(cfg, result, resumable.latest, runtime)
 
 
 def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
@@ -283,7 +262,8 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
     model, optimizer = result.model, result.optimizer
     guard, logger = loop.guard, loop.logger
     activation_step = min(result.start_step + 1, cfg.train.steps - 1)
-    row = _MetricsRow(cfg, plan, runtime, loop.step_context)
+    row = StepRow(cfg, plan.hf_config, runtime.device, runtime.world_size)
+    scaler = loop.step_context.scaler  # fp16's loss scaling, else None
     step = result.start_step
     while step < cfg.train.steps:
         inject_nonfinite = guard.before_step(step)
@@ -320,7 +300,10 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
         if loop.planned.due(step):  # once: reading the peak memory is not every step's work
             logger.message(loop.planned.message(step, max_memory_gb(runtime.device), elapsed))
         if logger.due(step) or evaluation:  # every run.log_every steps, and the first and last
-            figures = row(step, outcome, lr, result.tokens_per_s[-1], elapsed)
+            scale = scaler.scale if scaler is not None else None
+            figures = row(
+                step, outcome.loss, outcome.grad_norm, lr, result.tokens_per_s[-1], elapsed, scale, outcome.metrics
+            )
             logger.log({**figures, **loop.planned.fields(step), **guard.metrics(), **evaluation})
         loop.profiler.after_step(step, logger.message)
         guard.after_step(step, outcome.flag_sums)  # saves when due; after a stop signal, saves and raises Preempted
@@ -331,10 +314,10 @@ def _evaluate_if_due(loop: _Loop, step: int, model, result: TrainResult) -> dict
     """The evaluation's metrics after ``step`` steps when one is due (``eval.interval``, the last step), else {}."""
     if loop.evaluator is None or not loop.evaluator.due(step):
         return {}
-    return _evaluate(loop, step, model, result)
+    return evaluate_model(loop, step, model, result)
 
 
-def _evaluate(loop: _Loop, step: int, model, result: TrainResult) -> dict:
+def evaluate_model(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     """Evaluate after ``step`` steps; the metrics row's fields."""
     if loop.evaluator is None:
         raise ConfigError("nothing to evaluate on: set eval.path or eval.holdout_documents")
@@ -342,32 +325,6 @@ def _evaluate(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     evaluated = loop.evaluator.evaluate(model)
     result.eval_losses.append((step, evaluated.loss))
     return evaluated.metrics()
-
-
-class _MetricsRow:
-    """One metrics.jsonl row of a step: loss, gradient norm, lr, throughput, MFU, memory, loss scale, router."""
-
-    def __init__(self, cfg: Config, plan: Plan, runtime: Runtime, step_context):
-        self.peak = device_peak_flops(runtime.device)
-        self.flops_per_token = flops_per_token(plan.hf_config, cfg.data.seq_len) + lora_flops_per_token_change(
-            plan.hf_config, cfg.model, cfg.lora
-        )
-        self.world_size, self.device, self.scaler = runtime.world_size, runtime.device, step_context.scaler
-
-    def __call__(self, step: int, outcome, lr: float, tokens_per_s: float, step_s: float) -> dict:
-        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size) if self.peak else None
-        return {
-            "step": step,
-            "loss": outcome.loss,
-            "grad_norm": outcome.grad_norm,
-            "lr": lr,
-            "tokens_per_s": tokens_per_s,
-            "step_s": round(step_s, 4),
-            "mfu": mfu,
-            "max_memory_gb": max_memory_gb(self.device),
-            **({"loss_scale": self.scaler.scale} if self.scaler is not None else {}),
-            **outcome.metrics,
-        }
 
 
 def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, str, CheckpointManager | None]:
@@ -388,44 +345,3 @@ def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, st
         output_dir.mkdir(parents=True, exist_ok=True)
         start_segment(cfg, output_dir, plan, runtime.world_size)  # a resumed run keeps its earlier configs
     return output_dir, run_id, checkpoints
-
-
-def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: SequenceSplit, policy) -> _Built:
-    """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1."""
-    dims = plan.dims
-    model, adapter = build_meta_model(plan.hf_config, cfg.model)
-    if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
-        add_lora(model, adapter, cfg.lora)
-    if dims.pp == 1:
-        adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
-    moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
-    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
-    for _, stage in stages:
-        materialize(
-            stage,
-            adapter,
-            parameter_device(cfg.fsdp, runtime.device),
-            seed=cfg.train.seed,
-            pretrained_dir=cfg.model.name_or_path,
-            buffer_device=runtime.device,
-        )
-        stage.train()
-    parts = [stage for _, stage in stages]
-    if dims.pp == 1:
-        return _Built(parts[0], parts, adapter, None, None)
-    model, runner = build_pipeline_runner(
-        stages,
-        adapter,
-        cfg,
-        plan,
-        dims,
-        meshes,
-        runtime.device,
-        split,
-        policy.compute_dtype,
-        moe_layers,
-        rehearsal=runtime.rehearsal,
-    )
-    # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
-    attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
-    return _Built(model, parts, adapter, runner, meshes["world"]["pp"].get_group())

@@ -1,0 +1,110 @@
+"""This rank's model, built for the run: on the meta device, parallelized (pipeline split first), materialized, and
+under pipeline parallelism wrapped in the pipeline runner (``build_model``); and how a batch's sequences are cut
+over the context-parallel ranks (``sequence_split``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.config import Config
+from meshtron.distributed.data_parallel import parameter_device
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.parallelize import parallelize
+from meshtron.distributed.precision import PrecisionPolicy
+from meshtron.distributed.runtime import Runtime
+from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
+from meshtron.models.adapter import DecoderAdapter
+from meshtron.models.attention import attention_windows
+from meshtron.models.build import build_meta_model, materialize
+from meshtron.models.lora import add_lora
+from meshtron.models.moe import moe_layer_indices
+from meshtron.train.batch import SequenceSplit
+from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
+from meshtron.train.preflight import Plan
+
+
+@dataclass
+class BuiltModel:
+    """The parallelized, materialized model of this rank and what drives it."""
+
+    model: nn.Module
+    """The model; under pipeline parallelism an ``nn.ModuleList`` of this rank's stages."""
+    parts: list[nn.Module]
+    """The Hugging Face model (or, under pipeline parallelism, this rank's stages of it)."""
+    adapter: DecoderAdapter
+    runner: PipelineRunner | None
+    """The pipeline schedule's runner (pp > 1), else None."""
+    pp_group: dist.ProcessGroup | None
+    """The pipeline-parallel process group (pp > 1), else None."""
+
+
+def sequence_split(
+    meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None, hf_config
+) -> SequenceSplit:
+    cp_rank, cp_group = 0, None
+    if dims.cp > 1:
+        cp_mesh = meshes["world"]["cp"]
+        cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
+    return SequenceSplit(
+        dims.cp,
+        cp_rank,
+        cp_group,
+        cfg.parallel.cp_method,
+        cfg.data.mask_documents,
+        eos_token_id,
+        attention_windows=attention_windows(hf_config),
+        attention_kernel=cfg.model.attention_kernel,
+    )
+
+
+def build_model(
+    cfg: Config, runtime: Runtime, plan: Plan, meshes: dict | None, split: SequenceSplit, policy: PrecisionPolicy
+) -> BuiltModel:
+    """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1.
+    Under ``train.float8`` a run that does not resume computes its float8 weight scales from the initial weights
+    (a resume does from the restored ones: meshtron.train.resumable)."""
+    dims = plan.dims
+    model, adapter = build_meta_model(plan.hf_config, cfg.model)
+    if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
+        add_lora(model, adapter, cfg.lora)
+    if dims.pp == 1:
+        adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
+    moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
+    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
+    for _, stage in stages:
+        materialize(
+            stage,
+            adapter,
+            parameter_device(cfg.fsdp, runtime.device),
+            seed=cfg.train.seed,
+            pretrained_dir=cfg.model.name_or_path,
+            buffer_device=runtime.device,
+        )
+        stage.train()
+    parts = [stage for _, stage in stages]
+    built = BuiltModel(parts[0], parts, adapter, None, None)
+    if dims.pp > 1:
+        model, runner = build_pipeline_runner(
+            stages,
+            adapter,
+            cfg,
+            plan,
+            dims,
+            meshes,
+            runtime.device,
+            split,
+            policy.compute_dtype,
+            moe_layers,
+            rehearsal=runtime.rehearsal,
+        )
+        # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
+        attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
+        built = BuiltModel(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
+    if cfg.train.float8 and not plan.resume_from:
+        from meshtron.distributed.float8 import refresh_float8_scales
+
+        refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights
+    return built
