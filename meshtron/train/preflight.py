@@ -43,7 +43,7 @@ RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
 
 @dataclass
-class Plan:
+class RunSetup:
     """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
 
     dims: ParallelDims
@@ -150,7 +150,7 @@ def check_data_sources(data) -> list[str]:
     return paths
 
 
-def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
+def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     micro, accumulation = micro_batch_plan(cfg, dims)
@@ -163,7 +163,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
     data_paths = check_data_sources(cfg.data)
     if cfg.eval.path:
         check_data_path(cfg.eval.path, setting="eval.path")
-    # data.tokenizer=auto is resolved here, once: every later use takes plan.tokenizer.
+    # data.tokenizer=auto is resolved here, once: every later use takes setup.tokenizer.
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
@@ -200,7 +200,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
             if not by_rank_0:
                 raise
             error = err  # raised on every rank once they can be told
-    return Plan(
+    return RunSetup(
         dims,
         micro,
         accumulation,
@@ -229,28 +229,28 @@ def _resume_point(cfg: Config, hf_config, rank: int) -> tuple[Path | None, list[
     return resume_from, skipped
 
 
-def agree_resume_point(plan: Plan, runtime) -> Plan:
-    """``plan`` with rank 0's resume point on every rank, learned in one broadcast once the process group exists
-    (``runtime``), or rank 0's error raised on every rank; ``plan`` itself where it was resolved by preflight."""
-    if plan.resume_agreed:
-        return plan
+def agree_resume_point(setup: RunSetup, runtime) -> RunSetup:
+    """``setup`` with rank 0's resume point on every rank, learned in one broadcast once the process group exists
+    (``runtime``), or rank 0's error raised on every rank; ``setup`` itself where it was resolved by preflight."""
+    if setup.resume_agreed:
+        return setup
     if not runtime.distributed:  # no one to agree with (not a torchrun worker's usual case)
-        if plan.resume_error is not None:
-            raise plan.resume_error
-        return replace(plan, resume_agreed=True)
+        if setup.resume_error is not None:
+            raise setup.resume_error
+        return replace(setup, resume_agreed=True)
     choice: list = [None]
     if runtime.is_main:
-        error = plan.resume_error
-        path = str(plan.resume_from) if plan.resume_from is not None else None
+        error = setup.resume_error
+        path = str(setup.resume_from) if setup.resume_from is not None else None
         said = None if error is None else (isinstance(error, ConfigError), str(error))
-        choice = [(path, list(plan.resume_skipped), said)]
+        choice = [(path, list(setup.resume_skipped), said)]
     dist.broadcast_object_list(choice, src=0)
     path, skipped, error = choice[0]
     if error is not None:  # every rank has it: rank 0 prints it (meshtron.cli)
         config_error, message = error
         raise (ConfigError if config_error else MeshtronError)(message)
     return replace(
-        plan,
+        setup,
         resume_from=Path(path) if path is not None else None,
         resume_skipped=tuple(skipped),
         resume_agreed=True,

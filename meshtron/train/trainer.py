@@ -45,13 +45,13 @@ from meshtron.train.optim.build import build_optimizer, build_scheduler
 from meshtron.train.pipeline.runner import build_pipeline_runner
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import Plan, agree_resume_point, preflight
+from meshtron.train.preflight import RunSetup, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import done_message, evaluated_message, startup_message
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 
-__all__ = ["Plan", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
+__all__ = ["RunSetup", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
 
 
 @dataclass
@@ -147,7 +147,7 @@ class _Built:
 def train(
     cfg: Config,
     runtime: Runtime,
-    plan: Plan | None = None,
+    setup: RunSetup | None = None,
     *,
     evaluate_only: bool = False,
     planned: PlannedFigures | None = None,
@@ -157,30 +157,30 @@ def train(
     ``evaluate_only`` (``meshtron eval``): train nothing; evaluate the model as built or restored from the checkpoint
     ``checkpoint.resume`` names, once, on the ``[eval]`` data. ``planned``: the planner's figures for this run
     (meshtron.plan.for_run), which its metrics rows carry from the first steady step (meshtron.train.planned)."""
-    plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
-    plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
-    if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
-        print(plan.tokenizer_notice, flush=True)
-    dims = plan.dims
-    output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, plan)
+    setup = setup or preflight(cfg, runtime.world_size, runtime.device.type)
+    setup = agree_resume_point(setup, runtime)  # every rank resumes rank 0's choice (one broadcast)
+    if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
+        print(setup.tokenizer_notice, flush=True)
+    dims = setup.dims
+    output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, setup)
     torch.manual_seed(cfg.train.seed)
-    data = _load_data(cfg, plan, runtime, run_id)
+    data = _load_data(cfg, setup, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     if meshes is not None:  # a seed per pipeline stage; DTensor's RNG tracker made now, with no collective
         seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
-    separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
-    split = _sequence_split(meshes, dims, cfg, separator, plan.hf_config)
-    policy = plan.precision or precision_policy(cfg, runtime.device.type)
-    built = _build_model(cfg, runtime, plan, meshes, split, policy)
+    separator = dataset.separator if isinstance(dataset, ChatDataset) else setup.tokenizer.eos_token_id
+    split = _sequence_split(meshes, dims, cfg, separator, setup.hf_config)
+    policy = setup.precision or precision_policy(cfg, runtime.device.type)
+    built = _build_model(cfg, runtime, setup, meshes, split, policy)
     model = built.model
     optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg.train)
     step_context = StepContext(
         _dp_rank(meshes, dims),
         dims,
-        plan,
+        setup,
         split,
         runtime.device,
         cfg,
@@ -188,14 +188,14 @@ def train(
         built.adapter,
         policy,
         loss_scaler(policy, cfg),
-        router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
-        balance=build_router_balance(built.parts, plan, cfg, dims, meshes, runtime.device),
+        router=build_router_loss(model, setup.hf_config, cfg, dims, meshes),
+        balance=build_router_balance(built.parts, setup, cfg, dims, meshes, runtime.device),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
-    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only))
+    logger.message(startup_message(cfg, setup, built, policy, dataset, evaluator, evaluate_only))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
@@ -207,7 +207,7 @@ def train(
         scheduler,
         step_context.scaler,
         schedule,
-        plan.hf_config,
+        setup.hf_config,
         dims.describe(),
         built.parts,
         stream=dataset if isinstance(dataset, StreamingDataset) else None,
@@ -215,8 +215,8 @@ def train(
         announce=logger.message,  # a line per complete save
     )
     guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
-    result.start_step = resume_run(resumable, plan, logger)  # and the warning of a learning rate that jumps
-    guard.resumed(plan.resume_from, result.start_step)
+    result.start_step = resume_run(resumable, setup, logger)  # and the warning of a learning rate that jumps
+    guard.resumed(setup.resume_from, result.start_step)
     try:
         with guard:
             compared = PlannedVsMeasured(planned, result.start_step)
@@ -224,7 +224,7 @@ def train(
             if evaluate_only:
                 logger.log({"step": result.start_step, **_evaluate(loop, result.start_step, model, result)})
             else:
-                step = _train_steps(cfg, runtime, plan, result, loop)
+                step = _train_steps(cfg, runtime, setup, result, loop)
                 guard.finish(step)
         logger.message(
             evaluated_message(result) if evaluate_only else done_message(cfg, result, resumable.latest, runtime)
@@ -252,12 +252,12 @@ class _Loop:
     planned: PlannedVsMeasured
 
 
-def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
+def _load_data(cfg: Config, setup: RunSetup, runtime: Runtime, run_id: str):
     """The training and evaluation data (meshtron.data.training_data.RunData); local rank 0 builds what is missing,
     the others wait for it outside any collective."""
     return build_training_data(
         cfg.data,
-        plan.tokenizer,
+        setup.tokenizer,
         cfg.train.global_batch_size,
         is_builder=runtime.local_rank == 0,
         run_id=run_id,
@@ -278,12 +278,12 @@ def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: Paral
     )
 
 
-def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
+def _train_steps(cfg, runtime, setup, result: TrainResult, loop: _Loop) -> int:
     """The loop: optimizer steps from ``result.start_step`` to ``train.steps`` (a rollback goes back); the last step."""
     model, optimizer = result.model, result.optimizer
     guard, logger = loop.guard, loop.logger
     activation_step = min(result.start_step + 1, cfg.train.steps - 1)
-    row = _MetricsRow(cfg, plan, runtime, loop.step_context)
+    row = _MetricsRow(cfg, setup, runtime, loop.step_context)
     step = result.start_step
     while step < cfg.train.steps:
         inject_nonfinite = guard.before_step(step)
@@ -347,10 +347,10 @@ def _evaluate(loop: _Loop, step: int, model, result: TrainResult) -> dict:
 class _MetricsRow:
     """One metrics.jsonl row of a step: loss, gradient norm, lr, throughput, MFU, memory, loss scale, router."""
 
-    def __init__(self, cfg: Config, plan: Plan, runtime: Runtime, step_context):
+    def __init__(self, cfg: Config, setup: RunSetup, runtime: Runtime, step_context):
         self.peak = device_peak_flops(runtime.device)
-        self.flops_per_token = flops_per_token(plan.hf_config, cfg.data.seq_len) + lora_flops_per_token_change(
-            plan.hf_config, cfg.model, cfg.lora
+        self.flops_per_token = flops_per_token(setup.hf_config, cfg.data.seq_len) + lora_flops_per_token_change(
+            setup.hf_config, cfg.model, cfg.lora
         )
         self.world_size, self.device, self.scaler = runtime.world_size, runtime.device, step_context.scaler
 
@@ -370,13 +370,13 @@ class _MetricsRow:
         }
 
 
-def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, str, CheckpointManager | None]:
+def _prepare_output(cfg: Config, runtime: Runtime, setup: RunSetup) -> tuple[Path, str, CheckpointManager | None]:
     """The output directory (with the resolved config and run.json: meshtron.train.segments), this start's id and
     the checkpoint manager, if any."""
     output_dir, run_id = _resolve_output_dir(cfg, runtime)
     runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
     checkpoints = None
-    if cfg.checkpoint.interval > 0 or plan.resume_from:  # first: checks that every rank shares the directory
+    if cfg.checkpoint.interval > 0 or setup.resume_from:  # first: checks that every rank shares the directory
         checkpoints = CheckpointManager(
             checkpoint_directory(cfg),
             cfg.checkpoint.interval,
@@ -386,14 +386,14 @@ def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, st
         )
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        start_segment(cfg, output_dir, plan, runtime.world_size)  # a resumed run keeps its earlier configs
+        start_segment(cfg, output_dir, setup, runtime.world_size)  # a resumed run keeps its earlier configs
     return output_dir, run_id, checkpoints
 
 
-def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: SequenceSplit, policy) -> _Built:
+def _build_model(cfg: Config, runtime: Runtime, setup: RunSetup, meshes, split: SequenceSplit, policy) -> _Built:
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1."""
-    dims = plan.dims
-    model, adapter = build_meta_model(plan.hf_config, cfg.model)
+    dims = setup.dims
+    model, adapter = build_meta_model(setup.hf_config, cfg.model)
     if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
         add_lora(model, adapter, cfg.lora)
     if dims.pp == 1:
@@ -417,7 +417,7 @@ def _build_model(cfg: Config, runtime: Runtime, plan: Plan, meshes, split: Seque
         stages,
         adapter,
         cfg,
-        plan,
+        setup,
         dims,
         meshes,
         runtime.device,

@@ -216,12 +216,12 @@ def check_router_balance(setting: str, hf_config) -> None:
         )
 
 
-def build_router_balance(parts, plan, cfg, dims, meshes, device: torch.device | None = None) -> RouterBalance | None:
+def build_router_balance(parts, setup, cfg, dims, meshes, device: torch.device | None = None) -> RouterBalance | None:
     """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise); ``parts``: this rank's model
     parts (its pipeline stages); ``device``: the run's compute device."""
-    if resolve_router_balance(cfg.train.router_balance, plan.hf_config) != "bias":
+    if resolve_router_balance(cfg.train.router_balance, setup.hf_config) != "bias":
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
-    forwards = plan.pp_microbatches if dims.pp > 1 else None
-    return RouterBalance(parts, plan.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards, device)
+    forwards = setup.pp_microbatches if dims.pp > 1 else None
+    return RouterBalance(parts, setup.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards, device)

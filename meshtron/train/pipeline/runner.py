@@ -126,7 +126,7 @@ class PipelineRunner:
 
 
 def build_pipeline_runner(
-    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None, moe_layers=(), rehearsal=False
+    stages, adapter, cfg, setup, dims, meshes, device, split, compute_dtype=None, moe_layers=(), rehearsal=False
 ) -> tuple[nn.ModuleList, PipelineRunner]:
     """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
     ``moe_layers``: the whole model's decoder layers with a router (for the router load-balancing loss).
@@ -138,9 +138,9 @@ def build_pipeline_runner(
     from torch.distributed.pipelining import PipelineStage
 
     pp_mesh = meshes["world"]["pp"]
-    num_stages = len(split_layers(plan.hf_config.num_hidden_layers, cfg.parallel))
+    num_stages = len(split_layers(setup.hf_config.num_hidden_layers, cfg.parallel))
     tp_mesh = meshes["world"]["tp"] if dims.tp > 1 and cfg.parallel.sequence_parallel else None
-    hf_config = plan.hf_config
+    hf_config = setup.hf_config
     routes = router_loss_enabled(cfg.train.router_aux_loss, hf_config)
     pipeline_stages = []
     stage_inputs = StageInputs(split)
@@ -154,7 +154,7 @@ def build_pipeline_runner(
             inputs, outputs = stage_shapes(
                 first,
                 last,
-                micro_batch=plan.micro_batch_size // plan.pp_microbatches,
+                micro_batch=setup.micro_batch_size // setup.pp_microbatches,
                 seq_len=cfg.data.seq_len,
                 local_seq_len=cfg.data.seq_len // dims.cp // (dims.tp if tp_mesh is not None else 1),
                 last_seq_len=cfg.data.seq_len // dims.cp,
@@ -187,7 +187,7 @@ def build_pipeline_runner(
         loss_chunk_size=cfg.train.loss_chunk_size,
         compiled_loss=compile_enabled(cfg.train.compile, device.type),
         softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
-        microbatches=plan.pp_microbatches,
+        microbatches=setup.pp_microbatches,
         pp_group=pp_mesh.get_group(),
         modules=[module for _, module in stages],
         stage_ids=[stage_id for stage_id, _ in stages],
@@ -197,5 +197,5 @@ def build_pipeline_runner(
     if routes:
         dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
         runner.router = PipelineRouterLoss(router_coef(hf_config), num_experts(hf_config), moe_layers, dp_cp)
-    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, plan.pp_microbatches, runner.loss_fn)
+    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, setup.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner
