@@ -42,17 +42,36 @@ from meshtron.train.moe.router_loss import router_loss_enabled
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one data-parallel rank's share of the global batch is cut for an optimizer step, computed once by
+    preflight (the words as in docs/pipeline-parallel.md): a *micro-batch* is what one forward and backward runs
+    on. Without pipeline parallelism the rank accumulates the gradients of ``accumulation_steps`` micro-batches;
+    under pipeline parallelism the schedule runs the rank's whole batch in one step as ``pp_microbatches``
+    *pipeline microbatches*, each a micro-batch, without accumulation."""
+
+    micro_batch_size: int
+    """Sequences per forward and backward on a rank (``train.micro_batch_size`` resolved); under pipeline
+    parallelism the size of a pipeline microbatch."""
+    accumulation_steps: int = 1
+    """Micro-batches whose gradients make one optimizer step (1 under pipeline parallelism)."""
+    pp_microbatches: int = 1
+    """Pipeline microbatches the schedule runs per step (1 without pipeline parallelism)."""
+
+    @property
+    def rank_batch(self) -> int:
+        """Sequences each data-parallel rank trains per step (at the full global batch size)."""
+        return self.micro_batch_size * self.accumulation_steps * self.pp_microbatches
+
+
 @dataclass
 class RunSetup:
     """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
 
     dims: ParallelDims
-    micro_batch_size: int
-    accumulation_steps: int
+    batch: BatchSplit
     tokenizer: object
     hf_config: object
-    pp_microbatches: int = 1
-    """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
     resume_from: Path | None = None
     """The checkpoint this run continues from."""
     precision: PrecisionPolicy | None = None
@@ -70,8 +89,8 @@ class RunSetup:
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     """(sequences per forward, accumulation_steps) per rank, or a ConfigError if the batch does not split.
 
-    Under pipeline parallelism the forward is the schedule's step over the rank's whole batch, which it
-    splits into microbatches of ``train.micro_batch_size`` (see check_pipeline), without accumulation.
+    Under pipeline parallelism: (the rank's whole batch, 1), which check_pipeline cuts into pipeline microbatches
+    (preflight's BatchSplit holds the result).
     """
     batch, dp = cfg.train.global_batch_size, dims.dp
     rampup = parse_batch_rampup(cfg.train.batch_rampup, batch)
@@ -200,13 +219,13 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
             if not by_rank_0:
                 raise
             error = err  # raised on every rank once they can be told
+    # Under pp, micro is the rank's whole batch (accumulation 1), cut into pipeline microbatches.
+    batch = BatchSplit(micro // pp_microbatches, accumulation, pp_microbatches)
     return RunSetup(
         dims,
-        micro,
-        accumulation,
+        batch,
         tokenizer,
         hf_config,
-        pp_microbatches,
         resume_from,
         precision,
         tuple(skipped),

@@ -88,14 +88,14 @@ def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluate_only
     ``evaluator``: its Evaluator or None; ``evaluate_only``: meshtron eval."""
         ""
     )
-    dims = setup.dims
+    dims, batch = setup.dims, setup.batch
     if dims.pp > 1:
         batching = (
-            f"{setup.micro_batch_size} sequences per rank in {setup.pp_microbatches} pipeline microbatches of "
-            f"{setup.micro_batch_size // setup.pp_microbatches} ({cfg.parallel.pp_schedule})"
+            f"{batch.rank_batch} sequences per rank in {batch.pp_microbatches} pipeline microbatches of "
+            f"{batch.micro_batch_size} ({cfg.parallel.pp_schedule})"
         )
     else:
-        batching = f"micro-batch {setup.micro_batch_size} x {setup.accumulation_steps} accumulation"
+        batching = f"micro-batch {batch.micro_batch_size} x {batch.accumulation_steps} accumulation"
     counted = f"{count_params(built.model, built.pp_group):,} parameters"
     if cfg.lora.enabled:
         counted += f" ({count_params(built.model, built.pp_group, trainable_only=True):,} trained: LoRA)"

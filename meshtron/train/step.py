@@ -157,11 +157,9 @@ def _forward_backward(
 def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:
     """The packed sequences step ``step`` reads: this rank's micro-batches and the global batch (whose labelled tokens
     every rank counts itself: no collective, no device sync)."""
-    if ctx.runner is None:
-        micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, ctx.setup.micro_batch_size)
-    else:  # pipeline microbatch m of every rank: its slice of global micro-batch m (as accumulation has them)
-        size = ctx.setup.micro_batch_size // ctx.setup.pp_microbatches
-        micro_batches = [np.concatenate(schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, size))]
+    micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, ctx.setup.batch.micro_batch_size)
+    if ctx.runner is not None:  # one schedule step; pipeline microbatch m: this rank's slice of global micro-batch m
+        micro_batches = [np.concatenate(micro_batches)]
     return StepSequences(tuple(micro_batches), schedule.global_batch(step))
 
 
@@ -218,7 +216,7 @@ def train_step(
     pipeline_router = ctx.runner.router if ctx.runner is not None else None
     router = ctx.router or pipeline_router
     routing = StepRouting() if ctx.router is not None else None
-    accumulation = ctx.setup.pp_microbatches if ctx.runner is not None else len(batches)
+    accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else len(batches)
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
     tracker = SavedActivationTracker() if measure_activations else None
     measured: dict = {}

@@ -223,5 +223,5 @@ def build_router_balance(parts, setup, cfg, dims, meshes, device: torch.device |
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
-    forwards = setup.pp_microbatches if dims.pp > 1 else None
+    forwards = setup.batch.pp_microbatches if dims.pp > 1 else None
     return RouterBalance(parts, setup.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards, device)

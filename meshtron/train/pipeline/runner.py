@@ -154,7 +154,7 @@ def build_pipeline_runner(
             inputs, outputs = stage_shapes(
                 first,
                 last,
-                micro_batch=setup.micro_batch_size // setup.pp_microbatches,
+                micro_batch=setup.batch.micro_batch_size,
                 seq_len=cfg.data.seq_len,
                 local_seq_len=cfg.data.seq_len // dims.cp // (dims.tp if tp_mesh is not None else 1),
                 last_seq_len=cfg.data.seq_len // dims.cp,
@@ -187,7 +187,7 @@ def build_pipeline_runner(
         loss_chunk_size=cfg.train.loss_chunk_size,
         compiled_loss=compile_enabled(cfg.train.compile, device.type),
         softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
-        microbatches=setup.pp_microbatches,
+        microbatches=setup.batch.pp_microbatches,
         pp_group=pp_mesh.get_group(),
         modules=[module for _, module in stages],
         stage_ids=[stage_id for stage_id, _ in stages],
@@ -197,5 +197,5 @@ def build_pipeline_runner(
     if routes:
         dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
         runner.router = PipelineRouterLoss(router_coef(hf_config), num_experts(hf_config), moe_layers, dp_cp)
-    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, setup.pp_microbatches, runner.loss_fn)
+    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, setup.batch.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner
