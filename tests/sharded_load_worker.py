@@ -47,7 +47,9 @@ def check_load(model_dir: str, out_json: str, overrides: list[str], runtime) -> 
     build.CheckpointReader.get = counting_get
     meshes = setup.dims.build_mesh(runtime.device.type)
     model, adapter = build.build_meta_model(setup.hf_config, cfg.model)
-    model = parallelize_model(model, adapter, setup.dims, meshes, cfg)
+    model = parallelize_model(
+        model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
+    )
     build.materialize(model, adapter, runtime.device, seed=0, pretrained_dir=model_dir)
     build.CheckpointReader.get = original_get
 

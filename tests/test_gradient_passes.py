@@ -39,7 +39,7 @@ def _setup(preset: str, mixed_precision: str, chunk: int, compile_setting: str =
     model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
     adapter.return_hidden_states(model)
     setup = preflight(cfg, 1, "cpu")
-    parallelize_model(model, adapter, setup.dims, None, cfg, "cpu")
+    parallelize_model(model, adapter, setup.dims, None, cfg, "cpu", precision=setup.precision, compiled=setup.compiled)
     materialize(model, adapter, torch.device("cpu"), seed=0)
     ctx = StepContext(
         dp_rank=0,

@@ -56,7 +56,9 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     try:
         meshes = setup.dims.build_mesh("cpu")
         model, adapter = build_meta_model(setup.hf_config, cfg.model)
-        stages = parallelize(model, adapter, setup.dims, meshes, cfg)
+        stages = parallelize(
+            model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
+        )
         parts = nn.ModuleList([module for _, module in stages])
         optimizer = build_optimizer(parts, cfg.train, list(parts), adapter)
         for group in optimizer.param_groups:

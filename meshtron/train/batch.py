@@ -25,7 +25,8 @@ class SequenceSplit:
     attention_windows: tuple = (None,)
     """The sliding windows the model's layers use (None: full attention), whose masks are built up front."""
     attention_kernel: str = "auto"
-    """``model.attention_kernel``: the kernel of whole-sequence document attention (cp = 1)."""
+    """``model.attention_kernel`` (a run's: resolved by preflight, RunSetup.attention_kernel): the kernel of
+    whole-sequence document attention (cp = 1, or Ulysses)."""
 
 
 def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
@@ -85,7 +86,7 @@ def sequence_inputs(
             split.cp_method,
             docs,
             document_bounds=document_bounds if docs is not None else None,
-            document_kernel=split.attention_kernel if split.cp == 1 else "auto",
+            document_kernel=split.attention_kernel,
         )
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
         # plan, here and not in the layers; Ulysses attends whole sequences).

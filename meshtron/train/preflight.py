@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -23,21 +24,25 @@ from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
-from meshtron.data.tokenizer import load_tokenizer, tokenizer_notice
+from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_notice
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.distributed.runtime import launched_by_torchrun
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
-from meshtron.models.attention_kernels import check_attention_kernel
+from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, load_hf_config
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
@@ -64,17 +69,23 @@ class BatchSplit:
         return self.micro_batch_size * self.accumulation_steps * self.pp_microbatches
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunSetup:
-    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
+    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config, and the
+    settings resolved for the run's device (``auto`` and the like), once, for every later use."""
 
     dims: ParallelDims
     batch: BatchSplit
-    tokenizer: object
-    hf_config: object
+    tokenizer: ByteTokenizer | HFTokenizer
+    hf_config: PretrainedConfig
+    precision: PrecisionPolicy
+    """``train.mixed_precision`` resolved (meshtron.distributed.precision)."""
+    compiled: bool
+    """``train.compile`` resolved: the decoder blocks and the fused loss's chunks are compiled."""
+    attention_kernel: str
+    """``model.attention_kernel`` resolved (``auto``: the device's), for whole-sequence document attention."""
     resume_from: Path | None = None
     """The checkpoint this run continues from."""
-    precision: PrecisionPolicy | None = None
     resume_skipped: tuple[str, ...] = ()
     """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
     tokenizer_notice: str | None = None
@@ -175,7 +186,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     micro, accumulation = micro_batch_plan(cfg, dims)
     check_data_parallel(cfg.fsdp, dims)
     precision = precision_policy(cfg, device_type)
-    check_float8(cfg, device_type)
+    check_float8(cfg, device_type, precision)
     check_attention_kernel(cfg, device_type, precision.name)
     check_model_path(cfg.model)
     check_trackers(cfg)
@@ -222,14 +233,16 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     # Under pp, micro is the rank's whole batch (accumulation 1), cut into pipeline microbatches.
     batch = BatchSplit(micro // pp_microbatches, accumulation, pp_microbatches)
     return RunSetup(
-        dims,
-        batch,
-        tokenizer,
-        hf_config,
-        resume_from,
-        precision,
-        tuple(skipped),
-        tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
+        dims=dims,
+        batch=batch,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        precision=precision,
+        compiled=compile_enabled(cfg.train.compile, device_type),
+        attention_kernel=resolve_kernel(cfg.model.attention_kernel, device_type),
+        resume_from=resume_from,
+        resume_skipped=tuple(skipped),
+        tokenizer_notice=tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
         resume_agreed=not by_rank_0,
         resume_error=error,
     )

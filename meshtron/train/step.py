@@ -25,7 +25,6 @@ from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
@@ -103,7 +102,7 @@ def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: Step
         chunk_size=ctx.cfg.train.loss_chunk_size,
         loss_parallel=ctx.loss_parallel,
         softcap=ctx.adapter.logit_softcap(model),
-        compiled=compile_enabled(ctx.cfg.train.compile, ctx.device.type),
+        compiled=ctx.setup.compiled,
     )
 
 

@@ -22,7 +22,6 @@ from meshtron.data.training_data import build_training_data
 from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
-from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.runtime import Runtime
 from meshtron.distributed.tied_embeddings import attach_tied_embedding_sync
@@ -114,9 +113,8 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
     return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
-def _sequence_split(
-    meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None, hf_config
-) -> SequenceSplit:
+def _sequence_split(meshes: dict | None, setup: RunSetup, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
+    dims = setup.dims
     cp_rank, cp_group = 0, None
     if dims.cp > 1:
         cp_mesh = meshes["world"]["cp"]
@@ -128,8 +126,8 @@ def _sequence_split(
         cfg.parallel.cp_method,
         cfg.data.mask_documents,
         eos_token_id,
-        attention_windows=attention_windows(hf_config),
-        attention_kernel=cfg.model.attention_kernel,
+        attention_windows=attention_windows(setup.hf_config),
+        attention_kernel=setup.attention_kernel,
     )
 
 
@@ -171,8 +169,8 @@ def train(
         seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
     separator = dataset.separator if isinstance(dataset, ChatDataset) else setup.tokenizer.eos_token_id
-    split = _sequence_split(meshes, dims, cfg, separator, setup.hf_config)
-    policy = setup.precision or precision_policy(cfg, runtime.device.type)
+    split = _sequence_split(meshes, setup, cfg, separator)
+    policy = setup.precision
     built = _build_model(cfg, runtime, setup, meshes, split, policy)
     model = built.model
     optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
@@ -399,7 +397,9 @@ def _build_model(cfg: Config, runtime: Runtime, setup: RunSetup, meshes, split: 
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
     moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
-    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
+    stages = parallelize(
+        model, adapter, dims, meshes, cfg, runtime.device.type, precision=setup.precision, compiled=setup.compiled
+    )
     for _, stage in stages:
         materialize(
             stage,

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.pipeline_parallel import (
     local_stage_ids,
     pipeline_schedule,
@@ -185,7 +184,7 @@ def build_pipeline_runner(
         head=partial(adapter.head_parameters, last_module) if last_module is not None else None,
         compute_dtype=compute_dtype,
         loss_chunk_size=cfg.train.loss_chunk_size,
-        compiled_loss=compile_enabled(cfg.train.compile, device.type),
+        compiled_loss=setup.compiled,
         softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
         microbatches=setup.batch.pp_microbatches,
         pp_group=pp_mesh.get_group(),
