@@ -43,13 +43,11 @@ def _setup(preset: str, mixed_precision: str, chunk: int, compile_setting: str =
     materialize(model, adapter, torch.device("cpu"), seed=0)
     ctx = StepContext(
         dp_rank=0,
-        dims=setup.dims,
         setup=setup,
         split=SequenceSplit(mask_documents=False, eos_token_id=tokenizer.eos_token_id),
         device=torch.device("cpu"),
         cfg=cfg,
         adapter=adapter,
-        precision=precision.precision_policy(cfg, "cpu"),
     )
     return model, ctx
 

@@ -28,6 +28,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from meshtron.checkpoint.shared_directory import check_shared_directory, on_ever
 from meshtron.checkpoint.state import TrainingState
 from meshtron.data.carry import SEQ_LEN_CHANGES
 from meshtron.errors import ConfigError, MeshtronError
+
+if TYPE_CHECKING:
+    from meshtron.distributed.runtime import Runtime
 
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -183,7 +187,7 @@ class CheckpointManager:
     Created by every rank at start-up: checks that ``directory`` is one folder all ranks share.
     """
 
-    def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime):
+    def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime: Runtime):
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
         self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
@@ -403,7 +407,7 @@ def check_lora_checkpoint(meta: dict, path: Path, cfg) -> None:
         raise ConfigError(f"checkpoint '{path}' holds LoRA adapters of another base ({differs}); resume with that base")
 
 
-def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime, layout: str) -> dict:
+def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime: Runtime, layout: str) -> dict:
     """What meshtron.json records besides the tensors."""
     return {
         **({LORA_BASE: lora_base(cfg)} if cfg.lora.enabled else {}),

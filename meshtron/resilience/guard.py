@@ -12,12 +12,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from meshtron.checkpoint.manager import step_dir_name
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.preemption import STOP_SIGNALS, Preempted, StopSignals, stop_message
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 from meshtron.resilience.rollback import NonfiniteRollback
 from meshtron.resilience.watchdog import start_watchdog
+
+if TYPE_CHECKING:
+    from meshtron.config import Config
+    from meshtron.distributed.runtime import Runtime
 
 
 class RunGuard:
@@ -26,7 +32,7 @@ class RunGuard:
     ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its MetricsLogger and
     ``result`` its TrainResult (a rollback rewinds its per-step lists)."""
 
-    def __init__(self, cfg, runtime, resumable, logger, result):
+    def __init__(self, cfg: Config, runtime: Runtime, resumable, logger, result):
         self.cfg, self.runtime, self.resumable, self.logger, self.result = cfg, runtime, resumable, logger, result
         self.restarts = restart_count()  # > 0: torchrun restarted the workers after a failure
         self.logged_before = last_logged_step(result.output_dir) if self.restarts and runtime.is_main else 0

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshtron.distributed.context_parallel import SequenceLayout, chunk_document_bounds, planned_tiles, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 from meshtron.models.attention_kernels import document_lengths, prepare_masks
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,7 @@ class SequenceSplit:
 
     cp: int = 1
     cp_rank: int = 0
-    cp_group: object = None
+    cp_group: ProcessGroup | None = None
     cp_method: str = "ring"
     mask_documents: bool = False
     eos_token_id: int | None = None

@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,26 +40,38 @@ from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metri
 from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
+if TYPE_CHECKING:
+    from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.pipeline.runner import PipelineRunner
+    from meshtron.train.preflight import RunSetup
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class StepContext:
     """What every step needs besides the model, optimizer and data (fixed for the run)."""
 
     dp_rank: int
-    dims: ParallelDims
-    setup: object
-    """The run's meshtron.train.preflight.RunSetup (micro-batch size and the like)."""
+    setup: RunSetup
+    """The run's set-up: degrees, batch split, precision and the like (meshtron.train.preflight)."""
     split: SequenceSplit
     device: torch.device
     cfg: Config
-    runner: object = None
-    adapter: object = None
-    precision: PrecisionPolicy | None = None
+    adapter: DecoderAdapter
+    runner: PipelineRunner | None = None
+    """This rank's pipeline stages and schedule, under pipeline parallelism."""
     scaler: LossScaler | None = None
     router: RouterLoss | None = None
     """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
     """The routers' auxiliary-loss-free balancing biases, under ``train.router_balance=bias``."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.setup.dims
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.setup.precision
 
     @property
     def loss_parallel(self) -> bool:
@@ -98,7 +111,7 @@ def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: Step
         labels,
         weight,
         bias,
-        compute_dtype=ctx.precision.compute_dtype if ctx.precision else None,
+        compute_dtype=ctx.precision.compute_dtype,
         chunk_size=ctx.cfg.train.loss_chunk_size,
         loss_parallel=ctx.loss_parallel,
         softcap=ctx.adapter.logit_softcap(model),

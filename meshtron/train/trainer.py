@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,11 @@ from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import done_message, evaluated_message, startup_message
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from meshtron.data.prefetch import StepReader
 
 __all__ = ["RunSetup", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
 
@@ -176,18 +182,16 @@ def train(
     optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg.train)
     step_context = StepContext(
-        _dp_rank(meshes, dims),
-        dims,
-        setup,
-        split,
-        runtime.device,
-        cfg,
-        built.runner,
-        built.adapter,
-        policy,
-        loss_scaler(policy, cfg),
-        router=build_router_loss(model, setup.hf_config, cfg, dims, meshes),
-        balance=build_router_balance(built.parts, setup, cfg, dims, meshes, runtime.device),
+        dp_rank=_dp_rank(meshes, dims),
+        setup=setup,
+        split=split,
+        device=runtime.device,
+        cfg=cfg,
+        adapter=built.adapter,
+        runner=built.runner,
+        scaler=loss_scaler(policy, cfg),
+        router=build_router_loss(model, setup, cfg, meshes),
+        balance=build_router_balance(built.parts, setup, cfg, meshes, runtime.device),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
@@ -198,16 +202,16 @@ def train(
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
     resumable = Resumable(
-        cfg,
-        runtime,
-        checkpoints,
-        TrainingState(built.parts, model, optimizer, trained_only=cfg.lora.enabled),
-        scheduler,
-        step_context.scaler,
-        schedule,
-        setup.hf_config,
-        dims.describe(),
-        built.parts,
+        cfg=cfg,
+        runtime=runtime,
+        checkpoints=checkpoints,
+        state=TrainingState(built.parts, model, optimizer, trained_only=cfg.lora.enabled),
+        scheduler=scheduler,
+        scaler=step_context.scaler,
+        schedule=schedule,
+        hf_config=setup.hf_config,
+        layout=dims.describe(),
+        parts=built.parts,
         stream=dataset if isinstance(dataset, StreamingDataset) else None,
         dataset=dataset,
         announce=logger.message,  # a line per complete save
@@ -241,8 +245,8 @@ class _Loop:
     """What the loop drives besides the model and optimizer."""
 
     step_context: StepContext
-    inputs: object
-    scheduler: object
+    inputs: StepReader
+    scheduler: LRScheduler
     guard: RunGuard
     logger: MetricsLogger
     evaluator: Evaluator | None
@@ -418,7 +422,6 @@ def _build_model(cfg: Config, runtime: Runtime, setup: RunSetup, meshes, split: 
         adapter,
         cfg,
         setup,
-        dims,
         meshes,
         runtime.device,
         split,
