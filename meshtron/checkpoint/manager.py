@@ -195,7 +195,6 @@ class CheckpointManager:
         self.on_commit = None
         """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
         from the start of the save, ``paused`` (async saves; None for others) how long training waited for it."""
-        self.faults = None  # tests only: meshtron.resilience.faults.Faults, whose during_save runs in each save
         # Async saves run collectives from a background thread: give them a group of their own.
         self.group = dist.new_group(backend="gloo") if async_save and runtime.distributed else None
 
@@ -251,6 +250,13 @@ class CheckpointManager:
                 (partial / name).write_text(text)
 
         on_every_rank(self.runtime, write_rank_files, lambda reason: self._failed(partial, reason))
+        self._write_state(step, state, partial, meta, started)
+        if not self.async_save:
+            self._commit(step, partial, meta, (started, None))
+
+    def _write_state(self, step: int, state: TrainingState, partial: Path, meta: dict, started: float) -> None:
+        """Write this rank's part of ``state`` into ``partial``; an async save starts writing it and is ``pending``
+        until its commit. (meshtron.resilience.faults wraps this in tests: faults fire once it returns.)"""
         try:
             with quiet_single_process():
                 if self.async_save:
@@ -261,21 +267,10 @@ class CheckpointManager:
                         no_dist=not self.runtime.distributed,
                     )
                     self.pending = (future, step, partial, meta, (started, time.perf_counter() - started))
-                    self._inject_fault(step, partial)
                     return
                 dcp.save(state.state_dict(), checkpoint_id=str(partial), no_dist=not self.runtime.distributed)
         except (OSError, CheckpointException) as err:  # DCP gathers every rank's failure and raises on all
             raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
-        self._inject_fault(step, partial)
-        self._commit(step, partial, meta, (started, None))
-
-    def _inject_fault(self, step: int, partial: Path) -> None:
-        if self.faults is not None:  # tests only: each rank's part is written (or, async, being written)
-            on_every_rank(
-                self.runtime,
-                lambda: self.faults.during_save(step, self.runtime.rank),
-                lambda reason: self._failed(partial, reason),
-            )
 
     def unfinished(self) -> int:
         """1 while this rank still writes its part of an async save, else 0: a flag of the step's all-reduce (which

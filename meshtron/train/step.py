@@ -32,6 +32,7 @@ from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
+from meshtron.resilience.faults import faulted_loss
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
@@ -198,16 +199,14 @@ def train_step(
     *,
     measure_state: bool = False,
     measure_activations: bool = False,
-    inject_nonfinite: bool = False,
     shared_flags: Callable[[], Sequence[int]] | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches.
 
     ``inputs`` gives the step's batches (meshtron.data.prefetch); ``measure_state`` / ``measure_activations``: fill
-    those fields of the StepResult; ``inject_nonfinite``: tests only (meshtron.resilience.faults), a NaN loss;
-    ``shared_flags``: gives this rank's flags (meshtron.resilience.guard.RunGuard.step_flags) just before the
-    step's all-reduce, which sums them over the ranks into ``StepResult.flag_sums``: no collective or host sync
-    of their own.
+    those fields of the StepResult; ``shared_flags``: gives this rank's flags
+    (meshtron.resilience.guard.RunGuard.step_flags) just before the step's all-reduce, which sums them over the
+    ranks into ``StepResult.flag_sums``: no collective or host sync of their own.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     step_inputs = inputs.get(step)
@@ -253,8 +252,7 @@ def train_step(
     loss, grad_norm, flag_sums = global_step_sums(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp, flags=flags
     )
-    if inject_nonfinite:
-        loss = loss * float("nan")
+    loss = faulted_loss(loss)  # tests only: a ``nan`` fault's step (meshtron.resilience.faults); else loss itself
     router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
     loss_value, norm_value, *values = host_values(loss, grad_norm / loss_scale, *router_tensors, *flag_sums)
     routed, summed = values[: len(router_tensors)], values[len(router_tensors) :]

@@ -288,7 +288,7 @@ def _train_steps(cfg, runtime, setup, result: TrainResult, loop: _Loop) -> int:
     row = _MetricsRow(cfg, setup, runtime, loop.step_context)
     step = result.start_step
     while step < cfg.train.steps:
-        inject_nonfinite = guard.before_step(step)
+        guard.before_step(step)
         loop.profiler.before_step(step, logger.message)
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
@@ -300,7 +300,6 @@ def _train_steps(cfg, runtime, setup, result: TrainResult, loop: _Loop) -> int:
             loop.step_context,
             measure_state=not result.state_bytes,  # the first update
             measure_activations=step == activation_step,
-            inject_nonfinite=inject_nonfinite,
             shared_flags=guard.step_flags,  # stop signals, async saves: agreed in the step's all-reduce
         )
         rolled_to = guard.rolled_back(step, outcome, lr, result.start_step)
