@@ -77,8 +77,8 @@ def worker(args) -> None:
             f"run.output_dir={args.run_dir / f'run{seq_len}'}",
         ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
         cfg = load_config(None, overrides, env={})
-        plan = preflight(cfg, runtime.world_size, runtime.device.type)
-        result = train(cfg, runtime, plan)  # its one step measures the activations (meshtron.metrics.activations)
+        setup = preflight(cfg, runtime.world_size, runtime.device.type)
+        result = train(cfg, runtime, setup)  # its one step measures the activations (meshtron.metrics.activations)
         mine = torch.tensor(
             [
                 result.activation_bytes,

@@ -168,17 +168,17 @@ def worker(args) -> None:
         f"run.output_dir={args.run_dir / 'run'}",
     ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
     cfg = load_config(None, overrides, env={})
-    plan = preflight(cfg, runtime.world_size, runtime.device.type)
+    setup = preflight(cfg, runtime.world_size, runtime.device.type)
     counter = CollectiveCounter()
     if args.comm_count:
         hook = register_optimizer_step_post_hook(counter.on_optimizer_step)
         try:
             with counter:
-                result = train(cfg, runtime, plan)
+                result = train(cfg, runtime, setup)
         finally:
             hook.remove()
     else:
-        result = train(cfg, runtime, plan)
+        result = train(cfg, runtime, setup)
     seconds = [args.batch * args.seq_len / rate for rate in result.tokens_per_s]
     mine = {
         "rank": runtime.rank,

@@ -286,7 +286,7 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
     from meshtron.train.preflight import preflight
     from meshtron.train.trainer import train
 
-    plan = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))
+    setup = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))
     runtime = init_runtime(  # collectives wait a little longer than the hang watchdog, which names the laggards
         timeout_s=cfg.run.collective_timeout_s + COLLECTIVE_GRACE_S,
         device=cfg.run.device,
@@ -294,9 +294,9 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
     )
     try:
         if evaluate_only:  # meshtron eval
-            evaluate_run(cfg, runtime, plan)
+            evaluate_run(cfg, runtime, setup)
         else:
-            train(cfg, runtime, plan, planned=_planned_figures(cfg, runtime, plan))
+            train(cfg, runtime, setup, planned=_planned_figures(cfg, runtime, setup))
     except Preempted as stop:
         if runtime.is_main:
             print(stop, flush=True)
@@ -306,13 +306,13 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
     return 0
 
 
-def _planned_figures(cfg, runtime, plan):
+def _planned_figures(cfg, runtime, setup):
     """The planner's figures for this run, which its metrics rows carry beside the measured ones (GPU runs only). A
     run the planner cannot model still trains: rank 0 says why in one line."""
     from meshtron.plan.for_run import planned_figures
 
     try:
-        return planned_figures(cfg, runtime.world_size, runtime.rank, runtime.device, plan.hf_config)
+        return planned_figures(cfg, runtime.world_size, runtime.rank, runtime.device, setup.hf_config)
     except Exception as err:  # the planner's figures are advice: never a reason not to train
         if runtime.is_main:
             print(f"meshtron: no planned figures for this run ({type(err).__name__}: {err})", flush=True)

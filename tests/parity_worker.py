@@ -80,8 +80,8 @@ def run_rank(rank: int, world: int, port: int, name: str, overrides: list[str], 
 
 
 def train_and_record(name: str, cfg, runtime, out: Path) -> None:
-    plan = preflight(cfg, runtime.world_size, runtime.device.type)
-    result = train(cfg, runtime, plan)
+    setup = preflight(cfg, runtime.world_size, runtime.device.type)
+    result = train(cfg, runtime, setup)
     measured = torch.tensor(
         [sum(result.state_bytes.values()), result.activation_bytes, result.accumulation_grad_bytes],
         dtype=torch.int64,
@@ -93,7 +93,7 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
     state = {}
     for part in result.model_parts:  # pipeline stages: each holds some of the parameters, names unchanged
         state.update(get_model_state_dict(part, options=options))
-    if plan.dims.pp > 1:
+    if setup.dims.pp > 1:
         pieces = [None] * runtime.world_size
         dist.all_gather_object(pieces, state)
         state = {key: tensor for piece in pieces for key, tensor in piece.items()}

@@ -35,7 +35,7 @@ def main() -> None:
 def check_load(model_dir: str, out_json: str, overrides: list[str], runtime) -> None:
     """Load ``model_dir`` under the layout ``overrides`` give and write the comparison to ``out_json``."""
     cfg = load_config(None, [f"model.name_or_path={model_dir}", "data.seq_len=16", *overrides], env={})
-    plan = preflight(cfg, runtime.world_size, runtime.device.type)
+    setup = preflight(cfg, runtime.world_size, runtime.device.type)
     read = [0]
     original_get = build.CheckpointReader.get
 
@@ -45,13 +45,15 @@ def check_load(model_dir: str, out_json: str, overrides: list[str], runtime) -> 
         return tensor
 
     build.CheckpointReader.get = counting_get
-    meshes = plan.dims.build_mesh(runtime.device.type)
-    model, adapter = build.build_meta_model(plan.hf_config, cfg.model)
-    model = parallelize_model(model, adapter, plan.dims, meshes, cfg)
+    meshes = setup.dims.build_mesh(runtime.device.type)
+    model, adapter = build.build_meta_model(setup.hf_config, cfg.model)
+    model = parallelize_model(
+        model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
+    )
     build.materialize(model, adapter, runtime.device, seed=0, pretrained_dir=model_dir)
     build.CheckpointReader.get = original_get
 
-    reference, _ = build.build_meta_model(plan.hf_config, cfg.model)
+    reference, _ = build.build_meta_model(setup.hf_config, cfg.model)
     build.materialize(reference, adapter, runtime.device, seed=0, pretrained_dir=model_dir)
     total = sum(p.numel() for p in reference.parameters())
     fraction = torch.tensor([read[0] / total])

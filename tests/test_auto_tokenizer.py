@@ -124,9 +124,9 @@ def test_auto_without_a_tokenizer_trains_on_bytes_and_says_so_once(folders, tmp_
 def test_explicit_byte_with_a_pretrained_model_warns_and_trains_on_bytes(folders, tmp_path):
     """``byte`` set (as every config saved before ``auto`` says it) stays bytes, with a warning line for rank 0."""
     (tmp_path / "old.toml").write_text(f'[model]\nname_or_path = "{folders / "own"}"\n[data]\ntokenizer = "byte"\n')
-    plan = preflight(load_config(tmp_path / "old.toml", env={}), 1, "cpu")
-    assert isinstance(plan.tokenizer, ByteTokenizer)
-    assert plan.tokenizer_notice == (
+    setup = preflight(load_config(tmp_path / "old.toml", env={}), 1, "cpu")
+    assert isinstance(setup.tokenizer, ByteTokenizer)
+    assert setup.tokenizer_notice == (
         f"meshtron: warning: data.tokenizer=byte with model.name_or_path={folders / 'own'}: using the byte "
         "tokenizer's 257 ids; leave data.tokenizer out (auto) to use the model's own"
     )

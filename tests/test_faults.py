@@ -36,6 +36,51 @@ def test_a_fault_fires_only_in_its_attempt_and_once(monkeypatch):
         faults.during_save(2, 1)
 
 
+def test_save_faults_fire_between_a_rank_writing_its_part_and_the_commit(tmp_path):
+    """inject_save_faults (what RunGuard installs when MESHTRON_FAULT is set) wraps a CheckpointManager's write:
+    a ``failsave`` fails its step's save with the manager's one-line error, after the part is written and before
+    the commit, so ``latest`` still names the step before; a manager without it saves as usual."""
+    import torch
+
+    from meshtron.checkpoint.manager import CheckpointManager
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.errors import MeshtronError
+    from meshtron.resilience.faults import inject_save_faults
+
+    class State:
+        def state_dict(self):
+            return {"w": torch.ones(2)}
+
+    runtime = Runtime(0, 0, 1, torch.device("cpu"))
+    saver = CheckpointManager(tmp_path / "ckpt", 1, 0, False, runtime)
+    inject_save_faults(saver, Faults((Fault("failsave", 2, 0),)))
+    saver.save(1, State(), {"step": 1}, "")
+    with pytest.raises(MeshtronError, match=r"step-00000002.partial failed \(.*No space left on device \(injected\)"):
+        saver.save(2, State(), {"step": 2}, "")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000001"
+    assert (tmp_path / "ckpt" / "step-00000002.partial" / ".metadata").is_file()  # its part was written
+    CheckpointManager(tmp_path / "plain", 1, 0, False, runtime).save(2, State(), {"step": 2}, "")
+    assert (tmp_path / "plain" / "latest").read_text() == "step-00000002"
+
+
+def test_a_nan_fault_marks_only_its_step_and_the_mark_ends_with_the_guard():
+    """faulted_loss, the training step's one line of fault code, makes the loss NaN only while a ``nan`` fault's
+    step is marked (RunGuard.before_step); unmarking restores the unmarked state."""
+    import math
+
+    import torch
+
+    from meshtron.resilience.faults import faulted_loss, mark_nonfinite_step, unmark_nonfinite_step
+
+    loss = torch.tensor(2.5)
+    assert faulted_loss(loss) is loss
+    outer = mark_nonfinite_step(False)
+    mark_nonfinite_step(True)
+    assert math.isnan(faulted_loss(loss).item())
+    unmark_nonfinite_step(outer)
+    assert faulted_loss(loss) is loss
+
+
 def test_restart_bookkeeping(tmp_path):
     assert last_logged_step(tmp_path) == 0
     (tmp_path / "metrics.jsonl").write_text(

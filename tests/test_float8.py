@@ -13,6 +13,7 @@ import torch
 
 from meshtron.config import ModelConfig, load_config
 from meshtron.distributed.float8 import apply_float8, check_capability, check_float8, refresh_float8_scales
+from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.runtime import Runtime
 from meshtron.distributed.tensor_parallel import _block_styles
 from meshtron.errors import ConfigError
@@ -21,6 +22,11 @@ from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _check_float8(cfg, device_type: str) -> None:
+    """check_float8 as preflight calls it, with the run's precision policy."""
+    check_float8(cfg, device_type, precision_policy(cfg, device_type))
 
 
 def float8_config(tmp_path, cache_dir, *extra: str):
@@ -168,11 +174,11 @@ def test_missing_torchao_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes ``import torchao.float8`` fail
     cfg = load_config(None, ["train.float8=true"], env={})
     with pytest.raises(ConfigError, match=r"^train.float8 needs torchao; pip install 'meshtron\[float8\]'$"):
-        check_float8(cfg, "cpu")
+        _check_float8(cfg, "cpu")
     model, adapter = meta_model()
     with pytest.raises(ConfigError, match="train.float8 needs torchao"):
         apply_float8(model, adapter, device_type="cpu", fsdp_enabled=False)
-    check_float8(load_config(None, [], env={}), "cpu")  # float8 off: torchao is not needed
+    _check_float8(load_config(None, [], env={}), "cpu")  # float8 off: torchao is not needed
 
 
 def test_gpu_without_float8_is_refused(monkeypatch):
@@ -184,7 +190,7 @@ def test_gpu_without_float8_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     with pytest.raises(ConfigError, match=r"Tesla T4 has 7\.5"):
-        check_float8(load_config(None, ["train.float8=true"], env={}), "cuda")
+        _check_float8(load_config(None, ["train.float8=true"], env={}), "cuda")
 
 
 def test_refresh_float8_scales_without_fsdp_is_a_no_op():
@@ -285,11 +291,11 @@ def test_rowwise_on_gpu_needs_bf16_compute(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
     rowwise = ["train.float8=true", "train.float8_recipe=rowwise"]
     with pytest.raises(ConfigError, match=r"^train.float8_recipe=rowwise needs bf16 compute on GPUs, got float32; "):
-        check_float8(load_config(None, [*rowwise, "train.mixed_precision=none"], env={}), "cuda")
-    check_float8(load_config(None, [*rowwise, "train.mixed_precision=bf16"], env={}), "cuda")
-    check_float8(load_config(None, [*rowwise, "train.mixed_precision=none", "model.dtype=bfloat16"], env={}), "cuda")
-    check_float8(load_config(None, ["train.float8=true", "train.mixed_precision=none"], env={}), "cuda")  # tensorwise
-    check_float8(load_config(None, [*rowwise, "train.mixed_precision=none"], env={}), "cpu")  # emulated: any dtype
+        _check_float8(load_config(None, [*rowwise, "train.mixed_precision=none"], env={}), "cuda")
+    _check_float8(load_config(None, [*rowwise, "train.mixed_precision=bf16"], env={}), "cuda")
+    _check_float8(load_config(None, [*rowwise, "train.mixed_precision=none", "model.dtype=bfloat16"], env={}), "cuda")
+    _check_float8(load_config(None, ["train.float8=true", "train.mixed_precision=none"], env={}), "cuda")  # tensorwise
+    _check_float8(load_config(None, [*rowwise, "train.mixed_precision=none"], env={}), "cpu")  # emulated: any dtype
 
 
 def test_rowwise_run_on_cpu(tmp_path, cache_dir):

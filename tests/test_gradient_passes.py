@@ -38,18 +38,16 @@ def _setup(preset: str, mixed_precision: str, chunk: int, compile_setting: str =
     tokenizer = load_tokenizer("byte")
     model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
     adapter.return_hidden_states(model)
-    plan = preflight(cfg, 1, "cpu")
-    parallelize_model(model, adapter, plan.dims, None, cfg, "cpu")
+    setup = preflight(cfg, 1, "cpu")
+    parallelize_model(model, adapter, setup.dims, None, cfg, "cpu", precision=setup.precision, compiled=setup.compiled)
     materialize(model, adapter, torch.device("cpu"), seed=0)
     ctx = StepContext(
         dp_rank=0,
-        dims=plan.dims,
-        plan=plan,
+        setup=setup,
         split=SequenceSplit(mask_documents=False, eos_token_id=tokenizer.eos_token_id),
         device=torch.device("cpu"),
         cfg=cfg,
         adapter=adapter,
-        precision=precision.precision_policy(cfg, "cpu"),
     )
     return model, ctx
 

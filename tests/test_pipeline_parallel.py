@@ -133,23 +133,23 @@ def test_micro_batch_size_under_pp_splits_the_global_batch_before_any_process_gr
     microbatches; micro x dp must divide the global batch; the settings' disagreement is one line naming both."""
     from meshtron.train.preflight import preflight
 
-    def plan(*overrides, world=2):
+    def setup(*overrides, world=2):
         cfg = load_config(None, ["model.preset=llama-deep", "train.global_batch_size=8", *overrides], env={})
         return preflight(cfg, world, "cpu")
 
-    got = plan("parallel.pp=2", "train.micro_batch_size=2")
-    assert (got.micro_batch_size, got.accumulation_steps, got.pp_microbatches) == (8, 1, 4)
-    got = plan("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=2", world=4)
-    assert (got.micro_batch_size, got.accumulation_steps, got.pp_microbatches) == (4, 1, 2)
-    assert plan("parallel.pp=2", "train.micro_batch_size=4", "parallel.pp_microbatches=2").pp_microbatches == 2
+    got = setup("parallel.pp=2", "train.micro_batch_size=2").batch
+    assert (got.rank_batch, got.accumulation_steps, got.pp_microbatches, got.micro_batch_size) == (8, 1, 4, 2)
+    got = setup("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=2", world=4).batch
+    assert (got.rank_batch, got.accumulation_steps, got.pp_microbatches, got.micro_batch_size) == (4, 1, 2, 2)
+    assert setup("parallel.pp=2", "train.micro_batch_size=4", "parallel.pp_microbatches=2").batch.pp_microbatches == 2
     with pytest.raises(
         ConfigError,
         match="train.global_batch_size 8 is not divisible by data-parallel degree 2 x "
         "train.micro_batch_size 3 = 6; make the global batch a multiple of 6",
     ):
-        plan("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=3", world=4)
+        setup("parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=3", world=4)
     with pytest.raises(ConfigError) as error:
-        plan("parallel.pp=2", "train.micro_batch_size=2", "parallel.pp_microbatches=8")
+        setup("parallel.pp=2", "train.micro_batch_size=2", "parallel.pp_microbatches=8")
     assert "\n" not in str(error.value) and "train.micro_batch_size=2" in str(error.value)
     assert "parallel.pp_microbatches=8" in str(error.value)
 

@@ -208,8 +208,8 @@ def test_every_proposed_layout_passes_meshtron_preflight(preset):
     schedules = {layout.pp_schedule for layout in layouts if layout.pp > 1}
     assert schedules == {"1F1B", "Interleaved1F1B"}
     for layout in layouts:
-        plan = preflight(train_config(layout, workload, ModelConfig(preset=preset)), 16, "cuda")
-        assert plan.dims.product == 16 and (plan.dims.tp, plan.dims.cp, plan.dims.pp) == (
+        setup = preflight(train_config(layout, workload, ModelConfig(preset=preset)), 16, "cuda")
+        assert setup.dims.product == 16 and (setup.dims.tp, setup.dims.cp, setup.dims.pp) == (
             layout.tp,
             layout.cp,
             layout.pp,
@@ -543,8 +543,8 @@ def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
     seen = set()
     for layout in layouts:
         cfg = train_config(layout, workload, model_cfg)
-        plan = preflight(cfg, 8, "cuda")
-        assert plan.dims.ep == layout.ep and plan.dims.product == 8
+        setup = preflight(cfg, 8, "cuda")
+        assert setup.dims.ep == layout.ep and setup.dims.product == 8
         key = (layout.pp, layout.ep)
         if key not in seen:  # the written TOML loads back to the same layout
             seen.add(key)

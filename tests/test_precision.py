@@ -208,7 +208,10 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
         )
         model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
         adapter.return_hidden_states(model)
-        parallelize_model(model, adapter, preflight(cfg, 1, "cpu").dims, None, cfg, "cpu")
+        setup = preflight(cfg, 1, "cpu")
+        parallelize_model(
+            model, adapter, setup.dims, None, cfg, "cpu", precision=setup.precision, compiled=setup.compiled
+        )
         materialize(model, adapter, torch.device("cpu"), seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         trajectory = []

@@ -117,10 +117,10 @@ def _train_rank(job: dict, out: Path, rank: int) -> None:
     from meshtron.train.trainer import train
 
     cfg = load_config(None, list(job["overrides"]), env={})
-    plan = preflight(cfg, world, job["device"])
+    setup = preflight(cfg, world, job["device"])
     runtime = init_runtime(timeout_s=cfg.run.collective_timeout_s + COLLECTIVE_GRACE_S, device=cfg.run.device)
     try:
-        result = train(cfg, runtime, plan)
+        result = train(cfg, runtime, setup)
         state = _full_state(result, world)
         torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "state": state}, out / f"rank{rank}.pt")
     finally:

@@ -28,6 +28,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from meshtron.checkpoint.shared_directory import check_shared_directory, on_ever
 from meshtron.checkpoint.state import TrainingState
 from meshtron.data.carry import SEQ_LEN_CHANGES
 from meshtron.errors import ConfigError, MeshtronError
+
+if TYPE_CHECKING:
+    from meshtron.distributed.runtime import Runtime
 
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -183,7 +187,7 @@ class CheckpointManager:
     Created by every rank at start-up: checks that ``directory`` is one folder all ranks share.
     """
 
-    def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime):
+    def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime: Runtime):
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
         self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
@@ -191,7 +195,6 @@ class CheckpointManager:
         self.on_commit = None
         """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
         from the start of the save, ``paused`` (async saves; None for others) how long training waited for it."""
-        self.faults = None  # tests only: meshtron.resilience.faults.Faults, whose during_save runs in each save
         # Async saves run collectives from a background thread: give them a group of their own.
         self.group = dist.new_group(backend="gloo") if async_save and runtime.distributed else None
 
@@ -247,6 +250,13 @@ class CheckpointManager:
                 (partial / name).write_text(text)
 
         on_every_rank(self.runtime, write_rank_files, lambda reason: self._failed(partial, reason))
+        self._write_state(step, state, partial, meta, started)
+        if not self.async_save:
+            self._commit(step, partial, meta, (started, None))
+
+    def _write_state(self, step: int, state: TrainingState, partial: Path, meta: dict, started: float) -> None:
+        """Write this rank's part of ``state`` into ``partial``; an async save starts writing it and is ``pending``
+        until its commit. (meshtron.resilience.faults wraps this in tests: faults fire once it returns.)"""
         try:
             with quiet_single_process():
                 if self.async_save:
@@ -257,21 +267,10 @@ class CheckpointManager:
                         no_dist=not self.runtime.distributed,
                     )
                     self.pending = (future, step, partial, meta, (started, time.perf_counter() - started))
-                    self._inject_fault(step, partial)
                     return
                 dcp.save(state.state_dict(), checkpoint_id=str(partial), no_dist=not self.runtime.distributed)
         except (OSError, CheckpointException) as err:  # DCP gathers every rank's failure and raises on all
             raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
-        self._inject_fault(step, partial)
-        self._commit(step, partial, meta, (started, None))
-
-    def _inject_fault(self, step: int, partial: Path) -> None:
-        if self.faults is not None:  # tests only: each rank's part is written (or, async, being written)
-            on_every_rank(
-                self.runtime,
-                lambda: self.faults.during_save(step, self.runtime.rank),
-                lambda reason: self._failed(partial, reason),
-            )
 
     def unfinished(self) -> int:
         """1 while this rank still writes its part of an async save, else 0: a flag of the step's all-reduce (which
@@ -403,7 +402,7 @@ def check_lora_checkpoint(meta: dict, path: Path, cfg) -> None:
         raise ConfigError(f"checkpoint '{path}' holds LoRA adapters of another base ({differs}); resume with that base")
 
 
-def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime, layout: str) -> dict:
+def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime: Runtime, layout: str) -> dict:
     """What meshtron.json records besides the tensors."""
     return {
         **({LORA_BASE: lora_base(cfg)} if cfg.lora.enabled else {}),

@@ -8,14 +8,17 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
 
 from meshtron.errors import ConfigError, MeshtronError
 
+if TYPE_CHECKING:
+    from meshtron.distributed.runtime import Runtime
 
-def _share(runtime, value):
+
+def _share(runtime: Runtime, value):
     """Rank 0's ``value`` (any picklable object) on every rank."""
     box = [value]
     if runtime.distributed:
@@ -23,7 +26,7 @@ def _share(runtime, value):
     return box[0]
 
 
-def _gather(runtime, value) -> list:
+def _gather(runtime: Runtime, value) -> list:
     """Every rank's ``value``, in rank order, on every rank."""
     if not runtime.distributed:
         return [value]
@@ -32,7 +35,7 @@ def _gather(runtime, value) -> list:
     return values
 
 
-def on_main(runtime, action: Callable, fail: Callable[[str], MeshtronError]):
+def on_main(runtime: Runtime, action: Callable, fail: Callable[[str], MeshtronError]):
     """Run ``action`` on rank 0 and return its result on every rank; if it fails, raise ``fail(reason)``
     on every rank (the others would otherwise wait for rank 0 in the next collective until the timeout)."""
     outcome = (None, None)
@@ -47,7 +50,7 @@ def on_main(runtime, action: Callable, fail: Callable[[str], MeshtronError]):
     return result
 
 
-def on_every_rank(runtime, action: Callable, fail: Callable[[str], MeshtronError]) -> None:
+def on_every_rank(runtime: Runtime, action: Callable, fail: Callable[[str], MeshtronError]) -> None:
     """Run ``action`` on every rank; if it fails on any, raise ``fail(first reason)`` on every rank."""
     reason = None
     try:
@@ -66,7 +69,7 @@ def _ranks_text(ranks: list[int], hosts: list[str]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown} (on {on})"
 
 
-def check_shared_directory(directory: Path, probe: Path, runtime) -> None:
+def check_shared_directory(directory: Path, probe: Path, runtime: Runtime) -> None:
     """Every rank writes ``probe/rank-<r>``; rank 0 must see them all, as a save has every rank write into
     the folder rank 0 creates. Raises the same ConfigError on every rank otherwise; removes ``probe``."""
     host = socket.gethostname()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from torch import nn
 from meshtron.config import FLOAT8_RECIPES  # torchao's Float8LinearRecipeName values
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
+
+if TYPE_CHECKING:
+    from meshtron.distributed.precision import PrecisionPolicy
 
 MIN_CAPABILITY = (8, 9)
 """The oldest CUDA compute capability with float8 matmuls (Ada / Hopper)."""
@@ -79,8 +83,9 @@ def float8_config(recipe: str, *, device_type: str, fsdp_enabled: bool):
     )
 
 
-def check_float8(cfg, device_type: str) -> None:
-    """The checks of ``train.float8`` that need no process group (run in preflight, on every rank)."""
+def check_float8(cfg, device_type: str, precision: PrecisionPolicy) -> None:
+    """The checks of ``train.float8`` that need no process group (run in preflight, on every rank); ``precision``:
+    the run's policy (``precision_policy``)."""
     if not cfg.train.float8:
         return
     recipe = cfg.train.float8_recipe
@@ -88,15 +93,10 @@ def check_float8(cfg, device_type: str) -> None:
     if device_type == "cuda":
         check_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
         if recipe != "tensorwise":
-            check_rowwise_dtype(recipe, _compute_dtype(cfg, device_type))
+            from meshtron.models.build import torch_dtype
 
-
-def _compute_dtype(cfg, device_type: str) -> torch.dtype:
-    """The dtype the blocks' linears multiply in (the mixed-precision dtype, else the weights')."""
-    from meshtron.distributed.precision import precision_policy
-    from meshtron.models.build import torch_dtype
-
-    return precision_policy(cfg, device_type).compute_dtype or torch_dtype(cfg.model.dtype)
+            # The dtype the blocks' linears multiply in (the mixed-precision dtype, else the weights').
+            check_rowwise_dtype(recipe, precision.compute_dtype or torch_dtype(cfg.model.dtype))
 
 
 def check_rowwise_dtype(recipe: str, dtype: torch.dtype) -> None:

@@ -21,7 +21,7 @@ from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
 from meshtron.distributed.float8 import apply_float8
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.pipeline_parallel import split_pipeline
-from meshtron.distributed.precision import apply_compute_casts, precision_policy
+from meshtron.distributed.precision import PrecisionPolicy, apply_compute_casts
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import uses_meshtron_attention
@@ -132,17 +132,31 @@ def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
 
 
 def parallelize(
-    model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config, device_type: str | None = None
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    dims: ParallelDims,
+    meshes,
+    cfg: Config,
+    device_type: str | None = None,
+    *,
+    precision: PrecisionPolicy,
+    compiled: bool,
 ) -> list[tuple[int, nn.Module]]:
     """Apply every parallelism to a meta-device model: PP split -> (per stage) float8 -> TP -> CP -> activation
     checkpointing -> compile -> FSDP (or, without FSDP, mixed-precision casts). Returns (pipeline stage id, module)
-    for each stage this rank holds (one, stage 0, without pipeline parallelism). ``device_type``: where it will
-    train (see parallelize_model)."""
+    for each stage this rank holds (one, stage 0, without pipeline parallelism). ``device_type``, ``precision``,
+    ``compiled``: see parallelize_model."""
     if dims.pp > 1:
         stages = split_pipeline(model, adapter, cfg.parallel, meshes["world"]["pp"].get_local_rank())
     else:
         stages = [(0, model)]
-    return [(stage_id, parallelize_model(stage, adapter, dims, meshes, cfg, device_type)) for stage_id, stage in stages]
+    return [
+        (
+            stage_id,
+            parallelize_model(stage, adapter, dims, meshes, cfg, device_type, precision=precision, compiled=compiled),
+        )
+        for stage_id, stage in stages
+    ]
 
 
 def _device_type(meshes, cfg: Config) -> str:
@@ -155,9 +169,19 @@ def _device_type(meshes, cfg: Config) -> str:
 
 
 def parallelize_model(
-    model: nn.Module, adapter: DecoderAdapter, dims: ParallelDims, meshes, cfg: Config, device_type: str | None = None
+    model: nn.Module,
+    adapter: DecoderAdapter,
+    dims: ParallelDims,
+    meshes,
+    cfg: Config,
+    device_type: str | None = None,
+    *,
+    precision: PrecisionPolicy,
+    compiled: bool,
 ) -> nn.Module:
     """Apply float8 -> TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
+    ``precision`` and ``compiled``: ``train.mixed_precision`` and ``train.compile`` as preflight resolved them
+    (meshtron.train.preflight.RunSetup).
 
     Float8 goes first: the TP styles and FSDP's float8 all-gather need the float8 linears in place; float8
     matmuls are emulated unless ``device_type`` (default: the mesh's) is ``cuda``.
@@ -190,10 +214,8 @@ def parallelize_model(
     if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
         adapter.use_attention(model, register_attention())
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
-    compiled = compile_enabled(cfg.train.compile, device_type)
     if compiled:
         apply_compile(model, adapter)
-    precision = precision_policy(cfg, device_type)
     if dims.fsdp_enabled:
         apply_fsdp(
             model,

@@ -58,6 +58,12 @@ def choose_kernel(device: torch.device | str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
+def resolve_kernel(setting: str, device_type: str) -> str:
+    """``model.attention_kernel`` for a run on ``device_type``: ``auto`` resolved (``choose_kernel``), once, by
+    preflight."""
+    return choose_kernel(device_type) if setting == "auto" else setting
+
+
 def effective_window(window: int | None, length: int) -> int | None:
     """The sliding window that restricts a sequence of ``length`` tokens: None when there is none or it is at
     least ``length`` long (then every causal key is inside it)."""

@@ -51,12 +51,14 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     if dist.is_initialized():
         raise ConfigError("--dry-run cannot run inside a distributed job; run it as a plain process")
     started = time.perf_counter()
-    plan = preflight(cfg, world_size, "cpu")
+    setup = preflight(cfg, world_size, "cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        meshes = plan.dims.build_mesh("cpu")
-        model, adapter = build_meta_model(plan.hf_config, cfg.model)
-        stages = parallelize(model, adapter, plan.dims, meshes, cfg)
+        meshes = setup.dims.build_mesh("cpu")
+        model, adapter = build_meta_model(setup.hf_config, cfg.model)
+        stages = parallelize(
+            model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
+        )
         parts = nn.ModuleList([module for _, module in stages])
         optimizer = build_optimizer(parts, cfg.train, list(parts), adapter)
         for group in optimizer.param_groups:
@@ -72,7 +74,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     return DryRunReport(
         rank=rank,
         world_size=world_size,
-        layout=plan.dims.describe(),
+        layout=setup.dims.describe(),
         stages=tuple(s for s, _ in stages),
         params=measured["params"],
         grads=measured["grads"],

@@ -105,15 +105,15 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
         raise ConfigError("--rehearse runs one process; start it without torchrun")
     cfg = rehearsal_config(cfg, steps)
     device = _device(cfg.run.device)
-    plan = preflight(cfg, world_size, device.type)  # the full layout's checks, before anything is built
+    setup = preflight(cfg, world_size, device.type)  # the full layout's checks, before anything is built
     notes = ["step_s excludes communication (collectives move no data); compare it with planned compute_s"]
-    if plan.dims.ep > 1:
+    if setup.dims.ep > 1:
         notes.append(BALANCED_ROUTING_NOTE)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with one_rank_group(rank, world_size):
         runtime = Runtime(rank=rank, local_rank=0, world_size=world_size, device=device, rehearsal=True)
-        result = train(cfg, runtime, plan)
+        result = train(cfg, runtime, setup)
     timed = result.step_seconds[1:] or result.step_seconds
     measured = {
         "state_bytes": sum(result.state_bytes.values()),
@@ -129,9 +129,9 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
         )
     if device.type == "cpu":
         notes.append("peak_bytes on CPU is the process's peak resident memory (Python and libraries included)")
-    planned, plan_notes = planned_for_rank(cfg, world_size, rank, device, plan.hf_config)
+    planned, plan_notes = planned_for_rank(cfg, world_size, rank, device, setup.hf_config)
     report = Rehearsal(
-        rank, world_size, plan.dims.describe(), str(device), measured, planned, notes + plan_notes, cfg.run.output_dir
+        rank, world_size, setup.dims.describe(), str(device), measured, planned, notes + plan_notes, cfg.run.output_dir
     )
     output_dir = Path(cfg.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

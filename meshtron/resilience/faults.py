@@ -16,7 +16,10 @@
   checkpoint newer than step S there (0: none), as a node whose cached directory listing predates the later
   saves would.
 
-Unset, nothing happens: training calls these hooks, which return at once. Not a user setting.
+Unset, nothing happens. Not a user setting. Training meets the faults only through this module: RunGuard reads
+``MESHTRON_FAULT`` and calls the step hooks; ``inject_save_faults`` wraps a CheckpointManager's writes; a ``nan``
+step is marked here (``mark_nonfinite_step``) and ``faulted_loss`` is the one line of the training step that reads
+the mark.
 """
 
 from __future__ import annotations
@@ -26,10 +29,19 @@ import os
 import signal
 import sys
 import time
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from meshtron.checkpoint.shared_directory import on_every_rank
 from meshtron.errors import ConfigError
 from meshtron.resilience.restart import restart_count
+
+if TYPE_CHECKING:
+    import torch
+
+    from meshtron.checkpoint.manager import CheckpointManager
 
 ENV = "MESHTRON_FAULT"
 KINDS = ("kill", "hang", "term", "nan", "killsave", "failsave", "stale")
@@ -109,6 +121,40 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("failsave", step, rank):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+def inject_save_faults(manager: CheckpointManager, faults: Faults) -> None:
+    """Make ``manager``'s saves call ``faults.during_save`` on every rank once its part is written (an async
+    save's: being written), before the commit; a failure there fails the save as a write would."""
+    write_state = manager._write_state
+
+    def write_then_fault(step: int, state, partial: Path, meta: dict, started: float) -> None:
+        write_state(step, state, partial, meta, started)
+        on_every_rank(
+            manager.runtime,
+            lambda: faults.during_save(step, manager.runtime.rank),
+            lambda reason: manager._failed(partial, reason),
+        )
+
+    manager._write_state = write_then_fault
+
+
+_NONFINITE_STEP: ContextVar[bool] = ContextVar("meshtron_nonfinite_step", default=False)
+"""Whether the step about to run is a ``nan`` fault's."""
+
+
+def mark_nonfinite_step(nonfinite: bool) -> Token:
+    """Mark the step about to run as a ``nan`` fault's (or not); the token restores the mark before it."""
+    return _NONFINITE_STEP.set(nonfinite)
+
+
+def unmark_nonfinite_step(token: Token) -> None:
+    _NONFINITE_STEP.reset(token)
+
+
+def faulted_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A step's global loss: NaN in a step marked by a ``nan`` fault (every rank), else ``loss`` itself."""
+    return loss * float("nan") if _NONFINITE_STEP.get() else loss
 
 
 def faults_from_env(environ=os.environ) -> Faults | None:

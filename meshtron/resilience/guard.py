@@ -12,12 +12,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from meshtron.checkpoint.manager import step_dir_name
-from meshtron.resilience.faults import faults_from_env
+from meshtron.resilience.faults import faults_from_env, inject_save_faults, mark_nonfinite_step, unmark_nonfinite_step
 from meshtron.resilience.preemption import STOP_SIGNALS, Preempted, StopSignals, stop_message
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 from meshtron.resilience.rollback import NonfiniteRollback
 from meshtron.resilience.watchdog import start_watchdog
+
+if TYPE_CHECKING:
+    from meshtron.config import Config
+    from meshtron.distributed.runtime import Runtime
 
 
 class RunGuard:
@@ -26,7 +32,7 @@ class RunGuard:
     ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its MetricsLogger and
     ``result`` its TrainResult (a rollback rewinds its per-step lists)."""
 
-    def __init__(self, cfg, runtime, resumable, logger, result):
+    def __init__(self, cfg: Config, runtime: Runtime, resumable, logger, result):
         self.cfg, self.runtime, self.resumable, self.logger, self.result = cfg, runtime, resumable, logger, result
         self.restarts = restart_count()  # > 0: torchrun restarted the workers after a failure
         self.logged_before = last_logged_step(result.output_dir) if self.restarts and runtime.is_main else 0
@@ -34,10 +40,11 @@ class RunGuard:
         if self.rollback is not None:
             resumable.on_save = self.rollback.checkpoint_saved
         self.faults = faults_from_env()  # tests only; None in a normal run
-        if resumable.checkpoints is not None:
-            resumable.checkpoints.faults = self.faults
+        if self.faults is not None and resumable.checkpoints is not None:
+            inject_save_faults(resumable.checkpoints, self.faults)
         self.signals = StopSignals()
         self.watchdog = None
+        self._nonfinite_mark = None
 
     def resumed(self, resumed_from, start_step: int) -> None:
         """Say what a restarted run resumed (call once the checkpoint is loaded) and which partial saves went."""
@@ -50,6 +57,7 @@ class RunGuard:
                 )
 
     def __enter__(self) -> RunGuard:
+        self._nonfinite_mark = mark_nonfinite_step(False)
         self.signals.__enter__()
         # None in one process; a hang under NCCL leaves each rank's flight recorder in the run's output directory
         self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s, self.result.output_dir)
@@ -59,18 +67,19 @@ class RunGuard:
         if self.watchdog is not None:
             self.watchdog.close()
         self.signals.__exit__(*exc)
+        unmark_nonfinite_step(self._nonfinite_mark)
 
     def _progress(self, step: int, phase: str = "step") -> None:
         if self.watchdog is not None:
             self.watchdog.progress(step, phase)
 
-    def before_step(self, step: int) -> bool:
-        """At the start of 0-based ``step``; whether a test fault makes its loss NaN (never in a normal run)."""
+    def before_step(self, step: int) -> None:
+        """At the start of 0-based ``step`` (test faults: may mark its loss to be made NaN, never in a normal run)."""
         self._progress(step + 1)
         if self.faults is None:
-            return False
+            return
         self.faults.before_step(step + 1, self.runtime.rank)
-        return self.faults.nonfinite(step + 1)
+        mark_nonfinite_step(self.faults.nonfinite(step + 1))  # undone on leaving the guard
 
     def evaluating(self, step: int) -> None:
         """Before the evaluation after ``step`` steps (the hang watchdog names it if a rank does not arrive)."""

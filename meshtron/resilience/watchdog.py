@@ -28,6 +28,10 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshtron.distributed.runtime import Runtime
 
 EXIT_HUNG = 124
 """Exit status of a rank that gave up waiting (as ``timeout`` uses)."""
@@ -256,7 +260,7 @@ class HangWatchdog:
             time.sleep(0.2)
 
 
-def start_watchdog(runtime, timeout_s: float, trace_dir: Path | None = None) -> HangWatchdog | None:
+def start_watchdog(runtime: Runtime, timeout_s: float, trace_dir: Path | None = None) -> HangWatchdog | None:
     """A running watchdog for this rank of a multi-process run (None in a single process); ``trace_dir``: where
     the flight recorder goes (the run's output directory). Call in the main thread."""
     if not runtime.distributed:

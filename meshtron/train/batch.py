@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshtron.distributed.context_parallel import SequenceLayout, chunk_document_bounds, planned_tiles, shard_sequence
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 from meshtron.models.attention_kernels import document_lengths, prepare_masks
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -18,14 +22,15 @@ class SequenceSplit:
 
     cp: int = 1
     cp_rank: int = 0
-    cp_group: object = None
+    cp_group: ProcessGroup | None = None
     cp_method: str = "ring"
     mask_documents: bool = False
     eos_token_id: int | None = None
     attention_windows: tuple = (None,)
     """The sliding windows the model's layers use (None: full attention), whose masks are built up front."""
     attention_kernel: str = "auto"
-    """``model.attention_kernel``: the kernel of whole-sequence document attention (cp = 1)."""
+    """``model.attention_kernel`` (a run's: resolved by preflight, RunSetup.attention_kernel): the kernel of
+    whole-sequence document attention (cp = 1, or Ulysses)."""
 
 
 def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
@@ -85,7 +90,7 @@ def sequence_inputs(
             split.cp_method,
             docs,
             document_bounds=document_bounds if docs is not None else None,
-            document_kernel=split.attention_kernel if split.cp == 1 else "auto",
+            document_kernel=split.attention_kernel,
         )
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
         # plan, here and not in the layers; Ulysses attends whole sequences).

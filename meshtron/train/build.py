@@ -11,7 +11,6 @@ from torch import nn
 
 from meshtron.config import Config
 from meshtron.distributed.data_parallel import parameter_device
-from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import PrecisionPolicy
 from meshtron.distributed.runtime import Runtime
@@ -23,7 +22,7 @@ from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
-from meshtron.train.preflight import Plan
+from meshtron.train.preflight import RunSetup
 
 
 @dataclass
@@ -41,9 +40,8 @@ class BuiltModel:
     """The pipeline-parallel process group (pp > 1), else None."""
 
 
-def sequence_split(
-    meshes: dict | None, dims: ParallelDims, cfg: Config, eos_token_id: int | None, hf_config
-) -> SequenceSplit:
+def sequence_split(meshes: dict | None, setup: RunSetup, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
+    dims = setup.dims
     cp_rank, cp_group = 0, None
     if dims.cp > 1:
         cp_mesh = meshes["world"]["cp"]
@@ -55,25 +53,27 @@ def sequence_split(
         cfg.parallel.cp_method,
         cfg.data.mask_documents,
         eos_token_id,
-        attention_windows=attention_windows(hf_config),
-        attention_kernel=cfg.model.attention_kernel,
+        attention_windows=attention_windows(setup.hf_config),
+        attention_kernel=setup.attention_kernel,
     )
 
 
 def build_model(
-    cfg: Config, runtime: Runtime, plan: Plan, meshes: dict | None, split: SequenceSplit, policy: PrecisionPolicy
+    cfg: Config, runtime: Runtime, setup: RunSetup, meshes: dict | None, split: SequenceSplit, policy: PrecisionPolicy
 ) -> BuiltModel:
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1.
     Under ``train.float8`` a run that does not resume computes its float8 weight scales from the initial weights
     (a resume does from the restored ones: meshtron.train.resumable)."""
-    dims = plan.dims
-    model, adapter = build_meta_model(plan.hf_config, cfg.model)
+    dims = setup.dims
+    model, adapter = build_meta_model(setup.hf_config, cfg.model)
     if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
         add_lora(model, adapter, cfg.lora)
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
     moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
-    stages = parallelize(model, adapter, dims, meshes, cfg, runtime.device.type)
+    stages = parallelize(
+        model, adapter, dims, meshes, cfg, runtime.device.type, precision=setup.precision, compiled=setup.compiled
+    )
     for _, stage in stages:
         materialize(
             stage,
@@ -91,8 +91,7 @@ def build_model(
             stages,
             adapter,
             cfg,
-            plan,
-            dims,
+            setup,
             meshes,
             runtime.device,
             split,
@@ -103,7 +102,7 @@ def build_model(
         # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
         attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
         built = BuiltModel(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
-    if cfg.train.float8 and not plan.resume_from:
+    if cfg.train.float8 and not setup.resume_from:
         from meshtron.distributed.float8 import refresh_float8_scales
 
         refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights

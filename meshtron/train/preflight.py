@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -23,39 +24,68 @@ from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
-from meshtron.data.tokenizer import load_tokenizer, tokenizer_notice
+from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_notice
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.precision import PrecisionPolicy, precision_policy
 from meshtron.distributed.runtime import launched_by_torchrun
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
-from meshtron.models.attention_kernels import check_attention_kernel
+from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
 
-@dataclass
-class Plan:
-    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config."""
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one data-parallel rank's share of the global batch is cut for an optimizer step, computed once by
+    preflight (the words as in docs/pipeline-parallel.md): a *micro-batch* is what one forward and backward runs
+    on. Without pipeline parallelism the rank accumulates the gradients of ``accumulation_steps`` micro-batches;
+    under pipeline parallelism the schedule runs the rank's whole batch in one step as ``pp_microbatches``
+    *pipeline microbatches*, each a micro-batch, without accumulation."""
+
+    micro_batch_size: int
+    """Sequences per forward and backward on a rank (``train.micro_batch_size`` resolved); under pipeline
+    parallelism the size of a pipeline microbatch."""
+    accumulation_steps: int = 1
+    """Micro-batches whose gradients make one optimizer step (1 under pipeline parallelism)."""
+    pp_microbatches: int = 1
+    """Pipeline microbatches the schedule runs per step (1 without pipeline parallelism)."""
+
+    @property
+    def rank_batch(self) -> int:
+        """Sequences each data-parallel rank trains per step (at the full global batch size)."""
+        return self.micro_batch_size * self.accumulation_steps * self.pp_microbatches
+
+
+@dataclass(kw_only=True)
+class RunSetup:
+    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config, and the
+    settings resolved for the run's device (``auto`` and the like), once, for every later use."""
 
     dims: ParallelDims
-    micro_batch_size: int
-    accumulation_steps: int
-    tokenizer: object
-    hf_config: object
-    pp_microbatches: int = 1
-    """With pipeline parallelism: microbatches each data-parallel rank's batch is split into."""
+    batch: BatchSplit
+    tokenizer: ByteTokenizer | HFTokenizer
+    hf_config: PretrainedConfig
+    precision: PrecisionPolicy
+    """``train.mixed_precision`` resolved (meshtron.distributed.precision)."""
+    compiled: bool
+    """``train.compile`` resolved: the decoder blocks and the fused loss's chunks are compiled."""
+    attention_kernel: str
+    """``model.attention_kernel`` resolved (``auto``: the device's), for whole-sequence document attention."""
     resume_from: Path | None = None
     """The checkpoint this run continues from."""
-    precision: PrecisionPolicy | None = None
     resume_skipped: tuple[str, ...] = ()
     """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
     tokenizer_notice: str | None = None
@@ -70,8 +100,8 @@ class Plan:
 def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     """(sequences per forward, accumulation_steps) per rank, or a ConfigError if the batch does not split.
 
-    Under pipeline parallelism the forward is the schedule's step over the rank's whole batch, which it
-    splits into microbatches of ``train.micro_batch_size`` (see check_pipeline), without accumulation.
+    Under pipeline parallelism: (the rank's whole batch, 1), which check_pipeline cuts into pipeline microbatches
+    (preflight's BatchSplit holds the result).
     """
     batch, dp = cfg.train.global_batch_size, dims.dp
     rampup = parse_batch_rampup(cfg.train.batch_rampup, batch)
@@ -150,20 +180,20 @@ def check_data_sources(data) -> list[str]:
     return paths
 
 
-def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
+def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     micro, accumulation = micro_batch_plan(cfg, dims)
     check_data_parallel(cfg.fsdp, dims)
     precision = precision_policy(cfg, device_type)
-    check_float8(cfg, device_type)
+    check_float8(cfg, device_type, precision)
     check_attention_kernel(cfg, device_type, precision.name)
     check_model_path(cfg.model)
     check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)
     if cfg.eval.path:
         check_data_path(cfg.eval.path, setting="eval.path")
-    # data.tokenizer=auto is resolved here, once: every later use takes plan.tokenizer.
+    # data.tokenizer=auto is resolved here, once: every later use takes setup.tokenizer.
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
@@ -195,17 +225,19 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> Plan:
             if not by_rank_0:
                 raise
             error = err  # raised on every rank once they can be told
-    return Plan(
-        dims,
-        micro,
-        accumulation,
-        tokenizer,
-        hf_config,
-        pp_microbatches,
-        resume_from,
-        precision,
-        tuple(skipped),
-        tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
+    # Under pp, micro is the rank's whole batch (accumulation 1), cut into pipeline microbatches.
+    batch = BatchSplit(micro // pp_microbatches, accumulation, pp_microbatches)
+    return RunSetup(
+        dims=dims,
+        batch=batch,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        precision=precision,
+        compiled=compile_enabled(cfg.train.compile, device_type),
+        attention_kernel=resolve_kernel(cfg.model.attention_kernel, device_type),
+        resume_from=resume_from,
+        resume_skipped=tuple(skipped),
+        tokenizer_notice=tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
         resume_agreed=not by_rank_0,
         resume_error=error,
     )
@@ -224,28 +256,28 @@ def _resume_point(cfg: Config, hf_config, rank: int) -> tuple[Path | None, list[
     return resume_from, skipped
 
 
-def agree_resume_point(plan: Plan, runtime) -> Plan:
-    """``plan`` with rank 0's resume point on every rank, learned in one broadcast once the process group exists
-    (``runtime``), or rank 0's error raised on every rank; ``plan`` itself where it was resolved by preflight."""
-    if plan.resume_agreed:
-        return plan
+def agree_resume_point(setup: RunSetup, runtime) -> RunSetup:
+    """``setup`` with rank 0's resume point on every rank, learned in one broadcast once the process group exists
+    (``runtime``), or rank 0's error raised on every rank; ``setup`` itself where it was resolved by preflight."""
+    if setup.resume_agreed:
+        return setup
     if not runtime.distributed:  # no one to agree with (not a torchrun worker's usual case)
-        if plan.resume_error is not None:
-            raise plan.resume_error
-        return replace(plan, resume_agreed=True)
+        if setup.resume_error is not None:
+            raise setup.resume_error
+        return replace(setup, resume_agreed=True)
     choice: list = [None]
     if runtime.is_main:
-        error = plan.resume_error
-        path = str(plan.resume_from) if plan.resume_from is not None else None
+        error = setup.resume_error
+        path = str(setup.resume_from) if setup.resume_from is not None else None
         said = None if error is None else (isinstance(error, ConfigError), str(error))
-        choice = [(path, list(plan.resume_skipped), said)]
+        choice = [(path, list(setup.resume_skipped), said)]
     dist.broadcast_object_list(choice, src=0)
     path, skipped, error = choice[0]
     if error is not None:  # every rank has it: rank 0 prints it (meshtron.cli)
         config_error, message = error
         raise (ConfigError if config_error else MeshtronError)(message)
     return replace(
-        plan,
+        setup,
         resume_from=Path(path) if path is not None else None,
         resume_skipped=tuple(skipped),
         resume_agreed=True,

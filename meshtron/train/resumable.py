@@ -4,47 +4,61 @@ and restored together: at the save interval, at a stop by signal, at resume and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshtron.checkpoint.manager import DATA_POSITION, CheckpointManager, checkpoint_directory, checkpoint_meta
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_toml
 from meshtron.data.carry import SEQ_LEN_CHANGES, resume_with_changes
-from meshtron.data.streaming import load_stream_states, save_stream_state
+from meshtron.data.streaming import StreamingDataset, load_stream_states, save_stream_state
 from meshtron.train.optim.build import apply_schedule
 from meshtron.train.run_messages import saved_message
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PretrainedConfig
+
+    from meshtron.data.chat import ChatDataset
+    from meshtron.data.dataset import PackedDataset
+    from meshtron.data.mixture import MixedDataset
+    from meshtron.data.sampler import GlobalBatchSchedule
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.train.precision import LossScaler
 
 SKIPPED_KEY = "data.skip_batches"
 """meshtron.json's list of the global batches the run leaves out (data.skip_batches and rollbacks)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Resumable:
     cfg: Config
-    runtime: object
+    runtime: Runtime
     checkpoints: CheckpointManager | None
     """None when the run saves nothing (checkpoint.interval 0) until a stop by signal needs one."""
     state: TrainingState
-    scheduler: object
-    scaler: object
+    scheduler: LRScheduler
+    scaler: LossScaler | None
     """The fp16 loss scaler, or None."""
-    schedule: object
-    """The run's GlobalBatchSchedule, whose skipped batches a checkpoint records."""
-    hf_config: object
+    schedule: GlobalBatchSchedule
+    """The run's batch order, whose skipped batches a checkpoint records."""
+    hf_config: PretrainedConfig
     layout: str
-    parts: list
+    parts: list[nn.Module]
     """The model parts (float8 weight scales are refreshed from restored weights)."""
-    on_save: object = None
+    on_save: Callable[[], None] | None = None
     """Called after each save (NonfiniteRollback.checkpoint_saved)."""
-    stream: object = None
+    stream: StreamingDataset | None = None
     """The StreamingDataset of a ``data.streaming`` run, whose position each rank saves and restores."""
-    dataset: object = None
+    dataset: PackedDataset | MixedDataset | ChatDataset | StreamingDataset | None = None
     """The training dataset; a resume with another ``data.seq_len`` gives it the rest of the epoch to read
     (meshtron.data.carry)."""
     seq_len_changes: list = field(default_factory=list)
     """The run's changes of ``data.seq_len`` so far (meshtron.data.carry.SEQ_LEN_CHANGES), saved in checkpoints."""
-    announce: object = None
+    announce: Callable[[str], None] | None = None
     """Prints a line on rank 0 (the MetricsLogger's ``message``): each complete save's one-line report."""
     latest: tuple[int, Path] | None = None
     """(step, folder) of the run's newest checkpoint: the last one this start saved, or the one it resumed from."""

@@ -81,28 +81,28 @@ def saved_message(step: int, path: Path, seconds: float, paused: float | None = 
     return f"meshtron: saved the checkpoint of step {step} to {path} ({took})"
 
 
-def startup_message(cfg, plan, built, policy, dataset, evaluator, evaluate_only: bool) -> str:
+def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluate_only: bool) -> str:
     (
         """The first log line: family, parameters, layout, precision, data and its tokenizer, how a step splits the
     batch and when the run evaluates. ``built``: the trainer's built model (model, adapter, pipeline group);
     ``evaluator``: its Evaluator or None; ``evaluate_only``: meshtron eval."""
         ""
     )
-    dims = plan.dims
+    dims, batch = setup.dims, setup.batch
     if dims.pp > 1:
         batching = (
-            f"{plan.micro_batch_size} sequences per rank in {plan.pp_microbatches} pipeline microbatches of "
-            f"{plan.micro_batch_size // plan.pp_microbatches} ({cfg.parallel.pp_schedule})"
+            f"{batch.rank_batch} sequences per rank in {batch.pp_microbatches} pipeline microbatches of "
+            f"{batch.micro_batch_size} ({cfg.parallel.pp_schedule})"
         )
     else:
-        batching = f"micro-batch {plan.micro_batch_size} x {plan.accumulation_steps} accumulation"
+        batching = f"micro-batch {batch.micro_batch_size} x {batch.accumulation_steps} accumulation"
     counted = f"{count_params(built.model, built.pp_group):,} parameters"
     if cfg.lora.enabled:
         counted += f" ({count_params(built.model, built.pp_group, trainable_only=True):,} trained: LoRA)"
     return (
         f"meshtron: {built.adapter.family} model, {counted} | "
         f"layout: {dims.describe()} | {policy.describe()} | {data_summary(dataset, cfg.data.seq_len)} | "
-        f"tokenizer: {plan.tokenizer.describe()} | {batching}"
+        f"tokenizer: {setup.tokenizer.describe()} | {batching}"
         + (f" | {evaluator.describe(once=evaluate_only)}" if evaluator is not None else "")
     )
 

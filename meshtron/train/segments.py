@@ -30,20 +30,20 @@ SCHEDULE_KEYS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "decay_
 """The train settings the learning rate at a step depends on (meshtron.train.optim.build.lr_at)."""
 
 
-def start_segment(cfg: Config, output_dir: Path, plan, world_size: int) -> None:
+def start_segment(cfg: Config, output_dir: Path, setup, world_size: int) -> None:
     """Rank 0, before training: write this start's ``config.toml`` and ``run.json``; on a resume in the run's own
     folder with other settings or another layout, a new segment, the earlier segments' configs kept."""
-    first = read_meta(plan.resume_from)["step"] + 1 if plan.resume_from else 1
+    first = read_meta(setup.resume_from)["step"] + 1 if setup.resume_from else 1
     text = to_toml(cfg)
     segment = {
         "first_step": first,
-        "layout": plan.dims.describe(),
+        "layout": setup.dims.describe(),
         "world_size": world_size,
         "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
         "config": CONFIG,
-        **({"resumed_from": str(plan.resume_from)} if plan.resume_from else {}),
+        **({"resumed_from": str(setup.resume_from)} if setup.resume_from else {}),
     }
-    earlier = _earlier_segments(output_dir, first) if plan.resume_from else []
+    earlier = _earlier_segments(output_dir, first) if setup.resume_from else []
     if earlier and _same_settings(earlier[-1], segment, text, output_dir):
         segments = earlier
     else:
@@ -57,7 +57,7 @@ def start_segment(cfg: Config, output_dir: Path, plan, world_size: int) -> None:
     info = {
         "layout": current.get("layout"),
         "world_size": current.get("world_size"),
-        "family": plan.hf_config.model_type,
+        "family": setup.hf_config.model_type,
         "tokens_per_step": current.get("tokens_per_step"),
         "segments": segments,
     }
@@ -99,17 +99,17 @@ def _keep_config(segment: dict, output_dir: Path) -> None:
         segment.pop("config")
 
 
-def resume_run(resumable, plan, logger) -> int:
+def resume_run(resumable, setup, logger) -> int:
     """Restore the checkpoint the run continues from, if any, and say so (and whether the learning rate jumps);
     the step it starts after."""
-    if not plan.resume_from:
+    if not setup.resume_from:
         return 0
-    meta = resumable.restore(plan.resume_from)
-    for line in plan.resume_skipped:
+    meta = resumable.restore(setup.resume_from)
+    for line in setup.resume_skipped:
         logger.message(f"meshtron: {line}; skipped it")
-    logger.message(f"meshtron: resumed from {plan.resume_from} (step {meta['step']}, saved as {meta['layout']})")
+    logger.message(f"meshtron: resumed from {setup.resume_from} (step {meta['step']}, saved as {meta['layout']})")
     if logger.enabled:
-        saved = _saved_train_config(plan.resume_from)
+        saved = _saved_train_config(setup.resume_from)
         saved_lr = meta["scheduler"].get("_last_lr", [None])[0]  # the rate the checkpointed run would train on with
         if saved_lr is None and saved is not None:
             saved_lr = lr_at(meta["step"], saved)

@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,13 +26,13 @@ from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
+from meshtron.resilience.faults import faulted_loss
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
@@ -40,26 +41,38 @@ from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metri
 from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
+if TYPE_CHECKING:
+    from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.pipeline.runner import PipelineRunner
+    from meshtron.train.preflight import RunSetup
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class StepContext:
     """What every step needs besides the model, optimizer and data (fixed for the run)."""
 
     dp_rank: int
-    dims: ParallelDims
-    plan: object
-    """The run's meshtron.train.preflight.Plan (micro-batch size and the like)."""
+    setup: RunSetup
+    """The run's set-up: degrees, batch split, precision and the like (meshtron.train.preflight)."""
     split: SequenceSplit
     device: torch.device
     cfg: Config
-    runner: object = None
-    adapter: object = None
-    precision: PrecisionPolicy | None = None
+    adapter: DecoderAdapter
+    runner: PipelineRunner | None = None
+    """This rank's pipeline stages and schedule, under pipeline parallelism."""
     scaler: LossScaler | None = None
     router: RouterLoss | None = None
     """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
     """The routers' auxiliary-loss-free balancing biases, under ``train.router_balance=bias``."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.setup.dims
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.setup.precision
 
     @property
     def loss_parallel(self) -> bool:
@@ -99,11 +112,11 @@ def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: Step
         labels,
         weight,
         bias,
-        compute_dtype=ctx.precision.compute_dtype if ctx.precision else None,
+        compute_dtype=ctx.precision.compute_dtype,
         chunk_size=ctx.cfg.train.loss_chunk_size,
         loss_parallel=ctx.loss_parallel,
         softcap=ctx.adapter.logit_softcap(model),
-        compiled=compile_enabled(ctx.cfg.train.compile, ctx.device.type),
+        compiled=ctx.setup.compiled,
     )
 
 
@@ -157,11 +170,9 @@ def _forward_backward(
 def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:
     """The packed sequences step ``step`` reads: this rank's micro-batches and the global batch (whose labelled tokens
     every rank counts itself: no collective, no device sync)."""
-    if ctx.runner is None:
-        micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, ctx.plan.micro_batch_size)
-    else:  # pipeline microbatch m of every rank: its slice of global micro-batch m (as accumulation has them)
-        size = ctx.plan.micro_batch_size // ctx.plan.pp_microbatches
-        micro_batches = [np.concatenate(schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, size))]
+    micro_batches = schedule.local_micro_batches(step, ctx.dp_rank, ctx.dims.dp, ctx.setup.batch.micro_batch_size)
+    if ctx.runner is not None:  # one schedule step; pipeline microbatch m: this rank's slice of global micro-batch m
+        micro_batches = [np.concatenate(micro_batches)]
     return StepSequences(tuple(micro_batches), schedule.global_batch(step))
 
 
@@ -188,16 +199,14 @@ def train_step(
     *,
     measure_state: bool = False,
     measure_activations: bool = False,
-    inject_nonfinite: bool = False,
     shared_flags: Callable[[], Sequence[int]] | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches.
 
     ``inputs`` gives the step's batches (meshtron.data.prefetch); ``measure_state`` / ``measure_activations``: fill
-    those fields of the StepResult; ``inject_nonfinite``: tests only (meshtron.resilience.faults), a NaN loss;
-    ``shared_flags``: gives this rank's flags (meshtron.resilience.guard.RunGuard.step_flags) just before the
-    step's all-reduce, which sums them over the ranks into ``StepResult.flag_sums``: no collective or host sync
-    of their own.
+    those fields of the StepResult; ``shared_flags``: gives this rank's flags
+    (meshtron.resilience.guard.RunGuard.step_flags) just before the step's all-reduce, which sums them over the
+    ranks into ``StepResult.flag_sums``: no collective or host sync of their own.
     """
     dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     step_inputs = inputs.get(step)
@@ -218,7 +227,7 @@ def train_step(
     pipeline_router = ctx.runner.router if ctx.runner is not None else None
     router = ctx.router or pipeline_router
     routing = StepRouting() if ctx.router is not None else None
-    accumulation = ctx.plan.pp_microbatches if ctx.runner is not None else len(batches)
+    accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else len(batches)
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
     tracker = SavedActivationTracker() if measure_activations else None
     measured: dict = {}
@@ -243,8 +252,7 @@ def train_step(
     loss, grad_norm, flag_sums = global_step_sums(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp, flags=flags
     )
-    if inject_nonfinite:
-        loss = loss * float("nan")
+    loss = faulted_loss(loss)  # tests only: a ``nan`` fault's step (meshtron.resilience.faults); else loss itself
     router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
     loss_value, norm_value, *values = host_values(loss, grad_norm / loss_scale, *router_tensors, *flag_sums)
     routed, summed = values[: len(router_tensors)], values[len(router_tensors) :]

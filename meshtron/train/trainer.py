@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,6 @@ from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
@@ -38,13 +38,18 @@ from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import Plan, agree_resume_point, preflight
+from meshtron.train.preflight import RunSetup, agree_resume_point, preflight
 from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import done_message, startup_message
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 
-__all__ = ["Plan", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from meshtron.data.prefetch import StepReader
+
+__all__ = ["RunSetup", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
 
 
 @dataclass
@@ -108,16 +113,16 @@ def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
 
 
 def train(
-    cfg: Config, runtime: Runtime, plan: Plan | None = None, *, planned: PlannedFigures | None = None
+    cfg: Config, runtime: Runtime, setup: RunSetup | None = None, *, planned: PlannedFigures | None = None
 ) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config.
 
     ``planned``: the planner's figures for this run (meshtron.plan.for_run), which its metrics rows carry from the
     first steady step (meshtron.train.planned). ``meshtron eval`` is meshtron.train.evaluate_run."""
-    return run_session(cfg, runtime, plan, _train_to_end, planned=planned)
+    return run_session(cfg, runtime, setup, _train_to_end, planned=planned)
 
 
-Work = Callable[[Config, Runtime, Plan, TrainResult, "_Loop", Resumable], str]
+Work = Callable[[Config, Runtime, RunSetup, TrainResult, "_Loop", Resumable], str]
 """What a run does once set up, inside its guard (``train``'s steps, ``meshtron eval``'s one evaluation); the line it
 ends with."""
 
@@ -125,7 +130,7 @@ ends with."""
 def run_session(
     cfg: Config,
     runtime: Runtime,
-    plan: Plan | None,
+    setup: RunSetup | None,
     work: Work,
     *,
     planned: PlannedFigures | None = None,
@@ -133,71 +138,69 @@ def run_session(
 ) -> TrainResult:
     """Set this rank's run up (data, model, optimizer, checkpoint restored, guard), do ``work``, close what it opened.
     ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
-    plan = plan or preflight(cfg, runtime.world_size, runtime.device.type)
-    plan = agree_resume_point(plan, runtime)  # every rank resumes rank 0's choice (one broadcast)
-    if runtime.is_main and plan.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
-        print(plan.tokenizer_notice, flush=True)
-    dims = plan.dims
-    output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, plan)
+    setup = setup or preflight(cfg, runtime.world_size, runtime.device.type)
+    setup = agree_resume_point(setup, runtime)  # every rank resumes rank 0's choice (one broadcast)
+    if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
+        print(setup.tokenizer_notice, flush=True)
+    dims = setup.dims
+    output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, setup)
     torch.manual_seed(cfg.train.seed)
-    data = _load_data(cfg, plan, runtime, run_id)
+    data = _load_data(cfg, setup, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     if meshes is not None:  # a seed per pipeline stage; DTensor's RNG tracker made now, with no collective
         seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
-    separator = dataset.separator if isinstance(dataset, ChatDataset) else plan.tokenizer.eos_token_id
-    split = sequence_split(meshes, dims, cfg, separator, plan.hf_config)
-    policy = plan.precision or precision_policy(cfg, runtime.device.type)
-    built = build_model(cfg, runtime, plan, meshes, split, policy)
+    separator = dataset.separator if isinstance(dataset, ChatDataset) else setup.tokenizer.eos_token_id
+    split = sequence_split(meshes, setup, cfg, separator)
+    policy = setup.precision
+    built = build_model(cfg, runtime, setup, meshes, split, policy)
     model = built.model
     optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg.train)
     step_context = StepContext(
-        _dp_rank(meshes, dims),
-        dims,
-        plan,
-        split,
-        runtime.device,
-        cfg,
-        built.runner,
-        built.adapter,
-        policy,
-        loss_scaler(policy, cfg),
-        router=build_router_loss(model, plan.hf_config, cfg, dims, meshes),
-        balance=build_router_balance(built.parts, plan, cfg, dims, meshes, runtime.device),
+        dp_rank=_dp_rank(meshes, dims),
+        setup=setup,
+        split=split,
+        device=runtime.device,
+        cfg=cfg,
+        adapter=built.adapter,
+        runner=built.runner,
+        scaler=loss_scaler(policy, cfg),
+        router=build_router_loss(model, setup, cfg, meshes),
+        balance=build_router_balance(built.parts, setup, cfg, meshes, runtime.device),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
-    logger.message(startup_message(cfg, plan, built, policy, dataset, evaluator, evaluates_once))
+    logger.message(startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_once))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
     resumable = Resumable(
-        cfg,
-        runtime,
-        checkpoints,
-        TrainingState(built.parts, model, optimizer, trained_only=cfg.lora.enabled),
-        scheduler,
-        step_context.scaler,
-        schedule,
-        plan.hf_config,
-        dims.describe(),
-        built.parts,
+        cfg=cfg,
+        runtime=runtime,
+        checkpoints=checkpoints,
+        state=TrainingState(built.parts, model, optimizer, trained_only=cfg.lora.enabled),
+        scheduler=scheduler,
+        scaler=step_context.scaler,
+        schedule=schedule,
+        hf_config=setup.hf_config,
+        layout=dims.describe(),
+        parts=built.parts,
         stream=dataset if isinstance(dataset, StreamingDataset) else None,
         dataset=dataset,
         announce=logger.message,  # a line per complete save
     )
     guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
-    result.start_step = resume_run(resumable, plan, logger)  # and the warning of a learning rate that jumps
-    guard.resumed(plan.resume_from, result.start_step)
+    result.start_step = resume_run(resumable, setup, logger)  # and the warning of a learning rate that jumps
+    guard.resumed(setup.resume_from, result.start_step)
     try:
         with guard:
             compared = PlannedVsMeasured(planned, result.start_step)
             loop = _Loop(step_context, inputs, scheduler, guard, logger, evaluator, profiler, compared)
-            ended = work(cfg, runtime, plan, result, loop, resumable)
+            ended = work(cfg, runtime, setup, result, loop, resumable)
         logger.message(ended)
     finally:
         inputs.close()
@@ -213,8 +216,8 @@ class _Loop:
     """What the loop drives besides the model and optimizer."""
 
     step_context: StepContext
-    inputs: object
-    scheduler: object
+    inputs: StepReader
+    scheduler: LRScheduler
     guard: RunGuard
     logger: MetricsLogger
     evaluator: Evaluator | None
@@ -223,20 +226,20 @@ class _Loop:
 
 
 def _train_to_end(
-    cfg: Config, runtime: Runtime, plan: Plan, result: TrainResult, loop: _Loop, resumable: Resumable
+    cfg: Config, runtime: Runtime, setup: RunSetup, result: TrainResult, loop: _Loop, resumable: Resumable
 ) -> str:
     """Train on from ``result.start_step`` to ``train.steps``; the run's last line."""
-    step = _train_steps(cfg, runtime, plan, result, loop)
+    step = _train_steps(cfg, runtime, setup, result, loop)
     loop.guard.finish(step)
     return done_message(cfg, result, resumable.latest, runtime)
 
 
-def _load_data(cfg: Config, plan: Plan, runtime: Runtime, run_id: str):
+def _load_data(cfg: Config, setup: RunSetup, runtime: Runtime, run_id: str):
     """The training and evaluation data (meshtron.data.training_data.RunData); local rank 0 builds what is missing,
     the others wait for it outside any collective."""
     return build_training_data(
         cfg.data,
-        plan.tokenizer,
+        setup.tokenizer,
         cfg.train.global_batch_size,
         is_builder=runtime.local_rank == 0,
         run_id=run_id,
@@ -257,16 +260,16 @@ def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: Paral
     )
 
 
-def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
+def _train_steps(cfg, runtime, setup, result: TrainResult, loop: _Loop) -> int:
     """The loop: optimizer steps from ``result.start_step`` to ``train.steps`` (a rollback goes back); the last step."""
     model, optimizer = result.model, result.optimizer
     guard, logger = loop.guard, loop.logger
     activation_step = min(result.start_step + 1, cfg.train.steps - 1)
-    row = StepRow(cfg, plan.hf_config, runtime.device, runtime.world_size)
+    row = StepRow(cfg, setup.hf_config, runtime.device, runtime.world_size)
     scaler = loop.step_context.scaler  # fp16's loss scaling, else None
     step = result.start_step
     while step < cfg.train.steps:
-        inject_nonfinite = guard.before_step(step)
+        guard.before_step(step)
         loop.profiler.before_step(step, logger.message)
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
@@ -278,7 +281,6 @@ def _train_steps(cfg, runtime, plan, result: TrainResult, loop: _Loop) -> int:
             loop.step_context,
             measure_state=not result.state_bytes,  # the first update
             measure_activations=step == activation_step,
-            inject_nonfinite=inject_nonfinite,
             shared_flags=guard.step_flags,  # stop signals, async saves: agreed in the step's all-reduce
         )
         rolled_to = guard.rolled_back(step, outcome, lr, result.start_step)
@@ -327,13 +329,13 @@ def evaluate_model(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     return evaluated.metrics()
 
 
-def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, str, CheckpointManager | None]:
+def _prepare_output(cfg: Config, runtime: Runtime, setup: RunSetup) -> tuple[Path, str, CheckpointManager | None]:
     """The output directory (with the resolved config and run.json: meshtron.train.segments), this start's id and
     the checkpoint manager, if any."""
     output_dir, run_id = _resolve_output_dir(cfg, runtime)
     runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
     checkpoints = None
-    if cfg.checkpoint.interval > 0 or plan.resume_from:  # first: checks that every rank shares the directory
+    if cfg.checkpoint.interval > 0 or setup.resume_from:  # first: checks that every rank shares the directory
         checkpoints = CheckpointManager(
             checkpoint_directory(cfg),
             cfg.checkpoint.interval,
@@ -343,5 +345,5 @@ def _prepare_output(cfg: Config, runtime: Runtime, plan: Plan) -> tuple[Path, st
         )
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        start_segment(cfg, output_dir, plan, runtime.world_size)  # a resumed run keeps its earlier configs
+        start_segment(cfg, output_dir, setup, runtime.world_size)  # a resumed run keeps its earlier configs
     return output_dir, run_id, checkpoints

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.errors import ConfigError
 from meshtron.models.moe import experts_per_token, has_own_router_bias, is_moe, moe_blocks, num_experts, router_of
+
+if TYPE_CHECKING:
+    from meshtron.train.preflight import RunSetup
 
 
 def router_loss_enabled(setting: str, hf_config) -> bool:
@@ -229,10 +233,11 @@ def router_coef(hf_config) -> float:
     return float(getattr(hf_config, "router_aux_loss_coef", 0.001))
 
 
-def build_router_loss(model, hf_config, cfg, dims, meshes) -> RouterLoss | None:
+def build_router_loss(model, setup: RunSetup, cfg, meshes) -> RouterLoss | None:
     """The run's RouterLoss, or None when train.router_aux_loss leaves it off (a dense model, or auto with
     the model config's output_router_logits false) or pipeline stages compute it
     (meshtron.train.moe.pipeline_router_loss)."""
+    dims, hf_config = setup.dims, setup.hf_config
     if dims.pp > 1 or not router_loss_enabled(cfg.train.router_aux_loss, hf_config):
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None

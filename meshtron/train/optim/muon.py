@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtron.tensors import dtensor_like
@@ -72,7 +73,7 @@ class _Stage:
 class _Exchange:
     """How the whole matrices of parameters sharded alike reach their owners: ``stages`` innermost split first."""
 
-    mesh: object
+    mesh: DeviceMesh
     mesh_dims: tuple[int, ...]
     """The mesh dims that split the matrices (the owners: the ranks along them), in mesh order."""
     sizes: tuple[int, ...]

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.pipeline_parallel import (
     local_stage_ids,
     pipeline_schedule,
@@ -20,23 +21,32 @@ from meshtron.distributed.pipeline_parallel import (
 from meshtron.distributed.precision import release_compute_weights
 from meshtron.models.moe import num_experts
 from meshtron.tensors import local_tensor
-from meshtron.train.batch import StageInputs
+from meshtron.train.batch import SequenceSplit, StageInputs
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
 from meshtron.train.moe.router_loss import router_coef, router_loss_enabled
 from meshtron.train.pipeline.rehearsal import RehearsalStage, stage_shapes
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from meshtron.config import Config
+    from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.preflight import RunSetup
 
 
 @dataclass
 class PipelineRunner:
     """This rank's pipeline stages and their schedule; ``run`` does one optimizer step's forward and backward."""
 
-    schedule: object
+    schedule: _PipelineSchedule | None
+    """torch's schedule over this rank's stages (set by build_pipeline_runner)."""
     holds_first: bool
     holds_last: bool
     loss_parallel: bool
-    head: object = None
-    """A callable giving the last stage's (head weight, bias) as they are at loss time."""
+    head: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    """Gives the last stage's (head weight, bias) as they are at loss time."""
     compute_dtype: torch.dtype | None = None
     loss_chunk_size: int = 0
     compiled_loss: bool = False
@@ -44,20 +54,20 @@ class PipelineRunner:
     softcap: float | None = None
     """The model's final logit soft-capping (Gemma 2), applied by the loss as without pipelining."""
     scale: float = 1.0
-    tied_gradients: object = None
+    tied_gradients: Callable[[], None] | None = None
     """Called after each step's backward: sums a tied model's embedding and head gradients
     (``meshtron.distributed.tied_embeddings``)."""
     router: PipelineRouterLoss | None = None
     """The MoE router load-balancing loss, when on (on every pipeline rank; only the last stage computes it)."""
     aux_scale: float = 0.0
     microbatches: int = 1
-    pp_group: object = None
-    lm_losses: list = field(default_factory=list)
-    modules: list = field(default_factory=list)
+    pp_group: ProcessGroup | None = None
+    lm_losses: list[torch.Tensor] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
     """This rank's stage modules."""
-    stage_ids: list = field(default_factory=list)
+    stage_ids: list[int] = field(default_factory=list)
     """Their stage ids, in increasing order."""
-    stage_ranks: dict = field(default_factory=dict)
+    stage_ranks: dict[int, int] = field(default_factory=dict)
     """Every stage's pipeline rank (meshtron.distributed.pipeline_parallel.local_stage_ids)."""
     stage_inputs: StageInputs | None = None
     """What the stages' forwards call for their model inputs (``run`` gives it the step's document bounds)."""
@@ -126,7 +136,16 @@ class PipelineRunner:
 
 
 def build_pipeline_runner(
-    stages, adapter, cfg, plan, dims, meshes, device, split, compute_dtype=None, moe_layers=(), rehearsal=False
+    stages: list[tuple[int, nn.Module]],
+    adapter: DecoderAdapter,
+    cfg: Config,
+    setup: RunSetup,
+    meshes,
+    device: torch.device,
+    split: SequenceSplit,
+    compute_dtype: torch.dtype | None = None,
+    moe_layers=(),
+    rehearsal: bool = False,
 ) -> tuple[nn.ModuleList, PipelineRunner]:
     """Wrap this rank's (parallelized, materialized) ``(stage id, module)`` pairs in pipeline stages and a schedule.
     ``moe_layers``: the whole model's decoder layers with a router (for the router load-balancing loss).
@@ -137,10 +156,11 @@ def build_pipeline_runner(
     """
     from torch.distributed.pipelining import PipelineStage
 
+    dims = setup.dims
     pp_mesh = meshes["world"]["pp"]
-    num_stages = len(split_layers(plan.hf_config.num_hidden_layers, cfg.parallel))
+    num_stages = len(split_layers(setup.hf_config.num_hidden_layers, cfg.parallel))
     tp_mesh = meshes["world"]["tp"] if dims.tp > 1 and cfg.parallel.sequence_parallel else None
-    hf_config = plan.hf_config
+    hf_config = setup.hf_config
     routes = router_loss_enabled(cfg.train.router_aux_loss, hf_config)
     pipeline_stages = []
     stage_inputs = StageInputs(split)
@@ -154,7 +174,7 @@ def build_pipeline_runner(
             inputs, outputs = stage_shapes(
                 first,
                 last,
-                micro_batch=plan.micro_batch_size // plan.pp_microbatches,
+                micro_batch=setup.batch.micro_batch_size,
                 seq_len=cfg.data.seq_len,
                 local_seq_len=cfg.data.seq_len // dims.cp // (dims.tp if tp_mesh is not None else 1),
                 last_seq_len=cfg.data.seq_len // dims.cp,
@@ -185,9 +205,9 @@ def build_pipeline_runner(
         head=partial(adapter.head_parameters, last_module) if last_module is not None else None,
         compute_dtype=compute_dtype,
         loss_chunk_size=cfg.train.loss_chunk_size,
-        compiled_loss=compile_enabled(cfg.train.compile, device.type),
+        compiled_loss=setup.compiled,
         softcap=adapter.logit_softcap(last_module) if last_module is not None else None,
-        microbatches=plan.pp_microbatches,
+        microbatches=setup.batch.pp_microbatches,
         pp_group=pp_mesh.get_group(),
         modules=[module for _, module in stages],
         stage_ids=[stage_id for stage_id, _ in stages],
@@ -197,5 +217,5 @@ def build_pipeline_runner(
     if routes:
         dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
         runner.router = PipelineRouterLoss(router_coef(hf_config), num_experts(hf_config), moe_layers, dp_cp)
-    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, plan.pp_microbatches, runner.loss_fn)
+    runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, setup.batch.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner
