@@ -20,10 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.launch import check_enough_processes as _check_enough_processes
-from meshtron.launch import nodes_of as _nodes
-from meshtron.launch import processes_needed as _processes_needed
-from meshtron.launch import self_launch as _self_launch
+from meshtron.launch import check_enough_processes, nodes_of, processes_needed, self_launch
 from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
@@ -211,7 +208,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         if args.max_restarts:
             raise ConfigError("--max-restarts is for --nproc; under torchrun use torchrun's own --max-restarts")
         return _run_worker(cfg)
-    nodes = _nodes(args)
+    nodes = nodes_of(args)
     if nodes is not None:
         args.nproc = args.nproc or nodes.procs_per_node
         if not args.nproc:
@@ -221,10 +218,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    _check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
+    check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
     if world_size == 1 and launched_world_size() == 1 and not args.max_restarts:
         return _run_worker(cfg)
-    return _self_launch(args, extra, cfg, world_size, nodes)
+    return self_launch(args, extra, cfg, world_size, nodes)
 
 
 def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -246,10 +243,10 @@ def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
     world_size = args.nproc or 1
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    _check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
+    check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
     if world_size == 1:
         return _run_worker(cfg, evaluate_only=True)
-    return _self_launch(args, extra, cfg, world_size, command=["eval", args.model])
+    return self_launch(args, extra, cfg, world_size, command=["eval", args.model])
 
 
 def _rehearse(args: argparse.Namespace, cfg) -> int:
@@ -273,7 +270,7 @@ def _one_rank_world_size(args: argparse.Namespace, cfg, flag: str) -> int:
             f"{flag} needs --nproc N (the world size) unless parallel.dp_shard is set (not -1): the world size is "
             "then the product of the parallel degrees"
         )
-    return _processes_needed(cfg.parallel)
+    return processes_needed(cfg.parallel)
 
 
 def _run_worker(cfg, evaluate_only: bool = False) -> int:
