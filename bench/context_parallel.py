@@ -68,7 +68,7 @@ def worker(args) -> None:
             f"data.max_documents={args.documents}",
             "train.steps=1",
             "train.global_batch_size=1",
-            "train.warmup_steps=0",
+            "schedule.warmup_steps=0",
             f"parallel.cp={cp}",
             "parallel.dp_shard=1",
             f"parallel.cp_method={args.method}",

@@ -103,8 +103,8 @@ def overrides(args, nproc: int, ep: int, output_dir: Path) -> list[str]:
         f"data.max_documents={args.documents}",
         f"train.steps={args.steps}",
         f"train.global_batch_size={args.batch}",
-        "train.warmup_steps=2",
-        f"train.mixed_precision={args.mixed_precision}",
+        "schedule.warmup_steps=2",
+        f"precision.mixed_precision={args.mixed_precision}",
         f"train.compile={args.compile}",
         f"parallel.dp_shard={nproc}",
         f"parallel.ep={ep}",
@@ -439,7 +439,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="launches per layout (medians over rounds)")
     parser.add_argument("--documents", type=int, default=400)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="run.device (cuda: NCCL)")
-    parser.add_argument("--mixed-precision", default="none", help="train.mixed_precision: none, bf16, fp16")
+    parser.add_argument("--mixed-precision", default="none", help="precision.mixed_precision: none, bf16, fp16")
     parser.add_argument("--compile", default="false", help="train.compile (EP's host sync breaks the graph)")
     parser.add_argument(
         "--no-collective-count",

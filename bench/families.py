@@ -56,7 +56,7 @@ def train(preset: str, device: str, steps: int, out: Path, args, extra=()) -> li
         "--data.max_documents=400",
         f"--train.global_batch_size={args.batch}",
         f"--train.steps={steps}",
-        "--train.warmup_steps=1",
+        "--schedule.warmup_steps=1",
         f"--run.device={device}",
         "--run.progress=false",
         f"--run.output_dir={out}",
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                     args.speed_steps,
                     Path(tmp) / f"{preset}-speed",
                     args,
-                    ["--train.mixed_precision=bf16"],
+                    ["--precision.mixed_precision=bf16"],
                 )
                 timed = rows[len(rows) // 2 :]  # the second half: past compilation and warm-up
                 mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]  # none on a CPU (no known peak)

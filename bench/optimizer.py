@@ -1,4 +1,4 @@
-"""Muon vs AdamW (``train.optimizer``): step time and tokens/s of the same training run, per layout, on CPU.
+"""Muon vs AdamW (``optimizer.name``): step time and tokens/s of the same training run, per layout, on CPU.
 
 Each cell is one ``meshtron train`` run (self-launched with ``--nproc`` for the multi-process layouts) of
 ``--steps`` steps of the preset on the builtin corpus; the figure is the median over the steps after the first
@@ -92,7 +92,7 @@ def compare(variants: dict, args) -> dict[tuple[str, str], list[tuple[float, flo
 
 def main() -> None:
     args = bench_parser(__doc__.splitlines()[0]).parse_args()
-    results = compare({name: [f"--train.optimizer={name}"] for name in ("adamw", "muon")}, args)
+    results = compare({name: [f"--optimizer.name={name}"] for name in ("adamw", "muon")}, args)
     print(f"{args.preset}, seq {args.seq_len}, global batch {args.batch}, median s/step over {args.rounds} round(s)")
     print(f"{'layout':<8} {'adamw s/step':>13} {'muon s/step':>12} {'muon / adamw':>13}")
     for layout in args.layouts:

@@ -53,7 +53,7 @@ def train(args, out: Path, nproc: int, layout: list[str], fault: str | None) -> 
         f"--data.cache_dir={out.parent / 'cache'}",
         f"--train.steps={args.steps}",
         "--train.global_batch_size=8",
-        "--train.warmup_steps=2",
+        "--schedule.warmup_steps=2",
         "--run.progress=false",
         f"--checkpoint.interval={args.interval}",
         f"--run.output_dir={out}",

@@ -45,7 +45,7 @@ def run(args) -> dict:
             f"train.steps={args.warmup + args.steps}",
             f"train.global_batch_size={args.batch}",
             "model.dtype=float32",
-            "train.mixed_precision=bf16",
+            "precision.mixed_precision=bf16",
             f"run.device={args.device}",
             f"run.output_dir={output_dir}",
             "run.progress=false",

@@ -159,7 +159,7 @@ def worker(args) -> None:
         f"data.max_documents={args.documents}",
         f"train.steps={args.steps}",
         f"train.global_batch_size={args.batch}",
-        "train.warmup_steps=1",
+        "schedule.warmup_steps=1",
         f"parallel.tp={tp}",
         "parallel.dp_shard=1",
         f"parallel.sequence_parallel={str(args.sequence_parallel).lower()}",

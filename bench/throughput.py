@@ -1,7 +1,7 @@
 """meshtron against its peers in one run: same device, model, packed data, batch and document-mask setting.
 
 Runners (each in its own process, so peak memory and compile caches stay apart):
-  meshtron            ``meshtron train``: fp32 master weights, train.mixed_precision=bf16, train.compile=false
+  meshtron            ``meshtron train``: fp32 master weights, precision.mixed_precision=bf16, train.compile=false
   meshtron-compile    the same with train.compile=true
   plain-bf16, autocast, autocast-compile, hf-trainer, hf-trainer-compile: see bench/peers.py
 
@@ -39,8 +39,10 @@ sys.path.insert(0, str(BENCH))
 from peers import PEER_NEEDS, PEERS, data_overrides  # noqa: E402
 
 MESHTRON = {
-    "meshtron": "meshtron train: model.dtype=float32 (master), train.mixed_precision=bf16, train.compile=false",
-    "meshtron-compile": "meshtron train: model.dtype=float32 (master), train.mixed_precision=bf16, train.compile=true",
+    "meshtron": "meshtron train: model.dtype=float32 (master), precision.mixed_precision=bf16, train.compile=false",
+    "meshtron-compile": (
+        "meshtron train: model.dtype=float32 (master), precision.mixed_precision=bf16, train.compile=true"
+    ),
 }
 RUNNERS = [*MESHTRON, *PEERS]
 COMPILED = [name for name in RUNNERS if name.endswith("-compile")]
@@ -89,7 +91,7 @@ def run_meshtron(name: str, args, batch: int, workdir: Path) -> dict:
             f"train.steps={args.steps}",
             f"train.global_batch_size={batch}",
             "model.dtype=float32",
-            "train.mixed_precision=bf16",
+            "precision.mixed_precision=bf16",
             f"train.compile={'true' if name == 'meshtron-compile' else 'false'}",
             f"run.device={args.device}",
             f"run.output_dir={workdir / 'run'}",

@@ -27,8 +27,8 @@ def base(cache_dir) -> list[str]:
         f"data.cache_dir={cache_dir}",
         f"train.steps={STEPS}",
         "train.global_batch_size=8",
-        "train.lr=1e-3",
-        "train.warmup_steps=2",
+        "optimizer.lr=1e-3",
+        "schedule.warmup_steps=2",
         "train.seed=7",
         "run.progress=false",
         f"checkpoint.interval={HALF}",
@@ -58,8 +58,8 @@ def streamed(cache_dir) -> list[str]:
 
 MOE = "model.preset=qwen3moe-tiny"  # mixture of experts
 LORA = ["lora.rank=4", "lora.train_head=true"]
-BIAS = ["train.router_balance=bias", "train.router_bias_rate=0.01"]
-DEEPSEEK = ["model.preset=deepseekv3-tiny", "train.router_bias_rate=0.01"]  # balanced by its own router bias
+BIAS = ["moe.router_balance=bias", "moe.router_bias_rate=0.01"]
+DEEPSEEK = ["model.preset=deepseekv3-tiny", "moe.router_bias_rate=0.01"]  # balanced by its own router bias
 
 
 def from_half(out: Path, name: str) -> str:
@@ -140,19 +140,23 @@ def runs(tmp_path_factory, cache_dir):
             "dp2_cp2_async_resumed": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "dp2_cp2_async")],
             "dp2_cp2_from_pp2_tp2": ["parallel.dp_shard=2", "parallel.cp=2", from_half(out, "pp2_tp2")],
             # Mixed precision: fp32 master weights on disk; fp16's loss scale (two overflows first) resumes too.
-            "fsdp4_bf16": ["parallel.dp_shard=4", "train.mixed_precision=bf16"],
-            "fsdp4_bf16_resumed": ["parallel.dp_shard=4", "train.mixed_precision=bf16", from_half(out, "fsdp4_bf16")],
+            "fsdp4_bf16": ["parallel.dp_shard=4", "precision.mixed_precision=bf16"],
+            "fsdp4_bf16_resumed": [
+                "parallel.dp_shard=4",
+                "precision.mixed_precision=bf16",
+                from_half(out, "fsdp4_bf16"),
+            ],
             "fsdp4_fp16": [
                 "parallel.dp_shard=4",
-                "train.mixed_precision=fp16",
-                "train.fp16_initial_loss_scale=262144",
-                "train.fp16_growth_interval=3",
+                "precision.mixed_precision=fp16",
+                "precision.fp16_initial_loss_scale=262144",
+                "precision.fp16_growth_interval=3",
             ],
             "fsdp4_fp16_resumed": [
                 "parallel.dp_shard=4",
-                "train.mixed_precision=fp16",
-                "train.fp16_initial_loss_scale=262144",
-                "train.fp16_growth_interval=3",
+                "precision.mixed_precision=fp16",
+                "precision.fp16_initial_loss_scale=262144",
+                "precision.fp16_growth_interval=3",
                 from_half(out, "fsdp4_fp16"),
             ],
             # Tied embeddings: under pp the last stage's head is a copy of the embeddings, saved under both model
@@ -185,10 +189,10 @@ def runs(tmp_path_factory, cache_dir):
                 from_half(out, "ep2_fsdp4_moe"),
             ],
             # Muon's momentum buffers are sharded like their parameters and resharded like AdamW's moments.
-            "fsdp4_muon": ["train.optimizer=muon", "parallel.dp_shard=4"],
-            "fsdp4_muon_resumed": ["train.optimizer=muon", "parallel.dp_shard=4", from_half(out, "fsdp4_muon")],
+            "fsdp4_muon": ["optimizer.name=muon", "parallel.dp_shard=4"],
+            "fsdp4_muon_resumed": ["optimizer.name=muon", "parallel.dp_shard=4", from_half(out, "fsdp4_muon")],
             "dp2_tp2_muon_from_fsdp4_muon": [
-                "train.optimizer=muon",
+                "optimizer.name=muon",
                 "parallel.dp_shard=2",
                 "parallel.tp=2",
                 from_half(out, "fsdp4_muon"),
@@ -211,7 +215,7 @@ def runs(tmp_path_factory, cache_dir):
                 "parallel.tp=2",
                 from_half(out, "ep2_fsdp4_moe_lora"),
             ],
-            # Router balancing biases (train.router_balance=bias) are model buffers: saved, and resumed exactly.
+            # Router balancing biases (moe.router_balance=bias) are model buffers: saved, and resumed exactly.
             "ep2_fsdp4_moe_bias": [MOE, *BIAS, "parallel.dp_shard=4", "parallel.ep=2"],
             "ep2_fsdp4_moe_bias_resumed": [
                 MOE,

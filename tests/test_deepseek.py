@@ -81,7 +81,7 @@ def test_checkpoint_with_experts_one_by_one_and_the_router_bias_loads_exactly(tm
 
 
 def test_trains_with_its_own_bias_balancing_and_exports_what_transformers_loads(tmp_path, cache_dir):
-    """train.router_balance=auto is DeepSeek-V3's own method: its routers' e_score_correction_bias moves with the
+    """moe.router_balance=auto is DeepSeek-V3's own method: its routers' e_score_correction_bias moves with the
     expert load (no auxiliary loss); the export holds the experts one by one and the moved bias, and transformers
     loads it with the trained weights and logits."""
     from safetensors import safe_open
@@ -91,7 +91,7 @@ def test_trains_with_its_own_bias_balancing_and_exports_what_transformers_loads(
     from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
 
-    cfg = two_step_run("model.preset=deepseekv3-tiny", tmp_path, cache_dir, "train.router_bias_rate=0.01")
+    cfg = two_step_run("model.preset=deepseekv3-tiny", tmp_path, cache_dir, "moe.router_bias_rate=0.01")
     result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=CPU))
     trained = result.model.state_dict()
     bias = trained["model.layers.1.mlp.gate.e_score_correction_bias"]
@@ -118,7 +118,7 @@ def test_balancing_and_router_loss_settings():
     assert resolve_router_balance("auto", qwen) == "aux_loss"
     assert resolve_router_balance("aux_loss", deepseek) == "aux_loss"
     assert not router_loss_enabled("auto", deepseek)
-    with pytest.raises(ConfigError, match="train.router_aux_loss=true: deepseek_v3's routers score experts"):
+    with pytest.raises(ConfigError, match="moe.router_aux_loss=true: deepseek_v3's routers score experts"):
         router_loss_enabled("true", deepseek)
 
 
@@ -153,7 +153,7 @@ def test_tensor_parallel_roles_and_planner_shape():
     "overrides, expected",
     [
         (["parallel.tp=3"], "parallel.tp=3 does not divide the model's 4 attention heads"),
-        (["train.router_aux_loss=true"], "train.router_aux_loss=true: deepseek_v3's routers"),
+        (["moe.router_aux_loss=true"], "moe.router_aux_loss=true: deepseek_v3's routers"),
     ],
 )
 def test_refusals_name_the_setting(overrides, expected):

@@ -93,11 +93,11 @@ def causal_lm_dir(tmp_path):
         ),
         (["--data.seq_len=18", "--parallel.tp=4", "--nproc", "4"], "data.seq_len 18 is not divisible by parallel.tp=4"),
         (["--run.collective_timeout_s=0"], "run.collective_timeout_s: must be > 0 seconds, got 0.0"),
-        (["--train.lr_schedule=step"], "train.lr_schedule: 'step' is not one of cosine, linear, constant, wsd"),
-        (["--train.decay_shape=exp"], "train.decay_shape: 'exp' is not one of linear, cosine, 1-sqrt"),
+        (["--schedule.kind=step"], "schedule.kind: 'step' is not one of cosine, linear, constant, wsd"),
+        (["--schedule.decay_shape=exp"], "schedule.decay_shape: 'exp' is not one of linear, cosine, 1-sqrt"),
         (
-            ["--train.lr_schedule=wsd", "--train.decay_fraction=0"],
-            "train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), got 0.0",
+            ["--schedule.kind=wsd", "--schedule.decay_fraction=0"],
+            "schedule.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), got 0.0",
         ),
         (
             ["--eval.path=x.txt", "--eval.holdout_documents=2"],
@@ -115,8 +115,11 @@ def causal_lm_dir(tmp_path):
             "eval.path: '/no/such/file.jsonl' does not exist (nor is it a hub dataset name like org/name); set "
             "eval.path to an existing text file",
         ),
-        (["--train.optimizer=sgd"], "train.optimizer: 'sgd' is not one of adamw, muon"),
-        (["--train.optimizer=muon", "--train.muon_momentum=1"], "train.muon_momentum: must be in [0, 1), got 1.0"),
+        (["--optimizer.name=sgd"], "optimizer.name: 'sgd' is not one of adamw, muon"),
+        (
+            ["--optimizer.name=muon", "--optimizer.muon.momentum=1"],
+            "optimizer.muon.momentum: must be in [0, 1), got 1.0",
+        ),
         (["--train.batch_rampup=abc"], "train.batch_rampup: 'abc' is not START:STEPS"),
         (["--train.batch_rampup=3:10"], "START 3 must be smaller than train.global_batch_size 8 and divide it"),
         (

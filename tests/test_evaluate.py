@@ -69,7 +69,7 @@ def run_config(tmp_path, *extra: str):
             "data.mask_documents=false",
             "train.steps=3",
             "train.global_batch_size=4",
-            "train.lr=3e-3",
+            "optimizer.lr=3e-3",
             "run.progress=false",
             *extra,
         ],

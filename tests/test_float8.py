@@ -1,4 +1,4 @@
-"""Float8 training (train.float8): conversion, its checks, the float8 TP styles, and an emulated CPU run.
+"""Float8 training (precision.float8): conversion, its checks, the float8 TP styles, and an emulated CPU run.
 
 Float8 under FSDP and TP (several processes) is checked against a single-process float8 run by the
 parity layouts (tests/test_parity.py), which run in the shared torchrun launches.
@@ -39,8 +39,8 @@ def float8_config(tmp_path, cache_dir, *extra: str):
             f"data.cache_dir={cache_dir}",
             "train.steps=6",
             "train.global_batch_size=4",
-            "train.lr=3e-3",
-            "train.warmup_steps=2",
+            "optimizer.lr=3e-3",
+            "schedule.warmup_steps=2",
             "run.progress=false",
             f"run.output_dir={tmp_path / 'run'}",
             *extra,
@@ -63,7 +63,7 @@ def test_float8_run_on_cpu_is_emulated_and_close_to_the_plain_run(tmp_path, cach
     from torchao.float8.float8_linear import Float8Linear
 
     plain = train(float8_config(tmp_path / "plain", cache_dir), CPU_RUNTIME)
-    result = train(float8_config(tmp_path / "float8", cache_dir, "train.float8=true"), CPU_RUNTIME)
+    result = train(float8_config(tmp_path / "float8", cache_dir, "precision.float8=true"), CPU_RUNTIME)
     for block in result.model.model.layers:
         assert all(isinstance(block_linear(block, name), Float8Linear) for name in BLOCK_LINEARS)
     assert not isinstance(result.model.lm_head, Float8Linear)
@@ -172,17 +172,17 @@ def test_float8_tp_styles_run_through_the_blocks(monkeypatch):
 
 def test_missing_torchao_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes ``import torchao.float8`` fail
-    cfg = load_config(None, ["train.float8=true"], env={})
-    with pytest.raises(ConfigError, match=r"^train.float8 needs torchao; pip install 'meshtron\[float8\]'$"):
+    cfg = load_config(None, ["precision.float8=true"], env={})
+    with pytest.raises(ConfigError, match=r"^precision.float8 needs torchao; pip install 'meshtron\[float8\]'$"):
         _check_float8(cfg, "cpu")
     model, adapter = meta_model()
-    with pytest.raises(ConfigError, match="train.float8 needs torchao"):
+    with pytest.raises(ConfigError, match="precision.float8 needs torchao"):
         apply_float8(model, adapter, device_type="cpu", fsdp_enabled=False)
     _check_float8(load_config(None, [], env={}), "cpu")  # float8 off: torchao is not needed
 
 
 def test_gpu_without_float8_is_refused(monkeypatch):
-    with pytest.raises(ConfigError, match=r"NVIDIA A100 has 8\.0; set train.float8=false$"):
+    with pytest.raises(ConfigError, match=r"NVIDIA A100 has 8\.0; set precision.float8=false$"):
         check_capability((8, 0), "NVIDIA A100")
     check_capability((8, 9))
     check_capability((9, 0))
@@ -190,7 +190,7 @@ def test_gpu_without_float8_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     with pytest.raises(ConfigError, match=r"Tesla T4 has 7\.5"):
-        _check_float8(load_config(None, ["train.float8=true"], env={}), "cuda")
+        _check_float8(load_config(None, ["precision.float8=true"], env={}), "cuda")
 
 
 def test_refresh_float8_scales_without_fsdp_is_a_no_op():
@@ -279,31 +279,40 @@ def test_tensorwise_recipe_alone_gets_float8_all_gathers(monkeypatch):
 
 def test_bad_float8_recipe_is_one_line():
     with pytest.raises(
-        ConfigError, match=r"^train.float8_recipe: 'blockwise' is not one of tensorwise, rowwise, rowwise_with_gw_hp$"
+        ConfigError,
+        match=r"^precision.float8_recipe: 'blockwise' is not one of tensorwise, rowwise, rowwise_with_gw_hp$",
     ):
-        load_config(None, ["train.float8=true", "train.float8_recipe=blockwise"], env={})
-    assert load_config(None, [], env={}).train.float8_recipe == "tensorwise"
+        load_config(None, ["precision.float8=true", "precision.float8_recipe=blockwise"], env={})
+    assert load_config(None, [], env={}).precision.float8_recipe == "tensorwise"
 
 
 def test_rowwise_on_gpu_needs_bf16_compute(monkeypatch):
     pytest.importorskip("torchao.float8")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
-    rowwise = ["train.float8=true", "train.float8_recipe=rowwise"]
-    with pytest.raises(ConfigError, match=r"^train.float8_recipe=rowwise needs bf16 compute on GPUs, got float32; "):
-        _check_float8(load_config(None, [*rowwise, "train.mixed_precision=none"], env={}), "cuda")
-    _check_float8(load_config(None, [*rowwise, "train.mixed_precision=bf16"], env={}), "cuda")
-    _check_float8(load_config(None, [*rowwise, "train.mixed_precision=none", "model.dtype=bfloat16"], env={}), "cuda")
-    _check_float8(load_config(None, ["train.float8=true", "train.mixed_precision=none"], env={}), "cuda")  # tensorwise
-    _check_float8(load_config(None, [*rowwise, "train.mixed_precision=none"], env={}), "cpu")  # emulated: any dtype
+    rowwise = ["precision.float8=true", "precision.float8_recipe=rowwise"]
+    with pytest.raises(
+        ConfigError, match=r"^precision.float8_recipe=rowwise needs bf16 compute on GPUs, got float32; "
+    ):
+        _check_float8(load_config(None, [*rowwise, "precision.mixed_precision=none"], env={}), "cuda")
+    _check_float8(load_config(None, [*rowwise, "precision.mixed_precision=bf16"], env={}), "cuda")
+    _check_float8(
+        load_config(None, [*rowwise, "precision.mixed_precision=none", "model.dtype=bfloat16"], env={}), "cuda"
+    )
+    _check_float8(
+        load_config(None, ["precision.float8=true", "precision.mixed_precision=none"], env={}), "cuda"
+    )  # tensorwise
+    _check_float8(load_config(None, [*rowwise, "precision.mixed_precision=none"], env={}), "cpu")  # emulated: any dtype
 
 
 def test_rowwise_run_on_cpu(tmp_path, cache_dir):
-    """``train.float8_recipe`` reaches the model through the trainer; rowwise trains emulated on CPU."""
+    """``precision.float8_recipe`` reaches the model through the trainer; rowwise trains emulated on CPU."""
     pytest.importorskip("torchao.float8")
     from torchao.float8.config import ScalingGranularity
 
-    cfg = float8_config(tmp_path, cache_dir, "train.float8=true", "train.float8_recipe=rowwise", "train.steps=3")
+    cfg = float8_config(
+        tmp_path, cache_dir, "precision.float8=true", "precision.float8_recipe=rowwise", "train.steps=3"
+    )
     result = train(cfg, CPU_RUNTIME)
     linear = block_linear(result.model.model.layers[0], "down_proj")
     assert linear.config.cast_config_grad_output.scaling_granularity is ScalingGranularity.AXISWISE

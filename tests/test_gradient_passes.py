@@ -28,7 +28,7 @@ def _setup(preset: str, mixed_precision: str, chunk: int, compile_setting: str =
         None,
         [
             f"model.preset={preset}",
-            f"train.mixed_precision={mixed_precision}",
+            f"precision.mixed_precision={mixed_precision}",
             f"train.compile={compile_setting}",
             f"train.loss_chunk_size={chunk}",
             "data.mask_documents=false",

@@ -54,8 +54,8 @@ def test_adapters_freeze_the_base_take_peft_names_and_start_from_the_base_model(
         (["lora.rank=-1"], "lora.rank: must be >= 0"),
         (["lora.rank=4", "lora.alpha=0"], "lora.alpha: must be > 0"),
         (["lora.rank=4", "lora.dropout=1"], "lora.dropout: must be in [0, 1)"),
-        (["lora.rank=4", "train.float8=true"], "lora.rank > 0 with train.float8 is not supported yet"),
-        (["lora.rank=4", "train.optimizer=muon"], "lora.rank > 0 with train.optimizer=muon is not supported yet"),
+        (["lora.rank=4", "precision.float8=true"], "lora.rank > 0 with precision.float8 is not supported yet"),
+        (["lora.rank=4", "optimizer.name=muon"], "lora.rank > 0 with optimizer.name=muon is not supported yet"),
     ],
 )
 def test_bad_lora_settings_are_one_line_errors(overrides, expected):
@@ -94,8 +94,8 @@ def test_a_lora_run_exports_a_merged_model_and_a_peft_adapter_with_the_same_logi
             f"data.cache_dir={cache_dir}",
             "train.steps=3",
             "train.global_batch_size=4",
-            "train.lr=1e-2",
-            "train.warmup_steps=0",
+            "optimizer.lr=1e-2",
+            "schedule.warmup_steps=0",
             "lora.rank=4",
             "lora.alpha=8",
             "lora.train_head=true",

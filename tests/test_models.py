@@ -517,7 +517,7 @@ def test_supported_family_settings_pass_preflight():
     _preflight(
         [
             "model.preset=qwen3moe-tiny",
-            "train.router_aux_loss=true",
+            "moe.router_aux_loss=true",
             "parallel.pp=2",
             "parallel.ep=2",
             "parallel.dp_shard=2",

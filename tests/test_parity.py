@@ -165,8 +165,8 @@ def base_overrides(cache_dir) -> list[str]:
         f"data.cache_dir={cache_dir}",
         f"train.steps={STEPS}",
         "train.global_batch_size=8",
-        "train.lr=1e-3",
-        "train.warmup_steps=2",
+        "optimizer.lr=1e-3",
+        "schedule.warmup_steps=2",
         "train.seed=7",
         "run.progress=false",
         # Evaluation after the last step (docs/evaluation.md) on one batch of the short documents: every layout's
@@ -184,7 +184,7 @@ REFERENCES = {
     "qwen3-tiny": ["model.preset=qwen3-tiny"],  # per-head q/k norms, tied embeddings
     # Every split even at tp=4 (4 KV heads), for the memory check. Bigger than the tiny models, so a
     # lower lr keeps its rounding differences as far below the weight tolerance as theirs.
-    "llama-mini": ["model.preset=llama-mini", "train.lr=5e-4"],
+    "llama-mini": ["model.preset=llama-mini", "optimizer.lr=5e-4"],
     # Many short documents per sequence: document masking and position restarts matter on every step.
     # Layer 1's v_proj is the tensor most sensitive to rounding here (about 5x the others, under FSDP
     # too); at lr 1e-3 CP's reordered attention sums put it at 9e-6, too near the bound, so lr is halved.
@@ -192,13 +192,13 @@ REFERENCES = {
         "model.preset=llama-tiny",
         f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
         "data.max_documents=1000",
-        "train.lr=5e-4",
+        "optimizer.lr=5e-4",
     ],
     # The same documents from a prepared directory: the same losses as read on the fly (exactly), under layouts too.
     "llama-docs-prepared": [
         "model.preset=llama-tiny",
         f"data.path={{cache_dir}}/{SHORT_DOCUMENTS_PREPARED}",
-        "train.lr=5e-4",
+        "optimizer.lr=5e-4",
     ],
     # A weighted mixture (data.sources) of the prepared short documents and the stdlib sources read on the fly.
     "llama-mixture": [
@@ -228,7 +228,7 @@ REFERENCES = {
         "model.preset=llama-tiny",
         f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
         "data.max_documents=1000",
-        "train.lr=5e-4",
+        "optimizer.lr=5e-4",
         "data.mask_documents=false",
     ],
     # 8 thin layers, untied: up to 8 pipeline stages (pp=4, 2 stages per rank).
@@ -237,20 +237,20 @@ REFERENCES = {
         "model.preset=qwen3-tiny",
         f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
         "data.max_documents=1000",
-        "train.lr=5e-4",
+        "optimizer.lr=5e-4",
     ],
     # More families (meshtron.models.families). Without document masks pipeline stages build the model's own masks
     # (sliding windows included); Gemma 2 (eager, soft-capped scores) also with them below ("gemma2-docs").
-    "granite-tiny": ["model.preset=granite-tiny", "train.lr=3e-3"],  # its scalings slow learning down
+    "granite-tiny": ["model.preset=granite-tiny", "optimizer.lr=3e-3"],  # its scalings slow learning down
     "olmo2-tiny": ["model.preset=olmo2-tiny"],
     "phi3-tiny": ["model.preset=phi3-tiny"],
     "cohere-tiny": ["model.preset=cohere-tiny"],
     "starcoder2-tiny": ["model.preset=starcoder2-tiny"],
     "gptneox-tiny": ["model.preset=gptneox-tiny"],
     "gemma2-tiny": ["model.preset=gemma2-tiny", "model.attn_implementation=eager", "data.mask_documents=false"],
-    "gemma3-tiny": ["model.preset=gemma3-tiny", "data.mask_documents=false", "train.lr=5e-4"],
+    "gemma3-tiny": ["model.preset=gemma3-tiny", "data.mask_documents=false", "optimizer.lr=5e-4"],
     # Document masks with Gemma 3's sliding window (16 of 32 tokens) in meshtron's attention.
-    "gemma3-docs": ["model.preset=gemma3-tiny", "train.lr=5e-4"],
+    "gemma3-docs": ["model.preset=gemma3-tiny", "optimizer.lr=5e-4"],
     "llama-deep-causal": ["model.preset=llama-deep", "data.mask_documents=false"],
     # A vocabulary of 250 (no multiple of 4): tensor parallelism splits the embedding and head rows unevenly.
     "llama-vocab-250": [f"model.name_or_path={{cache_dir}}/{VOCAB_250}", f"data.tokenizer={{cache_dir}}/{VOCAB_250}"],
@@ -458,8 +458,8 @@ LAYOUTS["cp2_qwen3_accum_ac"] = (
 )
 
 # Learning-rate schedules (docs/schedules.md): warmup-stable-decay over the 4 steps: 1 of warmup, then the last 3 cool
-# down along 1 - sqrt from progress 0 (step 2 still at train.lr), so that steps 3 and 4 train at lower rates.
-_WSD = ["train.lr_schedule=wsd", "train.warmup_steps=1", "train.decay_fraction=0.75", "train.decay_shape=1-sqrt"]
+# down along 1 - sqrt from progress 0 (step 2 still at optimizer.lr), so that steps 3 and 4 train at lower rates.
+_WSD = ["schedule.kind=wsd", "schedule.warmup_steps=1", "schedule.decay_fraction=0.75", "schedule.decay_shape=1-sqrt"]
 REFERENCES["llama-wsd"] = ["model.preset=llama-tiny", *_WSD]
 for _name, _overrides in TWO_RANK_LAYOUTS.items():
     LAYOUTS[f"{_name}_wsd"] = (2, _overrides, "llama-wsd")
@@ -478,19 +478,19 @@ for _family in ("mixtral", "qwen2moe"):
 # transformers' 0.001 it moves the gradient norm by 4e-6, under the norm check). The aux loss is a mean over the
 # global micro-batches, so a layout that accumulates matches the one-process run with the same accumulation
 # (train.micro_batch_size = dp x its own).
-_MOE_AUX = [f"model.name_or_path={{cache_dir}}/{MOE_AUX}", "train.router_aux_loss=true"]
+_MOE_AUX = [f"model.name_or_path={{cache_dir}}/{MOE_AUX}", "moe.router_aux_loss=true"]
 REFERENCES["moe-aux"] = _MOE_AUX
 REFERENCES["moe-aux-accum2"] = _MOE_AUX + ["train.micro_batch_size=4"]
 REFERENCES["moe-aux-accum4"] = _MOE_AUX + ["train.micro_batch_size=2"]
 REFERENCES["moe-aux-docs"] = _MOE_AUX + [
     f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
     "data.max_documents=1000",
-    "train.lr=5e-4",
+    "optimizer.lr=5e-4",
 ]
 REFERENCES["moe-aux-docs-accum2"] = REFERENCES["moe-aux-docs"] + ["train.micro_batch_size=4"]
 REFERENCES["moe4-aux-accum2"] = [
     f"model.name_or_path={{cache_dir}}/{MOE4_AUX}",
-    "train.router_aux_loss=true",
+    "moe.router_aux_loss=true",
     "train.micro_batch_size=4",
 ]
 REFERENCES["moe-aux-wsd"] = _MOE_AUX + _WSD
@@ -502,9 +502,9 @@ REFERENCES["moe-aux-rampup"] = _MOE_AUX + _RAMPUP
 for _name in ("ddp2", "fsdp2", "tp2", "cp2"):  # not pp: a pipeline's microbatch count is fixed (refused)
     LAYOUTS[f"{_name}_rampup"] = (2, TWO_RANK_LAYOUTS[_name], "llama-rampup")
 LAYOUTS["ep2_moe_aux_rampup"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-rampup")
-# Muon (train.optimizer=muon): Newton-Schulz needs whole matrices, gathered from FSDP's and TP's shards (experts
+# Muon (optimizer.name=muon): Newton-Schulz needs whole matrices, gathered from FSDP's and TP's shards (experts
 # whole on their EP rank); every layout must take the one-process step.
-_MUON = ["train.optimizer=muon"]
+_MUON = ["optimizer.name=muon"]
 REFERENCES["llama-muon"] = ["model.preset=llama-tiny", *_MUON]
 REFERENCES["moe-aux-muon"] = _MOE_AUX + _MUON
 for _name, _overrides in TWO_RANK_LAYOUTS.items():
@@ -521,7 +521,11 @@ LAYOUTS["fsdp2_tp2_chat_lora"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], "
 # LoRA on mixtures of experts: per-expert adapters on the routed experts (split over experts with them under EP),
 # a shared expert's adapters inside the sparse block kept whole on every tp rank.
 _LORA = ["lora.rank=4", "lora.alpha=8"]
-REFERENCES["moe-aux-lora"] = [*_MOE_AUX, *_LORA, "train.lr=1e-2"]  # adapters only: a higher rate to learn in 4 steps
+REFERENCES["moe-aux-lora"] = [
+    *_MOE_AUX,
+    *_LORA,
+    "optimizer.lr=1e-2",
+]  # adapters only: a higher rate to learn in 4 steps
 REFERENCES["qwen2moe-lora"] = [*REFERENCES["qwen2moe-tiny"], *_LORA, "lora.train_head=true"]
 LAYOUTS["ep2_moe_aux_lora"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-lora")
 REFERENCES["moe-aux-lora-accum2"] = [*REFERENCES["moe-aux-lora"], "train.micro_batch_size=4"]
@@ -531,14 +535,14 @@ LAYOUTS["ep2_pp2_moe_aux_lora"] = (
     "moe-aux-lora-accum2",
 )
 LAYOUTS["ep2_tp2_qwen2moe_lora"] = (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"], "qwen2moe-lora")
-# Auxiliary-loss-free balancing (train.router_balance=bias): the routers' biases move with each step's global
+# Auxiliary-loss-free balancing (moe.router_balance=bias): the routers' biases move with each step's global
 # expert load, summed over every micro-batch and dp x cp rank, so they are the same in every layout (they are in
 # the compared state dicts); accumulation needs no matching reference (the load is the step's, however split).
 REFERENCES["moe-bias"] = [
     f"model.name_or_path={{cache_dir}}/{MOE_AUX}",
-    "train.router_aux_loss=false",
-    "train.router_balance=bias",
-    "train.router_bias_rate=1e-2",
+    "moe.router_aux_loss=false",
+    "moe.router_balance=bias",
+    "moe.router_bias_rate=1e-2",
 ]
 LAYOUTS["ep2_moe_bias"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-bias")
 LAYOUTS["tp2_moe_bias"] = (2, ["parallel.tp=2"], "moe-bias")
@@ -558,8 +562,8 @@ LAYOUTS["ep2_pp2_moe4_bias"] = (
 )
 # DeepSeek-V3 (meshtron.models.deepseek): latent attention split by heads under TP (latents whole on every tp rank),
 # values narrower than keys through the ring, a dense first layer, group-limited sigmoid routing with its own
-# bias moved by train.router_balance=auto (bias), shared experts; the biases are in the compared state dicts.
-REFERENCES["deepseekv3"] = ["model.preset=deepseekv3-tiny", "train.router_bias_rate=1e-2"]
+# bias moved by moe.router_balance=auto (bias), shared experts; the biases are in the compared state dicts.
+REFERENCES["deepseekv3"] = ["model.preset=deepseekv3-tiny", "moe.router_bias_rate=1e-2"]
 for _name, _overrides in {
     "fsdp2": ["parallel.dp_shard=2"],
     "tp2": ["parallel.tp=2"],
@@ -573,7 +577,7 @@ for _name, _overrides in {
 }.items():
     LAYOUTS[f"{_name}_deepseekv3"] = (4 if "tp2" in _name and "ep2" in _name else 2, _overrides, "deepseekv3")
 # LoRA on every projection of it (the latents' adapters whole on every tp rank with them) and on the experts.
-REFERENCES["deepseekv3-lora"] = [*REFERENCES["deepseekv3"], *_LORA, "train.lr=1e-2"]
+REFERENCES["deepseekv3-lora"] = [*REFERENCES["deepseekv3"], *_LORA, "optimizer.lr=1e-2"]
 LAYOUTS["ep2_tp2_deepseekv3_lora"] = (
     4,
     ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2"],
@@ -601,7 +605,7 @@ REFERENCES["gptoss-docs"] = [
     "model.preset=gptoss-tiny",
     f"data.path={{cache_dir}}/{SHORT_DOCUMENTS}",
     "data.max_documents=1000",
-    "train.router_aux_loss=true",
+    "moe.router_aux_loss=true",
 ]
 for _name, _overrides in {
     "fsdp2_gptoss": ["parallel.dp_shard=2"],
@@ -615,13 +619,13 @@ for _name, _overrides in {
 REFERENCES["gptoss-docs-accum2"] = [*REFERENCES["gptoss-docs"], "train.micro_batch_size=4"]
 LAYOUTS["pp2_gptoss"] = (2, ["parallel.pp=2", "train.micro_batch_size=4"], "gptoss-docs-accum2")
 # LoRA on every target, the transposed experts' per-expert adapters split over experts with them.
-REFERENCES["gptoss-lora"] = [*REFERENCES["gptoss-docs"], *_LORA, "train.lr=5e-3"]
+REFERENCES["gptoss-lora"] = [*REFERENCES["gptoss-docs"], *_LORA, "optimizer.lr=5e-3"]
 LAYOUTS["ep2_gptoss_lora"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "gptoss-lora")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")
 LAYOUTS["ep2_moe_aux_muon"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-muon")
-REFERENCES["mixtral-aux"] = [f"model.name_or_path={{cache_dir}}/{MIXTRAL_AUX}", "train.router_aux_loss=true"]
+REFERENCES["mixtral-aux"] = [f"model.name_or_path={{cache_dir}}/{MIXTRAL_AUX}", "moe.router_aux_loss=true"]
 LAYOUTS.update(
     {
         "fsdp2_moe_aux": (2, ["parallel.dp_shard=2"], "moe-aux"),
@@ -671,12 +675,12 @@ LAYOUTS.update(
 
 # Mixed precision on CPU (bf16 and fp16 run there too): each layout against the 1-process run of the same
 # precision. The references are llama-deep (untied, 8 layers), so that pipeline layouts can join.
-REFERENCES["deep-bf16"] = ["model.preset=llama-deep", "train.mixed_precision=bf16"]
+REFERENCES["deep-bf16"] = ["model.preset=llama-deep", "precision.mixed_precision=bf16"]
 # An initial loss scale that overflows fp16's gradients: the first two steps are skipped (measured).
 REFERENCES["deep-fp16"] = [
     "model.preset=llama-deep",
-    "train.mixed_precision=fp16",
-    "train.fp16_initial_loss_scale=262144",
+    "precision.mixed_precision=fp16",
+    "precision.fp16_initial_loss_scale=262144",
 ]
 PRECISION_LAYOUTS = {
     "ddp2_bf16": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "deep-bf16"),
@@ -688,11 +692,11 @@ PRECISION_LAYOUTS = {
     # LoRA under bf16: fp32 adapters (the master copy) computed in bf16, split as their projections under TP.
     "fsdp2_tp2_bf16_lora": (4, ["parallel.dp_shard=2", "parallel.tp=2"], "deep-bf16-lora"),
 }
-REFERENCES["deep-bf16-lora"] = [*REFERENCES["deep-bf16"], *_LORA, "lora.train_head=true", "train.lr=3e-3"]
+REFERENCES["deep-bf16-lora"] = [*REFERENCES["deep-bf16"], *_LORA, "lora.train_head=true", "optimizer.lr=3e-3"]
 # The fp32 run each bf16 reference must differ from (proof that bf16 ran): {bf16 reference: fp32 overrides}.
 FP32_OF_BF16 = {
     "deep-bf16": ["model.preset=llama-deep"],
-    "deep-bf16-lora": ["model.preset=llama-deep", *_LORA, "lora.train_head=true", "train.lr=3e-3"],
+    "deep-bf16-lora": ["model.preset=llama-deep", *_LORA, "lora.train_head=true", "optimizer.lr=3e-3"],
 }
 # Bounds, measured (torch 2.13 CPU) and justified:
 # - Step 1 starts from identical weights, so its loss differs only by the forward's rounding. FSDP's casts
@@ -745,7 +749,7 @@ FUSED_VS_UNFUSED = {
 # agree at the fp32 tolerances; after them float8 rounding amplifies last-bit differences of the
 # reductions (measured: losses within 7e-5, weights within 4.4e-3 relative L2 after 12 steps, 5.5e-5 and 1.8e-3
 # after 6, 8.9e-8 and 6.9e-4 after 4, where a run without float8 differs by 4e-4 from step 1 and 2e-2 in weights).
-REFERENCES["llama-tiny-float8"] = ["model.preset=llama-tiny", "train.float8=true", "train.micro_batch_size=4"]
+REFERENCES["llama-tiny-float8"] = ["model.preset=llama-tiny", "precision.float8=true", "train.micro_batch_size=4"]
 FLOAT8_LAYOUTS = {
     "fsdp2_float8": (2, ["parallel.dp_shard=2"], "llama-tiny-float8"),
     "tp2_float8": (2, ["parallel.tp=2"], "llama-tiny-float8"),

@@ -225,7 +225,7 @@ def _llama_1b():
 
 
 def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
-    """One GPU, TP-only and PP-only layouts compute in bf16 like FSDP ones (train.mixed_precision): bf16
+    """One GPU, TP-only and PP-only layouts compute in bf16 like FSDP ones (precision.mixed_precision): bf16
     elements and the bf16 peak, not fp32's; a ``none`` workload is the fp32 one."""
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
@@ -290,7 +290,7 @@ def test_emitted_config_sets_train_mixed_precision(tmp_path, capsys, precision):
     text = out.read_text()
     assert "param_dtype" not in text and f'mixed_precision = "{precision}"' in text
     cfg = load_config(out, env={})  # fsdp.param_dtype would be a ConfigError
-    assert cfg.train.mixed_precision == precision and cfg.train.loss_chunk_size == 2048
+    assert cfg.precision.mixed_precision == precision and cfg.train.loss_chunk_size == 2048
     workload = Workload.from_config(cfg)
     assert workload.compute_dtype == {"bf16": "bfloat16", "none": "float32"}[precision]
     assert workload.loss_chunk_size == 2048 and workload.device == "cuda"
@@ -303,7 +303,7 @@ def test_workload_from_config_resolves_mixed_precision_per_device():
     auto = load_config(None, [], env={})
     assert Workload.from_config(auto).compute_dtype == "bfloat16"  # auto on a GPU
     assert Workload.from_config(auto, device="cpu").compute_dtype == "float32"  # auto on CPU: none
-    fp16 = load_config(None, ["train.mixed_precision=fp16", "train.loss_chunk_size=0"], env={})
+    fp16 = load_config(None, ["precision.mixed_precision=fp16", "train.loss_chunk_size=0"], env={})
     cpu = Workload.from_config(fp16, device="cpu")
     assert (cpu.compute_dtype, cpu.mixed_precision, cpu.loss_chunk_size, cpu.device) == ("float16", "fp16", 0, "cpu")
     half = load_config(None, ["model.dtype=bfloat16"], env={})
@@ -390,9 +390,9 @@ def test_document_mask_term_only_off_cuda():
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["train.mixed_precision=bf16"],
-        ["train.mixed_precision=bf16", "train.loss_chunk_size=48"],
-        ["train.mixed_precision=fp16", "train.fp16_initial_loss_scale=1024"],
+        ["precision.mixed_precision=bf16"],
+        ["precision.mixed_precision=bf16", "train.loss_chunk_size=48"],
+        ["precision.mixed_precision=fp16", "precision.fp16_initial_loss_scale=1024"],
     ],
     ids=["bf16", "bf16_chunked", "fp16"],
 )
@@ -726,7 +726,7 @@ def test_the_planner_refuses_eager_attention_with_document_masks_or_cp_as_prefli
 
 
 def test_muon_holds_one_buffer_per_block_matrix_and_costs_its_gathers_and_iterations():
-    """llama-1b on H100s, train.optimizer=muon: AdamW's two moments become one momentum buffer for the blocks'
+    """llama-1b on H100s, optimizer.name=muon: AdamW's two moments become one momentum buffer for the blocks'
     matrices (embeddings, head and norms keep two); the step adds Newton-Schulz on every block matrix, plus each
     sharded matrix's all-gather under FSDP / TP, nothing under AdamW."""
     from dataclasses import replace

@@ -93,7 +93,7 @@ def test_a_gpu_run_gets_the_planners_figures_for_its_own_pipeline_position(monke
             "parallel.pp=2",
             "train.micro_batch_size=2",
             "model.dtype=float32",
-            "train.mixed_precision=bf16",
+            "precision.mixed_precision=bf16",
         ],
         env={},
     )

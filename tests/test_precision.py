@@ -55,14 +55,16 @@ def test_mixed_precision_resolution_and_errors():
     assert resolve_mixed_precision("auto", "cuda", bf16_supported=True) == "bf16"
     assert resolve_mixed_precision("auto", "cuda", bf16_supported=False) == "fp16"
     assert resolve_mixed_precision("fp16", "cpu") == "fp16"
-    policy = precision_policy(load_config(None, ["train.mixed_precision=bf16"], env={}), "cpu")
+    policy = precision_policy(load_config(None, ["precision.mixed_precision=bf16"], env={}), "cpu")
     assert policy.compute_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert policy.fsdp_policy().param_dtype == torch.bfloat16
     # bf16 weights: nothing to cast, explicitly or by auto.
-    same = precision_policy(load_config(None, ["train.mixed_precision=bf16", "model.dtype=bfloat16"], env={}), "cpu")
+    same = precision_policy(
+        load_config(None, ["precision.mixed_precision=bf16", "model.dtype=bfloat16"], env={}), "cpu"
+    )
     assert same.compute_dtype is None
     with pytest.raises(ConfigError, match="master weights must be float32"):
-        precision_policy(load_config(None, ["train.mixed_precision=fp16", "model.dtype=bfloat16"], env={}), "cpu")
+        precision_policy(load_config(None, ["precision.mixed_precision=fp16", "model.dtype=bfloat16"], env={}), "cpu")
     with pytest.raises(ConfigError, match="model.dtype=float16 stores the weights and AdamW state in fp16"):
         precision_policy(load_config(None, ["model.dtype=float16"], env={}), "cuda")
 
@@ -198,9 +200,9 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
             None,
             [
                 "model.preset=llama-deep",
-                "train.mixed_precision=bf16",
+                "precision.mixed_precision=bf16",
                 f"train.compile={compile_setting}",
-                "train.float8=true",
+                "precision.float8=true",
                 "train.activation_checkpointing=full",
                 "data.mask_documents=true",
             ],

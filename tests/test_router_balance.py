@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free router balancing (train.router_balance=bias, meshtron.train.moe.router_balance): the biased
+"""Auxiliary-loss-free router balancing (moe.router_balance=bias, meshtron.train.moe.router_balance): the biased
 router equals transformers' while the bias is zero, the load of a skewed router tightens as the bias moves, and the
 settings fail with one line. Parity under EP2 / TP2 / FSDP2 (biases compared) is in test_parity.py, a resumed run
 in test_checkpoint.py."""
@@ -86,10 +86,10 @@ def test_a_skewed_routers_load_tightens_as_its_bias_moves():
 
 
 def test_bias_balancing_settings_are_one_line_errors():
-    with pytest.raises(ConfigError, match="train.router_balance: 'none' is not one of auto, aux_loss, bias"):
-        load_config(None, ["train.router_balance=none"], env={})
-    with pytest.raises(ConfigError, match="train.router_bias_rate: must be > 0"):
-        load_config(None, ["train.router_balance=bias", "train.router_bias_rate=0"], env={})
+    with pytest.raises(ConfigError, match="moe.router_balance: 'none' is not one of auto, aux_loss, bias"):
+        load_config(None, ["moe.router_balance=none"], env={})
+    with pytest.raises(ConfigError, match="moe.router_bias_rate: must be > 0"):
+        load_config(None, ["moe.router_balance=bias", "moe.router_bias_rate=0"], env={})
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         check_router_balance("bias", make_preset_config("llama-tiny", BYTE_VOCAB))
 

@@ -221,9 +221,9 @@ def test_setting():
     with pytest.raises(ConfigError, match="dense"):
         router_loss_enabled("true", dense)
     for text, want in (("on", "true"), ("off", "false"), ("auto", "auto")):
-        assert load_config(None, [f"train.router_aux_loss={text}"], env={}).train.router_aux_loss == want
+        assert load_config(None, [f"moe.router_aux_loss={text}"], env={}).moe.router_aux_loss == want
     with pytest.raises(ConfigError, match="router_aux_loss"):
-        load_config(None, ["train.router_aux_loss=maybe"], env={})
+        load_config(None, ["moe.router_aux_loss=maybe"], env={})
 
 
 def test_flops_count_active_experts_only():
@@ -271,7 +271,7 @@ def test_single_process_loss_at_step_1_is_transformers_loss(tmp_path, cache_dir)
     assert 1 <= record["expert_load_max"] and 0 <= record["expert_load_min"] <= 1
 
     off = load_config(
-        None, overrides[:-1] + [f"run.output_dir={tmp_path / 'off'}", "train.router_aux_loss=false"], env={}
+        None, overrides[:-1] + [f"run.output_dir={tmp_path / 'off'}", "moe.router_aux_loss=false"], env={}
     )
     lm_only = train(off, CPU_RUNTIME).losses[0]
     assert lm_only == pytest.approx(float(out.loss) - 0.02 * float(out.aux_loss), rel=1e-5)

@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/issue44}; mkdir -p "$OUT"
 T0=$(date +%s); step() { echo "== [t+$(( $(date +%s) - T0 ))s] $*"; }
 LLAMA1B=(--model.preset=llama-1b --data.seq_len=2048 --data.max_documents=400 --model.dtype=float32
-  --train.mixed_precision=bf16 --train.compile=true --data.mask_documents=true --run.device=cuda
+  --precision.mixed_precision=bf16 --train.compile=true --data.mask_documents=true --run.device=cuda
   --train.global_batch_size=8 --run.progress=false)
 
 STEPS=" ${*:-attention profile b8 variants s8192 plan} "
@@ -43,7 +43,7 @@ timeout 330 python3 bench/throughput.py --batch 8 --runners meshtron-compile hf-
 fi
 if wants variants; then
 step "throughput: meshtron-compile with varlen, float8, micro-batch 1"
-for setting in model.attention_kernel=varlen train.float8=true train.micro_batch_size=1; do
+for setting in model.attention_kernel=varlen precision.float8=true train.micro_batch_size=1; do
   timeout 150 python3 bench/throughput.py --batch 8 --runners meshtron-compile --timeout 140 \
     --json "$OUT/b8-$setting.json" --meshtron-set "$setting" > "$OUT/b8-$setting.log" 2>&1; tail -3 "$OUT/b8-$setting.log"
 done

@@ -69,7 +69,7 @@ class TrainingState:
         if not self.trained_only:
             return entries
         trained = {canonical_name(name) for name, param in part.named_parameters() if param.requires_grad}
-        # Routers' balancing biases change in training without a gradient (train.router_balance=bias).
+        # Routers' balancing biases change in training without a gradient (moe.router_balance=bias).
         trained |= {canonical_name(name) for name, _ in part.named_buffers() if name.endswith(ROUTER_BIASES)}
         return {k: v for k, v in entries.items() if k in trained}
 

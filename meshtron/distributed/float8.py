@@ -1,7 +1,7 @@
-"""Float8 training (``train.float8``): the decoder blocks' linear layers multiply in float8 with torchao.
+"""Float8 training (``precision.float8``): the decoder blocks' linear layers multiply in float8 with torchao.
 
 Each matmul input (activation, weight, output gradient) is scaled by its max-abs value and cast to float8
-(dynamic scaling), per tensor or per row (``train.float8_recipe``, torchao's recipes: ``tensorwise``,
+(dynamic scaling), per tensor or per row (``precision.float8_recipe``, torchao's recipes: ``tensorwise``,
 ``rowwise``, ``rowwise_with_gw_hp``); weights, gradients and optimizer state stay in high precision.
 Only ``tensorwise`` weights are all-gathered by FSDP, and inputs all-gathered by TP, in float8.
 Embeddings and the head are not converted, nor linears with a dimension (per tensor-parallel rank) that
@@ -54,7 +54,7 @@ def import_torchao_float8():
         with _quiet_import():
             import torchao.float8 as float8
     except ImportError:
-        raise ConfigError("train.float8 needs torchao; pip install 'meshtron[float8]'") from None
+        raise ConfigError("precision.float8 needs torchao; pip install 'meshtron[float8]'") from None
     return float8
 
 
@@ -63,20 +63,20 @@ def check_capability(capability: tuple[int, int], gpu: str = "this GPU") -> None
     if tuple(capability) < MIN_CAPABILITY:
         major, minor = capability
         raise ConfigError(
-            f"train.float8 needs a GPU of compute capability >= 8.9 (H100, L4, RTX 4090); {gpu} has "
-            f"{major}.{minor}; set train.float8=false"
+            f"precision.float8 needs a GPU of compute capability >= 8.9 (H100, L4, RTX 4090); {gpu} has "
+            f"{major}.{minor}; set precision.float8=false"
         )
 
 
 def float8_config(recipe: str, *, device_type: str, fsdp_enabled: bool):
-    """torchao's ``Float8LinearConfig`` for ``recipe`` (``train.float8_recipe``).
+    """torchao's ``Float8LinearConfig`` for ``recipe`` (``precision.float8_recipe``).
 
     ``fsdp_enabled``: FSDP all-gathers the weights in float8, which torchao only does with tensorwise
     weight scales; the rowwise recipes all-gather them in high precision. Off CUDA, matmuls are emulated.
     """
     float8 = import_torchao_float8()
     if recipe not in FLOAT8_RECIPES:
-        raise ConfigError(f"train.float8_recipe: '{recipe}' is not one of {', '.join(FLOAT8_RECIPES)}")
+        raise ConfigError(f"precision.float8_recipe: '{recipe}' is not one of {', '.join(FLOAT8_RECIPES)}")
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(
         config, enable_fsdp_float8_all_gather=fsdp_enabled and recipe == "tensorwise", emulate=device_type != "cuda"
@@ -84,11 +84,11 @@ def float8_config(recipe: str, *, device_type: str, fsdp_enabled: bool):
 
 
 def check_float8(cfg, device_type: str, precision: PrecisionPolicy) -> None:
-    """The checks of ``train.float8`` that need no process group (run in preflight, on every rank); ``precision``:
+    """The checks of ``precision.float8`` that need no process group (run in preflight, on every rank); ``precision``:
     the run's policy (``precision_policy``)."""
-    if not cfg.train.float8:
+    if not cfg.precision.float8:
         return
-    recipe = cfg.train.float8_recipe
+    recipe = cfg.precision.float8_recipe
     float8_config(recipe, device_type=device_type, fsdp_enabled=False)  # torchao present, recipe known
     if device_type == "cuda":
         check_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
@@ -105,8 +105,8 @@ def check_rowwise_dtype(recipe: str, dtype: torch.dtype) -> None:
     if dtype != torch.bfloat16:
         name = str(dtype).removeprefix("torch.")
         raise ConfigError(
-            f"train.float8_recipe={recipe} needs bf16 compute on GPUs, got {name}; set "
-            f"train.mixed_precision=bf16 or train.float8_recipe=tensorwise"
+            f"precision.float8_recipe={recipe} needs bf16 compute on GPUs, got {name}; set "
+            f"precision.mixed_precision=bf16 or precision.float8_recipe=tensorwise"
         )
 
 
@@ -137,7 +137,7 @@ def apply_float8(
     ``fsdp_enabled``: FSDP all-gathers the converted weights in float8 (cast before the gather; tensorwise
     recipe only, the others all-gather in high precision).
     ``tp``: the tensor-parallel degree, so that each rank's share of a split dimension is checked.
-    ``recipe``: ``train.float8_recipe``.
+    ``recipe``: ``precision.float8_recipe``.
     """
     float8 = import_torchao_float8()
     config = float8_config(recipe, device_type=device_type, fsdp_enabled=fsdp_enabled)

@@ -1,6 +1,6 @@
 """The one place that applies every parallelism to a model, in order.
 
-Order: pipeline split (first), then for each stage: float8 conversion (``train.float8``), expert
+Order: pipeline split (first), then for each stage: float8 conversion (``precision.float8``), expert
 parallel (MoE models), tensor parallel, context parallel, activation checkpointing, compile, FSDP/HSDP
 (the experts over their own mesh). Each step only talks to the model through its adapter.
 """
@@ -180,7 +180,7 @@ def parallelize_model(
     compiled: bool,
 ) -> nn.Module:
     """Apply float8 -> TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
-    ``precision`` and ``compiled``: ``train.mixed_precision`` and ``train.compile`` as preflight resolved them
+    ``precision`` and ``compiled``: ``precision.mixed_precision`` and ``train.compile`` as preflight resolved them
     (meshtron.train.preflight.RunSetup).
 
     Float8 goes first: the TP styles and FSDP's float8 all-gather need the float8 linears in place; float8
@@ -191,14 +191,14 @@ def parallelize_model(
     FSDP shards over ``dp_shard x cp`` so that gradients are reduced over the context-parallel ranks too.
     """
     device_type = device_type or _device_type(meshes, cfg)
-    if cfg.train.float8:
+    if cfg.precision.float8:
         apply_float8(
             model,
             adapter,
             device_type=device_type,
             fsdp_enabled=dims.fsdp_enabled,
             tp=dims.tp,
-            recipe=cfg.train.float8_recipe,
+            recipe=cfg.precision.float8_recipe,
         )
     if dims.ep > 1:  # before TP, whose replicated MoE block then leaves the (already sharded) experts alone
         apply_expert_parallel_to_model(model, meshes["ep"])
@@ -209,7 +209,7 @@ def parallelize_model(
             meshes["world"]["tp"],
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
-            float8=cfg.train.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
+            float8=cfg.precision.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
         )
     if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
         adapter.use_attention(model, register_attention())

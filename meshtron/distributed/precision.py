@@ -1,4 +1,4 @@
-"""Mixed precision in every layout, from one setting (``train.mixed_precision``): the policy and the casts.
+"""Mixed precision in every layout, from one setting (``precision.mixed_precision``): the policy and the casts.
 
 Master weights and AdamW state stay in ``model.dtype`` (float32 by default); the forward and backward
 compute in the chosen dtype; gradients are reduced in ``fsdp.reduce_dtype`` (float32 by default).
@@ -57,7 +57,7 @@ class PrecisionPolicy:
 
 
 def resolve_mixed_precision(setting: str, device_type: str, bf16_supported: bool | None = None) -> str:
-    """``bf16``, ``fp16`` or ``none`` for ``train.mixed_precision`` on ``device_type`` (auto resolved)."""
+    """``bf16``, ``fp16`` or ``none`` for ``precision.mixed_precision`` on ``device_type`` (auto resolved)."""
     if setting != "auto":
         return setting
     if device_type != "cuda":
@@ -73,20 +73,20 @@ def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
         # AdamW's eps (1e-8) is 0 in fp16: rows without gradient get 0/0 and the run diverges at step 2.
         raise ConfigError(
             "model.dtype=float16 stores the weights and AdamW state in fp16, where AdamW's eps underflows and "
-            "training diverges; use model.dtype=float32 with train.mixed_precision=fp16 (fp16 compute, fp32 "
+            "training diverges; use model.dtype=float32 with precision.mixed_precision=fp16 (fp16 compute, fp32 "
             "master weights, loss scaling) or model.dtype=bfloat16"
         )
-    name = resolve_mixed_precision(cfg.train.mixed_precision, device_type)
+    name = resolve_mixed_precision(cfg.precision.mixed_precision, device_type)
     reduce_dtype = torch_dtype(cfg.fsdp.reduce_dtype) if cfg.fsdp.reduce_dtype else None
     if name == "none":
         return PrecisionPolicy(None, reduce_dtype, name)
     compute = _COMPUTE_DTYPES[name]
     master = torch_dtype(cfg.model.dtype)
-    if master == compute or (master != torch.float32 and cfg.train.mixed_precision == "auto"):
+    if master == compute or (master != torch.float32 and cfg.precision.mixed_precision == "auto"):
         return PrecisionPolicy(None, reduce_dtype, "none")  # compute in the weights' own (half) dtype
     if master != torch.float32:
         raise ConfigError(
-            f"train.mixed_precision={name} with model.dtype={cfg.model.dtype}: master weights must be float32 "
+            f"precision.mixed_precision={name} with model.dtype={cfg.model.dtype}: master weights must be float32 "
             f"(or already {name}); set model.dtype=float32"
         )
     return PrecisionPolicy(compute, reduce_dtype, name)

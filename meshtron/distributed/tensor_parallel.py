@@ -23,7 +23,7 @@ keeps the KV head its query heads use. Their gradient (and that of per-head norm
 sequence-parallel norms) is a partial sum per rank; FSDP reduces it, and ``reduce_partial_gradients``
 does when there is no FSDP.
 
-Float8 (``train.float8``, on CUDA, tensorwise recipe): the blocks' float8 linears use torchao's float8
+Float8 (``precision.float8``, on CUDA, tensorwise recipe): the blocks' float8 linears use torchao's float8
 styles, which cast to float8 before the sequence all-gather (once per attention / MLP input) and cast
 output gradients in backward. Rowwise float8 linears keep the ordinary styles (high-precision collectives).
 """

@@ -174,7 +174,7 @@ def check_attention_kernel(cfg: Config, device_type: str, precision: str) -> Non
     if precision == "none" and cfg.model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(
             f"model.attention_kernel=varlen computes in bf16 / fp16 only (flash attention), and this run computes "
-            f"in {cfg.model.dtype}; set train.mixed_precision=bf16 or model.attention_kernel=auto"
+            f"in {cfg.model.dtype}; set precision.mixed_precision=bf16 or model.attention_kernel=auto"
         )
 
 

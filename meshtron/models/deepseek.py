@@ -17,7 +17,7 @@ the roles are the family's ``extra_roles`` in meshtron.models.families).
 
 The MoE layers (from ``first_k_dense_replace`` on; the layers before it have a dense MLP) route with sigmoid
 scores, top-2 per group, then the top-k of the best ``topk_group`` groups, with the model's own balancing bias
-``gate.e_score_correction_bias`` in the choice (which ``train.router_balance=bias``, the default for this family,
+``gate.e_score_correction_bias`` in the choice (which ``moe.router_balance=bias``, the default for this family,
 moves; meshtron.train.moe.router_balance), and add the shared experts' dense MLP (``mlp.shared_experts``).
 """
 

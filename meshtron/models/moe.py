@@ -42,7 +42,7 @@ class ExpertsAnatomy:
     ``experts.limit``, up to +-limit, ``(up + 1) * gate * sigmoid(experts.alpha * gate)``."""
     own_balance_bias: bool = False
     """The router chooses with a balancing bias of its own (DeepSeek-V3's ``MODEL_ROUTER_BIAS``), which is then the
-    one ``train.router_balance=bias`` moves, and its default."""
+    one ``moe.router_balance=bias`` moves, and its default."""
 
 
 DEFAULT_ANATOMY = ExpertsAnatomy()

@@ -16,7 +16,7 @@ ones alike):
 * llama-1b seq 8192 b2 (its step time, with the trace's attention at seq 2048): ``ATTENTION_HALF_SPAN``;
 * llama-8b tp=8 rehearsal (its compute-only step): ``TP_HOST_S_PER_BLOCK_PASS``.
 
-Predicted, not fitted: llama-1b b16, ``train.loss_chunk_size=0``, ``train.float8=true`` and every activation
+Predicted, not fitted: llama-1b b16, ``train.loss_chunk_size=0``, ``precision.float8=true`` and every activation
 and peak-memory figure (the memory model is derived from what the compiled block keeps, not fitted).
 """
 
@@ -73,7 +73,7 @@ ADAMW_BYTES_PER_PARAM = 28
 ``Hardware.hbm_efficiency``."""
 
 FLOAT8_CAST_BYTES_PER_ELEMENT = 5
-"""``train.float8`` (torchao, tensorwise): each float8 matmul operand is scanned for its max (read 2) and
+"""``precision.float8`` (torchao, tensorwise): each float8 matmul operand is scanned for its max (read 2) and
 cast (read 2, write 1): every block linear's input in forward and its output gradient in backward."""
 
 TP_HOST_S_PER_BLOCK_PASS = 0.88e-3

@@ -69,7 +69,7 @@ def add_plan_parser(sub) -> None:
         "--mixed-precision",
         choices=tuple(MIXED_PRECISION_DTYPES) + ("none",),
         default="bf16",
-        help="train.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)",
+        help="precision.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)",
     )
     plan.add_argument(
         "--loss-chunk-size",
@@ -85,7 +85,7 @@ def add_plan_parser(sub) -> None:
     plan.add_argument(
         "--float8",
         action="store_true",
-        help="plan for train.float8=true (the blocks' linears in float8, tensorwise; H100-class GPUs)",
+        help="plan for precision.float8=true (the blocks' linears in float8, tensorwise; H100-class GPUs)",
     )
     plan.add_argument(
         "--accumulate-unsharded",

@@ -49,7 +49,7 @@ class Hardware:
     """Fraction of ``hbm_gbps`` those memory-bound kernels reach. Fitted on one H100: the llama-1b batch-8 trace's
     fused AdamW, casts and fp32 gradient adds (33.8 ms a step for 64 GB moved, 2026-11-26)."""
     fp8_tflops: float = 0.0
-    """Dense float8 peak (``train.float8``); 0 where the GPU has no float8 matmuls (they run at the bf16 rate)."""
+    """Dense float8 peak (``precision.float8``); 0 where the GPU has no float8 matmuls (they run at the bf16 rate)."""
     reserved_gb: float = 3.0
     """Memory not available to tensors: CUDA context, NCCL buffers, allocator fragmentation."""
 

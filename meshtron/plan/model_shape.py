@@ -29,7 +29,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     role: str
     muon: bool = False
-    """Stepped by Muon under ``train.optimizer=muon`` (a block matrix: one momentum buffer instead of two moments)."""
+    """Stepped by Muon under ``optimizer.name=muon`` (a block matrix: one momentum buffer instead of two moments)."""
     trained: bool = True
     """Takes gradients and optimizer state (False: a base weight frozen by LoRA, ``[lora]``)."""
 

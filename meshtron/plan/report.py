@@ -118,7 +118,7 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
 
 def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lora: LoraConfig | None = None) -> Config:
     """The ``meshtron train`` config that runs ``layout``: master weights in the workload's model dtype,
-    compute in its compute dtype (``train.mixed_precision``, every layout), its loss chunk size and attention. The
+    compute in its compute dtype (``precision.mixed_precision``, every layout), its loss chunk size and attention. The
     per-forward batch is ``train.micro_batch_size`` in every layout (under pp, the pipeline microbatch). ``lora``:
     a LoRA run's ``[lora]``."""
     cfg = Config()
@@ -132,10 +132,10 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lor
     cfg.train.global_batch_size = workload.global_batch
     cfg.train.activation_checkpointing = layout.activation_checkpointing
     cfg.train.micro_batch_size = layout.micro_batch
-    cfg.train.mixed_precision = workload.mixed_precision
+    cfg.precision.mixed_precision = workload.mixed_precision
     cfg.train.loss_chunk_size = workload.loss_chunk_size
     cfg.train.compile = "auto" if workload.compiled else "false"
-    cfg.train.float8 = workload.float8
+    cfg.precision.float8 = workload.float8
     cfg.fsdp.accumulate_unsharded = workload.accumulate_unsharded
     cfg.parallel = layout.parallel_config()  # no parallel.pp_microbatches: train.micro_batch_size says it
     return cfg

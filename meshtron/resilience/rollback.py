@@ -33,7 +33,8 @@ class NonfiniteRollback:
         if self.in_a_row >= self.max_in_a_row:
             raise MeshtronError(
                 f"{what} after {self.in_a_row} rollback(s) in a row (train.max_rollbacks={self.max_in_a_row}): the run "
-                "keeps diverging whatever batches it skips; lower train.lr, raise train.warmup_steps or check the data"
+                "keeps diverging whatever batches it skips; lower optimizer.lr, raise schedule.warmup_steps or check "
+                "the data"
             )
         resumable.wait()  # an async save in flight is the newest checkpoint once complete
         path = find_checkpoint(resumable.checkpoints.directory, "auto")

@@ -62,7 +62,7 @@ def build_model(
     cfg: Config, runtime: Runtime, setup: RunSetup, meshes: dict | None, split: SequenceSplit, policy: PrecisionPolicy
 ) -> BuiltModel:
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1.
-    Under ``train.float8`` a run that does not resume computes its float8 weight scales from the initial weights
+    Under ``precision.float8`` a run that does not resume computes its float8 weight scales from the initial weights
     (a resume does from the restored ones: meshtron.train.resumable)."""
     dims = setup.dims
     model, adapter = build_meta_model(setup.hf_config, cfg.model)
@@ -102,7 +102,7 @@ def build_model(
         # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
         attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
         built = BuiltModel(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
-    if cfg.train.float8 and not setup.resume_from:
+    if cfg.precision.float8 and not setup.resume_from:
         from meshtron.distributed.float8 import refresh_float8_scales
 
         refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights

@@ -37,7 +37,7 @@ class LossScaler:
 def loss_scaler(policy: PrecisionPolicy, cfg: Config) -> LossScaler | None:
     if not policy.loss_scaling:
         return None
-    return LossScaler(cfg.train.fp16_initial_loss_scale, cfg.train.fp16_growth_interval)
+    return LossScaler(cfg.precision.fp16_initial_loss_scale, cfg.precision.fp16_growth_interval)
 
 
 @torch.no_grad()

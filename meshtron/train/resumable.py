@@ -116,7 +116,7 @@ class Resumable:
     def restore(self, path: Path) -> dict:
         """Load checkpoint ``path`` into the model, optimizer, LR schedule, loss scale and data order; its meta."""
         meta = self.checkpoints.load(path, self.state)
-        base_lrs = list(self.scheduler.base_lrs)  # this run's train.lr, not the checkpointed run's
+        base_lrs = list(self.scheduler.base_lrs)  # this run's optimizer.lr, not the checkpointed run's
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scheduler.base_lrs = base_lrs
         apply_schedule(self.scheduler)
@@ -129,7 +129,7 @@ class Resumable:
             self._carry_over(meta)
         if self.stream is not None:
             self.stream.restore(load_stream_states(path))
-        if self.cfg.train.float8:
+        if self.cfg.precision.float8:
             from meshtron.distributed.float8 import refresh_float8_scales
 
             refresh_float8_scales(self.parts)

@@ -64,7 +64,7 @@ class StepContext:
     router: RouterLoss | None = None
     """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
-    """The routers' auxiliary-loss-free balancing biases, under ``train.router_balance=bias``."""
+    """The routers' auxiliary-loss-free balancing biases, under ``moe.router_balance=bias``."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -282,18 +282,19 @@ def train_step(
         if cfg.train.on_nonfinite == "error":
             raise MeshtronError(
                 f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
-                "Lower train.lr, raise train.warmup_steps, check the data, or set train.on_nonfinite=skip or rollback"
+                "Lower optimizer.lr, raise schedule.warmup_steps, check the data, or set train.on_nonfinite=skip or "
+                "rollback"
             )
         optimizer.zero_grad(set_to_none=True)
         if ctx.balance is not None:
             ctx.balance.discard()
         return StepResult(**result, nonfinite=True)
-    clip_gradients(parameters, cfg.train.max_grad_norm, grad_norm / loss_scale)
+    clip_gradients(parameters, cfg.optimizer.max_grad_norm, grad_norm / loss_scale)
     optimizer.step()
     if ctx.balance is not None:  # the step's global expert load moves the routers' biases (and is reported)
         load_max, load_min = ctx.balance.spread(ctx.balance.update())
         result["metrics"] = {**metrics, "expert_load_max": load_max, "expert_load_min": load_min}
-    if cfg.train.float8:
+    if cfg.precision.float8:
         refresh_float8_scales(model)
     if measure_state:
         result["state_bytes"] = model_state_bytes(model, optimizer)

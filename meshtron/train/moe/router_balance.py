@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free load balancing of mixture-of-experts routers (``train.router_balance=bias``).
+"""Auxiliary-loss-free load balancing of mixture-of-experts routers (``moe.router_balance=bias``).
 
 As DeepSeek-V3 does (Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"): each MoE
 layer's router gets a per-expert bias ``b`` (a float32 buffer, ``gate.balance_bias``, no gradient) that is added to
@@ -8,7 +8,7 @@ bias is added to its logits, and the weights stay the softmax over the chosen ex
 optimizer step each layer's bias moves against its load::
 
     load[e] = tokens routed to expert e in the step (all micro-batches, all data- and context-parallel ranks)
-    b[e]   += train.router_bias_rate * sign(mean(load) - load[e])
+    b[e]   += moe.router_bias_rate * sign(mean(load) - load[e])
 
 so overloaded experts become less likely to be chosen and idle ones more. The load is summed over the step's
 micro-batches on each rank and then over the ``dp x cp`` ranks (one all-reduce of ``layers x experts`` numbers per
@@ -120,7 +120,7 @@ class RouterBalance:
         self.routers = [router_of(block) for block in blocks]
         anatomies = [experts_anatomy(block.experts) for block in blocks]
         if not self.routers and pp_group is None:  # a pipeline stage may hold no MoE layer
-            raise ConfigError("train.router_balance=bias found no MoE router (gate + experts) in the model")
+            raise ConfigError("moe.router_balance=bias found no MoE router (gate + experts) in the model")
         if device is None:  # installed after parallelization: FSDP / TP DTensors
             device = local_tensor(self.routers[0].weight).device if self.routers else torch.device("cpu")
         self.device = torch.device(device)
@@ -139,8 +139,8 @@ class RouterBalance:
                 continue
             if not all(hasattr(router, name) for name in ("weight", "top_k", "hidden_dim")):
                 raise ConfigError(
-                    f"train.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
-                    "meshtron can bias; set train.router_balance=aux_loss"
+                    f"moe.router_balance=bias: the {type(router).__name__} router is not a top-k softmax router "
+                    "meshtron can bias; set moe.router_balance=aux_loss"
                 )
             router.register_buffer(BIAS, torch.zeros(experts, dtype=torch.float32, device=self.device))
             # The family's routing: top-k of a softmax, or a softmax of the top-k (gpt-oss).
@@ -203,7 +203,7 @@ def load_spread(load: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_router_balance(setting: str, hf_config) -> str:
-    """``train.router_balance`` for this model: ``auto`` is the model's own method, ``bias`` for a family whose
+    """``moe.router_balance`` for this model: ``auto`` is the model's own method, ``bias`` for a family whose
     routers have a balancing bias (DeepSeek-V3), else ``aux_loss``."""
     if setting != "auto":
         return setting
@@ -215,20 +215,20 @@ def check_router_balance(setting: str, hf_config) -> None:
     setting = resolve_router_balance(setting, hf_config)
     if setting == "bias" and not is_moe(hf_config):
         raise ConfigError(
-            "train.router_balance=bias needs a mixture-of-experts model (num_experts > 0); this "
-            f"{getattr(hf_config, 'model_type', 'model')} is dense. Use train.router_balance=aux_loss"
+            "moe.router_balance=bias needs a mixture-of-experts model (num_experts > 0); this "
+            f"{getattr(hf_config, 'model_type', 'model')} is dense. Use moe.router_balance=aux_loss"
         )
 
 
 def build_router_balance(
     parts, setup: RunSetup, cfg, meshes, device: torch.device | None = None
 ) -> RouterBalance | None:
-    """The run's RouterBalance under ``train.router_balance=bias`` (None otherwise); ``parts``: this rank's model
+    """The run's RouterBalance under ``moe.router_balance=bias`` (None otherwise); ``parts``: this rank's model
     parts (its pipeline stages); ``device``: the run's compute device."""
     dims = setup.dims
-    if resolve_router_balance(cfg.train.router_balance, setup.hf_config) != "bias":
+    if resolve_router_balance(cfg.moe.router_balance, setup.hf_config) != "bias":
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
     forwards = setup.batch.pp_microbatches if dims.pp > 1 else None
-    return RouterBalance(parts, setup.hf_config, cfg.train.router_bias_rate, group, pp_group, forwards, device)
+    return RouterBalance(parts, setup.hf_config, cfg.moe.router_bias_rate, group, pp_group, forwards, device)

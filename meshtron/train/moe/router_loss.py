@@ -54,21 +54,21 @@ if TYPE_CHECKING:
 
 
 def router_loss_enabled(setting: str, hf_config) -> bool:
-    """Whether ``train.router_aux_loss`` (``auto``, ``true``, ``false``) turns the loss on for this model;
+    """Whether ``moe.router_aux_loss`` (``auto``, ``true``, ``false``) turns the loss on for this model;
     ``auto`` follows the model config's ``output_router_logits``, as transformers does."""
     if setting == "false":
         return False
     moe = is_moe(hf_config)
     if setting == "true" and not moe:
         raise ConfigError(
-            "train.router_aux_loss=true needs a mixture-of-experts model (num_experts > 0); "
+            "moe.router_aux_loss=true needs a mixture-of-experts model (num_experts > 0); "
             f"this {getattr(hf_config, 'model_type', 'model')} is dense. Use auto or false"
         )
     if setting == "true" and has_own_router_bias(hf_config):
         raise ConfigError(
-            f"train.router_aux_loss=true: {hf_config.model_type}'s routers score experts by sigmoid and are balanced "
-            "by their own bias (transformers has no load-balancing loss for them); use train.router_aux_loss=auto "
-            "and train.router_balance=auto (bias)"
+            f"moe.router_aux_loss=true: {hf_config.model_type}'s routers score experts by sigmoid and are balanced "
+            "by their own bias (transformers has no load-balancing loss for them); use moe.router_aux_loss=auto "
+            "and moe.router_balance=auto (bias)"
         )
     return moe and (setting == "true" or bool(getattr(hf_config, "output_router_logits", False)))
 
@@ -234,11 +234,11 @@ def router_coef(hf_config) -> float:
 
 
 def build_router_loss(model, setup: RunSetup, cfg, meshes) -> RouterLoss | None:
-    """The run's RouterLoss, or None when train.router_aux_loss leaves it off (a dense model, or auto with
+    """The run's RouterLoss, or None when moe.router_aux_loss leaves it off (a dense model, or auto with
     the model config's output_router_logits false) or pipeline stages compute it
     (meshtron.train.moe.pipeline_router_loss)."""
     dims, hf_config = setup.dims, setup.hf_config
-    if dims.pp > 1 or not router_loss_enabled(cfg.train.router_aux_loss, hf_config):
+    if dims.pp > 1 or not router_loss_enabled(cfg.moe.router_aux_loss, hf_config):
         return None
     group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     return RouterLoss(model, hf_config, router_coef(hf_config), group)

@@ -161,7 +161,7 @@ def build_pipeline_runner(
     num_stages = len(split_layers(setup.hf_config.num_hidden_layers, cfg.parallel))
     tp_mesh = meshes["world"]["tp"] if dims.tp > 1 and cfg.parallel.sequence_parallel else None
     hf_config = setup.hf_config
-    routes = router_loss_enabled(cfg.train.router_aux_loss, hf_config)
+    routes = router_loss_enabled(cfg.moe.router_aux_loss, hf_config)
     pipeline_stages = []
     stage_inputs = StageInputs(split)
     for stage_id, module in stages:
