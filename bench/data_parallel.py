@@ -51,7 +51,7 @@ def common_overrides(args) -> list[str]:
             f"data.mask_documents={str(args.mask_documents).lower()}",
             f"train.steps={args.steps}",
             f"train.global_batch_size={args.batch}",
-            "train.warmup_steps=2",
+            "schedule.warmup_steps=2",
         ]
         + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
         + cpu_override()
@@ -136,13 +136,13 @@ def run_loop(args, use_accelerate: bool) -> list[float]:
     model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
     materialize(model, adapter, torch.device("cpu"), seed=cfg.train.seed)
     model.train()
-    t = cfg.train
+    t, o = cfg.train, cfg.optimizer
     groups = [
-        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, t) / t.lr)
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / o.lr)
     if use_accelerate:  # the scheduler stays outside: accelerate would step it once per process
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
@@ -155,10 +155,10 @@ def run_loop(args, use_accelerate: bool) -> list[float]:
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         if use_accelerate:
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            accelerator.clip_grad_norm_(model.parameters(), o.max_grad_norm)
         else:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

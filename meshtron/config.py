@@ -13,6 +13,7 @@ import re
 import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,7 +33,6 @@ ATTENTION_KERNELS = ("auto", "flex", "varlen", "sdpa")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ON_NONFINITE = ("error", "skip", "rollback")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-OPTIMIZERS = ("adamw", "muon")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,16 +57,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_kernel": ATTENTION_KERNELS,
     "data.format": DATA_FORMATS,
     "data.train_on": TRAIN_ON,
-    "train.lr_schedule": LR_SCHEDULES,
-    "train.decay_shape": DECAY_SHAPES,
-    "train.optimizer": OPTIMIZERS,
+    "schedule.kind": LR_SCHEDULES,
+    "schedule.decay_shape": DECAY_SHAPES,
     "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
     "train.compile": COMPILE,
-    "train.mixed_precision": MIXED_PRECISION,
-    "train.float8_recipe": FLOAT8_RECIPES,
+    "precision.mixed_precision": MIXED_PRECISION,
+    "precision.float8_recipe": FLOAT8_RECIPES,
     "train.on_nonfinite": ON_NONFINITE,
-    "train.router_aux_loss": ROUTER_AUX_LOSS,
-    "train.router_balance": ROUTER_BALANCE,
+    "moe.router_aux_loss": ROUTER_AUX_LOSS,
+    "moe.router_balance": ROUTER_BALANCE,
     "parallel.cp_method": CP_METHODS,
     "parallel.pp_schedule": PP_SCHEDULES,
     "fsdp.reduce_dtype": DTYPES,
@@ -88,7 +87,7 @@ class ModelConfig:
     unset too."""
     dtype: str = "float32"
     """Storage dtype of the parameters and AdamW state (the master weights). ``float16`` is refused at start-up
-    (AdamW's eps underflows in fp16 and training diverges): for fp16 compute use ``train.mixed_precision=fp16``
+    (AdamW's eps underflows in fp16 and training diverges): for fp16 compute use ``precision.mixed_precision=fp16``
     (docs/precision.md)."""
     attn_implementation: str = "auto"
     """The model's own attention where meshtron's is not in use (no document masks, cp = 1): ``sdpa``, ``eager``, or
@@ -101,6 +100,10 @@ class ModelConfig:
     (docs/attention.md#varlen-modelattention_kernelvarlen)."""
     trust_remote_code: bool = False
     """Allow a model or tokenizer directory's own Python code to run; off unless you ask."""
+
+    def validate(self) -> None:
+        if self.name_or_path and self.preset:
+            raise ConfigError("set only one of model.name_or_path and model.preset")
 
 
 @dataclass
@@ -153,10 +156,16 @@ class DataConfig:
     ``train.on_nonfinite=rollback`` adds to this list by itself; checkpoints record it
     (docs/faults.md#non-finite-loss-error-skip-rollback)."""
 
+    def validate(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.max_documents", self.max_documents, allow_none=True)
+        if any(batch < 1 for batch in self.skip_batches):
+            raise ConfigError(f"data.skip_batches: global batches are numbered from 1, got {self.skip_batches}")
+
 
 @dataclass
 class TrainConfig:
-    """The optimization: steps, batch, learning-rate schedule, optimizer, precision, what to do with NaN."""
+    """The optimization loop: steps, batch, seed, activation checkpointing, compile, what to do with NaN."""
 
     steps: int = 100
     """Optimizer steps to train."""
@@ -166,31 +175,45 @@ class TrainConfig:
     """Sequences per rank per forward, fewer than global_batch_size / dp meaning gradient accumulation; unset:
     global_batch_size / dp (no accumulation). With pp > 1: sequences per pipeline microbatch, global_batch_size /
     (micro_batch_size x dp) microbatches (or set parallel.pp_microbatches)."""
-    lr: float = 3e-4
-    """Peak learning rate, reached at the end of the warmup."""
-    min_lr: float = 3e-5
-    """Final learning rate of the ``cosine``, ``linear`` and ``wsd`` schedules."""
-    warmup_steps: int = 10
-    """Steps of linear warmup (step k trains at lr * k / warmup_steps), then train.lr_schedule."""
-    lr_schedule: str = "cosine"
-    """After warmup_steps of linear warmup: ``cosine`` or ``linear`` decay to min_lr over the other steps,
-    ``constant`` (lr), or ``wsd`` (warmup-stable-decay: lr until the last decay_fraction of train.steps, then down
-    to min_lr along decay_shape). See docs/schedules.md."""
-    decay_fraction: float = 0.2
-    """``wsd``: the share of train.steps spent decaying (the cooldown), at the end of the run."""
-    decay_shape: str = "linear"
-    """``wsd``: the cooldown's shape, ``linear``, ``cosine`` or ``1-sqrt`` (1 - sqrt(progress))."""
     batch_rampup: str = ""
     """``START:STEPS``: the global batch starts at START sequences and grows in steps of START to global_batch_size
     over STEPS optimizer steps (Megatron's rampup-batch-size); empty: global_batch_size throughout. See
     docs/data.md#changing-the-batch-size-trainbatch_rampup-and-resuming-with-another-global-batch."""
-    optimizer: str = "adamw"
+    seed: int = 0
+    """Seed of the initial weights (the same whatever the layout) and of torch's random numbers."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward to save memory: ``none``, ``full`` (recompute each decoder block) or
+    ``selective`` (keep the matmul and attention outputs, recompute the rest)."""
+    compile: str = "auto"
+    """Compile each decoder block with torch.compile: ``true``, ``false``, or ``auto`` (on for CUDA, off on CPU)."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the head + cross-entropy: the full (fp32) logits are never materialized, each
+    chunk is recomputed in backward. 0 computes all logits at once."""
+    on_nonfinite: str = "error"
+    """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step's update,
+    ``rollback`` reloads the last checkpoint and leaves the step's global batch out from then on (needs
+    checkpoint.interval); see docs/faults.md#non-finite-loss-error-skip-rollback."""
+    max_rollbacks: int = 3
+    """``on_nonfinite=rollback``: rollbacks in a row (no new checkpoint saved between them) before the run stops."""
+
+    def validate(self) -> None:
+        for key in ("steps", "global_batch_size", "max_rollbacks"):
+            _positive(f"train.{key}", getattr(self, key))
+        _positive("train.micro_batch_size", self.micro_batch_size, allow_none=True)
+        if self.loss_chunk_size < 0:
+            raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {self.loss_chunk_size}")
+        parse_batch_rampup(self.batch_rampup, self.global_batch_size)
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer (``[optimizer]``) and its own settings (``[optimizer.<name>]``, e.g. ``[optimizer.muon]``)."""
+
+    name: str = "adamw"
     """``adamw``, or ``muon``: Muon (orthogonalized momentum) for the decoder blocks' matrices, AdamW for the
     embeddings, head, norms, biases and routers (docs/optimizers.md)."""
-    muon_momentum: float = 0.95
-    """``muon``: the momentum of Muon's (Nesterov) update."""
-    muon_ns_steps: int = 5
-    """``muon``: the Newton-Schulz iterations that orthogonalize the momentum."""
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of the warmup."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW's, and Muon's), on matrices and embeddings only: not on norms or biases."""
     beta1: float = 0.9
@@ -201,13 +224,50 @@ class TrainConfig:
     """AdamW's epsilon (added to the denominator)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still measured)."""
-    seed: int = 0
-    """Seed of the initial weights (the same whatever the layout) and of torch's random numbers."""
-    activation_checkpointing: str = "none"
-    """Recompute activations in backward to save memory: ``none``, ``full`` (recompute each decoder block) or
-    ``selective`` (keep the matmul and attention outputs, recompute the rest)."""
-    compile: str = "auto"
-    """Compile each decoder block with torch.compile: ``true``, ``false``, or ``auto`` (on for CUDA, off on CPU)."""
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each optimizer's own settings as given, by optimizer name: TOML ``[optimizer.muon]`` ``momentum = 0.9``, CLI
+    ``--optimizer.muon.momentum=0.9``; meshtron.train.optim.registry checks them (docs/optimizers.md)."""
+
+    def validate(self) -> None:
+        """The name and each optimizer's own settings are checked against meshtron.train.optim.registry by the
+        preflight (the registry lives above this layer)."""
+        for key in ("lr", "weight_decay", "max_grad_norm", "eps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"optimizer.{key}: must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning-rate schedule (``[schedule]``): warmup, then cosine, linear, constant or wsd (docs/schedules.md)."""
+
+    kind: str = "cosine"
+    """After warmup_steps of linear warmup: ``cosine`` or ``linear`` decay to min_lr over the other steps,
+    ``constant`` (lr), or ``wsd`` (warmup-stable-decay: lr until the last decay_fraction of train.steps, then down
+    to min_lr along decay_shape). See docs/schedules.md."""
+    warmup_steps: int = 10
+    """Steps of linear warmup (step k trains at lr * k / warmup_steps), then schedule.kind."""
+    min_lr: float = 3e-5
+    """Final learning rate of the ``cosine``, ``linear`` and ``wsd`` schedules."""
+    decay_fraction: float = 0.2
+    """``wsd``: the share of train.steps spent decaying (the cooldown), at the end of the run."""
+    decay_shape: str = "linear"
+    """``wsd``: the cooldown's shape, ``linear``, ``cosine`` or ``1-sqrt`` (1 - sqrt(progress))."""
+
+    def validate(self) -> None:
+        for key in ("min_lr", "warmup_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"schedule.{key}: must be >= 0, got {getattr(self, key)}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(
+                f"schedule.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), "
+                f"got {self.decay_fraction}"
+            )
+
+
+@dataclass
+class PrecisionConfig:
+    """Compute precision (``[precision]``): mixed precision, fp16 loss scaling, float8 (docs/precision.md)."""
+
     mixed_precision: str = "auto"
     """Compute dtype: ``bf16``, ``fp16`` (with dynamic loss scaling) or ``none`` (compute in model.dtype);
     ``auto`` is bf16 on CUDA devices that support it and none on CPU. Master weights, optimizer state
@@ -217,22 +277,24 @@ class TrainConfig:
     fp16_growth_interval steps without one)."""
     fp16_growth_interval: int = 1000
     """fp16's dynamic loss scaling: steps without an overflow before the loss scale doubles."""
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the head + cross-entropy: the full (fp32) logits are never materialized, each
-    chunk is recomputed in backward. 0 computes all logits at once."""
     float8: bool = False
     """Float8 matmuls in the decoder blocks' linear layers (torchao; H100-class GPUs; docs/precision.md#float8)."""
     float8_recipe: str = "tensorwise"
     """With ``float8``: torchao's scaling recipe. ``tensorwise`` (one scale per tensor, fastest, float8 FSDP
     all-gather), ``rowwise`` (one scale per row, more accurate with outliers, slower, high-precision all-gathers, bf16
     compute on GPUs) or ``rowwise_with_gw_hp`` (rowwise, weight gradients in high precision); see
-    docs/precision.md#recipes-trainfloat8_recipe."""
-    on_nonfinite: str = "error"
-    """What to do when the loss or gradient norm is NaN/Inf: ``error`` stops, ``skip`` skips the step's update,
-    ``rollback`` reloads the last checkpoint and leaves the step's global batch out from then on (needs
-    checkpoint.interval); see docs/faults.md#non-finite-loss-error-skip-rollback."""
-    max_rollbacks: int = 3
-    """``on_nonfinite=rollback``: rollbacks in a row (no new checkpoint saved between them) before the run stops."""
+    docs/precision.md#recipes-precisionfloat8_recipe."""
+
+    def validate(self) -> None:
+        if self.fp16_initial_loss_scale <= 0:
+            raise ConfigError(f"precision.fp16_initial_loss_scale: must be > 0, got {self.fp16_initial_loss_scale}")
+        _positive("precision.fp16_growth_interval", self.fp16_growth_interval)
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-experts routing (``[moe]``): the load-balancing loss or bias (docs/moe.md)."""
+
     router_aux_loss: str = "auto"
     """Mixture-of-experts models: add the router load-balancing loss (``router_aux_loss_coef`` of the model
     config times transformers' ``load_balancing_loss_func``, over the global micro-batch): ``true``, ``false``,
@@ -245,6 +307,10 @@ class TrainConfig:
     routers have the bias, ``aux_loss`` for the rest)."""
     router_bias_rate: float = 1e-3
     """``router_balance=bias``: how far each step moves a bias (DeepSeek-V3's update speed, 0.001)."""
+
+    def validate(self) -> None:
+        if self.router_balance == "bias" and not self.router_bias_rate > 0:
+            raise ConfigError(f"moe.router_bias_rate: must be > 0, got {self.router_bias_rate}")
 
 
 @dataclass
@@ -298,7 +364,7 @@ class FSDPConfig:
     """Free gathered parameters after each block's forward; unset: yes, except under pipeline parallelism,
     where every microbatch's forward would gather them again."""
     reduce_dtype: str | None = "float32"
-    """Dtype gradients are reduced in; ``none`` reduces in the compute dtype (train.mixed_precision)."""
+    """Dtype gradients are reduced in; ``none`` reduces in the compute dtype (precision.mixed_precision)."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and AdamW state in host memory, copying shards to the GPU for
     compute (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU). Needs sharded data parallelism
@@ -414,6 +480,10 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -505,10 +575,45 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     return value
 
 
+def coerce_value(key: str, value: Any, tp: Any, *, from_text: bool) -> Any:
+    """``value`` as type ``tp``, or a one-line ConfigError naming ``key`` (for settings typed elsewhere, e.g. an
+    optimizer's own, meshtron.train.optim.registry)."""
+    return _coerce(key, value, tp, from_text)
+
+
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # ``async`` is a Python keyword
+# Keys that moved to another section (issue 45): accepted, with a one-line note naming the new key, until the next
+# release, then an error. Giving an old key and its new one in the same file or command line is an error.
+DEPRECATED_KEYS = {
+    "train.optimizer": "optimizer.name",
+    "train.lr": "optimizer.lr",
+    "train.weight_decay": "optimizer.weight_decay",
+    "train.beta1": "optimizer.beta1",
+    "train.beta2": "optimizer.beta2",
+    "train.eps": "optimizer.eps",
+    "train.max_grad_norm": "optimizer.max_grad_norm",
+    "train.muon_momentum": "optimizer.muon.momentum",
+    "train.muon_ns_steps": "optimizer.muon.ns_steps",
+    "train.lr_schedule": "schedule.kind",
+    "train.warmup_steps": "schedule.warmup_steps",
+    "train.min_lr": "schedule.min_lr",
+    "train.decay_fraction": "schedule.decay_fraction",
+    "train.decay_shape": "schedule.decay_shape",
+    "train.mixed_precision": "precision.mixed_precision",
+    "train.fp16_initial_loss_scale": "precision.fp16_initial_loss_scale",
+    "train.fp16_growth_interval": "precision.fp16_growth_interval",
+    "train.float8": "precision.float8",
+    "train.float8_recipe": "precision.float8_recipe",
+    "train.router_aux_loss": "moe.router_aux_loss",
+    "train.router_balance": "moe.router_balance",
+    "train.router_bias_rate": "moe.router_bias_rate",
+}
+_deprecation_noted: set[str] = set()
 # Settings that were replaced: the old key -> what to use instead.
 RETIRED_KEYS = {
-    "fsdp.param_dtype": "train.mixed_precision (bf16 | fp16 | none), which sets FSDP's compute dtype in every layout",
+    "fsdp.param_dtype": (
+        "precision.mixed_precision (bf16 | fp16 | none), which sets FSDP's compute dtype in every layout"
+    ),
 }
 
 
@@ -524,7 +629,20 @@ def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
         )
     section = sections[section_name]
     types_ = _field_types(section)
-    if key not in types_:
+    if section_name == "optimizer" and "." in key:  # an optimizer's own setting, checked by its registry entry
+        name, _, setting = key.partition(".")
+        if name in types_ or not setting:
+            raise ConfigError(
+                f"unknown config key '{dotted}'; an optimizer's own settings look like optimizer.muon.KEY"
+            )
+        if from_text:  # the command line's text read as TOML reads it (0.9 a float, 5 an int), else kept as text
+            try:
+                value = tomllib.loads(f"value = {value}")["value"]
+            except tomllib.TOMLDecodeError:
+                pass
+        cfg.optimizer.settings.setdefault(name, {})[setting] = value
+        return
+    if key not in types_ or key == "settings" and section_name == "optimizer":
         raise ConfigError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(types_)}")
     setattr(section, key, _coerce(dotted, value, types_[key], from_text))
 
@@ -560,22 +678,49 @@ def load_config(
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+        items = []
         for section_name, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"unknown config key '{section_name}'; put settings under [section] tables")
             for key, value in values.items():
-                _set(cfg, f"{section_name}.{key}", value, from_text=False)
+                if section_name == "optimizer" and isinstance(value, dict):  # [optimizer.muon]: its own settings
+                    items += [(f"optimizer.{key}.{setting}", inner) for setting, inner in value.items()]
+                else:
+                    items.append((f"{section_name}.{key}", value))
+        _set_all(cfg, items, from_text=False, source=f"config file '{path}'")
     env = os.environ if env is None else env
     for var, key in ENV_DEGREES.items():
         if env.get(var):
             _set(cfg, f"parallel.{key}", env[var], from_text=True)
+    items = []
     for item in overrides or []:
         dotted, sep, value = item.lstrip("-").partition("=")
         if not sep:
             raise ConfigError(f"override '{item}' needs a value: write --{dotted}=VALUE")
-        _set(cfg, dotted, value, from_text=True)
+        items.append((dotted, value))
+    _set_all(cfg, items, from_text=True, source="the command line")
+    resolve_config(cfg)
     validate_config(cfg)
     return cfg
+
+
+def _set_all(cfg: Config, items: list[tuple[str, Any]], *, from_text: bool, source: str) -> None:
+    """Set each ``(dotted key, value)`` of one source, an old key (DEPRECATED_KEYS) as its new one with a note."""
+    given = {dotted for dotted, _ in items}
+    for dotted, value in items:
+        new = DEPRECATED_KEYS.get(dotted)
+        if new is not None:
+            if new in given:
+                raise ConfigError(f"{dotted} and {new} are both set in {source}; {dotted} is the old name: keep {new}")
+            if dotted not in _deprecation_noted:
+                _deprecation_noted.add(dotted)
+                warnings.warn(
+                    f"meshtron: {dotted} is now {new}; the old key works until the next release, then is an error",
+                    FutureWarning,
+                    stacklevel=3,
+                )
+            dotted = new
+        _set(cfg, dotted, value, from_text=from_text)
 
 
 _BOOL_WORDS = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}
@@ -606,74 +751,62 @@ def _positive(key: str, value: int | None, allow_none: bool = False) -> None:
         raise ConfigError(f"{key}: must be a positive integer, got {value}")
 
 
+def resolve_config(cfg: Config) -> None:
+    """The one step that changes a loaded config: spellings made canonical (``compile = 1`` -> ``"true"``, as
+    ``router_aux_loss``). Run by load_config before validate_config, which only checks."""
+    for section, key in ((cfg.train, "compile"), (cfg.moe, "router_aux_loss")):
+        value = str(getattr(section, key)).lower()
+        setattr(section, key, _BOOL_WORDS.get(value, value))
+
+
 def validate_config(cfg: Config) -> None:
-    """Checks that need neither the world size nor the model or data files."""
-    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.parallel
-    if m.name_or_path and m.preset:
-        raise ConfigError("set only one of model.name_or_path and model.preset")
-    t.compile = _BOOL_WORDS.get(str(t.compile).lower(), str(t.compile).lower())
-    t.router_aux_loss = _BOOL_WORDS.get(str(t.router_aux_loss).lower(), str(t.router_aux_loss).lower())
+    """Checks that need neither the world size nor the model or data files; changes nothing (see resolve_config)."""
     _check_choices(cfg)
-    _positive("train.muon_ns_steps", t.muon_ns_steps)
-    if not 0 <= t.muon_momentum < 1:
-        raise ConfigError(f"train.muon_momentum: must be in [0, 1), got {t.muon_momentum}")
-    if t.router_balance == "bias":
-        if not t.router_bias_rate > 0:
-            raise ConfigError(f"train.router_bias_rate: must be > 0, got {t.router_bias_rate}")
-    if t.loss_chunk_size < 0:
-        raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {t.loss_chunk_size}")
-    if t.fp16_initial_loss_scale <= 0:
-        raise ConfigError(f"train.fp16_initial_loss_scale: must be > 0, got {t.fp16_initial_loss_scale}")
-    _positive("train.fp16_growth_interval", t.fp16_growth_interval)
-    _positive("parallel.pp_microbatches", p.pp_microbatches, allow_none=True)
-    _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank, allow_none=True)
-    _positive("data.seq_len", d.seq_len)
-    _positive("data.max_documents", d.max_documents, allow_none=True)
-    _positive("train.steps", t.steps)
-    _positive("train.global_batch_size", t.global_batch_size)
-    _positive("train.micro_batch_size", t.micro_batch_size, allow_none=True)
-    _positive("run.log_every", cfg.run.log_every)
-    _positive("train.max_rollbacks", t.max_rollbacks)
-    if any(batch < 1 for batch in d.skip_batches):
-        raise ConfigError(f"data.skip_batches: global batches are numbered from 1, got {d.skip_batches}")
-    if t.on_nonfinite == "rollback" and cfg.checkpoint.interval < 1:
-        raise ConfigError("train.on_nonfinite=rollback reloads the last checkpoint: set checkpoint.interval (e.g. 100)")
-    if not cfg.run.collective_timeout_s > 0:
-        raise ConfigError(f"run.collective_timeout_s: must be > 0 seconds, got {cfg.run.collective_timeout_s}")
-    for key in ("dp_replicate", "tp", "cp", "pp"):
-        _positive(f"parallel.{key}", getattr(p, key))
-    if p.dp_shard != -1:
-        _positive("parallel.dp_shard", p.dp_shard)
-    for key in ("lr", "min_lr", "weight_decay", "max_grad_norm", "eps"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
-    if t.min_lr > t.lr:
-        raise ConfigError(f"train.min_lr ({t.min_lr}) is larger than train.lr ({t.lr}); lower train.min_lr")
-    for key in ("interval", "keep_last"):
-        if getattr(cfg.checkpoint, key) < 0:
-            raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(cfg.checkpoint, key)}")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    for section in (cfg.model, cfg.data, cfg.train, cfg.optimizer, cfg.schedule, cfg.precision, cfg.moe):
+        section.validate()
+    _validate_parallel(cfg.parallel)
+    _validate_run(cfg)
     _validate_eval(cfg)
     _validate_lora(cfg)
-    parse_batch_rampup(t.batch_rampup, t.global_batch_size)
-    if t.batch_rampup.strip() and d.streaming:
+    t = cfg.train
+    if cfg.schedule.min_lr > cfg.optimizer.lr:
+        raise ConfigError(
+            f"schedule.min_lr ({cfg.schedule.min_lr}) is larger than optimizer.lr ({cfg.optimizer.lr}); "
+            "lower schedule.min_lr"
+        )
+    if t.on_nonfinite == "rollback" and cfg.checkpoint.interval < 1:
+        raise ConfigError("train.on_nonfinite=rollback reloads the last checkpoint: set checkpoint.interval (e.g. 100)")
+    if t.batch_rampup.strip() and cfg.data.streaming:
         raise ConfigError(
             "train.batch_rampup needs indexed data: a stream's lanes are one per sequence of the global batch; "
             "set data.streaming=false (prepare the data) or leave train.batch_rampup empty"
         )
+
+
+def _validate_parallel(p) -> None:
+    _positive("parallel.pp_microbatches", p.pp_microbatches, allow_none=True)
+    _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank, allow_none=True)
+    for key in ("dp_replicate", "tp", "cp", "pp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.dp_shard != -1:
+        _positive("parallel.dp_shard", p.dp_shard)
+
+
+def _validate_run(cfg: Config) -> None:
+    """``[run]`` and ``[checkpoint]``."""
+    _positive("run.log_every", cfg.run.log_every)
+    if not cfg.run.collective_timeout_s > 0:
+        raise ConfigError(f"run.collective_timeout_s: must be > 0 seconds, got {cfg.run.collective_timeout_s}")
+    for key in ("interval", "keep_last"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(cfg.checkpoint, key)}")
     for key in ("profile_steps", "memory_snapshot_steps"):
         steps = parse_step_range(f"run.{key}", getattr(cfg.run, key))
-        if steps is not None and steps[1] > t.steps:
+        if steps is not None and steps[1] > cfg.train.steps:
             raise ConfigError(
-                f"run.{key}={getattr(cfg.run, key)} goes past the last step (train.steps={t.steps}); profile steps "
-                f"up to {t.steps}"
+                f"run.{key}={getattr(cfg.run, key)} goes past the last step (train.steps={cfg.train.steps}); "
+                f"profile steps up to {cfg.train.steps}"
             )
-    if not 0 < t.decay_fraction <= 1:
-        raise ConfigError(
-            f"train.decay_fraction: must be in (0, 1] (the share of train.steps that WSD spends decaying), "
-            f"got {t.decay_fraction}"
-        )
 
 
 def parse_step_range(setting: str, value: str) -> tuple[int, int] | None:
@@ -718,11 +851,11 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError(f"lora.alpha: must be > 0, got {lora.alpha}")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
-    if cfg.train.float8:
-        raise ConfigError("lora.rank > 0 with train.float8 is not supported yet; set train.float8=false")
-    if cfg.train.optimizer != "adamw":
+    if cfg.precision.float8:
+        raise ConfigError("lora.rank > 0 with precision.float8 is not supported yet; set precision.float8=false")
+    if cfg.optimizer.name != "adamw":
         raise ConfigError(
-            f"lora.rank > 0 with train.optimizer={cfg.train.optimizer} is not supported yet; set train.optimizer=adamw"
+            f"lora.rank > 0 with optimizer.name={cfg.optimizer.name} is not supported yet; set optimizer.name=adamw"
         )
 
 
@@ -751,6 +884,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
         unset_default = {f.name for f in dataclasses.fields(section) if f.default is None}
         values = dataclasses.asdict(section).items()
         result[name] = {k: "none" if v is None else v for k, v in values if v is not None or k not in unset_default}
+    result["optimizer"].update(result["optimizer"].pop("settings"))  # [optimizer.muon] tables
     return result
 
 

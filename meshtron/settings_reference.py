@@ -22,8 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshtron.config import CHOICES, ENV_DEGREES, KEY_ALIASES, RETIRED_KEYS, Config, _field_types, _split_optional
+from meshtron.config import (
+    CHOICES,
+    DEPRECATED_KEYS,
+    ENV_DEGREES,
+    KEY_ALIASES,
+    RETIRED_KEYS,
+    Config,
+    _field_types,
+    _split_optional,
+)
 from meshtron.models.presets import ALIASES, PRESETS
+from meshtron.train.optim.registry import OPTIMIZERS
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 REGENERATE = "python -m meshtron.settings_reference"
@@ -66,6 +76,9 @@ def sections() -> dict[str, tuple[str, list[Setting]]]:
         settings = []
         for f in dataclasses.fields(cls):
             key = f"{section_field.name}.{f.name}"
+            if key == "optimizer.settings":  # a row per registered optimizer's own setting instead
+                settings += optimizer_settings_rows()
+                continue
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             settings.append(
                 Setting(
@@ -81,6 +94,17 @@ def sections() -> dict[str, tuple[str, list[Setting]]]:
     return result
 
 
+def optimizer_settings_rows() -> list[Setting]:
+    """``optimizer.<name>.<key>``: each registered optimizer's own settings (meshtron.train.optim.registry)."""
+    rows = []
+    for name, entry in OPTIMIZERS.items():
+        _, docs = _docstrings(entry.settings)
+        for f in dataclasses.fields(entry.settings):
+            key = f"optimizer.{name}.{f.name}"
+            rows.append(Setting(key, f.default, f"``{name}``: {docs.get(f.name, '')}", (), (), None))
+    return rows
+
+
 def preset_choices() -> tuple[str, ...]:
     """``model.preset``'s values: every preset, in meshtron.models.presets' order, then the aliases."""
     return (*PRESETS, *ALIASES)
@@ -90,6 +114,8 @@ def choices_of(key: str, field_type: Any) -> tuple[str, ...]:
     """What validation accepts for ``key``: its ``CHOICES`` (and ``none`` when the setting is optional)."""
     if key == "model.preset":
         return preset_choices()
+    if key == "optimizer.name":
+        return tuple(OPTIMIZERS)
     if key not in CHOICES:
         return ()
     return CHOICES[key] + (("none",) if _split_optional(field_type)[1] else ())
@@ -151,7 +177,16 @@ def reference_markdown() -> str:
             lines += [format_text(doc), ""]
         lines += ["| key | default | meaning |", "| --- | --- | --- |", *map(row, settings), ""]
     retired = ", ".join(f"{_code(key)} (use {format_text(instead)})" for key, instead in RETIRED_KEYS.items())
-    lines += [f"Retired settings, refused with a line naming the replacement: {retired}.", "", END]
+    lines += [f"Retired settings, refused with a line naming the replacement: {retired}.", ""]
+    moved = ", ".join(f"{_code(old)} -> {_code(new)}" for old, new in DEPRECATED_KEYS.items())
+    lines += [
+        "Deprecated keys (moved out of `[train]`): still accepted, in a config file, on the command line and in a "
+        "saved run's or checkpoint's config.toml, with a one-line note naming the new key, until the next release; "
+        "then an error. An old key and its new one in the same file or command line is an error. "
+        f"The moves: {moved}.",
+        "",
+        END,
+    ]
     return "\n".join(lines)
 
 
@@ -172,7 +207,10 @@ def help_epilog(width: int | None = None) -> str:
     )
     lines = textwrap.wrap(header, width)
     for section in dataclasses.fields(Config):
-        keys = " ".join(f.name for f in dataclasses.fields(section.default_factory))
+        keys = " ".join(f.name for f in dataclasses.fields(section.default_factory) if f.name != "settings")
+        if section.name == "optimizer":
+            own = (f"{name}.{f.name}" for name, entry in OPTIMIZERS.items() for f in dataclasses.fields(entry.settings))
+            keys += " " + " ".join(own)
         lines += textwrap.wrap(keys, width, initial_indent=f"  [{section.name}] ", subsequent_indent=" " * 6)
     return "\n".join(lines)
 

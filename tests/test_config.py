@@ -10,15 +10,17 @@ from meshtron.errors import ConfigError
 
 def test_defaults_are_valid():
     cfg = load_config(env={})
-    assert cfg.parallel.dp_shard == -1 and cfg.train.max_grad_norm == 1.0 and cfg.data.tokenizer == "auto"
+    assert cfg.parallel.dp_shard == -1 and cfg.optimizer.max_grad_norm == 1.0 and cfg.data.tokenizer == "auto"
 
 
 def test_precedence_toml_env_cli(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('[train]\nsteps = 5\nlr = 1\n[parallel]\ndp_shard = 2\ntp = 1\n[model]\npreset = "qwen3-tiny"\n')
-    cfg = load_config(toml, ["train.lr=0.5", "--parallel.tp=1"], env={"DP_SIZE": "4"})
+    toml.write_text(
+        '[train]\nsteps = 5\n[optimizer]\nlr = 1\n[parallel]\ndp_shard = 2\ntp = 1\n[model]\npreset = "qwen3-tiny"\n'
+    )
+    cfg = load_config(toml, ["optimizer.lr=0.5", "--parallel.tp=1"], env={"DP_SIZE": "4"})
     assert cfg.train.steps == 5
-    assert cfg.train.lr == 0.5 and isinstance(cfg.train.lr, float)  # TOML int promoted, then CLI wins
+    assert cfg.optimizer.lr == 0.5 and isinstance(cfg.optimizer.lr, float)  # TOML int promoted, then CLI wins
     assert cfg.parallel.dp_shard == 4  # env beats TOML
     assert cfg.model.preset == "qwen3-tiny"
     cfg = load_config(toml, ["parallel.dp_shard=8"], env={"DP_SIZE": "4"})
@@ -33,14 +35,14 @@ def test_precedence_toml_env_cli(tmp_path):
         ("trainer.steps=3", "unknown config key 'trainer.steps'"),
         ("train.steps=abc", "train.steps: expected int"),
         ("train.compile=maybe", "train.compile: 'maybe' is not one of auto, true, false"),
-        ("train.mixed_precision=fp8", "train.mixed_precision: 'fp8' is not one of"),
+        ("precision.mixed_precision=fp8", "precision.mixed_precision: 'fp8' is not one of"),
         (
-            "train.float8_recipe=blockwise",
-            "train.float8_recipe: 'blockwise' is not one of tensorwise, rowwise, rowwise_with_gw_hp",
+            "precision.float8_recipe=blockwise",
+            "precision.float8_recipe: 'blockwise' is not one of tensorwise, rowwise, rowwise_with_gw_hp",
         ),
         ("run.device=tpu", "run.device: 'tpu' is not one of auto, cpu, cuda"),
-        ("fsdp.param_dtype=bfloat16", "fsdp.param_dtype is no longer a setting; use train.mixed_precision"),
-        ("train.lr=fast", "train.lr: expected float"),
+        ("fsdp.param_dtype=bfloat16", "fsdp.param_dtype is no longer a setting; use precision.mixed_precision"),
+        ("optimizer.lr=fast", "optimizer.lr: expected float"),
         ("model.dtype=float64", "model.dtype: 'float64' is not one of"),
         ("train.activation_checkpointing=some", "train.activation_checkpointing"),
         ("train.steps=0", "train.steps: must be a positive integer"),
@@ -58,8 +60,8 @@ def test_bad_toml_type_and_unknown_section(tmp_path):
     with pytest.raises(ConfigError, match="train.steps: expected int, got 'ten'"):
         load_config(bad_type, env={})
     unknown = tmp_path / "b.toml"
-    unknown.write_text("[optimizer]\nlr = 1\n")
-    with pytest.raises(ConfigError, match="unknown config key 'optimizer.lr'"):
+    unknown.write_text("[optimiser]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'optimiser.lr'"):
         load_config(unknown, env={})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml", env={})

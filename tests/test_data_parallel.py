@@ -11,7 +11,7 @@ import torch
 from conftest import run_torchrun
 from torch import nn
 
-from meshtron.config import TrainConfig
+from meshtron.config import OptimizerConfig
 from meshtron.data.dataset import PackedDataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.distributed.grad_norm import global_grad_norm
@@ -68,7 +68,7 @@ def test_two_ranks(tmp_path):
 
 
 def test_adamw_is_fused_on_cpu_and_foreach_on_meta():
-    cfg = TrainConfig()
+    cfg = OptimizerConfig()
     cpu = build_optimizer(nn.Linear(4, 4), cfg)
     assert all(group["fused"] and not group["foreach"] for group in cpu.param_groups)
     with torch.device("meta"):

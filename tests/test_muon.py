@@ -1,4 +1,4 @@
-"""Muon (train.optimizer=muon): the orthogonalization, one step against the formulas, which parameters it takes.
+"""Muon (optimizer.name=muon): the orthogonalization, one step against the formulas, which parameters it takes.
 Every layout's Muon run is checked against one process in test_parity.py, resharded checkpoints in
 test_checkpoint.py."""
 
@@ -61,7 +61,7 @@ def test_muon_takes_the_blocks_matrices_and_experts_not_embeddings_head_norms_or
     from meshtron.models.build import build_meta_model
     from meshtron.models.presets import make_preset_config
 
-    cfg = load_config(None, ["model.preset=qwen3moe-tiny", "train.optimizer=muon"], env={})
+    cfg = load_config(None, ["model.preset=qwen3moe-tiny", "optimizer.name=muon"], env={})
     model, adapter = build_meta_model(make_preset_config("qwen3moe-tiny", load_tokenizer("byte").vocab_size), cfg.model)
     names = {id(p): n for n, p in model.named_parameters()}
     chosen = sorted(names[id(p)] for p in muon_parameters([model], adapter))
@@ -69,7 +69,7 @@ def test_muon_takes_the_blocks_matrices_and_experts_not_embeddings_head_norms_or
     assert not any(n.endswith(("norm.weight", "mlp.gate.weight")) or "embed" in n or "lm_head" in n for n in chosen), (
         chosen
     )
-    optimizer = build_optimizer(model, cfg.train, [model], adapter)
+    optimizer = build_optimizer(model, cfg.optimizer, [model], adapter)
     groups = {bool(g.get("muon")): g for g in optimizer.param_groups}
     assert len(groups[True]["params"]) == len(chosen)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))

@@ -120,8 +120,8 @@ def test_the_saved_line():
 
 def test_the_lr_jump_warning_names_the_settings_and_the_rates():
     def train_cfg(*extra: str):
-        base = ["train.steps=10", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=2"]
-        return load_config(None, [*base, *extra], env={}).train
+        base = ["train.steps=10", "optimizer.lr=3e-4", "schedule.min_lr=3e-5", "schedule.warmup_steps=2"]
+        return load_config(None, [*base, *extra], env={})
 
     saved, longer = train_cfg(), train_cfg("train.steps=20")
     old, new = lr_at(5, saved), lr_at(5, longer)
@@ -131,14 +131,14 @@ def test_the_lr_jump_warning_names_the_settings_and_the_rates():
         f"meshtron: warning: train.steps 10 -> 20 changes the cosine schedule: lr at step 6 jumps {old:.2e} -> "
         f"{new:.2e}; "
     )
-    two = schedule_change_warning(saved, train_cfg("train.lr_schedule=linear", "train.lr=1e-4"), 5, old, 0.5 * old)
+    two = schedule_change_warning(saved, train_cfg("schedule.kind=linear", "optimizer.lr=1e-4"), 5, old, 0.5 * old)
     assert (
-        "train.lr 0.0003 -> 0.0001, train.lr_schedule cosine -> linear change the schedule: lr at step 6 drops" in two
+        "optimizer.lr 0.0003 -> 0.0001, schedule.kind cosine -> linear change the schedule: lr at step 6 drops" in two
     )
     unknown = schedule_change_warning(None, longer, 5, old, new)
     assert "the learning-rate settings change the cosine schedule: lr at step 6 jumps" in unknown
     # The rate does not change: no warning (WSD extended in its stable phase, a setting the rate does not use).
-    wsd = ["train.lr_schedule=wsd", "train.decay_fraction=0.2"]
+    wsd = ["schedule.kind=wsd", "schedule.decay_fraction=0.2"]
     assert lr_at(5, train_cfg(*wsd)) == lr_at(5, train_cfg(*wsd, "train.steps=20"))
     assert schedule_change_warning(train_cfg(*wsd), train_cfg(*wsd, "train.steps=20"), 5, 3e-4, 3e-4) is None
     assert schedule_change_warning(saved, saved, 5, old, old * (1 + 1e-9)) is None
@@ -203,7 +203,7 @@ def test_config_per_resume_segment_under_another_layout(tmp_path):
     said: list[str] = []
     assert compare_runs(out, out, 1e-5, said.append) == 0 and said[0] == f"A: {run.label}\nB: {run.label}"
     # From step 3 again, with another learning rate: the segment from step 4 is replaced.
-    third = cfg_of(out, "parallel.dp_shard=2", "parallel.tp=2", "train.global_batch_size=16", "train.lr=1e-4")
+    third = cfg_of(out, "parallel.dp_shard=2", "parallel.tp=2", "train.global_batch_size=16", "optimizer.lr=1e-4")
     start_segment(third, out, segment_plan("dp_shard=2 tp=2", at_3), 4)
     segments = json.loads((out / "run.json").read_text())["segments"]
     assert [s["first_step"] for s in segments] == [1, 4]
@@ -246,7 +246,7 @@ def printed_commands(stdout: str) -> dict[str, list[str]]:
 
 def test_a_run_and_its_resume_say_what_they_did_and_their_commands_run_as_printed(tmp_path, cache_dir):
     """4 steps logged every 3 (steps 1, 3 and 4 logged), saved at step 4 (its line), the done line with the
-    checkpoint and the commands; the printed `train on` command (with another train.lr and global batch) resumes in
+    checkpoint and the commands; the printed `train on` command (with another optimizer.lr and global batch) resumes in
     the run's folder: the lr-jump warning, the rates of the new settings, "4 steps (5-8)", a config per segment;
     the printed export command exports."""
     out = tmp_path / "run"
@@ -257,8 +257,8 @@ def test_a_run_and_its_resume_say_what_they_did_and_their_commands_run_as_printe
         f"--data.cache_dir={cache_dir}",
         "--train.steps=4",
         "--train.global_batch_size=2",
-        "--train.lr=3e-3",
-        "--train.warmup_steps=1",
+        "--optimizer.lr=3e-3",
+        "--schedule.warmup_steps=1",
         "--run.log_every=3",
         "--run.progress=false",
         "--checkpoint.interval=4",
@@ -279,23 +279,23 @@ def test_a_run_and_its_resume_say_what_they_did_and_their_commands_run_as_printe
     ]  # fmt: skip
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 3, 4]
 
-    resumed = run_main([*commands["train on"], "--train.lr=1e-3", "--train.global_batch_size=4"])
+    resumed = run_main([*commands["train on"], "--optimizer.lr=1e-3", "--train.global_batch_size=4"])
     assert resumed.returncode == 0, resumed.stderr
     saved_cfg, cfg = (
         load_config(out / "config-from-step-00000001.toml", env={}),
         load_config(out / "config.toml", env={}),
     )
-    assert (cfg.train.steps, cfg.train.lr, saved_cfg.train.steps, saved_cfg.train.lr) == (8, 1e-3, 4, 3e-3)
-    old, new = lr_at(4, saved_cfg.train), lr_at(4, cfg.train)
+    assert (cfg.train.steps, cfg.optimizer.lr, saved_cfg.train.steps, saved_cfg.optimizer.lr) == (8, 1e-3, 4, 3e-3)
+    old, new = lr_at(4, saved_cfg), lr_at(4, cfg)
     warning = (
-        f"meshtron: warning: train.steps 4 -> 8, train.lr 0.003 -> 0.001 change the cosine schedule: lr at step 5 "
+        f"meshtron: warning: train.steps 4 -> 8, optimizer.lr 0.003 -> 0.001 change the cosine schedule: lr at step 5 "
         f"jumps {old:.2e} -> {new:.2e}; "
     )
     assert warning in resumed.stdout and old < new
     assert re.search(r"^meshtron: done, 4 steps \(5-8\), loss", resumed.stdout, re.M), resumed.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 3, 4, 5, 6, 8]  # the first step of the resumed start, too
-    assert [row["lr"] for row in rows[3:]] == pytest.approx([lr_at(s - 1, cfg.train) for s in (5, 6, 8)])
+    assert [row["lr"] for row in rows[3:]] == pytest.approx([lr_at(s - 1, cfg) for s in (5, 6, 8)])
     segments = json.loads((out / "run.json").read_text())["segments"]
     assert [(s["first_step"], s["tokens_per_step"], s["config"]) for s in segments] == [
         (1, 32, "config-from-step-00000001.toml"),

@@ -16,6 +16,7 @@ from meshtron.config import CHOICES, ENV_DEGREES, Config, load_config
 from meshtron.errors import ConfigError
 from meshtron.models.presets import ALIASES, PRESETS, make_preset_config, preset_names
 from meshtron.settings_reference import BEGIN, END, PAGE, REGENERATE, render_page, row, sections
+from meshtron.train.optim.registry import OPTIMIZERS
 
 DOCS = REPO / "docs"
 SETTINGS = [setting for _, settings in sections().values() for setting in settings]
@@ -37,7 +38,10 @@ def test_page_equals_the_generator():
 
 def test_every_setting_and_section_has_a_docstring():
     assert [f.name for f in dataclasses.fields(Config)] == list(sections())
-    assert len(SETTINGS) == sum(len(dataclasses.fields(f.default_factory)) for f in dataclasses.fields(Config))
+    fields = sum(len(dataclasses.fields(f.default_factory)) for f in dataclasses.fields(Config))
+    own = [f"optimizer.{n}.{f.name}" for n, e in OPTIMIZERS.items() for f in dataclasses.fields(e.settings)]
+    assert own and set(own) <= set(BY_KEY) and "optimizer.settings" not in BY_KEY  # a row per optimizer's setting
+    assert len(SETTINGS) == fields - 1 + len(own)
     for name, (doc, settings) in sections().items():
         assert doc, f"the [{name}] dataclass needs a docstring"
         for setting in settings:
@@ -145,7 +149,7 @@ def test_print_config_round_trips(tmp_path, monkeypatch):
     toml = tmp_path / "run.toml"
     toml.write_text('[train]\nsteps = 7\ncompile = true\n[model]\npreset = "qwen3-tiny"\n')
     overrides = [
-        "--train.lr=0.001",
+        "--optimizer.lr=0.001",
         "--fsdp.reduce_dtype=none",
         "--checkpoint.async=true",
         "--run.loggers=jsonl,tensorboard",
@@ -159,7 +163,7 @@ def test_print_config_round_trips(tmp_path, monkeypatch):
     again = load_config(printed, env={})
     assert again == load_config(toml, [item[2:] for item in overrides], env={"TP_SIZE": "2"})
     assert (again.train.steps, again.train.compile, again.model.preset) == (7, "true", "qwen3-tiny")
-    assert (again.parallel.tp, again.train.lr, again.fsdp.reduce_dtype, again.checkpoint.async_save) == (
+    assert (again.parallel.tp, again.optimizer.lr, again.fsdp.reduce_dtype, again.checkpoint.async_save) == (
         2,
         0.001,
         None,

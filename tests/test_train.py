@@ -36,8 +36,8 @@ def small_config(tmp_path, cache_dir, *extra: str):
             f"data.cache_dir={cache_dir}",
             "train.steps=8",
             "train.global_batch_size=4",
-            "train.lr=3e-3",
-            "train.warmup_steps=2",
+            "optimizer.lr=3e-3",
+            "schedule.warmup_steps=2",
             "run.progress=false",
             f"run.output_dir={tmp_path / 'run'}",
             *extra,
@@ -55,7 +55,7 @@ def test_single_process_run_writes_metrics_and_config(tmp_path, cache_dir):
         assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "max_memory_gb", "elapsed_s"} <= set(record)
         assert record["mfu"] is None and record["tokens_per_s"] > 0 and record["max_memory_gb"] > 0
     assert [r["loss"] for r in records] == pytest.approx(result.losses)
-    assert [r["lr"] for r in records] == pytest.approx([lr_at(s, cfg.train) for s in range(8)])
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(s, cfg) for s in range(8)])
     assert records[-1]["loss"] < records[0]["loss"]
     saved = load_config(tmp_path / "run" / "config.toml", env={})
     assert saved == cfg
@@ -71,8 +71,8 @@ def test_same_config_same_losses(tmp_path, cache_dir):
 
 
 def schedule(name: str, *extra: str):
-    overrides = ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"]
-    return load_config(None, [*overrides, f"train.lr_schedule={name}", *extra], env={}).train
+    overrides = ["train.steps=110", "schedule.warmup_steps=10", "optimizer.lr=1.0", "schedule.min_lr=0.1"]
+    return load_config(None, [*overrides, f"schedule.kind={name}", *extra], env={})
 
 
 def test_lr_schedule_shape():
@@ -91,12 +91,14 @@ def test_linear_constant_and_wsd_schedules():
     assert lr_at(0, constant) == pytest.approx(0.1) and all(lr_at(s, constant) == 1.0 for s in range(9, 110))
     # WSD: 22 of the 110 steps decay (decay_fraction 0.2), from step 88 (0-based) on; lr before that.
     for shape, halfway in (("linear", 0.55), ("cosine", 0.55), ("1-sqrt", 0.1 + 0.9 * (1 - 0.5**0.5))):
-        wsd = schedule("wsd", f"train.decay_shape={shape}")
+        wsd = schedule("wsd", f"schedule.decay_shape={shape}")
         assert lr_at(5, wsd) == pytest.approx(0.6)
         assert all(lr_at(s, wsd) == 1.0 for s in range(9, 89))
         assert lr_at(99, wsd) == pytest.approx(halfway), shape
         assert lr_at(109, wsd) < 0.2 and all(lr_at(s, wsd) >= lr_at(s + 1, wsd) for s in range(88, 109))
-    late = schedule("wsd", "train.decay_fraction=1.0", "train.decay_shape=linear")  # all of it: decay after warmup
+    late = schedule(
+        "wsd", "schedule.decay_fraction=1.0", "schedule.decay_shape=linear"
+    )  # all of it: decay after warmup
     assert [lr_at(s, late) for s in (9, 10, 60)] == pytest.approx([1.0, 1.0, 0.55])
 
 
@@ -105,7 +107,7 @@ def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, 
     learning rates as 16 steps from the start (decay from step 13), without a warning (the rate does not change).
     A run resumed under another schedule trains with that schedule's rate from its first step (not the one the
     checkpoint's run would have used), and warns of the jump."""
-    wsd = ["train.lr_schedule=wsd", "train.decay_fraction=0.25", "checkpoint.interval=4", "train.min_lr=3e-4"]
+    wsd = ["schedule.kind=wsd", "schedule.decay_fraction=0.25", "checkpoint.interval=4", "schedule.min_lr=3e-4"]
     short = small_config(tmp_path / "short", cache_dir, *wsd)
     train(short, CPU_RUNTIME)
     saved = f"checkpoint.resume={tmp_path / 'short' / 'run' / 'checkpoints' / 'step-00000004'}"
@@ -121,12 +123,12 @@ def test_a_wsd_run_resumed_with_more_steps_continues_its_stable_phase(tmp_path, 
 
     assert rates(tmp_path / "longer") == rates(tmp_path / "straight")[4:]
     assert rates(tmp_path / "straight")[4:12] == [3e-3] * 8 and rates(tmp_path / "straight")[-1] < 1e-3
-    cosine = small_config(tmp_path / "cosine", cache_dir, *wsd, "train.steps=16", saved, "train.lr_schedule=cosine")
+    cosine = small_config(tmp_path / "cosine", cache_dir, *wsd, "train.steps=16", saved, "schedule.kind=cosine")
     train(cosine, CPU_RUNTIME)
-    assert rates(tmp_path / "cosine")[0] == pytest.approx(lr_at(4, cosine.train)) and lr_at(4, cosine.train) < 3e-3
+    assert rates(tmp_path / "cosine")[0] == pytest.approx(lr_at(4, cosine)) and lr_at(4, cosine) < 3e-3
     assert (
-        "meshtron: warning: train.steps 8 -> 16, train.lr_schedule wsd -> cosine change the schedule: lr at step 5 "
-        f"drops 3.00e-03 -> {lr_at(4, cosine.train):.2e}; " in capsys.readouterr().out
+        "meshtron: warning: train.steps 8 -> 16, schedule.kind wsd -> cosine change the schedule: lr at step 5 "
+        f"drops 3.00e-03 -> {lr_at(4, cosine):.2e}; " in capsys.readouterr().out
     )
 
 
@@ -224,7 +226,12 @@ def test_clipping_uses_the_global_norm():
 
 def test_nonfinite_loss_stops_with_a_clear_error(tmp_path, cache_dir):
     cfg = small_config(
-        tmp_path, cache_dir, "train.lr=1e30", "train.min_lr=1e29", "train.warmup_steps=0", "train.max_grad_norm=0"
+        tmp_path,
+        cache_dir,
+        "optimizer.lr=1e30",
+        "schedule.min_lr=1e29",
+        "schedule.warmup_steps=0",
+        "optimizer.max_grad_norm=0",
     )
     with pytest.raises(MeshtronError, match="training diverged.*train.on_nonfinite=skip"):
         train(cfg, CPU_RUNTIME)
@@ -234,10 +241,10 @@ def test_nonfinite_skip_leaves_weights_untouched(tmp_path, cache_dir):
     cfg = small_config(
         tmp_path,
         cache_dir,
-        "train.lr=1e30",
-        "train.min_lr=1e29",
-        "train.warmup_steps=0",
-        "train.max_grad_norm=0",
+        "optimizer.lr=1e30",
+        "schedule.min_lr=1e29",
+        "schedule.warmup_steps=0",
+        "optimizer.max_grad_norm=0",
         "train.on_nonfinite=skip",
     )
     result = train(cfg, CPU_RUNTIME)
@@ -296,7 +303,7 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
             f"--data.cache_dir={cache_dir}",
             "--train.steps=6",
             "--train.global_batch_size=4",
-            "--train.lr=3e-3",
+            "--optimizer.lr=3e-3",
             "--run.log_every=2",
             "--checkpoint.interval=3",
             "--run.profile_steps=2-3",  # docs/profiling.md: a trace per rank, FSDP's collectives in the summary

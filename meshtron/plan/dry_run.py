@@ -60,7 +60,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
             model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
         )
         parts = nn.ModuleList([module for _, module in stages])
-        optimizer = build_optimizer(parts, cfg.train, list(parts), adapter)
+        optimizer = build_optimizer(parts, cfg.optimizer, list(parts), adapter)
         for group in optimizer.param_groups:
             # Same state, but per-tensor updates: DTensor's first sharding propagation of a foreach op
             # over hundreds of differently placed tensors takes minutes on a 3-D mesh; per-tensor ops hit its cache.

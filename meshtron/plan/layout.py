@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from meshtron.config import Config, ParallelConfig
 from meshtron.errors import ConfigError
+from meshtron.train.optim.registry import optimizer_settings
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-"""``train.mixed_precision`` values and the compute dtype each one means."""
+"""``precision.mixed_precision`` values and the compute dtype each one means."""
 
 
 def config_compute_dtype(cfg: Config, device: str = "cuda") -> str:
-    """The dtype a run of ``cfg`` on ``device`` computes in (``train.mixed_precision`` resolved as
+    """The dtype a run of ``cfg`` on ``device`` computes in (``precision.mixed_precision`` resolved as
     ``meshtron.distributed.precision`` resolves it; ``auto`` on CUDA assumes a GPU with bf16, as every
     planner GPU has)."""
     from meshtron.distributed.precision import resolve_mixed_precision
 
-    setting = cfg.train.mixed_precision
+    setting = cfg.precision.mixed_precision
     name = resolve_mixed_precision(setting, device, bf16_supported=True)
     if name == "none" or (cfg.model.dtype != "float32" and setting == "auto"):
         return cfg.model.dtype
@@ -35,7 +37,7 @@ class Workload:
     model_dtype: str = "float32"
     """Dtype of the stored parameters, gradients and AdamW state."""
     compute_dtype: str = "bfloat16"
-    """Dtype the forward and backward compute in, in every layout (``train.mixed_precision``); activations
+    """Dtype the forward and backward compute in, in every layout (``precision.mixed_precision``); activations
     have it. Equal to ``model_dtype`` means no mixed precision."""
     mask_documents: bool = True
     loss_chunk_size: int = 4096
@@ -52,11 +54,12 @@ class Workload:
     attn_implementation: str = "sdpa"
     """``model.attn_implementation`` (``eager`` for a family that cannot use sdpa, as Gemma 2)."""
     optimizer: str = "adamw"
-    """``train.optimizer``: under ``muon`` the blocks' matrices keep one momentum buffer, not AdamW's two moments."""
-    muon_ns_steps: int = 5
-    """``train.muon_ns_steps``: Newton-Schulz iterations per Muon step (its time in the step estimate)."""
+    """``optimizer.name``: its registry entry (meshtron.train.optim.registry) says what state it keeps and what its
+    step costs (under ``muon`` the blocks' matrices keep one momentum buffer, not AdamW's two moments)."""
+    optimizer_settings: Any = None
+    """The optimizer's own settings (``[optimizer.<name>]``, meshtron.train.optim.registry); None: its defaults."""
     float8: bool = False
-    """``train.float8``: the blocks' linears multiply in float8 (the GPU's float8 rate; compiled blocks keep
+    """``precision.float8``: the blocks' linears multiply in float8 (the GPU's float8 rate; compiled blocks keep
     the linears' inputs as their float8 casts)."""
 
     def __post_init__(self):
@@ -68,7 +71,7 @@ class Workload:
 
     @property
     def mixed_precision(self) -> str:
-        """The ``train.mixed_precision`` value that runs this workload."""
+        """The ``precision.mixed_precision`` value that runs this workload."""
         if self.compute_dtype == self.model_dtype:
             return "none"
         return next(name for name, dtype in MIXED_PRECISION_DTYPES.items() if dtype == self.compute_dtype)
@@ -89,9 +92,9 @@ class Workload:
             accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
             compiled=compile_enabled(cfg.train.compile, device),
             attn_implementation=cfg.model.attn_implementation,
-            optimizer=cfg.train.optimizer,
-            muon_ns_steps=cfg.train.muon_ns_steps,
-            float8=cfg.train.float8,
+            optimizer=cfg.optimizer.name,
+            optimizer_settings=optimizer_settings(cfg.optimizer),
+            float8=cfg.precision.float8,
         )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
 from meshtron.plan.model_shape import ModelShape
+from meshtron.train.optim.registry import optimizer_entry
 
 FP32 = 4
 INDEX = 8  # int64 token ids and labels
@@ -120,10 +121,19 @@ def _trained(specs) -> tuple:
     return tuple(p for p in specs if p.trained)
 
 
+def optimizer_state_numel(workload: Workload, trained: int, matrices: int) -> int:
+    """Optimizer-state elements of ``trained`` parameters, ``matrices`` of them stepped as block matrices (the
+    registry entry's copies per parameter: AdamW 2; Muon 1 for its matrices, AdamW's 2 for the rest)."""
+    entry = optimizer_entry(workload.optimizer)
+    apart = 0 if entry.matrix_state_copies is None else (entry.matrix_state_copies - entry.state_copies) * matrices
+    return entry.state_copies * trained + apart
+
+
 def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = None) -> list[int]:
-    """Per pipeline rank: the parameter elements of ``state_numel`` that Muon steps (``train.optimizer=muon``: one
-    momentum buffer each instead of AdamW's two moments); 0 under AdamW."""
-    if workload is None or workload.optimizer != "muon":
+    """Per pipeline rank: the parameter elements of ``state_numel`` that the optimizer steps as block matrices
+    (its registry entry's ``matrix_state_copies``: Muon's, one momentum buffer each instead of AdamW's two moments);
+    0 under an optimizer that steps none apart (AdamW)."""
+    if workload is None or optimizer_entry(workload.optimizer).matrix_state_copies is None:
         return [0] * layout.pp
 
     def numel(specs):
@@ -136,7 +146,7 @@ def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = No
 
 
 def compute_bytes(workload: Workload) -> int:
-    """Bytes of an activation element: the compute dtype, in every layout (``train.mixed_precision``)."""
+    """Bytes of an activation element: the compute dtype, in every layout (``precision.mixed_precision``)."""
     return DTYPE_BYTES[workload.compute_dtype]
 
 
@@ -205,7 +215,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     Compiled blocks (``train.compile``, see compiled_elementwise): inductor's partitioner keeps what a matmul or
     attention needs and recomputes the elementwise rest in backward: each norm's input (compute dtype) and 1/rms
     instead of its fp32 upcast and normalized output, gate and up and their product (not SiLU(gate)), the
-    attention output once (its copy for o_proj is recomputed). Under ``train.float8`` the linears' inputs are not
+    attention output once (its copy for o_proj is recomputed). Under ``precision.float8`` the linears' inputs are not
     kept (see _compiled_block_per_token). Measured on one H100 (llama-1b b8: 23.17 GB kept; llama-8b tp=8
     rehearsal: 10.43 GB; meshtron.plan.calibration); eager blocks keep what Hugging Face's code saves."""
     if compiled_elementwise(shape, workload):
@@ -498,7 +508,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
             MemoryEstimate(
                 params=numel * state_bytes,
                 grads=int(max(trained * state_bytes, held_grads)),
-                optimizer=(2 * trained - muon) * state_bytes,
+                optimizer=optimizer_state_numel(workload, trained, muon) * state_bytes,
                 activations=int(acts),
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),

@@ -17,6 +17,7 @@ from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
 from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, stage_layout, state_numel
 from meshtron.plan.model_shape import ModelShape
+from meshtron.train.optim.registry import optimizer_entry
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class StepEstimate:
     """Expert parallelism's all-to-alls (token dispatch and combine, forward and backward), part of
     ``exposed_comm_s``; 0 without EP."""
     optimizer_s: float = 0.0
-    """Muon's step (``train.optimizer=muon``): gathering sharded matrices and their Newton-Schulz iterations, on the
+    """Muon's step (``optimizer.name=muon``): gathering sharded matrices and their Newton-Schulz iterations, on the
     critical path; 0 under AdamW (whose step is part of ``compute_s``: ``kernels.parameters``)."""
     kernels: "KernelTimes | None" = None
     """A compiled step's kernels by kind (compiled steps on CUDA; None for eager steps, whose compute is the whole
@@ -121,7 +122,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # Under LoRA: what the run computes (frozen weights take no weight gradient; the adapters add theirs).
     model_flops = (flops_per_token(hf_config, workload.seq_len) + shape.lora_flops_per_token) * tokens / world
     recompute = {"none": 1.0, "selective": 1.05, "full": 4 / 3}[layout.activation_checkpointing]
-    e = compute_bytes(workload)  # every layout computes in the compute dtype (train.mixed_precision)
+    e = compute_bytes(workload)  # every layout computes in the compute dtype (precision.mixed_precision)
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
     efficiency = hw.compiled_matmul_efficiency if workload.compiled else hw.matmul_efficiency
     # Small matmuls (few tokens per forward on a rank) run further from peak: a fixed cost per kernel.
@@ -197,7 +198,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         pp_s = 2 * send * forwards * layout.pp_stages_per_rank
 
     exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s
-    optimizer_s = muon_step_s(shape, layout, workload, hw)
+    optimizer_s = matrix_step_s(shape, layout, workload, hw)
     seconds = compute + exposed + optimizer_s
     return StepEstimate(
         seconds=seconds,
@@ -240,7 +241,7 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
     """A compiled step's kernels on the busiest rank, without communication (meshtron.plan.calibration says which
     measured run each constant comes from). Matmuls: the blocks' and the head's FLOPs at
     ``compiled_matmul_efficiency x matmul_size_factor`` of the compute dtype's peak (the blocks' at the float8 peak
-    under ``train.float8``). Attention: causal attention FLOPs at ``ATTENTION_EFFICIENCY``, less on short spans.
+    under ``precision.float8``). Attention: causal attention FLOPs at ``ATTENTION_EFFICIENCY``, less on short spans.
     The rest is bound by memory bandwidth (``hbm_gbps x hbm_efficiency``): elementwise work in proportion to what
     blocks keep for backward, the loss's passes over its logits, and passes over every trained parameter."""
     from meshtron.plan.memory import (
@@ -282,7 +283,7 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
     if workload.float8:
         elementwise += calibration.FLOAT8_CAST_BYTES_PER_ELEMENT * local_tokens * layers * _linear_width(shape, layout)
     trained = max(trained_numel(shape, layout, workload))
-    per_step = calibration.ADAMW_BYTES_PER_PARAM if workload.optimizer == "adamw" else 0
+    per_step = calibration.ADAMW_BYTES_PER_PARAM if optimizer_entry(workload.optimizer).adamw_pass else 0
     if casts_weights(layout, workload):
         per_step += calibration.WEIGHT_CAST_BYTES_PER_PARAM
     passes = layout.microbatches(workload) * calibration.GRADIENT_PASS_BYTES_PER_PARAM + per_step
@@ -308,13 +309,16 @@ def _linear_width(shape: ModelShape, layout: Layout) -> int:
     return inputs + output_gradients
 
 
-def muon_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware) -> float:
-    """Muon's optimizer step on the busiest rank (meshtron.train.optim.muon): every block matrix a rank holds a shard
-    of is all-gathered whole over its FSDP x TP ranks (model dtype) and orthogonalized there, by every one of them, with
-    ``workload.muon_ns_steps`` Newton-Schulz iterations of ``4 m^2 n + 2 m^3`` FLOPs for an (m, n) matrix, m <= n, at
-    the compute dtype's matmul rate; expert matrices are whole on their rank (only its own experts). 0 under AdamW."""
-    if workload.optimizer != "muon":
+def matrix_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware) -> float:
+    """The optimizer's step on whole block matrices on the busiest rank (its registry entry's ``matrix_step_flops``:
+    Muon's, meshtron.train.optim.muon): every block matrix a rank holds a shard of is all-gathered whole over its
+    FSDP x TP ranks (model dtype) and stepped there, by every one of them (Muon: ``ns_steps`` Newton-Schulz iterations
+    of ``4 m^2 n + 2 m^3`` FLOPs for an (m, n) matrix, m <= n), at the compute dtype's matmul rate; expert matrices
+    are whole on their rank (only its own experts). 0 under an optimizer without such a step (AdamW)."""
+    entry = optimizer_entry(workload.optimizer)
+    if entry.matrix_step_flops is None:
         return 0.0
+    settings = workload.optimizer_settings or entry.settings()
     rate = (hw.peak_tflops if compute_bytes(workload) == 2 else hw.fp32_tflops) * 1e12 * hw.matmul_efficiency
     group = layout.fsdp_size * layout.tp
     one_block = 0.0
@@ -322,8 +326,7 @@ def muon_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardw
         if not spec.muon:
             continue
         rows, cols = spec.shape[-2:]
-        small, large = min(rows, cols), max(rows, cols)
-        matrix_flops = workload.muon_ns_steps * (4 * small * small * large + 2 * small**3)
+        matrix_flops = entry.matrix_step_flops(settings, rows, cols)
         if spec.expert:
             local = spec.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep)
             one_block += local // (rows * cols) * matrix_flops / rate

@@ -40,6 +40,7 @@ from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
+from meshtron.train.optim.registry import check_optimizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -79,7 +80,7 @@ class RunSetup:
     tokenizer: ByteTokenizer | HFTokenizer
     hf_config: PretrainedConfig
     precision: PrecisionPolicy
-    """``train.mixed_precision`` resolved (meshtron.distributed.precision)."""
+    """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
     compiled: bool
     """``train.compile`` resolved: the decoder blocks and the fused loss's chunks are compiled."""
     attention_kernel: str
@@ -182,6 +183,7 @@ def check_data_sources(data) -> list[str]:
 
 def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
+    check_optimizer(cfg.optimizer)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     micro, accumulation = micro_batch_plan(cfg, dims)
     check_data_parallel(cfg.fsdp, dims)
@@ -212,8 +214,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         micro_batch_size=cfg.train.micro_batch_size,
         device_type=device_type,
     )
-    check_router_balance(cfg.train.router_balance, hf_config)
-    router_loss_enabled(cfg.train.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
+    check_router_balance(cfg.moe.router_balance, hf_config)
+    router_loss_enabled(cfg.moe.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     rank = int(os.environ.get("RANK", "0"))
     by_rank_0 = world_size > 1 and launched_by_torchrun()  # the other ranks learn it from rank 0 (agree_resume_point)

@@ -19,15 +19,23 @@ import os
 from pathlib import Path
 
 from meshtron.checkpoint.manager import read_meta
-from meshtron.config import Config, TrainConfig, load_config, to_toml
+from meshtron.config import Config, load_config, to_toml
 from meshtron.errors import MeshtronError
 from meshtron.metrics.runs import RUN_INFO, run_segments
 from meshtron.train.optim.build import lr_at
 
 CONFIG = "config.toml"
 SEGMENT_CONFIG = "config-from-step-{:08d}.toml"
-SCHEDULE_KEYS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "decay_fraction", "decay_shape")
-"""The train settings the learning rate at a step depends on (meshtron.train.optim.build.lr_at)."""
+SCHEDULE_KEYS = (
+    "train.steps",
+    "optimizer.lr",
+    "schedule.min_lr",
+    "schedule.warmup_steps",
+    "schedule.kind",
+    "schedule.decay_fraction",
+    "schedule.decay_shape",
+)
+"""The settings the learning rate at a step depends on (meshtron.train.optim.build.lr_at)."""
 
 
 def start_segment(cfg: Config, output_dir: Path, setup, world_size: int) -> None:
@@ -109,27 +117,32 @@ def resume_run(resumable, setup, logger) -> int:
         logger.message(f"meshtron: {line}; skipped it")
     logger.message(f"meshtron: resumed from {setup.resume_from} (step {meta['step']}, saved as {meta['layout']})")
     if logger.enabled:
-        saved = _saved_train_config(setup.resume_from)
+        saved = _saved_config(setup.resume_from)
         saved_lr = meta["scheduler"].get("_last_lr", [None])[0]  # the rate the checkpointed run would train on with
         if saved_lr is None and saved is not None:
             saved_lr = lr_at(meta["step"], saved)
         lr = resumable.scheduler.optimizer.param_groups[0]["lr"]
-        warning = schedule_change_warning(saved, resumable.cfg.train, meta["step"], saved_lr, lr)
+        warning = schedule_change_warning(saved, resumable.cfg, meta["step"], saved_lr, lr)
         if warning is not None:
             logger.message(warning)
     return meta["step"]
 
 
-def _saved_train_config(checkpoint: Path) -> TrainConfig | None:
-    """The ``[train]`` settings of the run that saved ``checkpoint`` (its config.toml), None if unreadable."""
+def _saved_config(checkpoint: Path) -> Config | None:
+    """The settings of the run that saved ``checkpoint`` (its config.toml), None if unreadable."""
     try:
-        return load_config(Path(checkpoint) / CONFIG, env={}).train
+        return load_config(Path(checkpoint) / CONFIG, env={})
     except (MeshtronError, OSError):
         return None
 
 
+def _setting(cfg: Config, dotted: str):
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(cfg, section), key)
+
+
 def schedule_change_warning(
-    saved: TrainConfig | None, current: TrainConfig, step: int, saved_lr: float | None, lr: float
+    saved: Config | None, current: Config, step: int, saved_lr: float | None, lr: float
 ) -> str | None:
     """The warning of a resume after ``step`` steps whose learning rate ``lr`` differs from ``saved_lr``, the one
     the checkpointed run (its settings ``saved``, None when unknown) would have trained step ``step + 1`` with; None
@@ -137,12 +150,12 @@ def schedule_change_warning(
     if saved_lr is None or math.isclose(saved_lr, lr, rel_tol=1e-6, abs_tol=1e-12):
         return None
     changed = [
-        f"train.{key} {getattr(saved, key)} -> {getattr(current, key)}"
+        f"{key} {_setting(saved, key)} -> {_setting(current, key)}"
         for key in SCHEDULE_KEYS
-        if saved is not None and getattr(saved, key) != getattr(current, key)
+        if saved is not None and _setting(saved, key) != _setting(current, key)
     ]
-    same_kind = saved is None or saved.lr_schedule == current.lr_schedule
-    schedule = f"the {current.lr_schedule} schedule" if same_kind else "the schedule"
+    same_kind = saved is None or saved.schedule.kind == current.schedule.kind
+    schedule = f"the {current.schedule.kind} schedule" if same_kind else "the schedule"
     return (
         f"meshtron: warning: {', '.join(changed) or 'the learning-rate settings'} "
         f"change{'s' if len(changed) == 1 else ''} {schedule}: lr at step {step + 1} "

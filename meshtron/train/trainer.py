@@ -156,8 +156,8 @@ def run_session(
     policy = setup.precision
     built = build_model(cfg, runtime, setup, meshes, split, policy)
     model = built.model
-    optimizer = build_optimizer(model, cfg.train, built.parts, built.adapter, policy.compute_dtype)
-    scheduler = build_scheduler(optimizer, cfg.train)
+    optimizer = build_optimizer(model, cfg.optimizer, built.parts, built.adapter, policy.compute_dtype)
+    scheduler = build_scheduler(optimizer, cfg)
     step_context = StepContext(
         dp_rank=_dp_rank(meshes, dims),
         setup=setup,

@@ -9,44 +9,24 @@ import math
 import torch
 from torch import nn
 
-from meshtron.config import TrainConfig
-from meshtron.train.optim.muon import MuonAdamW, muon_parameters
-
-FUSED_DEVICES = ("cpu", "cuda")
-"""Devices whose fused AdamW kernel meshtron uses (one kernel per parameter group instead of a dozen
-foreach ops): on the CPU it takes about a third of the foreach step's time."""
+from meshtron.config import Config, OptimizerConfig
+from meshtron.train.optim.registry import optimizer_entry, optimizer_settings
 
 
 def build_optimizer(
-    model: nn.Module, cfg: TrainConfig, parts=None, adapter=None, compute_dtype: torch.dtype | None = None
-) -> torch.optim.AdamW:
-    """AdamW (``train.optimizer=adamw``); weight decay applies to 2-D+ parameters (matrices, embeddings), not to norms
-    or biases. With ``train.optimizer=muon``, Muon for the decoder blocks' matrices of ``parts`` (the model, or this
-    rank's pipeline stages; ``adapter``: their family's) and AdamW for the rest (meshtron.train.optim.muon); its
-    Newton-Schulz iterations run in bf16 when ``compute_dtype`` (the mixed precision's) is bf16, else in float32.
+    model: nn.Module, cfg: OptimizerConfig, parts=None, adapter=None, compute_dtype: torch.dtype | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer.name`` names (meshtron.train.optim.registry) over the trained parameters of
+    ``model``: AdamW (weight decay on 2-D+ parameters, matrices and embeddings, not on norms or biases), or Muon for
+    the decoder blocks' matrices of ``parts`` (the model, or this rank's pipeline stages; ``adapter``: their
+    family's) and AdamW for the rest; Muon's Newton-Schulz runs in bf16 when ``compute_dtype`` (the mixed
+    precision's) is bf16, else in float32.
 
-    Fused on CPU and CUDA parameters, foreach elsewhere (the meta device of ``--dry-run``).
+    AdamW is fused on CPU and CUDA parameters, foreach elsewhere (the meta device of ``--dry-run``).
     """
-    muon = muon_parameters(parts or [model], adapter) if cfg.optimizer == "muon" else []
-    taken = {id(p) for p in muon}
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad and id(param) not in taken:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [  # an empty group (LoRA trains no norm) would break the checkpoint's flattened optimizer state
-        group
-        for group in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if group["params"]
-    ]
-    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in decay + no_decay)
-    kernel = {"fused": True} if fused else {"foreach": True}
-    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **kernel)
-    if cfg.optimizer == "muon":
-        ns_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
-        return MuonAdamW(
-            muon, groups, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, ns_dtype=ns_dtype, **adamw
-        )
-    return torch.optim.AdamW(groups, **adamw)
+    settings = optimizer_settings(cfg)
+    build = optimizer_entry(cfg.name).build
+    return build(model, cfg, settings, parts=parts, adapter=adapter, compute_dtype=compute_dtype)
 
 
 # How much of the way from lr down to min_lr is left at a fraction ``progress`` of the decay.
@@ -57,25 +37,27 @@ DECAY_FACTORS = {
 }
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: Config) -> float:
     """Learning rate for 0-based optimizer step ``step``: linear warmup over ``warmup_steps``, then
-    ``cfg.lr_schedule`` (docs/schedules.md). A function of the step and this run's settings only, so a run
+    ``schedule.kind`` (docs/schedules.md). A function of the step and this run's settings only, so a run
     resumed with a larger ``train.steps`` follows the longer schedule from where it is (WSD: a longer stable phase)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    if cfg.lr_schedule == "wsd":
-        decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
-        decay_start, shape = max(cfg.warmup_steps, cfg.steps - decay_steps), cfg.decay_shape
+    s, lr, steps = cfg.schedule, cfg.optimizer.lr, cfg.train.steps
+    if s.warmup_steps and step < s.warmup_steps:
+        return lr * (step + 1) / s.warmup_steps
+    if s.kind == "constant":
+        return lr
+    if s.kind == "wsd":
+        decay_steps = max(1, round(s.decay_fraction * steps))
+        decay_start, shape = max(s.warmup_steps, steps - decay_steps), s.decay_shape
     else:  # cosine or linear, over every step after the warmup
-        decay_start, shape = cfg.warmup_steps, cfg.lr_schedule
-    progress = min(1.0, max(0.0, (step - decay_start) / max(1, cfg.steps - decay_start)))
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * DECAY_FACTORS[shape](progress)
+        decay_start, shape = s.warmup_steps, s.kind
+    progress = min(1.0, max(0.0, (step - decay_start) / max(1, steps - decay_start)))
+    return s.min_lr + (lr - s.min_lr) * DECAY_FACTORS[shape](progress)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr if cfg.lr else 0.0)
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    lr = cfg.optimizer.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / lr if lr else 0.0)
 
 
 def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:

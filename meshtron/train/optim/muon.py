@@ -1,9 +1,9 @@
-"""Muon for the decoder blocks' matrices, AdamW for everything else (``train.optimizer=muon``).
+"""Muon for the decoder blocks' matrices, AdamW for everything else (``optimizer.name=muon``).
 
 Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is scalable for LLM training") keeps one momentum buffer per matrix
 and steps along its orthogonalized direction: five Newton-Schulz iterations turn the (Nesterov) momentum ``M`` into
 roughly ``U V^T`` of its singular value decomposition. The step is scaled by ``0.2 * sqrt(max(rows, cols))`` so that
-its RMS matches AdamW's, as Moonshot's recipe does, so one ``train.lr`` serves both, and weight decay is decoupled
+its RMS matches AdamW's, as Moonshot's recipe does, so one ``optimizer.lr`` serves both, and weight decay is decoupled
 (``p *= 1 - lr * weight_decay``). Muon takes the 2-D weights of the decoder blocks and, per expert, the 3-D expert
 weights of MoE blocks; AdamW takes the embeddings, the head, norms, biases and the MoE routers, as the Muon papers do.
 
@@ -29,7 +29,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshtron.config import OptimizerConfig
+from meshtron.errors import ConfigError
 from meshtron.tensors import dtensor_like
+from meshtron.train.optim.adamw import adamw_arguments, adamw_groups
 
 # Keller Jordan's quintic coefficients: fast convergence of the singular values towards ~1 (not exactly 1).
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -352,3 +355,51 @@ def muon_parameters(parts: list[nn.Module], adapter) -> list[nn.Parameter]:
             ]
     unique = {id(p): p for p in chosen}
     return list(unique.values())
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """``[optimizer.muon]``: Muon's own settings (docs/optimizers.md)."""
+
+    momentum: float = 0.95
+    """the momentum of Muon's (Nesterov) update, in [0, 1)."""
+    ns_steps: int = 5
+    """the Newton-Schulz iterations that orthogonalize the momentum."""
+
+    def validate(self) -> None:
+        if self.ns_steps < 1:
+            raise ConfigError(f"optimizer.muon.ns_steps: must be a positive integer, got {self.ns_steps}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optimizer.muon.momentum: must be in [0, 1), got {self.momentum}")
+
+
+def build_muon(
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    settings: MuonSettings,
+    *,
+    parts: list[nn.Module] | None = None,
+    adapter=None,
+    compute_dtype: torch.dtype | None = None,
+) -> MuonAdamW:
+    """Muon for the decoder blocks' matrices of ``parts`` (the model, or this rank's pipeline stages; ``adapter``:
+    their family's), AdamW for the rest; Newton-Schulz in bf16 when ``compute_dtype`` (the mixed precision's) is
+    bf16, else in float32."""
+    muon = muon_parameters(parts or [model], adapter)
+    groups = adamw_groups(model, cfg, {id(p) for p in muon})
+    ns_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+    return MuonAdamW(
+        muon,
+        groups,
+        momentum=settings.momentum,
+        ns_steps=settings.ns_steps,
+        ns_dtype=ns_dtype,
+        **adamw_arguments(cfg, groups),
+    )
+
+
+def newton_schulz_flops(settings: MuonSettings, rows: int, cols: int) -> float:
+    """Muon's step on one whole (rows, cols) matrix: ``ns_steps`` Newton-Schulz iterations of ``4 m^2 n + 2 m^3``
+    FLOPs, m <= n (the planner's estimate of its time, meshtron.plan.throughput)."""
+    small, large = min(rows, cols), max(rows, cols)
+    return settings.ns_steps * (4 * small * small * large + 2 * small**3)
