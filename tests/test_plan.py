@@ -971,3 +971,30 @@ def test_plan_defaults_seq_len_and_global_batch_and_shows_them(capsys):
     assert (workload["seq_len"], workload["global_batch"]) == (seq_len, batch)
     status, stdout, _ = plan_cli(capsys, "--model", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--top", "1")
     assert status == 0 and "seq 4096 (default) x global batch 8 = 32,768 tokens per step" in stdout
+
+
+def test_the_planner_costs_an_optimizer_from_its_registry_entry(monkeypatch):
+    """Workload.from_config carries the optimizer's own settings (optimizer.muon.ns_steps), which the step estimate
+    uses; the memory estimate takes the state copies from the registry entry, not from a branch on a name."""
+    from dataclasses import replace
+
+    from meshtron.config import load_config
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import estimate_memory
+    from meshtron.plan.throughput import matrix_step_s
+    from meshtron.train.optim import registry
+
+    hf_config, shape = _llama_1b()
+    single, hw = Layout(micro_batch=1), hardware("h100")
+    five, ten = (
+        Workload.from_config(load_config(None, ["optimizer.name=muon", f"optimizer.muon.ns_steps={n}"], env={}))
+        for n in (5, 10)
+    )
+    assert ten.optimizer_settings.ns_steps == 10
+    assert matrix_step_s(shape, single, ten, hw) == pytest.approx(2 * matrix_step_s(shape, single, five, hw))
+    adamw = Workload(seq_len=2048, global_batch=16)
+    one_copy = replace(registry.OPTIMIZERS["adamw"], state_copies=1)
+    monkeypatch.setitem(registry.OPTIMIZERS, "one-copy", one_copy)
+    two, one = (estimate_memory(shape, single, w).optimizer for w in (adamw, replace(adamw, optimizer="one-copy")))
+    assert two == 2 * one > 0
