@@ -714,10 +714,13 @@ def _set_all(cfg: Config, items: list[tuple[str, Any]], *, from_text: bool, sour
                 raise ConfigError(f"{dotted} and {new} are both set in {source}; {dotted} is the old name: keep {new}")
             if dotted not in _deprecation_noted:
                 _deprecation_noted.add(dotted)
-                warnings.warn(
-                    f"meshtron: {dotted} is now {new}; the old key works until the next release, then is an error",
+                # One line, saying where the key came from (no source line: lineno 0).
+                warnings.warn_explicit(
+                    f"{dotted} is now {new}; the old key works until the next release, then is an error",
                     FutureWarning,
-                    stacklevel=3,
+                    filename=source,
+                    lineno=0,
+                    module=__name__,
                 )
             dotted = new
         _set(cfg, dotted, value, from_text=from_text)

@@ -152,7 +152,7 @@ def test_an_old_key_in_a_toml_file_sets_the_new_one_with_a_note(tmp_path, fresh_
     assert (cfg.train.steps, cfg.optimizer.lr, cfg.schedule.kind, cfg.moe.router_balance) == (7, 0.01, "wsd", "bias")
     assert cfg.optimizer.settings == {"muon": {"ns_steps": 7}}
     lines = [str(note.message) for note in notes]
-    assert "meshtron: train.lr is now optimizer.lr; the old key works until the next release, then is an error" in lines
+    assert "train.lr is now optimizer.lr; the old key works until the next release, then is an error" in lines
     assert any("train.muon_ns_steps is now optimizer.muon.ns_steps" in line for line in lines)
     assert all("\n" not in line for line in lines) and len(lines) == 4
 
