@@ -200,13 +200,13 @@ def main() -> None:
     rank = dist.get_rank()
     checks: dict = {}
 
-    fsdp4 = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, world_size=WORLD)
+    fsdp4 = ParallelDims(dp_shard=4)
     meshes = fsdp4.build_mesh("cpu")
     ep2 = expert_meshes(meshes, 2)
     ep4 = expert_meshes(meshes, 4)
-    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, world_size=WORLD)
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2)
     hsdp_meshes = hsdp.build_mesh("cpu")
-    cp_dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=WORLD)
+    cp_dims = ParallelDims(dp_shard=2, cp=2)
     cp_meshes = cp_dims.build_mesh("cpu")
     cp_ep2 = expert_meshes(cp_meshes, 2)
     hsdp_ep2 = expert_meshes(hsdp_meshes, 2)

@@ -50,7 +50,7 @@ def test_experts_gathered_between_forwards_keep_fsdp_gradient_division():
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        meshes = ParallelDims(1, 1, 1, 1, 1, 1).build_mesh("cpu")
+        meshes = ParallelDims().build_mesh("cpu")
         meshes = expert_meshes(meshes, 1)
         block = copy.deepcopy(reference)
         block.zero_grad(set_to_none=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 
@@ -19,6 +17,8 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 def is_fake_group(group) -> bool:
     """Whether ``group`` is PyTorch's fake process group (a rehearsal, meshtron.plan.rehearsal): its collectives
     return at once and deliver nothing."""
+    import torch.distributed as dist
+
     return dist.get_backend(group) == "fake"
 
 
@@ -68,14 +68,15 @@ class Meshes:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees; their product is the world size."""
+    """Resolved degrees, the one layout type: ``ParallelConfig`` (what the user writes, ``dp_shard`` may be -1)
+    becomes one through ``from_config`` and goes back through ``to_config``; the planner's ``Layout`` and
+    ``meshtron check``'s rows hold one. Their product is the world size."""
 
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
     ep: int = 1
     """Expert-parallel degree, borrowed from ``dp_shard x cp`` (not a mesh dimension of its own)."""
 
@@ -90,7 +91,7 @@ class ParallelDims:
                     "change the degrees or the number of processes"
                 )
             dp_shard = world_size // fixed
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, world_size, cfg.ep)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep)
         if dims.product != world_size:
             raise ConfigError(
                 f"world size {world_size} != product of the parallel degrees "
@@ -106,9 +107,26 @@ class ParallelDims:
             )
         return dims
 
+    def to_config(self, **choices) -> ParallelConfig:
+        """These degrees as the ``[parallel]`` section a run uses; ``choices``: its other settings
+        (``sequence_parallel``, ``cp_method``, ``pp_schedule`` ...)."""
+        return ParallelConfig(
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            **choices,
+        )
+
     @property
     def product(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.product
 
     @property
     def dp(self) -> int:
