@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshtron.distributed.expert_parallel import all_to_all_traffic, apply_expert_parallel, expert_meshes, shard_experts
 from meshtron.distributed.grad_norm import global_grad_norm
-from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.mesh import Meshes, ParallelDims
 from meshtron.errors import ConfigError
 from meshtron.tensors import local_tensor
 
@@ -150,16 +150,18 @@ def check_ep(family: str, ep_mesh, use_grouped_mm, checks: dict, name: str) -> N
         }
 
 
-def check_fsdp_ep(family: str, meshes: dict, dims: ParallelDims, ep: int, checks: dict, name: str, policy=None) -> None:
+def check_fsdp_ep(
+    family: str, meshes: Meshes, dims: ParallelDims, ep: int, checks: dict, name: str, policy=None
+) -> None:
     """FSDP (or HSDP) x EP with meshtron's loss convention: full gradients equal one process's."""
     rank = dist.get_rank()
     want = reference(family, list(range(WORLD)))
     sub = expert_meshes(meshes, ep)
     block = build_block(family)
-    apply_expert_parallel(block.experts, sub["ep"])
+    apply_expert_parallel(block.experts, sub.ep)
     dp_cp = dims.dp * dims.cp
-    shard_experts(block.experts, sub["expert_fsdp"], dp_cp, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(block, mesh=meshes["fsdp"], reshard_after_forward=True, mp_policy=policy or MixedPrecisionPolicy())
+    shard_experts(block.experts, sub.expert_fsdp, dp_cp, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(block, mesh=meshes.fsdp, reshard_after_forward=True, mp_policy=policy or MixedPrecisionPolicy())
     x, cotangent = rank_data(rank)
     x.requires_grad_()
     out = block(x[None])[0]
@@ -198,13 +200,13 @@ def main() -> None:
     rank = dist.get_rank()
     checks: dict = {}
 
-    fsdp4 = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, world_size=WORLD)
+    fsdp4 = ParallelDims(dp_shard=4)
     meshes = fsdp4.build_mesh("cpu")
     ep2 = expert_meshes(meshes, 2)
     ep4 = expert_meshes(meshes, 4)
-    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, world_size=WORLD)
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2)
     hsdp_meshes = hsdp.build_mesh("cpu")
-    cp_dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=WORLD)
+    cp_dims = ParallelDims(dp_shard=2, cp=2)
     cp_meshes = cp_dims.build_mesh("cpu")
     cp_ep2 = expert_meshes(cp_meshes, 2)
     hsdp_ep2 = expert_meshes(hsdp_meshes, 2)
@@ -217,16 +219,16 @@ def main() -> None:
         ("dp_replicate2 dp_shard2 ep2", hsdp_ep2),
     ):
         for key in ("ep", "efsdp", "expert_fsdp"):
-            mesh_ranks[f"{label} {key}"] = sub[key].mesh.tolist()
+            mesh_ranks[f"{label} {key}"] = sub.get(key).mesh.tolist()
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, mesh_ranks)
     if rank == 0:
         checks["mesh ranks"] = gathered
 
     for family in ("qwen3_moe", "mixtral"):
-        check_ep(family, ep2["ep"], None, checks, "ep2")
-        check_ep(family, ep4["ep"], None, checks, "ep4")
-        check_ep(family, ep4["ep"], False, checks, "ep4 loop")
+        check_ep(family, ep2.ep, None, checks, "ep2")
+        check_ep(family, ep4.ep, None, checks, "ep4")
+        check_ep(family, ep4.ep, False, checks, "ep4 loop")
         check_fsdp_ep(family, meshes, fsdp4, 2, checks, "fsdp_ep2")
         check_fsdp_ep(family, meshes, fsdp4, 4, checks, "fsdp_ep4")
         check_fsdp_ep(family, hsdp_meshes, hsdp, 2, checks, "hsdp_ep2")
@@ -241,7 +243,7 @@ def main() -> None:
 
     cfg = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=8, num_experts=6, num_experts_per_tok=2)
     try:
-        apply_expert_parallel(Qwen3MoeExperts(cfg), ep4["ep"])
+        apply_expert_parallel(Qwen3MoeExperts(cfg), ep4.ep)
         checks["indivisible error"] = None
     except ConfigError as err:
         checks["indivisible error"] = str(err)

@@ -31,9 +31,12 @@ def test_more_processes_add_combinations_up_to_4_d():
     four = {layout.name for layout in layouts_for(4, "cpu")}
     assert {"hsdp2x2", "fsdp2_tp2", "cp2_tp2_ring", "pp2_tp2", "pp2_fsdp2", "ep2_tp2", "pp4", "tp4"} <= four
     for n in (4, 8, 16):
-        dims = [sum(d > 1 for d in (x.dp_replicate * x.dp_shard, x.tp, x.cp, x.pp)) for x in candidate_degrees(n)]
+        dims = [
+            sum(d > 1 for d in (x.dp_replicate * x.dp_shard, x.tp, x.cp, x.pp))
+            for x in (c.dims for c in candidate_degrees(n))
+        ]
         assert max(dims) == {4: 2, 8: 3, 16: 4}[n], n
-        for degrees in candidate_degrees(n):
+        for degrees in (c.dims for c in candidate_degrees(n)):
             assert degrees.dp_replicate * degrees.dp_shard * degrees.tp * degrees.cp * degrees.pp == n
 
 

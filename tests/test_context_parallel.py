@@ -306,6 +306,7 @@ def _no_sync(*args, **kwargs):
 def test_planner_charges_fused_tiles_on_cuda_and_fp32_ones_elsewhere():
     """On CUDA, CP attention runs at the compute-dtype rate (a cp layout computes as long as FSDP over the
     same ranks) and its transient buffers are (chunk x head dim); on CPU the fp32 rate and scores stay."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
@@ -316,7 +317,7 @@ def test_planner_charges_fused_tiles_on_cuda_and_fp32_ones_elsewhere():
     hf_config = make_preset_config("llama-1b", 259)
     shape, hw = ModelShape.from_hf_config(hf_config), hardware("h100")
     # the same rows per matmul (micro x seq / cp) and micro-batches per step, whose count the planner also charges
-    cp2, fsdp2 = Layout(cp=2, micro_batch=2), Layout(dp_shard=2, micro_batch=1)
+    cp2, fsdp2 = Layout(ParallelDims(cp=2), micro_batch=2), Layout(ParallelDims(dp_shard=2), micro_batch=1)
     runs = {d: Workload(seq_len=8192, global_batch=8, loss_chunk_size=0, device=d) for d in ("cuda", "cpu")}
     compute = {
         (d, name): estimate_step(shape, layout, w, hw, hf_config).compute_s

@@ -329,6 +329,7 @@ def test_lora_flops_skip_the_frozen_weight_gradients_and_add_the_adapters():
 
 
 def test_the_planner_gives_a_lora_run_less_compute_than_full_fine_tuning():
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.model_shape import ModelShape
@@ -336,7 +337,7 @@ def test_the_planner_gives_a_lora_run_less_compute_than_full_fine_tuning():
 
     hf = make_preset_config("llama-1b", 128256)
     workload = Workload(seq_len=2048, global_batch=8)
-    layout = Layout(dp_shard=8, micro_batch=1)
+    layout = Layout(ParallelDims(dp_shard=8), micro_batch=1)
     hw = hardware("h100")
     full = estimate_step(ModelShape.from_hf_config(hf), layout, workload, hw, hf)
     lora = estimate_step(ModelShape.from_hf_config(hf, lora=LoraConfig(rank=16)), layout, workload, hw, hf)

@@ -284,6 +284,7 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
     import json
 
     from meshtron.cli import main
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.layout import Layout
     from meshtron.plan.memory import loss_vocab
     from meshtron.plan.model_shape import ModelShape
@@ -311,8 +312,8 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
     candidates = json.loads(out[: out.rindex("}") + 1])["candidates"]
     assert {c["layout"]["tp"] for c in candidates} >= {2, 4, 8}
     shape = ModelShape.from_hf_config(config)
-    assert loss_vocab(shape, Layout(tp=8, loss_parallel=True)) == 6283  # ceil(50,257 / 8)
-    assert loss_vocab(shape, Layout(tp=8, loss_parallel=False)) == 50257
+    assert loss_vocab(shape, Layout(ParallelDims(tp=8), loss_parallel=True)) == 6283  # ceil(50,257 / 8)
+    assert loss_vocab(shape, Layout(ParallelDims(tp=8), loss_parallel=False)) == 50257
 
 
 # More decoder families (meshtron.models.families): the tiny presets built from each family's config class.

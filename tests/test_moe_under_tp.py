@@ -50,15 +50,15 @@ def test_experts_gathered_between_forwards_keep_fsdp_gradient_division():
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        meshes = ParallelDims(1, 1, 1, 1, 1, 1).build_mesh("cpu")
-        meshes.update(expert_meshes(meshes, 1))
+        meshes = ParallelDims().build_mesh("cpu")
+        meshes = expert_meshes(meshes, 1)
         block = copy.deepcopy(reference)
         block.zero_grad(set_to_none=True)
-        apply_expert_parallel(block.experts, meshes["ep"])
-        parallelize_module(block, meshes["world"]["tp"], ReplicatedBlockParallel(sequence_parallel=False))
+        apply_expert_parallel(block.experts, meshes.ep)
+        parallelize_module(block, meshes.tp, ReplicatedBlockParallel(sequence_parallel=False))
         # As under pipelining (and for the last block): FSDP keeps the parameters gathered after forward.
-        shard_experts(block.experts, meshes["expert_fsdp"], DIVIDE, reshard_after_forward=False)
-        fully_shard(block, mesh=meshes["fsdp"], reshard_after_forward=False)
+        shard_experts(block.experts, meshes.expert_fsdp, DIVIDE, reshard_after_forward=False)
+        fully_shard(block, mesh=meshes.fsdp, reshard_after_forward=False)
         with torch.no_grad():
             block(hidden)  # e.g. evaluation, or the previous pipeline microbatch: the experts stay gathered
         block(hidden).float().pow(2).sum().backward()

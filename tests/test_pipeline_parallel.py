@@ -158,6 +158,7 @@ def test_planner_pipeline_layouts_round_trip_through_train_micro_batch_size():
     """A planned pipeline layout is emitted with train.micro_batch_size (its microbatch), not
     parallel.pp_microbatches, and reads back as the same layout."""
     from meshtron.config import ModelConfig
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.report import train_config
@@ -165,8 +166,8 @@ def test_planner_pipeline_layouts_round_trip_through_train_micro_batch_size():
     hf_config = make_preset_config("llama-deep", 259)
     workload = Workload(seq_len=256, global_batch=32)
     for layout in (
-        Layout(dp_shard=2, pp=2, micro_batch=2),
-        Layout(pp=4, micro_batch=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
+        Layout(ParallelDims(dp_shard=2, pp=2), micro_batch=2),
+        Layout(ParallelDims(pp=4), micro_batch=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
     ):
         cfg = train_config(layout, workload, ModelConfig(preset="llama-deep"))
         assert cfg.train.micro_batch_size == layout.micro_batch and cfg.parallel.pp_microbatches is None

@@ -227,6 +227,7 @@ def _llama_1b():
 def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
     """One GPU, TP-only and PP-only layouts compute in bf16 like FSDP ones (precision.mixed_precision): bf16
     elements and the bf16 peak, not fp32's; a ``none`` workload is the fp32 one."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import block_activation_per_token, compute_bytes
@@ -244,7 +245,7 @@ def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
     # fp32 matmuls run at 67 of the bf16 989 TFLOP/s; the step's memory-bound kernels (optimizer, elementwise) barely
     # change, so the whole step is 5-15x slower
     assert mfu_bf16 > 0.25 and mfu_bf16 > 5 * mfu_fp32
-    for layout in (single, Layout(tp=2), Layout(pp=2, micro_batch=1)):
+    for layout in (single, Layout(ParallelDims(tp=2)), Layout(ParallelDims(pp=2), micro_batch=1)):
         assert not layout.fsdp_enabled
         ratio = block_activation_per_token(shape, layout, bf16) / block_activation_per_token(shape, layout, fp32)
         assert 0.5 <= ratio < 0.6, layout  # bf16 elements; only the norms' fp32 upcasts and the log-sum-exp stay
@@ -342,6 +343,7 @@ def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
     fsdp.accumulate_unsharded holds each rank's full tp-share of the gradients in fp32 (~35 GB) and
     reduce-scatters once. (tests/test_parity.py measures both against real runs.)"""
     from meshtron.config import ModelConfig
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
@@ -351,7 +353,7 @@ def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
 
     hf_config = make_preset_config("llama-70b", 257)
     shape = ModelShape.from_hf_config(hf_config, ModelConfig(preset="llama-70b"))
-    layout = Layout(dp_shard=8, tp=8, micro_batch=1)
+    layout = Layout(ParallelDims(dp_shard=8, tp=8), micro_batch=1)
     sharded, whole = (Workload(8192, 256, accumulate_unsharded=flag) for flag in (False, True))
     memory = {w: estimate_memory(shape, layout, w) for w in (sharded, whole)}
     assert memory[sharded].grads == memory[sharded].params  # fp32 shards, like the parameters
@@ -365,7 +367,7 @@ def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
     default_step, deferred_step = (estimate_step(shape, layout, w, hw, hf_config) for w in (sharded, whole))
     assert deferred_step.exposed_comm_s <= default_step.exposed_comm_s
     # A layout with one micro-batch per step is unaffected.
-    single = Layout(dp_shard=8, tp=8, micro_batch=4)
+    single = Layout(ParallelDims(dp_shard=8, tp=8), micro_batch=4)
     assert estimate_memory(shape, single, Workload(8192, 32)) == estimate_memory(
         shape, single, Workload(8192, 32, accumulate_unsharded=True)
     )
@@ -374,6 +376,7 @@ def test_accumulation_holds_gradient_shards_unless_asked_to_hold_them_whole():
 def test_document_mask_term_only_off_cuda():
     """SDPA's dense document mask (CPU) costs ``seq_len`` elements per token per block; FlexAttention's
     block mask (CUDA) nothing."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import block_activation_per_token
 
@@ -384,7 +387,7 @@ def test_document_mask_term_only_off_cuda():
     }
     assert per_device["cpu"] - per_device["cuda"] == 2 * 2048
     unmasked = Workload(2048, 8, mask_documents=False, device="cpu")
-    assert block_activation_per_token(shape, Layout(pp=2), unmasked) < per_device["cpu"]
+    assert block_activation_per_token(shape, Layout(ParallelDims(pp=2)), unmasked) < per_device["cpu"]
 
 
 @pytest.mark.parametrize(
@@ -496,6 +499,7 @@ def test_planner_proposes_expert_parallelism_for_big_experts(big_experts):
 def test_expert_degrees_follow_meshtrons_rules():
     """Only ep values meshtron accepts are proposed: dividing the experts (6 here) and dp_shard x cp; ep on a dense
     model, or one that does not divide the experts, is refused by meshtron's own checks (``Layout.check``)."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.errors import ConfigError
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
@@ -509,17 +513,18 @@ def test_expert_degrees_follow_meshtrons_rules():
     assert all(6 % layout.ep == 0 and layout.fsdp_size % layout.ep == 0 for layout in layouts)
     workload = Workload(seq_len=256, global_batch=16)
     with pytest.raises(ConfigError, match="must divide the model's 6 experts"):
-        Layout(dp_shard=8, ep=4).check(hf_config, workload)
+        Layout(ParallelDims(dp_shard=8, ep=4)).check(hf_config, workload)
     with pytest.raises(ConfigError, match=r"must divide parallel.dp_shard\*cp"):
-        Layout(dp_shard=2, tp=2, ep=4).check(_moe_config(), workload)
+        Layout(ParallelDims(dp_shard=2, tp=2, ep=4)).check(_moe_config(), workload)
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
-        Layout(dp_shard=2, ep=2).check(_llama_1b()[0], workload)
+        Layout(ParallelDims(dp_shard=2, ep=2)).check(_llama_1b()[0], workload)
 
 
 def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
     """Each candidate for a 4-layer qwen3moe-tiny on 8 GPUs, written as a train config, passes ``meshtron train``'s
     checks, and parallel.ep round-trips; pipelines with ep are proposed exactly where meshtron accepts them."""
     from meshtron.config import ModelConfig, load_config, to_toml
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.errors import ConfigError
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
@@ -555,7 +560,9 @@ def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
             assert Layout.from_config(loaded, 8, hf_config) == layout
     # ep with pp: proposed iff meshtron's preflight takes it.
     try:
-        preflight(train_config(Layout(dp_shard=4, pp=2, ep=4, micro_batch=1), workload, model_cfg), 8, "cuda")
+        preflight(
+            train_config(Layout(ParallelDims(dp_shard=4, pp=2, ep=4), micro_batch=1), workload, model_cfg), 8, "cuda"
+        )
         accepted = True
     except ConfigError:
         accepted = False
@@ -570,6 +577,7 @@ def test_all_to_all_time_grows_with_ep_and_is_zero_without(big_experts):
     import torch
 
     from meshtron.distributed.expert_parallel import all_to_all_traffic
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.throughput import estimate_step, expert_all_to_all_bytes
@@ -577,7 +585,10 @@ def test_all_to_all_time_grows_with_ep_and_is_zero_without(big_experts):
     hf_config, shape = big_experts
     hw = hardware("h100")
     workload = Workload(seq_len=4096, global_batch=64)
-    steps = {ep: estimate_step(shape, Layout(dp_shard=64, ep=ep), workload, hw, hf_config) for ep in (1, 2, 4, 8, 16)}
+    steps = {
+        ep: estimate_step(shape, Layout(ParallelDims(dp_shard=64, ep=ep)), workload, hw, hf_config)
+        for ep in (1, 2, 4, 8, 16)
+    }
     times = [steps[ep].all_to_all_s for ep in (1, 2, 4, 8, 16)]
     print("all-to-all s per step at ep 1, 2, 4, 8, 16: " + ", ".join(f"{t:.4f}" for t in times))
     assert times[0] == 0 and all(a < b for a, b in zip(times, times[1:]))
@@ -585,19 +596,24 @@ def test_all_to_all_time_grows_with_ep_and_is_zero_without(big_experts):
     assert all(s.exposed_comm_s >= s.all_to_all_s for s in steps.values())
 
     ep, tokens = 8, 4096  # one micro-batch of one sequence per rank, evenly routed (each rank owns 16 experts)
-    layout = Layout(dp_shard=64, ep=ep)
+    layout = Layout(ParallelDims(dp_shard=64, ep=ep))
     routing = [torch.arange(tokens * 8).remainder(128).view(tokens, 8) for _ in range(ep)]
     traffic = all_to_all_traffic(routing, 128, shape.hidden, 2)
     assert expert_all_to_all_bytes(shape, layout, workload) == pytest.approx(traffic.max_sent_bytes())
 
-    dense_fsdp = estimate_step(shape, Layout(dp_shard=64, micro_batch=1), Workload(4096, 64 * 16), hw, hf_config)
-    sharded = estimate_step(shape, Layout(dp_shard=64, micro_batch=1, ep=8), Workload(4096, 64 * 16), hw, hf_config)
+    dense_fsdp = estimate_step(
+        shape, Layout(ParallelDims(dp_shard=64), micro_batch=1), Workload(4096, 64 * 16), hw, hf_config
+    )
+    sharded = estimate_step(
+        shape, Layout(ParallelDims(dp_shard=64, ep=8), micro_batch=1), Workload(4096, 64 * 16), hw, hf_config
+    )
     assert sharded.exposed_comm_s - sharded.all_to_all_s <= dense_fsdp.exposed_comm_s
 
 
 def test_expert_parallel_memory():
     """ep changes no parameter, gradient or AdamW shard (E / ep experts over dp_shard x cp / ep ranks), gathers only
     E / ep experts per block, and keeps one more int64 per (token, expert) pair for backward."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import block_activation_per_token, estimate_memory, state_numel
     from meshtron.plan.model_shape import ModelShape
@@ -605,7 +621,7 @@ def test_expert_parallel_memory():
     hf_config = _moe_config()
     shape = ModelShape.from_hf_config(hf_config)
     workload = Workload(seq_len=256, global_batch=8)
-    plain, ep = Layout(dp_shard=4), Layout(dp_shard=4, ep=4)
+    plain, ep = Layout(ParallelDims(dp_shard=4)), Layout(ParallelDims(dp_shard=4, ep=4))
     assert state_numel(shape, plain, workload) == state_numel(shape, ep, workload)
     experts = sum(math.prod(p.shape) for p in shape.block if p.expert)
     fewer = estimate_memory(shape, plain, workload).gathered - estimate_memory(shape, ep, workload).gathered
@@ -673,6 +689,7 @@ AGREEMENT_CASES = [
 
 def _agreement(preset, degrees, settings):
     """(the planner's verdict on the layout, preflight's verdict on its emitted config: None or the error)."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.errors import ConfigError
     from meshtron.plan.cli import resolve_model
     from meshtron.plan.layout import Layout, Workload
@@ -682,7 +699,8 @@ def _agreement(preset, degrees, settings):
 
     hf_config, model_cfg = resolve_model(preset)
     workload = Workload(**{"seq_len": 256, "global_batch": 16, **settings})
-    layout = Layout(**degrees)
+    micro = {k: v for k, v in degrees.items() if k == "micro_batch"}
+    layout = Layout(ParallelDims(**{k: v for k, v in degrees.items() if k != "micro_batch"}), **micro)
     try:
         preflight(train_config(layout, workload, model_cfg), layout.world_size, workload.device)
         refusal = None
@@ -731,6 +749,7 @@ def test_muon_holds_one_buffer_per_block_matrix_and_costs_its_gathers_and_iterat
     sharded matrix's all-gather under FSDP / TP, nothing under AdamW."""
     from dataclasses import replace
 
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import estimate_memory, muon_numel, state_numel
@@ -750,8 +769,8 @@ def test_muon_holds_one_buffer_per_block_matrix_and_costs_its_gathers_and_iterat
         for name, layout, workload in (
             ("adamw", single, adamw),
             ("muon", single, muon),
-            ("muon-fsdp8", Layout(dp_shard=8, micro_batch=1), muon),
-            ("muon-tp8", Layout(tp=8, micro_batch=1), muon),
+            ("muon-fsdp8", Layout(ParallelDims(dp_shard=8), micro_batch=1), muon),
+            ("muon-tp8", Layout(ParallelDims(tp=8), micro_batch=1), muon),
         )
     }
     print("optimizer step:", {name: f"{seconds * 1e3:.1f} ms" for name, seconds in steps.items()})
@@ -763,6 +782,7 @@ def test_lora_plans_the_whole_model_but_gradients_and_adam_state_of_what_trains(
     and AdamW's moments are the adapters' only (2 x 4 bytes each in fp32), under one process and under TP4 (each
     adapter split like its projection: B of q_proj by rows, A of o_proj by columns)."""
     from meshtron.config import LoraConfig
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.memory import estimate_memory, state_numel, trained_numel
@@ -784,7 +804,7 @@ def test_lora_plans_the_whole_model_but_gradients_and_adam_state_of_what_trains(
     assert specs["self_attn.q_proj.lora_A.weight"].tp_dim(4, 8) is None
     assert specs["self_attn.o_proj.lora_A.weight"].tp_dim(4, 8) == 1
     assert specs["self_attn.o_proj.lora_B.weight"].tp_dim(4, 8) is None
-    tp4 = Layout(tp=4, micro_batch=1)
+    tp4 = Layout(ParallelDims(tp=4), micro_batch=1)
     assert trained_numel(lora, tp4, workload)[0] < per_block * layers / 2
 
 
@@ -815,6 +835,7 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
     """Context-parallel candidates come with ring and Ulysses (parallel.cp_method) where the heads split over cp
     (llama-small's 6 heads: cp 2 only); Ulysses' four all-to-alls per pass are on the critical path, ring's K/V
     steps hide behind attention: at 128k tokens ring wins, at 8k over 16 GPUs (two nodes) Ulysses does."""
+    from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.hardware import hardware
     from meshtron.plan.layout import Layout, Workload
@@ -836,7 +857,7 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
     shape = ModelShape.from_hf_config(big)
 
     def seconds(seq_len: int, method: str) -> float:
-        layout = Layout(cp=16, micro_batch=1, cp_method=method)
+        layout = Layout(ParallelDims(cp=16), micro_batch=1, cp_method=method)
         return estimate_step(shape, layout, Workload(seq_len=seq_len, global_batch=8), hw, big).seconds
 
     assert seconds(8192, "ulysses") < seconds(8192, "ring")

@@ -32,7 +32,7 @@ def counted_broadcast(*args, **kwargs):
 dist.broadcast = counted_broadcast
 seed_parallel_rng(meshes, 0)
 assert dtensor_random._rng_tracker is not None and not broadcasts
-x = distribute_tensor(torch.ones(4, 64, device="cuda"), meshes["world"]["tp"], [Replicate()])
+x = distribute_tensor(torch.ones(4, 64, device="cuda"), meshes.tp, [Replicate()])
 torch.nn.functional.dropout(x, 0.5)
 assert not broadcasts
 print("1 rng tracker made at start-up, dropout broadcasts nothing: ok")

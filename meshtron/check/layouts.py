@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtron.distributed.mesh import ParallelDims
+
 DENSE = "llama-tiny"
 DEEP = "llama-deep"  # 8 layers: pipelines of more than 2 stages
 MOE = "qwen3moe-tiny"  # 4 experts, top-2, a sparse block in both layers
@@ -48,66 +50,62 @@ class Layout:
     """What a difference means, for the final line (e.g. the device's kernels)."""
 
 
+OVERRIDDEN_DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+"""The degrees each run sets on its command line, in this order."""
+
+
 @dataclass(frozen=True)
 class Degrees:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    cp: int = 1
+    """A layout of the catalogue: its degrees, its context-parallel method and whether it runs the MoE model."""
+
+    dims: ParallelDims = ParallelDims()
     cp_method: str = "ring"
-    pp: int = 1
-    ep: int = 1
     moe: bool = False
 
     @property
     def model(self) -> str:
         if self.moe:
             return MOE
-        return DEEP if self.pp > LAYERS[DENSE] else DENSE
+        return DEEP if self.dims.pp > LAYERS[DENSE] else DENSE
 
     def name(self) -> str:
+        d = self.dims
         parts = []
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}")
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
-        elif self.dp_replicate > 1:
-            parts.append(f"ddp{self.dp_replicate}")
-        elif self.dp_shard > 1 and not (self.ep > 1 and self.dp_shard * self.cp == self.ep):
-            parts.append(f"fsdp{self.dp_shard}")
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}")
+        if d.ep > 1:
+            parts.append(f"ep{d.ep}")
+        if d.pp > 1:
+            parts.append(f"pp{d.pp}")
+        if d.dp_replicate > 1 and d.dp_shard > 1:
+            parts.append(f"hsdp{d.dp_replicate}x{d.dp_shard}")
+        elif d.dp_replicate > 1:
+            parts.append(f"ddp{d.dp_replicate}")
+        elif d.dp_shard > 1 and not (d.ep > 1 and d.dp_shard * d.cp == d.ep):
+            parts.append(f"fsdp{d.dp_shard}")
+        if d.cp > 1:
+            parts.append(f"cp{d.cp}")
+        if d.tp > 1:
+            parts.append(f"tp{d.tp}")
         name = "_".join(parts) or "fsdp1"
-        if self.cp > 1:
+        if d.cp > 1:
             name += f"_{self.cp_method}"
         return name
 
     def overrides(self) -> tuple[str, ...]:
-        settings = [
-            f"parallel.dp_replicate={self.dp_replicate}",
-            f"parallel.dp_shard={self.dp_shard}",
-            f"parallel.tp={self.tp}",
-            f"parallel.cp={self.cp}",
-            f"parallel.pp={self.pp}",
-            f"parallel.ep={self.ep}",
-        ]
-        if self.cp > 1:
+        settings = [f"parallel.{name}={getattr(self.dims, name)}" for name in OVERRIDDEN_DEGREES]
+        if self.dims.cp > 1:
             settings.append(f"parallel.cp_method={self.cp_method}")
         return tuple(settings)
 
     def valid(self) -> bool:
-        heads_per_rank = HEADS // self.tp if HEADS % self.tp == 0 else 0
+        d = self.dims
+        heads_per_rank = HEADS // d.tp if HEADS % d.tp == 0 else 0
         return (
             heads_per_rank > 0
-            and (self.cp_method != "ulysses" or heads_per_rank % self.cp == 0)
-            and (self.cp_method != "ring" or (self.cp <= MAX_RING_CP and SEQ_LEN % (2 * self.cp) == 0))
-            and LAYERS[self.model] % self.pp == 0
-            and EXPERTS % self.ep == 0
-            and (self.dp_shard * self.cp) % self.ep == 0
+            and (self.cp_method != "ulysses" or heads_per_rank % d.cp == 0)
+            and (self.cp_method != "ring" or (d.cp <= MAX_RING_CP and SEQ_LEN % (2 * d.cp) == 0))
+            and LAYERS[self.model] % d.pp == 0
+            and EXPERTS % d.ep == 0
+            and (d.dp_shard * d.cp) % d.ep == 0
         )
 
 
@@ -118,12 +116,12 @@ def _largest(n: int, limit: int, *, powers_of_two: bool = False) -> int:
     return max(d for d in candidates if n % d == 0)
 
 
-def _filled(n: int, **core) -> Degrees | None:
+def _filled(n: int, *, cp_method: str = "ring", moe: bool = False, **core) -> Degrees | None:
     """``core``'s degrees with the rest of ``n`` as FSDP; None when ``n`` cannot host them."""
     used = core.get("dp_replicate", 1) * core.get("tp", 1) * core.get("cp", 1) * core.get("pp", 1)
     if any(core.get(key, 1) < 1 for key in ("tp", "cp", "pp", "ep", "dp_replicate")) or n % used:
         return None
-    degrees = Degrees(dp_shard=n // used, **core)
+    degrees = Degrees(ParallelDims(dp_shard=n // used, **core), cp_method, moe)
     return degrees if degrees.valid() else None
 
 
@@ -133,7 +131,7 @@ def candidate_degrees(n: int) -> list[Degrees]:
     ring = _largest(n, MAX_RING_CP, powers_of_two=True)
     pp, ep = _largest(n, LAYERS[DEEP]), _largest(n, EXPERTS)
     catalogue = [
-        Degrees(dp_replicate=n, dp_shard=1),  # DDP
+        Degrees(ParallelDims(dp_replicate=n)),  # DDP
         _filled(n),  # FSDP over all ranks
         _filled(n, dp_replicate=2) if n >= 4 else None,  # HSDP
         _filled(n, tp=tp),

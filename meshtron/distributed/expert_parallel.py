@@ -26,6 +26,7 @@ data parallelism must reduce it only over the ranks holding the same experts (th
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from meshtron.distributed.mesh import Meshes
 from meshtron.errors import ConfigError
 from meshtron.models.experts import (
     combine,
@@ -53,13 +55,13 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 # ---------------------------------------------------------------------------------------------- meshes
 
 
-def expert_meshes(meshes: dict, ep: int) -> dict:
-    """The expert-parallel meshes, borrowed from ``dp_shard x cp``.
+def expert_meshes(meshes: Meshes, ep: int) -> Meshes:
+    """``meshes`` with the expert-parallel meshes, borrowed from ``dp_shard x cp``.
 
-    ``meshes``: what ``ParallelDims.build_mesh`` returns (needs ``world`` and ``dp_shard_cp``). The
+    ``meshes``: what ``ParallelDims.build_mesh`` returns (its ``world`` and ``dp_shard_cp`` are used). The
     flattened ``dp_shard_cp`` dim (size ``dp_shard * cp``) is split into ``(efsdp, ep)``, ``ep``
     innermost, so an EP group is ``ep`` consecutive ranks of ``dp_shard_cp`` (on GPUs: inside a node
-    when ``ep`` <= GPUs per node and tp == 1). Returns:
+    when ``ep`` <= GPUs per node and tp == 1). Sets:
 
     - ``ep``: the 1-D mesh the experts are sharded over (:func:`apply_expert_parallel`);
     - ``efsdp``: the 1-D mesh of the ranks that hold the *same* experts within ``dp_shard x cp``;
@@ -70,9 +72,9 @@ def expert_meshes(meshes: dict, ep: int) -> dict:
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    world = meshes["world"]
+    world = meshes.world
     names = world.mesh_dim_names
-    dp_shard_cp = meshes["dp_shard_cp"]
+    dp_shard_cp = meshes.dp_shard_cp
     size = dp_shard_cp.size()
     if ep < 1 or size % ep:
         raise ConfigError(
@@ -80,12 +82,12 @@ def expert_meshes(meshes: dict, ep: int) -> dict:
             "from the data-parallel shard and context-parallel ranks); change parallel.ep or parallel.dp_shard"
         )
     sparse = dp_shard_cp._unflatten(0, (size // ep, ep), ("efsdp", "ep"))
-    out = {"ep": sparse["ep"], "efsdp": sparse["efsdp"]}
+    efsdp = sparse["efsdp"]
     if "dp_replicate" in names and world.size(names.index("dp_replicate")) > 1:
-        out["expert_fsdp"] = DeviceMesh._concatenate([world["dp_replicate"], out["efsdp"]])
+        expert_fsdp = DeviceMesh._concatenate([world["dp_replicate"], efsdp])
     else:
-        out["expert_fsdp"] = out["efsdp"]
-    return out
+        expert_fsdp = efsdp
+    return dataclasses.replace(meshes, ep=sparse["ep"], efsdp=efsdp, expert_fsdp=expert_fsdp)
 
 
 def shard_experts(experts: nn.Module, expert_fsdp_mesh, gradient_divide_factor: float, **fully_shard_kwargs) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch.distributed as dist
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -15,19 +17,66 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 def is_fake_group(group) -> bool:
     """Whether ``group`` is PyTorch's fake process group (a rehearsal, meshtron.plan.rehearsal): its collectives
     return at once and deliver nothing."""
+    import torch.distributed as dist
+
     return dist.get_backend(group) == "fake"
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    """Resolved degrees; their product is the world size."""
+class Meshes:
+    """The meshes of a run (``ParallelDims.build_mesh``): the 5-D ``world`` mesh, its flattened groupings, the mesh
+    FSDP shards over and, under expert parallelism, the expert meshes (:func:`meshtron.distributed.expert_parallel.
+    expert_meshes`; None without EP)."""
 
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    world_size: int
+    world: DeviceMesh
+    """The 5-D mesh, dims ``MESH_DIMS``; ``pp``, ``tp``, ``cp`` below are its 1-D slices."""
+    dp: DeviceMesh
+    """``(dp_replicate, dp_shard)`` flattened: the data-parallel ranks."""
+    dp_shard_cp: DeviceMesh
+    """``(dp_shard, cp)`` flattened: the ranks FSDP shards over (without HSDP)."""
+    dp_cp: DeviceMesh
+    """``(dp_replicate, dp_shard, cp)`` flattened: the ranks a loss or router statistic is summed over."""
+    fsdp: DeviceMesh
+    """The mesh FSDP shards over: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)`` for HSDP."""
+    ep: DeviceMesh | None = None
+    """The 1-D mesh the experts are sharded over (expert parallelism)."""
+    efsdp: DeviceMesh | None = None
+    """The ranks of ``dp_shard x cp`` that hold the same experts."""
+    expert_fsdp: DeviceMesh | None = None
+    """The mesh FSDP shards expert parameters over: ``efsdp``, or ``(dp_replicate, efsdp)`` for HSDP."""
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.world["pp"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    def get(self, name: str) -> DeviceMesh | None:
+        """The mesh called ``name`` (a field or ``pp``, ``tp``, ``cp``)."""
+        if name not in {f.name for f in fields(self)} | {"pp", "tp", "cp"}:
+            raise KeyError(
+                f"no mesh named {name!r}; the meshes are {', '.join(f.name for f in fields(self))}, pp, tp, cp"
+            )
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees, the one layout type: ``ParallelConfig`` (what the user writes, ``dp_shard`` may be -1)
+    becomes one through ``from_config`` and goes back through ``to_config``; the planner's ``Layout`` and
+    ``meshtron check``'s rows hold one. Their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
     ep: int = 1
     """Expert-parallel degree, borrowed from ``dp_shard x cp`` (not a mesh dimension of its own)."""
 
@@ -42,7 +91,7 @@ class ParallelDims:
                     "change the degrees or the number of processes"
                 )
             dp_shard = world_size // fixed
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, world_size, cfg.ep)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep)
         if dims.product != world_size:
             raise ConfigError(
                 f"world size {world_size} != product of the parallel degrees "
@@ -58,9 +107,26 @@ class ParallelDims:
             )
         return dims
 
+    def to_config(self, **choices) -> ParallelConfig:
+        """These degrees as the ``[parallel]`` section a run uses; ``choices``: its other settings
+        (``sequence_parallel``, ``cp_method``, ``pp_schedule`` ...)."""
+        return ParallelConfig(
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            **choices,
+        )
+
     @property
     def product(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.product
 
     @property
     def dp(self) -> int:
@@ -75,9 +141,9 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
-    def build_mesh(self, device_type: str) -> dict:
-        """The 5-D named mesh (key ``world``), the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` meshes,
-        and ``fsdp``: the mesh FSDP shards over, ``dp_shard_cp`` or ``(dp_replicate, dp_shard_cp)`` for HSDP.
+    def build_mesh(self, device_type: str) -> Meshes:
+        """The named meshes (:class:`Meshes`): the 5-D mesh, the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp``
+        meshes, ``fsdp`` and, under expert parallelism, the expert meshes.
 
         Flattened meshes are kept here rather than sliced from the root later, which PyTorch deprecates.
         """
@@ -85,20 +151,17 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_DIMS)
         dp_shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        meshes = {
-            "world": mesh,
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": dp_shard_cp,
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-        }
-        if self.dp_replicate > 1:
-            meshes["fsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp])
-        else:
-            meshes["fsdp"] = dp_shard_cp
+        meshes = Meshes(
+            world=mesh,
+            dp=mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            dp_shard_cp=dp_shard_cp,
+            dp_cp=mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            fsdp=DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp]) if self.dp_replicate > 1 else dp_shard_cp,
+        )
         if self.ep > 1:  # ep, efsdp and expert_fsdp, split from dp_shard_cp
             from meshtron.distributed.expert_parallel import expert_meshes
 
-            meshes.update(expert_meshes(meshes, self.ep))
+            meshes = expert_meshes(meshes, self.ep)
         return meshes
 
     def describe(self) -> str:

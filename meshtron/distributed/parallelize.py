@@ -19,7 +19,7 @@ from meshtron.distributed.context_parallel import register_attention
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
 from meshtron.distributed.float8 import apply_float8
-from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.mesh import Meshes, ParallelDims
 from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.precision import PrecisionPolicy, apply_compute_casts
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
@@ -135,7 +135,7 @@ def parallelize(
     model: nn.Module,
     adapter: DecoderAdapter,
     dims: ParallelDims,
-    meshes,
+    meshes: Meshes | None,
     cfg: Config,
     device_type: str | None = None,
     *,
@@ -147,7 +147,7 @@ def parallelize(
     for each stage this rank holds (one, stage 0, without pipeline parallelism). ``device_type``, ``precision``,
     ``compiled``: see parallelize_model."""
     if dims.pp > 1:
-        stages = split_pipeline(model, adapter, cfg.parallel, meshes["world"]["pp"].get_local_rank())
+        stages = split_pipeline(model, adapter, cfg.parallel, meshes.pp.get_local_rank())
     else:
         stages = [(0, model)]
     return [
@@ -159,10 +159,10 @@ def parallelize(
     ]
 
 
-def _device_type(meshes, cfg: Config) -> str:
+def _device_type(meshes: Meshes | None, cfg: Config) -> str:
     """The mesh's device type, or in a single process the one ``run.device`` resolves to."""
     if meshes is not None:
-        return meshes["world"].device_type
+        return meshes.world.device_type
     from meshtron.distributed.devices import resolve_device_type
 
     return resolve_device_type(cfg.run.device, 1)
@@ -172,7 +172,7 @@ def parallelize_model(
     model: nn.Module,
     adapter: DecoderAdapter,
     dims: ParallelDims,
-    meshes,
+    meshes: Meshes | None,
     cfg: Config,
     device_type: str | None = None,
     *,
@@ -201,12 +201,12 @@ def parallelize_model(
             recipe=cfg.precision.float8_recipe,
         )
     if dims.ep > 1:  # before TP, whose replicated MoE block then leaves the (already sharded) experts alone
-        apply_expert_parallel_to_model(model, meshes["ep"])
+        apply_expert_parallel_to_model(model, meshes.ep)
     if dims.tp > 1:
         apply_tensor_parallel(
             model,
             adapter,
-            meshes["world"]["tp"],
+            meshes.tp,
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
             float8=cfg.precision.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
@@ -220,11 +220,11 @@ def parallelize_model(
         apply_fsdp(
             model,
             adapter,
-            meshes["fsdp"],
+            meshes.fsdp,
             cfg.fsdp,
             precision.fsdp_policy(),
             pipelined=dims.pp > 1,
-            expert_mesh=meshes.get("expert_fsdp"),
+            expert_mesh=meshes.expert_fsdp,
         )
     else:  # the same mixed-precision casts FSDP would do, at the same places
         apply_compute_casts(model, adapter, precision, compiled=compiled)

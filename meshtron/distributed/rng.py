@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from meshtron.distributed.mesh import Meshes
+
 SEED_MODULUS = 2**63
 
 
@@ -44,12 +46,12 @@ def dtensor_rng_supported(mesh) -> bool:
         return _random.is_rng_supported_mesh(mesh)
 
 
-def seed_parallel_rng(meshes: dict, seed: int) -> int:
+def seed_parallel_rng(meshes: Meshes, seed: int) -> int:
     """Seed this rank's generators (``rank_seed``) and make DTensor's RNG tracker, with no collective; call it on
     every rank once the meshes exist, before any forward. Returns the seed."""
     from torch.distributed.tensor import _random
 
-    world = meshes["world"]
+    world = meshes.world
     chosen = rank_seed(seed, world.get_coordinate(), tuple(world.shape))
     torch.manual_seed(chosen)
     if dtensor_rng_supported(world):

@@ -22,6 +22,7 @@ from torch import nn
 
 from meshtron.config import ParallelConfig
 from meshtron.distributed.grad_norm import DUPLICATE_GRADIENT
+from meshtron.distributed.mesh import Meshes
 from meshtron.distributed.pipeline_parallel import TIED_WEIGHTS, local_stage_ids, stages_per_rank
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
@@ -104,7 +105,7 @@ def pair_groups(pairs: list[tuple[int, int]]):
 
 
 def tied_embedding_sync(
-    parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes
+    parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes: Meshes
 ) -> TiedEmbeddingSync | None:
     """The gradient sum of a tied model's pipeline stages on this rank (None when the model is untied).
 
@@ -124,7 +125,7 @@ def tied_embedding_sync(
         raise MeshtronError(f"pipeline stages: '{embedding_name}' or '{head_name}' not found on their stage")
     group = None
     if first_rank != last_rank:
-        ranks = meshes["world"].mesh  # (pp, dp_replicate, dp_shard, cp, tp)
+        ranks = meshes.world.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
         group = pair_groups(list(zip(ranks[first_rank].flatten().tolist(), ranks[last_rank].flatten().tolist())))
     if group is None:
         for embedding, head in zip(embeddings, heads):
@@ -137,7 +138,9 @@ def tied_embedding_sync(
     return TiedEmbeddingSync(embeddings, heads, group)
 
 
-def attach_tied_embedding_sync(runner, parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes):
+def attach_tied_embedding_sync(
+    runner, parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, meshes: Meshes
+):
     """Make the pipeline runner end each step's forward and backward with the tied gradient sum, before the
     gradient norm, clipping and the optimizer; returns the sync (None when the model is untied)."""
     runner.tied_gradients = tied_embedding_sync(parts, stage_ids, cfg, meshes)

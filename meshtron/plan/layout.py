@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.config import Config, ParallelConfig
+from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
 from meshtron.train.optim.registry import optimizer_settings
 
@@ -98,15 +99,27 @@ class Workload:
         )
 
 
+PARALLEL_CHOICES = (
+    "sequence_parallel",
+    "loss_parallel",
+    "cp_method",
+    "pp_schedule",
+    "pp_first_stage_layers",
+    "pp_last_stage_layers",
+    "pp_stage_layers",
+)
+"""The ``[parallel]`` settings a Layout holds under the same name (besides its degrees, ``dims``)."""
+
+
 @dataclass(frozen=True)
 class Layout:
-    """One way to run a workload: the five degrees, the per-forward batch and the memory policies."""
+    """One way to run a workload: the degrees (``dims``), the per-forward batch and the memory policies."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    pp: int = 1
+    dims: ParallelDims = ParallelDims()
+    """The degrees, as meshtron resolves them; ``dims.ep`` is the expert-parallel degree (``parallel.ep``, mixtures
+    of experts only): ranks borrowed from ``dp_shard x cp``, each holding ``E / ep`` experts and receiving the
+    tokens routed to them (meshtron.distributed.expert_parallel). Not a mesh dimension: the world size does not
+    change."""
     micro_batch: int = 1
     """Sequences per forward on each data-parallel rank (a pipeline microbatch under pp > 1)."""
     activation_checkpointing: str = "none"
@@ -118,18 +131,30 @@ class Layout:
     pp_first_stage_layers: int | None = None
     pp_last_stage_layers: int | None = None
     pp_stage_layers: str | None = None
-    ep: int = 1
-    """Expert-parallel degree (``parallel.ep``, mixtures of experts only): ranks borrowed from
-    ``dp_shard x cp``, each holding ``E / ep`` experts and receiving the tokens routed to them
-    (meshtron.distributed.expert_parallel). Not a mesh dimension: the world size does not change."""
 
     @property
-    def dims(self):
-        """The degrees as meshtron's ParallelDims, which owns what they imply (dp, whether FSDP is on)."""
-        from meshtron.distributed.mesh import ParallelDims
+    def dp_replicate(self) -> int:
+        return self.dims.dp_replicate
 
-        world = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, world, self.ep)
+    @property
+    def dp_shard(self) -> int:
+        return self.dims.dp_shard
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
 
     @property
     def world_size(self) -> int:
@@ -162,22 +187,10 @@ class Layout:
         return self.local_batch(workload) // self.micro_batch
 
     def parallel_config(self, workload: Workload | None = None) -> ParallelConfig:
-        return ParallelConfig(
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            tp=self.tp,
-            cp=self.cp,
-            pp=self.pp,
-            sequence_parallel=self.sequence_parallel,
-            loss_parallel=self.loss_parallel,
-            cp_method=self.cp_method,
-            pp_schedule=self.pp_schedule,
+        return self.dims.to_config(
+            **{name: getattr(self, name) for name in PARALLEL_CHOICES},
             pp_stages_per_rank=self.pp_stages_per_rank if self.pp > 1 else None,
             pp_microbatches=self.microbatches(workload) if workload is not None and self.pp > 1 else None,
-            pp_first_stage_layers=self.pp_first_stage_layers,
-            pp_last_stage_layers=self.pp_last_stage_layers,
-            pp_stage_layers=self.pp_stage_layers,
-            ep=self.ep,
         )
 
     def check(self, hf_config, workload: Workload) -> None:
@@ -185,7 +198,6 @@ class Layout:
         ``workload``: the degrees (``ParallelDims.from_config``: their product, ``ep`` dividing ``dp_shard x cp``)
         and ``check_layout``, the checks preflight runs (family, experts, context, attention, pipeline, tensor)."""
         from meshtron.distributed.layout_checks import check_layout
-        from meshtron.distributed.mesh import ParallelDims
 
         parallel = self.parallel_config(workload)
         check_layout(
@@ -203,7 +215,6 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":
         """The layout a meshtron run of ``cfg`` on ``world_size`` processes uses (degrees and batch resolved)."""
-        from meshtron.distributed.mesh import ParallelDims
         from meshtron.distributed.pipeline_parallel import check_pipeline, stages_per_rank
         from meshtron.train.preflight import micro_batch_plan
 
@@ -214,20 +225,9 @@ class Layout:
             microbatches = check_pipeline(p, hf_config, micro, cfg.train.micro_batch_size)
             micro = micro // microbatches
         return cls(
-            dp_replicate=dims.dp_replicate,
-            dp_shard=dims.dp_shard,
-            cp=dims.cp,
-            tp=dims.tp,
-            pp=dims.pp,
+            dims,
             micro_batch=micro,
             activation_checkpointing=cfg.train.activation_checkpointing,
-            sequence_parallel=p.sequence_parallel,
-            loss_parallel=p.loss_parallel,
-            cp_method=p.cp_method,
-            pp_schedule=p.pp_schedule,
             pp_stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
-            pp_first_stage_layers=p.pp_first_stage_layers,
-            pp_last_stage_layers=p.pp_last_stage_layers,
-            pp_stage_layers=p.pp_stage_layers,
-            ep=dims.ep,
+            **{name: getattr(p, name) for name in PARALLEL_CHOICES},
         )

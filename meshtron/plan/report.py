@@ -15,10 +15,17 @@ from meshtron.plan.search import AC_MODES, Candidate
 GB = 1e9
 
 
+def layout_record(layout: Layout) -> dict:
+    """The layout as ``meshtron plan --json`` writes it: its degrees and its other fields in one flat record."""
+    fields = dataclasses.asdict(layout)
+    dims = fields.pop("dims")
+    return {**{k: v for k, v in dims.items() if k != "ep"}, **fields, "ep": dims["ep"]}
+
+
 def candidate_record(c: Candidate, gpus: int) -> dict:
     m, s = c.memory, c.step
     return {
-        "layout": dataclasses.asdict(c.layout),
+        "layout": layout_record(c.layout),
         "fits": c.fits,
         "memory_gb": {
             "params": m.params / GB,

@@ -6,6 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import Layout, Workload
@@ -87,17 +88,12 @@ def candidate_layouts(
                                 ("ring", "ulysses") if cp > 1 else ("ring",),
                             ):
                                 layout = Layout(
-                                    dp_replicate,
-                                    dp_shard,
-                                    cp,
-                                    tp,
-                                    pp,
+                                    ParallelDims(dp_replicate, dp_shard, cp, tp, pp, ep),
                                     micro,
                                     ac,
                                     cp_method=method,
                                     pp_schedule=schedule,
                                     pp_stages_per_rank=per_rank,
-                                    ep=ep,
                                 )
                                 if _valid(hf_config, layout, workload):
                                     layouts.append(layout)

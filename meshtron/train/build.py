@@ -11,6 +11,7 @@ from torch import nn
 
 from meshtron.config import Config
 from meshtron.distributed.data_parallel import parameter_device
+from meshtron.distributed.mesh import Meshes
 from meshtron.distributed.parallelize import parallelize
 from meshtron.distributed.precision import PrecisionPolicy
 from meshtron.distributed.runtime import Runtime
@@ -40,11 +41,11 @@ class BuiltModel:
     """The pipeline-parallel process group (pp > 1), else None."""
 
 
-def sequence_split(meshes: dict | None, setup: RunSetup, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
+def sequence_split(meshes: Meshes | None, setup: RunSetup, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
     dims = setup.dims
     cp_rank, cp_group = 0, None
     if dims.cp > 1:
-        cp_mesh = meshes["world"]["cp"]
+        cp_mesh = meshes.cp
         cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
     return SequenceSplit(
         dims.cp,
@@ -59,7 +60,7 @@ def sequence_split(meshes: dict | None, setup: RunSetup, cfg: Config, eos_token_
 
 
 def build_model(
-    cfg: Config, runtime: Runtime, setup: RunSetup, meshes: dict | None, split: SequenceSplit, policy: PrecisionPolicy
+    cfg: Config, runtime: Runtime, setup: RunSetup, meshes: Meshes | None, split: SequenceSplit, policy: PrecisionPolicy
 ) -> BuiltModel:
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1.
     Under ``precision.float8`` a run that does not resume computes its float8 weight scales from the initial weights
@@ -101,7 +102,7 @@ def build_model(
         )
         # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
         attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
-        built = BuiltModel(model, parts, adapter, runner, meshes["world"]["pp"].get_group())
+        built = BuiltModel(model, parts, adapter, runner, meshes.pp.get_group())
     if cfg.precision.float8 and not setup.resume_from:
         from meshtron.distributed.float8 import refresh_float8_scales
 

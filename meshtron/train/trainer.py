@@ -21,7 +21,7 @@ from meshtron.config import Config
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
-from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.mesh import Meshes, ParallelDims
 from meshtron.distributed.rng import seed_parallel_rng
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
@@ -107,9 +107,9 @@ def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
     return Path(chosen[0]), chosen[1]
 
 
-def _dp_rank(meshes: dict | None, dims: ParallelDims) -> int:
+def _dp_rank(meshes: Meshes | None, dims: ParallelDims) -> int:
     """This rank's index among the data-parallel ranks (which slice of the global batch it trains on)."""
-    return meshes["dp"].get_local_rank() if meshes is not None and dims.dp > 1 else 0
+    return meshes.dp.get_local_rank() if meshes is not None and dims.dp > 1 else 0
 
 
 def train(

@@ -43,6 +43,7 @@ from meshtron.models.moe import ROUTER_BIAS as BIAS
 from meshtron.tensors import local_tensor
 
 if TYPE_CHECKING:
+    from meshtron.distributed.mesh import Meshes
     from meshtron.train.preflight import RunSetup
 
 
@@ -221,14 +222,14 @@ def check_router_balance(setting: str, hf_config) -> None:
 
 
 def build_router_balance(
-    parts, setup: RunSetup, cfg, meshes, device: torch.device | None = None
+    parts, setup: RunSetup, cfg, meshes: Meshes | None, device: torch.device | None = None
 ) -> RouterBalance | None:
     """The run's RouterBalance under ``moe.router_balance=bias`` (None otherwise); ``parts``: this rank's model
     parts (its pipeline stages); ``device``: the run's compute device."""
     dims = setup.dims
     if resolve_router_balance(cfg.moe.router_balance, setup.hf_config) != "bias":
         return None
-    group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
-    pp_group = meshes["world"]["pp"].get_group() if dims.pp > 1 else None
+    group = meshes.dp_cp.get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
+    pp_group = meshes.pp.get_group() if dims.pp > 1 else None
     forwards = setup.batch.pp_microbatches if dims.pp > 1 else None
     return RouterBalance(parts, setup.hf_config, cfg.moe.router_bias_rate, group, pp_group, forwards, device)

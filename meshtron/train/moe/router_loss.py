@@ -50,6 +50,7 @@ from meshtron.errors import ConfigError
 from meshtron.models.moe import experts_per_token, has_own_router_bias, is_moe, moe_blocks, num_experts, router_of
 
 if TYPE_CHECKING:
+    from meshtron.distributed.mesh import Meshes
     from meshtron.train.preflight import RunSetup
 
 
@@ -233,12 +234,12 @@ def router_coef(hf_config) -> float:
     return float(getattr(hf_config, "router_aux_loss_coef", 0.001))
 
 
-def build_router_loss(model, setup: RunSetup, cfg, meshes) -> RouterLoss | None:
+def build_router_loss(model, setup: RunSetup, cfg, meshes: Meshes | None) -> RouterLoss | None:
     """The run's RouterLoss, or None when moe.router_aux_loss leaves it off (a dense model, or auto with
     the model config's output_router_logits false) or pipeline stages compute it
     (meshtron.train.moe.pipeline_router_loss)."""
     dims, hf_config = setup.dims, setup.hf_config
     if dims.pp > 1 or not router_loss_enabled(cfg.moe.router_aux_loss, hf_config):
         return None
-    group = meshes["dp_cp"].get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
+    group = meshes.dp_cp.get_group() if meshes is not None and dims.dp * dims.cp > 1 else None
     return RouterLoss(model, hf_config, router_coef(hf_config), group)

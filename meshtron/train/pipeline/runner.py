@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     from meshtron.config import Config
+    from meshtron.distributed.mesh import Meshes
     from meshtron.models.adapter import DecoderAdapter
     from meshtron.train.preflight import RunSetup
 
@@ -140,7 +141,7 @@ def build_pipeline_runner(
     adapter: DecoderAdapter,
     cfg: Config,
     setup: RunSetup,
-    meshes,
+    meshes: Meshes,
     device: torch.device,
     split: SequenceSplit,
     compute_dtype: torch.dtype | None = None,
@@ -157,9 +158,9 @@ def build_pipeline_runner(
     from torch.distributed.pipelining import PipelineStage
 
     dims = setup.dims
-    pp_mesh = meshes["world"]["pp"]
+    pp_mesh = meshes.pp
     num_stages = len(split_layers(setup.hf_config.num_hidden_layers, cfg.parallel))
-    tp_mesh = meshes["world"]["tp"] if dims.tp > 1 and cfg.parallel.sequence_parallel else None
+    tp_mesh = meshes.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else None
     hf_config = setup.hf_config
     routes = router_loss_enabled(cfg.moe.router_aux_loss, hf_config)
     pipeline_stages = []
@@ -215,7 +216,7 @@ def build_pipeline_runner(
         stage_inputs=stage_inputs,
     )
     if routes:
-        dp_cp = meshes["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
+        dp_cp = meshes.dp_cp.get_group() if dims.dp * dims.cp > 1 else None
         runner.router = PipelineRouterLoss(router_coef(hf_config), num_experts(hf_config), moe_layers, dp_cp)
     runner.schedule = pipeline_schedule(pipeline_stages, cfg.parallel, setup.batch.pp_microbatches, runner.loss_fn)
     return nn.ModuleList([module for _, module in stages]), runner
