@@ -58,3 +58,14 @@ def test_each_pytest_worker_launches_on_ports_of_its_own(monkeypatch):
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
     first_ephemeral = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
     assert max(set().union(*ranges)) < first_ephemeral and 29500 not in set().union(*ranges)
+
+
+def test_the_command_line_imports_no_torch_until_a_command_needs_it():
+    """``meshtron --help``, ``meshtron data ...`` and the argument parsing of every command import neither torch nor
+    transformers (seconds of CPU and ~250 MB that `meshtron data prepare`'s memory bound has no room for)."""
+    import subprocess
+
+    probe = "import sys, meshtron.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -11,6 +11,7 @@ from torch import nn
 
 from meshtron.config import ParallelConfig
 from meshtron.distributed import tied_embeddings
+from meshtron.distributed.mesh import Meshes
 from meshtron.distributed.pipeline_parallel import TIED_WEIGHTS
 
 
@@ -52,7 +53,8 @@ def test_one_world_wide_call_creates_every_tied_pair(fake_world, monkeypatch, sp
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "split_group", split_group, raising=False)
     monkeypatch.setattr(tied_embeddings, "can_split_groups", lambda: splits)
-    meshes = {"world": type("Mesh", (), {"mesh": torch.arange(4).view(2, 1, 1, 1, 2)})()}
+    world = type("Mesh", (), {"mesh": torch.arange(4).view(2, 1, 1, 1, 2)})()  # only its rank grid is read
+    meshes = Meshes(world=world, dp=None, dp_shard_cp=None, dp_cp=None, fsdp=None)
     sync = tied_embeddings.tied_embedding_sync([_first_stage()], [0], ParallelConfig(pp=2, tp=2), meshes)
     assert sync is not None and len(sync.embeddings) == 1 and not sync.heads
     if splits:

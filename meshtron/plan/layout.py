@@ -8,7 +8,6 @@ from typing import Any
 from meshtron.config import Config, ParallelConfig
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
-from meshtron.train.optim.registry import optimizer_settings
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -81,6 +80,9 @@ class Workload:
     def from_config(cls, cfg: Config, device: str = "cuda") -> "Workload":
         """The workload of ``cfg`` run on ``device`` (``cpu`` to compare with the test suite's CPU runs)."""
         from meshtron.distributed.parallelize import compile_enabled
+
+        # Here, not at the top: the registry imports torch, which `meshtron --help` and `meshtron data` never need.
+        from meshtron.train.optim.registry import optimizer_settings
 
         return cls(
             seq_len=cfg.data.seq_len,
