@@ -234,7 +234,7 @@ def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
     overrides = parse_overrides(extra, EVAL_USAGE)
     cfg = eval_config(args.model, args.config, overrides)
     if _under_torchrun():
-        return _run_worker(cfg, evaluate_only=True)
+        return _run_worker(cfg, command="eval")
     chosen = any(item.startswith("run.output_dir=") for item in overrides)
     if not chosen:  # never the checkpoint's run directory, which its config names
         cfg.run.output_dir = str(Path("runs") / f"eval-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
@@ -245,7 +245,7 @@ def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
     if world_size == 1:
-        return _run_worker(cfg, evaluate_only=True)
+        return _run_worker(cfg, command="eval")
     return self_launch(args, extra, cfg, world_size, command=["eval", args.model])
 
 
@@ -273,7 +273,8 @@ def _one_rank_world_size(args: argparse.Namespace, cfg, flag: str) -> int:
     return processes_needed(cfg.parallel)
 
 
-def _run_worker(cfg, evaluate_only: bool = False) -> int:
+def _run_worker(cfg, command: str = "train") -> int:
+    """This process's rank of ``meshtron train`` (train) or ``meshtron eval`` (eval): checks, process group, the run."""
     from meshtron.distributed.devices import resolve_device_type
     from meshtron.distributed.runtime import launched_world_size, local_world_size
     from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
@@ -290,7 +291,7 @@ def _run_worker(cfg, evaluate_only: bool = False) -> int:
         host_collectives=cfg.fsdp.cpu_offload,
     )
     try:
-        if evaluate_only:  # meshtron eval
+        if command == "eval":
             evaluate_run(cfg, runtime, setup)
         else:
             train(cfg, runtime, setup, planned=_planned_figures(cfg, runtime, setup))

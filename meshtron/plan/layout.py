@@ -218,10 +218,10 @@ class Layout:
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":
         """The layout a meshtron run of ``cfg`` on ``world_size`` processes uses (degrees and batch resolved)."""
         from meshtron.distributed.pipeline_parallel import check_pipeline, stages_per_rank
-        from meshtron.train.preflight import micro_batch_plan
+        from meshtron.train.preflight import micro_batch_split
 
         dims = ParallelDims.from_config(cfg.parallel, world_size)
-        micro, _ = micro_batch_plan(cfg, dims)
+        micro, _ = micro_batch_split(cfg, dims)
         p = cfg.parallel
         if dims.pp > 1:
             microbatches = check_pipeline(p, hf_config, micro, cfg.train.micro_batch_size)

@@ -98,7 +98,7 @@ class RunSetup:
     ``agree_resume_point`` raises on every rank."""
 
 
-def micro_batch_plan(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+def micro_batch_split(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     """(sequences per forward, accumulation_steps) per rank, or a ConfigError if the batch does not split.
 
     Under pipeline parallelism: (the rank's whole batch, 1), which check_pipeline cuts into pipeline microbatches
@@ -185,7 +185,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
     check_optimizer(cfg.optimizer)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    micro, accumulation = micro_batch_plan(cfg, dims)
+    micro, accumulation = micro_batch_split(cfg, dims)
     check_data_parallel(cfg.fsdp, dims)
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type, precision)

@@ -81,11 +81,11 @@ def saved_message(step: int, path: Path, seconds: float, paused: float | None = 
     return f"meshtron: saved the checkpoint of step {step} to {path} ({took})"
 
 
-def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluate_only: bool) -> str:
+def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_once: bool) -> str:
     (
         """The first log line: family, parameters, layout, precision, data and its tokenizer, how a step splits the
     batch and when the run evaluates. ``built``: the trainer's built model (model, adapter, pipeline group);
-    ``evaluator``: its Evaluator or None; ``evaluate_only``: meshtron eval."""
+    ``evaluator``: its Evaluator or None; ``evaluates_once``: meshtron eval."""
         ""
     )
     dims, batch = setup.dims, setup.batch
@@ -103,7 +103,7 @@ def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluate_only
         f"meshtron: {built.adapter.family} model, {counted} | "
         f"layout: {dims.describe()} | {policy.describe()} | {data_summary(dataset, cfg.data.seq_len)} | "
         f"tokenizer: {setup.tokenizer.describe()} | {batching}"
-        + (f" | {evaluator.describe(once=evaluate_only)}" if evaluator is not None else "")
+        + (f" | {evaluator.describe(once=evaluates_once)}" if evaluator is not None else "")
     )
 
 
