@@ -29,18 +29,31 @@ EVAL_USAGE = (
 )
 
 
+_SETTINGS_EPILOG = "(the settings, listed when --help is printed)"
+
+
+class _SettingsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``meshtron train --help``'s list of settings, made only when the help is printed: it reads the optimizer
+    registry, which imports torch, and parsing a command line must not (``meshtron data``'s memory, start-up)."""
+
+    def add_text(self, text):
+        if text == _SETTINGS_EPILOG:
+            from meshtron.settings_reference import help_epilog
+
+            text = help_epilog()
+        super().add_text(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtron", description="Train causal language models in parallel.")
     parser.add_argument("--version", action="store_true", help="print meshtron's, torch's and transformers' versions")
     sub = parser.add_subparsers(dest="command", required=True)
-    from meshtron.settings_reference import help_epilog
-
     train = sub.add_parser(
         "train",
         help="train a model",
         usage=USAGE,
-        epilog=help_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_SETTINGS_EPILOG,
+        formatter_class=_SettingsHelpFormatter,
     )
     train.add_argument("--config", help="TOML config file")
     train.add_argument(

@@ -33,7 +33,6 @@ from meshtron.config import (
     _split_optional,
 )
 from meshtron.models.presets import ALIASES, PRESETS
-from meshtron.train.optim.registry import OPTIMIZERS
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 REGENERATE = "python -m meshtron.settings_reference"
@@ -97,6 +96,8 @@ def sections() -> dict[str, tuple[str, list[Setting]]]:
 def optimizer_settings_rows() -> list[Setting]:
     """``optimizer.<name>.<key>``: each registered optimizer's own settings (meshtron.train.optim.registry)."""
     rows = []
+    from meshtron.train.optim.registry import OPTIMIZERS  # here: it imports torch, which `meshtron --help` never needs
+
     for name, entry in OPTIMIZERS.items():
         _, docs = _docstrings(entry.settings)
         for f in dataclasses.fields(entry.settings):
@@ -115,6 +116,8 @@ def choices_of(key: str, field_type: Any) -> tuple[str, ...]:
     if key == "model.preset":
         return preset_choices()
     if key == "optimizer.name":
+        from meshtron.train.optim.registry import OPTIMIZERS
+
         return tuple(OPTIMIZERS)
     if key not in CHOICES:
         return ()
@@ -209,6 +212,8 @@ def help_epilog(width: int | None = None) -> str:
     for section in dataclasses.fields(Config):
         keys = " ".join(f.name for f in dataclasses.fields(section.default_factory) if f.name != "settings")
         if section.name == "optimizer":
+            from meshtron.train.optim.registry import OPTIMIZERS
+
             own = (f"{name}.{f.name}" for name, entry in OPTIMIZERS.items() for f in dataclasses.fields(entry.settings))
             keys += " " + " ".join(own)
         lines += textwrap.wrap(keys, width, initial_indent=f"  [{section.name}] ", subsequent_indent=" " * 6)

@@ -65,7 +65,9 @@ def test_the_command_line_imports_no_torch_until_a_command_needs_it():
     transformers (seconds of CPU and ~250 MB that `meshtron data prepare`'s memory bound has no room for)."""
     import subprocess
 
-    probe = "import sys, meshtron.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    probe = (
+        "import sys, meshtron.cli; meshtron.cli._parser(); print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
