@@ -4,20 +4,15 @@ a fake 8-rank world: each name is the mesh of the ranks it says (rank = dp_repli
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from meshtron.distributed.mesh import MESH_DIMS, Meshes, ParallelDims
+from meshtron.distributed.one_rank_group import one_rank_group
 
 
 @pytest.fixture
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    try:
+    with one_rank_group(0, 8):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_each_named_mesh_holds_the_ranks_its_name_says(fake_world):
