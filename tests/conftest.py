@@ -114,12 +114,20 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, cwd: Path
     )
 
 
+def run_forked(nproc: int, args: list[str], *, timeout: float = 600):
+    """Run worker script ``args[0]`` (with ``args[1:]``) on ``nproc`` processes forked by tests/fork_launch.py after
+    one import of torch and transformers, as ``run_torchrun`` would on fresh ones; returns the CompletedProcess."""
+    cmd = [sys.executable, str(REPO / "tests" / "fork_launch.py"), str(nproc), *args]
+    return subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+
+
 def run_layouts(
     world: int | dict[str, int], base: list[str], layouts: dict[str, list[str]], out: Path, *, timeout: float = 900
 ):
-    """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` fresh processes (or
-    ``world[name]``) forked by tests/parity_worker.py (results in ``out``); fails the test with every rank's first
-    errors if a layout fails. Returns the CompletedProcess, whose stdout has each layout's time."""
+    """Train ``layouts`` (name -> overrides on top of ``base``) in order, each on ``world`` processes (or
+    ``world[name]``) forked by tests/parity_worker.py, which says when consecutive layouts share them (results in
+    ``out``); fails the test with every rank's first errors if a layout fails. Returns the CompletedProcess, whose
+    stdout has each layout's time."""
     worlds = world if isinstance(world, dict) else dict.fromkeys(layouts, world)
     spec = out / f"spec-{len(list(out.glob('spec*.json')))}.json"
     spec.write_text(json.dumps({"base": base, "layouts": layouts, "worlds": worlds}))

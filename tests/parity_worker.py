@@ -1,4 +1,4 @@
-"""Runs training layouts one after another, each on its own number of processes forked from this one.
+"""Runs training layouts one after another on processes forked from this one.
 
 Usage: python tests/parity_worker.py SPEC.json OUT_DIR
 SPEC.json: {"base": [overrides...], "layouts": {name: [overrides...]}, "worlds": {name: processes}}; an override
@@ -9,13 +9,21 @@ gradient + optimizer bytes of any rank, the largest activation peak and the larg
 accumulated micro-batches) and OUT_DIR/<name>.pt (full final weights). Layouts run in order (a later one may
 resume from an earlier one's checkpoint); the first that fails ends the launch with its name and exit codes.
 
-Why forks rather than one torchrun launch for all layouts: the imports (transformers' is ~5 s of CPU) happen once,
-here, and every layout starts from fresh processes. Layouts that shared processes slowed each other down (each
-left its process groups and their gloo threads behind, ~2x by the 40th layout), and torch keeps caches keyed by
-device mesh (DTensor's sharding propagation) that would hand a destroyed group to the next layout of an equal mesh,
-so the groups could not simply be destroyed. Launching through torchrun is covered by the CLI and recovery tests.
+Why forks rather than one torchrun launch: the imports (transformers' is ~5 s of CPU) happen once, here.
+
+Consecutive layouts of one world size share their processes (``process_groups``): each joins the process group
+once and trains its layouts in turn, keeping every layout's device meshes and their groups alive until the last.
+Half of a small tensor-parallel layout's CPU is DTensor's sharding propagation of the ops it meets first, which
+torch caches per process keyed by the device mesh; the layouts after the first find most of it cached, and the
+2-process layouts took 45 s instead of 100 s. The cached results name the first layout's mesh, whose groups (the
+same ranks) stay alive, so a later layout of an equal mesh may run some collectives on them: every rank of a group
+meets the same ops in the same order, so they agree on which group each collective uses. Destroying the groups
+between layouts would hand a destroyed group to the next layout of an equal mesh. A layout that sets environment
+variables (fault injection) or compiles runs on fresh processes of its own; a failure in a shared run names the
+layout that failed.
 """
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -54,9 +62,32 @@ def expert_state_bytes(result) -> tuple[torch.Tensor, int]:
     return torch.tensor([local], dtype=torch.int64), full
 
 
-def run_rank(rank: int, world: int, port: int, name: str, overrides: list[str], base: list[str], out: Path) -> None:
-    """One rank of one layout, in a forked process: join a fresh process group, train, write the results."""
-    env = dict(item[len("env:") :].split("=", 1) for item in overrides if item.startswith("env:"))
+def run_rank(rank: int, world: int, port: int, names: list[str], spec: dict, out: Path) -> None:
+    """One rank of a run of layouts, in a forked process: join the process group, train each layout in turn (its
+    ``env:`` overrides set for it alone), write the results."""
+    set_rank_environment(rank, world, port)
+    name = names[0]
+    try:
+        runtime = init_runtime()
+        try:
+            for name in names:
+                started = time.perf_counter()
+                env = layout_env(spec["layouts"][name])
+                overrides = [item for item in spec["layouts"][name] if not item.startswith("env:")]
+                with environment(env):
+                    cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
+                    train_and_record(name, cfg, runtime, out)
+                if runtime.is_main:
+                    print(f"layout {name}: {world} processes, {time.perf_counter() - started:.1f} s", flush=True)
+        finally:
+            shutdown_runtime()
+    except BaseException:
+        print(f"[rank{rank}] layout {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def set_rank_environment(rank: int, world: int, port: int) -> None:
+    """The variables torchrun gives each worker, for a rank of ``world`` on this machine rendezvousing at ``port``."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -64,19 +95,49 @@ def run_rank(rank: int, world: int, port: int, name: str, overrides: list[str], 
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        **env,
     )
-    overrides = [item for item in overrides if not item.startswith("env:")]
+
+
+def layout_env(overrides: list[str]) -> dict[str, str]:
+    return dict(item[len("env:") :].split("=", 1) for item in overrides if item.startswith("env:"))
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """``env`` set in os.environ for the block, the previous values back after it."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
-        runtime = init_runtime()
-        try:
-            cfg = load_config(None, base + overrides + [f"run.output_dir={out / name}"], env={})
-            train_and_record(name, cfg, runtime, out)
-        finally:
-            shutdown_runtime()
-    except BaseException:
-        print(f"[rank{rank}] layout {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def most_shared(world: int) -> int:
+    """The most layouts one set of ``world`` processes runs. Each layout leaves its groups' gloo threads behind
+    (~20 per rank), which wake up even when idle: 100 idle groups cost a process ~15% of a core, and a launch that
+    ran 48 layouts per set of processes spent more CPU in the kernel than in training."""
+    return 8 if world <= 2 else 4
+
+
+def process_groups(spec: dict) -> list[list[str]]:
+    """The layouts in order, cut into runs that share processes: consecutive layouts of one world size, at most
+    ``most_shared(world)``; a layout with ``env:`` overrides or ``train.compile=true`` alone."""
+    runs: list[list[str]] = []
+    shareable = False  # whether the last run may take the next layout
+    for name, overrides in spec["layouts"].items():
+        alone = bool(layout_env(overrides)) or "train.compile=true" in overrides
+        world = spec["worlds"][name]
+        if shareable and not alone and spec["worlds"][runs[-1][0]] == world and len(runs[-1]) < most_shared(world):
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+        shareable = not alone
+    return runs
 
 
 def train_and_record(name: str, cfg, runtime, out: Path) -> None:
@@ -114,14 +175,23 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
         )
 
 
-def run_layout(
-    context, world: int, name: str, overrides: list[str], base: list[str], out: Path, timeout_s: float
-) -> None:
-    """Fork the layout's ranks and wait for them; the first rank that fails (or the timeout) stops them all."""
+def run_layouts(context, world: int, names: list[str], spec: dict, out: Path) -> None:
+    """Fork the ranks that train ``names`` in turn and wait for them; the first rank that fails (or the timeout)
+    stops them all."""
+
+    def target(rank: int, port: int) -> None:
+        run_rank(rank, world, port, names, spec, out)
+
+    label = f"layout {names[0]}" if len(names) == 1 else f"layouts {names[0]} .. {names[-1]} ({len(names)})"
+    fork_ranks(context, world, target, label, spec.get("timeout_s", 600) * len(names))
+
+
+def fork_ranks(context, world: int, target, name: str, timeout_s: float) -> None:
+    """Run ``target(rank, port)`` on ``world`` processes forked from this one (``port``: a free rendezvous port for
+    MASTER_PORT) and wait for them; the first that fails (or the timeout) stops them all and ends this process with
+    ``name`` and the exit codes."""
     port = free_port()
-    ranks = [
-        context.Process(target=run_rank, args=(rank, world, port, name, overrides, base, out)) for rank in range(world)
-    ]
+    ranks = [context.Process(target=target, args=(rank, port)) for rank in range(world)]
     for process in ranks:
         process.start()
     deadline = time.monotonic() + timeout_s
@@ -138,7 +208,7 @@ def run_layout(
             why = (
                 f"timed out after {timeout_s:.0f} s" if not failed else "exit codes " + str([p.exitcode for p in ranks])
             )
-            sys.exit(f"layout {name} on {world} processes failed: {why}")
+            sys.exit(f"{name} on {world} processes failed: {why}")
 
 
 def import_before_forking() -> None:
@@ -163,10 +233,8 @@ def main() -> None:
     # do not write into the pages it shares with this process (copy-on-write), which measured ~10% of a launch's CPU.
     gc.freeze()
     context = multiprocessing.get_context("fork")
-    for name, overrides in spec["layouts"].items():
-        started, world = time.perf_counter(), spec["worlds"][name]
-        run_layout(context, world, name, overrides, spec["base"], out, spec.get("timeout_s", 600))
-        print(f"layout {name}: {world} processes, {time.perf_counter() - started:.1f} s", flush=True)
+    for names in process_groups(spec):
+        run_layouts(context, spec["worlds"][names[0]], names, spec, out)
 
 
 if __name__ == "__main__":

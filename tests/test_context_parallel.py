@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import REPO, full_blocks, run_torchrun
+from conftest import REPO, full_blocks, run_forked
 from torch.nn.attention.flex_attention import create_mask
 
 from meshtron.distributed.context_parallel import (
@@ -359,7 +359,7 @@ def test_context_parallel_attention_matches_single_device(tmp_path):
     with the fastest kernel and the plain-PyTorch one (and FlexAttention tiles, output only),
     against float64 whole-sequence attention."""
     out = tmp_path / "errors.json"
-    proc = run_torchrun(4, ["tests/cp_attention_worker.py", str(out)], timeout=300)
+    proc = run_forked(4, ["tests/cp_attention_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
     assert len(results) == 28

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_torchrun
+from conftest import run_forked
 from torch import nn
 
 from meshtron.config import OptimizerConfig
@@ -59,7 +59,7 @@ def test_loss_and_norm_in_one_process():
 def test_two_ranks(tmp_path):
     """Replicated norm without a collective, fused loss + norm over DTensor shards, DDP or FSDP choice."""
     out = tmp_path / "checks.json"
-    proc = run_torchrun(2, ["tests/data_parallel_worker.py", str(out)], timeout=300)
+    proc = run_forked(2, ["tests/data_parallel_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     checks = json.loads(out.read_text())
     assert len(checks) == 11

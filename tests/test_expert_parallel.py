@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import failure_report, run_torchrun
+from conftest import failure_report, run_forked
 
 from meshtron.distributed.expert_parallel import all_to_all_traffic
 from meshtron.models.experts import combine, local_experts_forward, pair_rows, sort_by_expert
@@ -247,7 +247,7 @@ def test_all_to_all_traffic():
 
 def test_expert_parallel_matches_one_process_on_4_ranks(tmp_path):
     out = tmp_path / "ep.json"
-    proc = run_torchrun(4, ["tests/expert_parallel_worker.py", str(out)], timeout=600)
+    proc = run_forked(4, ["tests/expert_parallel_worker.py", str(out)], timeout=600)
     assert proc.returncode == 0, failure_report(proc)
     checks = json.loads(out.read_text())
 

@@ -571,7 +571,7 @@ def sharded_loads(tmp_path_factory):
     and compares it with one process; results by preset."""
     import json
 
-    from conftest import failure_report, run_torchrun
+    from conftest import failure_report, run_forked
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("sharded-load")
@@ -589,7 +589,7 @@ def sharded_loads(tmp_path_factory):
         jobs.append({"model_dir": str(root / preset), "out": str(root / f"{preset}.json"), "overrides": layout})
     spec = root / "spec.json"
     spec.write_text(json.dumps(jobs))
-    proc = run_torchrun(4, ["tests/sharded_load_worker.py", str(spec)], timeout=600)
+    proc = run_forked(4, ["tests/sharded_load_worker.py", str(spec)], timeout=600)
     assert proc.returncode == 0, failure_report(proc)
     return {
         job["out"].rsplit("/", 1)[1].removesuffix(".json"): json.loads(Path(job["out"]).read_text()) for job in jobs

@@ -8,7 +8,7 @@ import json
 import math
 
 import torch
-from conftest import run_torchrun
+from conftest import run_forked
 from torch import nn
 
 from meshtron.config import load_config
@@ -98,7 +98,7 @@ def test_each_matrix_is_orthogonalized_by_one_owner_in_the_iterations_dtype(tmp_
     balanced; the only collectives are all-to-alls in the iteration's dtype (no all-gather of float32 matrices).
     Before: every rank gathered every matrix in float32 (full_tensor) and orthogonalized all of them."""
     out = tmp_path / "muon.json"
-    proc = run_torchrun(4, ["tests/muon_worker.py", str(out)], timeout=300)
+    proc = run_forked(4, ["tests/muon_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
     assert results.pop("step") == 0.0  # two MuonAdamW steps of FSDP x TP parameters: one process's, bit for bit

@@ -4,7 +4,8 @@ Per-step losses and gradient norms (4 steps, fp32, CPU) and final weights of DDP
 activation checkpointing, tensor parallelism (with and without sequence / loss parallel, alone
 and under FSDP / HSDP) and context parallelism (ring and all-gather, with document masks, alone and
 with FSDP / HSDP / TP) are compared with a plain single-process run of the same config. All layouts
-run from one launcher, each on fresh processes forked from it (tests/parity_worker.py).
+run from one launcher, on processes forked from it (tests/parity_worker.py: consecutive layouts of one world size
+share their processes).
 """
 
 from __future__ import annotations
@@ -793,7 +794,7 @@ def reference_overrides(name: str, cache_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory, cache_dir):
-    """Every multi-process layout, each on fresh processes forked from one launcher (smallest world sizes first)."""
+    """Every multi-process layout, on processes forked from one launcher (smallest world sizes first)."""
     out = tmp_path_factory.mktemp("parity")
     write_short_documents(cache_dir)
     launched = sorted(((w, n) for n, (w, _, _) in ALL_LAYOUTS.items() if w > 1), key=lambda item: item[0])
