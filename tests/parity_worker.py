@@ -121,7 +121,7 @@ def most_shared(world: int) -> int:
     """The most layouts one set of ``world`` processes runs. Each layout leaves its groups' gloo threads behind
     (~20 per rank), which wake up even when idle: 100 idle groups cost a process ~15% of a core, and a launch that
     ran 48 layouts per set of processes spent more CPU in the kernel than in training."""
-    return 16 if world <= 2 else 4
+    return 8 if world <= 2 else 4
 
 
 def process_groups(spec: dict) -> list[list[str]]:
