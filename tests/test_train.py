@@ -224,14 +224,15 @@ def test_clipping_uses_the_global_norm():
     assert global_grad_norm(params).item() == pytest.approx(1.0, rel=1e-5)
 
 
+# An lr of 1e30 from the first step, unclipped: the run diverges.
+DIVERGING = ("optimizer.lr=1e30", "schedule.min_lr=1e29", "schedule.warmup_steps=0", "optimizer.max_grad_norm=0")
+
+
 def test_nonfinite_loss_stops_with_a_clear_error(tmp_path, cache_dir):
     cfg = small_config(
         tmp_path,
         cache_dir,
-        "optimizer.lr=1e30",
-        "schedule.min_lr=1e29",
-        "schedule.warmup_steps=0",
-        "optimizer.max_grad_norm=0",
+        *DIVERGING,
     )
     with pytest.raises(MeshtronError, match="training diverged.*train.on_nonfinite=skip"):
         train(cfg, CPU_RUNTIME)
@@ -241,10 +242,7 @@ def test_nonfinite_skip_leaves_weights_untouched(tmp_path, cache_dir):
     cfg = small_config(
         tmp_path,
         cache_dir,
-        "optimizer.lr=1e30",
-        "schedule.min_lr=1e29",
-        "schedule.warmup_steps=0",
-        "optimizer.max_grad_norm=0",
+        *DIVERGING,
         "train.on_nonfinite=skip",
     )
     result = train(cfg, CPU_RUNTIME)
