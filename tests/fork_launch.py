@@ -30,8 +30,11 @@ def main() -> None:
         sys.argv = [script, *args]
         try:
             worker["main"]()
-        except SystemExit as stop:
+        except SystemExit as stop:  # sys.exit(code or message), as the interpreter would end
+            if stop.code is not None and not isinstance(stop.code, int):
+                print(stop.code, file=sys.stderr)
             sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1))
         except BaseException:
             print(f"[rank{rank}] {script} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ resume from an earlier one's checkpoint); the first that fails ends the launch w
 
 Why forks rather than one torchrun launch: the imports (transformers' is ~5 s of CPU) happen once, here.
 
-Consecutive layouts of one world size share their processes (``process_groups``): each joins the process group
+Consecutive layouts of one world size share their processes (``shared_runs``): each joins the process group
 once and trains its layouts in turn, keeping every layout's device meshes and their groups alive until the last.
 Half of a small tensor-parallel layout's CPU is DTensor's sharding propagation of the ops it meets first, which
 torch caches per process keyed by the device mesh; the layouts after the first find most of it cached, and the
@@ -23,7 +23,6 @@ variables (fault injection) or compiles runs on fresh processes of its own; a fa
 layout that failed.
 """
 
-import contextlib
 import gc
 import json
 import multiprocessing
@@ -33,6 +32,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def run_rank(rank: int, world: int, port: int, names: list[str], spec: dict, out
                 started = time.perf_counter()
                 env = layout_env(spec["layouts"][name])
                 overrides = [item for item in spec["layouts"][name] if not item.startswith("env:")]
-                with environment(env):
+                with mock.patch.dict(os.environ, env):  # this layout's env: overrides, for it alone
                     cfg = load_config(None, spec["base"] + overrides + [f"run.output_dir={out / name}"], env={})
                     train_and_record(name, cfg, runtime, out)
                 if runtime.is_main:
@@ -102,21 +102,6 @@ def layout_env(overrides: list[str]) -> dict[str, str]:
     return dict(item[len("env:") :].split("=", 1) for item in overrides if item.startswith("env:"))
 
 
-@contextlib.contextmanager
-def environment(env: dict[str, str]):
-    """``env`` set in os.environ for the block, the previous values back after it."""
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def most_shared(world: int) -> int:
     """The most layouts one set of ``world`` processes runs. Each layout leaves its groups' gloo threads behind
     (~20 per rank), which wake up even when idle: 100 idle groups cost a process ~15% of a core, and a launch that
@@ -124,7 +109,7 @@ def most_shared(world: int) -> int:
     return 8 if world <= 2 else 4
 
 
-def process_groups(spec: dict) -> list[list[str]]:
+def shared_runs(spec: dict) -> list[list[str]]:
     """The layouts in order, cut into runs that share processes: consecutive layouts of one world size, at most
     ``most_shared(world)``; a layout with ``env:`` overrides or ``train.compile=true`` alone."""
     runs: list[list[str]] = []
@@ -233,7 +218,7 @@ def main() -> None:
     # do not write into the pages it shares with this process (copy-on-write), which measured ~10% of a launch's CPU.
     gc.freeze()
     context = multiprocessing.get_context("fork")
-    for names in process_groups(spec):
+    for names in shared_runs(spec):
         run_layouts(context, spec["worlds"][names[0]], names, spec, out)
 
 
