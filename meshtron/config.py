@@ -500,13 +500,9 @@ def _sections(cfg: Config) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def _field_types(section: Any) -> dict[str, Any]:
-    return _section_field_types(type(section))
-
-
 @functools.cache
-def _section_field_types(section_type: type) -> dict[str, Any]:
-    """A section class's fields and their types, resolved once per process (``get_type_hints`` evaluates every
+def field_types(section_type: type) -> dict[str, Any]:
+    """A settings dataclass's fields and their types, resolved once per process (``get_type_hints`` evaluates every
     annotation string again on each call: it was ~10% of a small two-process run's CPU, once per setting)."""
     hints = typing.get_type_hints(section_type)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_type)}
@@ -636,7 +632,7 @@ def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
             f"unknown config key '{dotted}'; keys look like section.key with section one of {', '.join(sections)}"
         )
     section = sections[section_name]
-    types_ = _field_types(section)
+    types_ = field_types(type(section))
     if section_name == "optimizer" and "." in key:  # an optimizer's own setting, checked by its registry entry
         name, _, setting = key.partition(".")
         if name in types_ or not setting:
@@ -749,7 +745,7 @@ def _check_choices(cfg: Config) -> None:
         section_name, _, key = dotted.partition(".")
         section = sections[section_name]
         value = getattr(section, key)
-        if value is None and _split_optional(_field_types(section)[key])[1]:
+        if value is None and _split_optional(field_types(type(section))[key])[1]:
             continue
         for item in value if isinstance(value, list) else [value]:
             _choice(dotted, item, choices)

@@ -29,8 +29,8 @@ from meshtron.config import (
     KEY_ALIASES,
     RETIRED_KEYS,
     Config,
-    _field_types,
     _split_optional,
+    field_types,
 )
 from meshtron.models.presets import ALIASES, PRESETS
 
@@ -71,7 +71,7 @@ def sections() -> dict[str, tuple[str, list[Setting]]]:
     for section_field in dataclasses.fields(Config):
         cls = section_field.default_factory
         section_doc, docs = _docstrings(cls)
-        types_ = _field_types(cls())
+        types_ = field_types(cls)
         settings = []
         for f in dataclasses.fields(cls):
             key = f"{section_field.name}.{f.name}"

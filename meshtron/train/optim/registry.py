@@ -4,14 +4,12 @@ and its entry here (CONTRIBUTING.md, "Adding an optimizer"; docs/optimizers.md).
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from meshtron.config import OptimizerConfig, coerce_value
+from meshtron.config import OptimizerConfig, coerce_value, field_types
 from meshtron.errors import ConfigError
 from meshtron.train.optim.adamw import AdamWSettings, build_adamw
 from meshtron.train.optim.muon import MuonSettings, build_muon, newton_schulz_flops
@@ -58,12 +56,11 @@ def optimizer_settings(cfg: OptimizerConfig, name: str | None = None) -> Any:
     unknown key or a bad value is a one-line ConfigError naming ``optimizer.<name>.<key>``."""
     name = cfg.name if name is None else name
     kind = optimizer_entry(name).settings
-    types_ = typing.get_type_hints(kind)
-    fields = {f.name for f in dataclasses.fields(kind)}
+    types_ = field_types(kind)
     given = cfg.settings.get(name, {})
     for key in given:
-        if key not in fields:
-            known = ", ".join(sorted(fields)) or "none"
+        if key not in types_:
+            known = ", ".join(sorted(types_)) or "none"
             raise ConfigError(f"unknown config key 'optimizer.{name}.{key}'; {name}'s own settings: {known}")
     values = {
         key: coerce_value(f"optimizer.{name}.{key}", value, types_[key], from_text=False)
