@@ -12,15 +12,14 @@ resume from an earlier one's checkpoint); the first that fails ends the launch w
 Why forks rather than one torchrun launch: the imports (transformers' is ~5 s of CPU) happen once, here.
 
 Consecutive layouts of one world size share their processes (``shared_runs``): each joins the process group
-once and trains its layouts in turn, keeping every layout's device meshes and their groups alive until the last.
-Half of a small tensor-parallel layout's CPU is DTensor's sharding propagation of the ops it meets first, which
-torch caches per process keyed by the device mesh; the layouts after the first find most of it cached, and the
-2-process layouts took 45 s instead of 100 s. The cached results name the first layout's mesh, whose groups (the
-same ranks) stay alive, so a later layout of an equal mesh may run some collectives on them: every rank of a group
-meets the same ops in the same order, so they agree on which group each collective uses. Destroying the groups
-between layouts would hand a destroyed group to the next layout of an equal mesh. A layout that sets environment
-variables (fault injection) or compiles runs on fresh processes of its own; a failure in a shared run names the
-layout that failed.
+once and trains its layouts in turn. Half of a small tensor-parallel layout's CPU is DTensor's sharding propagation
+of the ops it meets first, which torch caches per process keyed by the device mesh and the shapes; the layouts after
+the first find much of it cached (the 2-process layouts took 45 s instead of 100 s). Device meshes of a later layout
+reuse the process groups made for the same ranks by an earlier one (``reuse_mesh_groups``): one new set of gloo
+groups per layout, each polling ~100 times a second while idle, made a process that ran 48 layouts spend more CPU
+in wakeups than in training. No group is destroyed before the run ends: the cached propagation results name the
+meshes (and so the groups) of the layout that met them first. A layout that sets environment variables (fault
+injection) or compiles runs on fresh processes of its own; a failure in a shared run names the layout that failed.
 """
 
 import gc
@@ -66,6 +65,7 @@ def run_rank(rank: int, world: int, port: int, names: list[str], spec: dict, out
     """One rank of a run of layouts, in a forked process: join the process group, train each layout in turn (its
     ``env:`` overrides set for it alone), write the results."""
     set_rank_environment(rank, world, port)
+    reuse_mesh_groups()
     name = names[0]
     try:
         runtime = init_runtime()
@@ -86,6 +86,27 @@ def run_rank(rank: int, world: int, port: int, names: list[str], spec: dict, out
         os._exit(1)
 
 
+def reuse_mesh_groups() -> None:
+    """Make device meshes reuse the process group of a set of ranks made for an earlier layout of this run, instead
+    of a new one per mesh dimension per layout. Each gloo group keeps threads that wake ~100 times a second even when
+    idle (the transport's event loop polls with a 10 ms timeout): with new groups for every layout, a process that
+    ran 48 layouts spent more CPU in those wakeups than in training. Every rank makes the same calls in the same order,
+    so every rank reuses the same groups; collectives of one layout run in turn, so a group serving two mesh
+    dimensions (or two layouts) is used as two groups would be."""
+    import torch.distributed.device_mesh as device_mesh
+
+    made = {}
+    new_group = device_mesh.new_group
+
+    def reused(ranks=None, timeout=None, backend=None, **kwargs):
+        key = (tuple(ranks) if ranks is not None else None, timeout, backend)
+        if key not in made:
+            made[key] = new_group(ranks=ranks, timeout=timeout, backend=backend, **kwargs)
+        return made[key]
+
+    device_mesh.new_group = reused
+
+
 def set_rank_environment(rank: int, world: int, port: int) -> None:
     """The variables torchrun gives each worker, for a rank of ``world`` on this machine rendezvousing at ``port``."""
     os.environ.update(
@@ -102,22 +123,15 @@ def layout_env(overrides: list[str]) -> dict[str, str]:
     return dict(item[len("env:") :].split("=", 1) for item in overrides if item.startswith("env:"))
 
 
-def most_shared(world: int) -> int:
-    """The most layouts one set of ``world`` processes runs. Each layout leaves its groups' gloo threads behind
-    (~20 per rank), which wake up even when idle: 100 idle groups cost a process ~15% of a core, and a launch that
-    ran 48 layouts per set of processes spent more CPU in the kernel than in training."""
-    return 8 if world <= 2 else 4
-
-
 def shared_runs(spec: dict) -> list[list[str]]:
-    """The layouts in order, cut into runs that share processes: consecutive layouts of one world size, at most
-    ``most_shared(world)``; a layout with ``env:`` overrides or ``train.compile=true`` alone."""
+    """The layouts in order, cut into runs that share processes: consecutive layouts of one world size; a layout
+    with ``env:`` overrides or ``train.compile=true`` alone."""
     runs: list[list[str]] = []
     shareable = False  # whether the last run may take the next layout
     for name, overrides in spec["layouts"].items():
         alone = bool(layout_env(overrides)) or "train.compile=true" in overrides
         world = spec["worlds"][name]
-        if shareable and not alone and spec["worlds"][runs[-1][0]] == world and len(runs[-1]) < most_shared(world):
+        if shareable and not alone and spec["worlds"][runs[-1][0]] == world:
             runs[-1].append(name)
         else:
             runs.append([name])
