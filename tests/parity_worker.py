@@ -18,8 +18,9 @@ the first find much of it cached (the 2-process layouts took 45 s instead of 100
 reuse the process groups made for the same ranks by an earlier one (``reuse_mesh_groups``): one new set of gloo
 groups per layout, each polling ~100 times a second while idle, made a process that ran 48 layouts spend more CPU
 in wakeups than in training. No group is destroyed before the run ends: the cached propagation results name the
-meshes (and so the groups) of the layout that met them first. A layout that sets environment variables (fault
-injection) or compiles runs on fresh processes of its own; a failure in a shared run names the layout that failed.
+meshes (and so the groups) of the layout that met them first. A layout's ``env:`` overrides (fault injection) are
+set while it runs and removed after it. A layout that compiles runs on fresh processes of its own; a failure in a
+shared run names the layout that failed.
 """
 
 import gc
@@ -125,11 +126,11 @@ def layout_env(overrides: list[str]) -> dict[str, str]:
 
 def shared_runs(spec: dict) -> list[list[str]]:
     """The layouts in order, cut into runs that share processes: consecutive layouts of one world size; a layout
-    with ``env:`` overrides or ``train.compile=true`` alone."""
+    with ``train.compile=true`` alone (compiled code and dynamo's caches stay behind in a process)."""
     runs: list[list[str]] = []
     shareable = False  # whether the last run may take the next layout
     for name, overrides in spec["layouts"].items():
-        alone = bool(layout_env(overrides)) or "train.compile=true" in overrides
+        alone = "train.compile=true" in overrides
         world = spec["worlds"][name]
         if shareable and not alone and spec["worlds"][runs[-1][0]] == world:
             runs[-1].append(name)
