@@ -36,6 +36,7 @@ import warnings
 import torch
 
 from meshtron.models import attention_kernels as kernels
+from meshtron.models import varlen as torch_varlen
 from meshtron.models.attention import document_ids
 
 EOS = 0
@@ -89,7 +90,7 @@ def forward_backward(fn, inputs, grad_out):
 
 def varlen_runs(q, v, sinks=None, **variant) -> bool:
     """Whether ``kernel="varlen"`` runs the varlen kernel here (else it is FlexAttention: nothing of its own)."""
-    cuda = q.device.type == "cuda" and kernels.VARLEN is not None
+    cuda = q.device.type == "cuda" and torch_varlen.VARLEN is not None
     return cuda and kernels.varlen_applies(q, v, variant.get("window"), variant.get("softcap"), sinks)
 
 

@@ -17,3 +17,11 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
+
+
+def compile_disabled(fn):
+    """``fn`` run eagerly (a graph break) when compiled code calls it, as ``torch.compiler.disable`` makes it, but set
+    up at its first call: ``torch.compiler.disable`` imports dynamo (~0.9 s of CPU) when it decorates, so every
+    process importing ``fn``'s module (a launcher, ``meshtron plan``) would load dynamo. ``torch._disable_dynamo`` is
+    the lazy form torch uses for its own functions."""
+    return torch._disable_dynamo(fn)

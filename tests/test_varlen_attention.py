@@ -15,6 +15,7 @@ from meshtron.config import ATTENTION_KERNELS, Config, validate_config
 from meshtron.distributed.context_parallel.routing import hf_attention
 from meshtron.errors import ConfigError
 from meshtron.models import attention_kernels as kernels
+from meshtron.models import varlen as torch_varlen
 from meshtron.models.attention import document_ids
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs
 
@@ -78,7 +79,7 @@ def varlen(monkeypatch):
 
     def install(version="2.12", dtypes=kernels.VARLEN_DTYPES):
         calls = []
-        monkeypatch.setattr(kernels, "VARLEN", kernels.VarlenOp.of(stand_in(version, calls)))
+        monkeypatch.setattr(torch_varlen, "VARLEN", torch_varlen.VarlenOp.of(stand_in(version, calls)))
         monkeypatch.setattr(kernels, "VARLEN_DTYPES", dtypes)
         return calls
 
@@ -268,16 +269,16 @@ def test_setting_is_checked():
 
 
 def test_torch_without_varlen_is_refused(monkeypatch):
-    monkeypatch.setattr(kernels, "VARLEN", None)
+    monkeypatch.setattr(torch_varlen, "VARLEN", None)
     with pytest.raises(ConfigError, match="needs torch.nn.attention.varlen"):
         kernels.check_attention_kernel(_config(attention_kernel="varlen"), "cuda", "bf16")
-    assert kernels.VarlenOp.of(None) is None
-    assert kernels.VarlenOp.of(lambda q, k, v, cu_q, cu_k, max_q, max_k: q) is None  # no causal argument
+    assert torch_varlen.VarlenOp.of(None) is None
+    assert torch_varlen.VarlenOp.of(lambda q, k, v, cu_q, cu_k, max_q, max_k: q) is None  # no causal argument
 
 
 def test_installed_torch_signature_is_understood():
     """The torch here (2.13 when written) has window_size, scale and enable_gqa: all used, nothing emulated."""
-    op = kernels.VARLEN
+    op = torch_varlen.VARLEN
     assert op is not None and op.causal == ("window_size", (-1, 0)) and op.takes_scale and op.takes_gqa
 
 
@@ -357,7 +358,7 @@ def test_compiled_varlen_path_traces_whole_and_does_not_recompile_per_document_c
     compiled graph (the lengths' size is dynamic)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    monkeypatch.setattr(kernels, "VARLEN", kernels.VarlenOp.of(custom_op_varlen_attn))
+    monkeypatch.setattr(torch_varlen, "VARLEN", torch_varlen.VarlenOp.of(custom_op_varlen_attn))
     monkeypatch.setattr(kernels, "VARLEN_DTYPES", (torch.float32,))
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()

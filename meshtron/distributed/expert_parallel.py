@@ -47,7 +47,7 @@ from meshtron.models.experts import (
     sort_by_expert,
 )
 from meshtron.models.lora import expert_adapters
-from meshtron.tensors import local_tensor
+from meshtron.tensors import compile_disabled, local_tensor
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -191,7 +191,7 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh, use_grouped_mm: bool | No
     return experts
 
 
-@torch.compiler.disable
+@compile_disabled
 def expert_parallel_forward(
     self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:

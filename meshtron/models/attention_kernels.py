@@ -32,9 +32,6 @@ window: full and sliding layers alternate in Gemma and Qwen2). Document ids must
 from __future__ import annotations
 
 import functools
-import inspect
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +39,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from meshtron.config import Config
 from meshtron.errors import ConfigError, MeshtronError
-
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    _torch_varlen_attn = None
+from meshtron.tensors import compile_disabled
 
 KERNELS = ("auto", "flex", "varlen", "sdpa")
 BLOCK_SIZE = 128
@@ -81,55 +74,6 @@ def mask_key(kind: str, device, length: int, window: int | None = None) -> tuple
     return key if window is None else (*key, window)
 
 
-@dataclass(frozen=True)
-class VarlenOp:
-    """torch's ``varlen_attn`` (or a stand-in with the same signature, for tests), called causally with a scale and
-    grouped-query heads whatever the installed torch's signature: ``window_size=(-1, 0)`` (torch >= 2.11) or
-    ``is_causal=True`` (2.10) for causal; without a ``scale`` argument (2.10) the queries are multiplied by
-    ``scale * sqrt(D)`` (the kernel's own scale is 1/sqrt(D)); without ``enable_gqa`` the key / value heads are
-    repeated to the query heads (torch's flash kernel takes fewer kv heads, but only 2.12's signature says so).
-    Autograd: torch registers the op's backward (flash attention's) from 2.10 on."""
-
-    attend: Callable
-    causal: tuple
-    """(keyword, value) that makes the call causal."""
-    takes_scale: bool
-    takes_gqa: bool
-
-    @classmethod
-    def of(cls, attend: Callable | None) -> VarlenOp | None:
-        """The adapter of ``attend``, or None when there is none or its signature has no causal argument."""
-        if attend is None:
-            return None
-        params = inspect.signature(attend).parameters
-        if "window_size" in params:
-            causal = ("window_size", (-1, 0))
-        elif "is_causal" in params:
-            causal = ("is_causal", True)
-        else:
-            return None
-        return cls(attend, causal, "scale" in params, "enable_gqa" in params)
-
-    def __call__(self, query, key, value, cu_lengths, max_length: int, scale: float) -> torch.Tensor:
-        """Causal attention within each sequence of ``cu_lengths``: ``query`` (T, H, D), ``key``/``value``
-        (T, Hkv, D) -> (T, H, D). ``max_length``: a bound on the longest sequence."""
-        kwargs = {self.causal[0]: self.causal[1]}
-        factor = scale * query.shape[-1] ** 0.5  # the given scale over the kernel's own
-        if self.takes_scale:
-            kwargs["scale"] = scale
-        elif abs(factor - 1.0) > 1e-12:
-            query = query * factor
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
-            if self.takes_gqa:
-                kwargs["enable_gqa"] = True
-            else:
-                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        return self.attend(query, key, value, cu_lengths, cu_lengths, max_length, max_length, **kwargs)
-
-
-VARLEN = VarlenOp.of(_torch_varlen_attn)
-"""The installed torch's varlen flash attention (None: torch has none); tests put a CPU stand-in here."""
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 """What flash attention computes in (fp32 calls of the varlen kernel go to FlexAttention)."""
 
@@ -166,7 +110,9 @@ def check_attention_kernel(cfg: Config, device_type: str, precision: str) -> Non
             f"model.attention_kernel=varlen runs on CUDA only (flash attention), not on {device_type}; "
             "set model.attention_kernel=auto"
         )
-    if VARLEN is None:
+    from meshtron.models import varlen  # torch's varlen module imports dynamo: only varlen runs import it
+
+    if varlen.VARLEN is None:
         raise ConfigError(
             f"model.attention_kernel=varlen needs torch.nn.attention.varlen (torch >= 2.10), which torch "
             f"{torch.__version__} lacks; set model.attention_kernel=auto"
@@ -261,7 +207,7 @@ def prepare_masks(
             )
 
 
-@torch.compiler.disable
+@compile_disabled
 def document_lengths(
     document_ids: torch.Tensor | None, device=None, rows: int = 1, length: int | None = None
 ) -> torch.Tensor:
@@ -304,6 +250,8 @@ def _varlen_attention(query, key, value, document_ids, scale: float, cache: dict
     """Causal attention within documents by the varlen kernel: each document of each row is one sequence of the
     packed rows. The longest sequence is bounded by the row length L (no device read; blocks past a document's
     end do nothing)."""
+    from meshtron.models.varlen import VARLEN  # imported already by check_attention_kernel (no graph break)
+
     if VARLEN is None:
         raise MeshtronError(
             f"attention kernel 'varlen' needs torch.nn.attention.varlen (torch >= 2.10); torch {torch.__version__} "
@@ -406,7 +354,7 @@ def _cached(cache: dict | None, cache_key: tuple, build, *args):
     return cache[cache_key]
 
 
-@torch.compiler.disable
+@compile_disabled
 def dense_document_mask(
     document_ids: torch.Tensor | None, device, window: int | None = None, length: int | None = None
 ) -> torch.Tensor:
@@ -449,7 +397,7 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-@torch.compiler.disable
+@compile_disabled
 def document_block_mask(
     document_ids: torch.Tensor | None, device, length: int, block_size: int = BLOCK_SIZE, window: int | None = None
 ) -> BlockMask:

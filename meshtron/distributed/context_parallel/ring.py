@@ -36,6 +36,7 @@ from meshtron.distributed.context_parallel.tile_kernels import (
 from meshtron.distributed.context_parallel.tiles import planned_tiles
 from meshtron.distributed.mesh import is_fake_group
 from meshtron.models.attention_kernels import effective_window
+from meshtron.tensors import compile_disabled
 
 
 def _halves(t: torch.Tensor, chunk: int) -> list[torch.Tensor]:
@@ -174,7 +175,7 @@ def _own_first(layout: SequenceLayout) -> list[int]:
     return [(layout.rank - step) % layout.cp for step in range(layout.cp)]
 
 
-@torch.compiler.disable
+@compile_disabled
 def context_parallel_attention(
     q, k, v, layout: SequenceLayout, scale: float, window: int | None = None, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from meshtron.distributed.context_parallel.layout import SequenceLayout, local_token_index
 from meshtron.errors import ConfigError
 from meshtron.models.attention_kernels import document_attention
+from meshtron.tensors import compile_disabled
 
 
 def check_ulysses(heads: int, kv_heads: int, cp: int, tp: int = 1) -> None:
@@ -71,7 +72,7 @@ def sequence_orders(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch
     return layout.attention_cache[key]
 
 
-@torch.compiler.disable
+@compile_disabled
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
