@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.launch import check_enough_processes, nodes_of, processes_needed, self_launch
+from meshtron.launch import RANK_STARTS, check_enough_processes, nodes_of, processes_needed, self_launch
 from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
@@ -44,6 +44,15 @@ class _SettingsHelpFormatter(argparse.RawDescriptionHelpFormatter):
         super().add_text(text)
 
 
+def _add_rank_start(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--rank-start",
+        choices=RANK_STARTS,
+        help="with --nproc: fork each worker from a process that imported torch and transformers once (forkserver, "
+        "the default), or start each as a new interpreter, as torchrun does (fresh)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtron", description="Train causal language models in parallel.")
     parser.add_argument("--version", action="store_true", help="print meshtron's, torch's and transformers' versions")
@@ -64,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     train.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    _add_rank_start(train)
     train.add_argument(
         "--max-restarts",
         type=int,
@@ -109,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--config", help="TOML config file (default: the checkpoint's own)")
     evaluate.add_argument("--nproc", type=int, help="launch this many processes on this machine")
     evaluate.add_argument("--master-port", type=int, default=None, help="rendezvous port for --nproc (default: free)")
+    _add_rank_start(evaluate)
     evaluate.set_defaults(max_restarts=0)
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (e.g. runs/X/checkpoints/step-00000100)")
@@ -220,6 +231,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError("--nproc cannot be used under torchrun; torchrun already started the processes")
         if args.max_restarts:
             raise ConfigError("--max-restarts is for --nproc; under torchrun use torchrun's own --max-restarts")
+        if args.rank_start:
+            raise ConfigError("--rank-start is for --nproc; torchrun starts each worker as a fresh interpreter")
         return _run_worker(cfg)
     nodes = nodes_of(args)
     if nodes is not None:

@@ -217,9 +217,9 @@ def import_before_forking() -> None:
     the float8 layouts. Nothing here starts a thread or touches a tensor (a fork keeps neither safely)."""
     import importlib
 
-    from meshtron.check.worker import import_before_forking as import_what_ranks_use
+    from meshtron.train.rank_imports import import_rank_modules
 
-    import_what_ranks_use()
+    import_rank_modules()
     try:
         importlib.import_module("torchao.float8")
     except ImportError:  # float8 layouts need it; the others do not

@@ -202,6 +202,22 @@ def test_output_dir_with_a_run_is_not_overwritten(capsys, tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
 
 
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        (["--nproc", "2"], "--nproc cannot be used under torchrun"),
+        (["--max-restarts", "1"], "--max-restarts is for --nproc"),
+        (["--rank-start", "fresh"], "--rank-start is for --nproc"),
+    ],
+)
+def test_launcher_options_under_torchrun_are_refused(capsys, monkeypatch, flag, expected):
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)
+    code, err = run_main(capsys, [*FAST, *flag])
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
 def test_checkpoints_under_torchrun_need_a_fixed_directory(capsys, monkeypatch, tmp_path, cache_dir):
     """Under torchrun a restart runs the same command: without run.output_dir or checkpoint.dir it would write to
     a new runs/<timestamp> each time and never resume, so saving checkpoints there is refused before any work."""

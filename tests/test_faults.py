@@ -274,8 +274,9 @@ def test_a_closed_hang_watchdog_leaves_no_thread_behind():
 def test_main_thread_location_tells_waiting_from_busy():
     """Seen from another thread (as the watchdog sees it): busy in this test, or waiting in a host sync."""
     import threading
+    import traceback
 
-    from meshtron.resilience.watchdog import main_thread_location
+    from meshtron.resilience.watchdog import _waits_for_ranks, main_thread_location
 
     seen = []
 
@@ -294,6 +295,10 @@ def test_main_thread_location_tells_waiting_from_busy():
     host_values()
     assert not seen[0][0] and seen[0][1].startswith("test_faults.py:") and seen[0][1].endswith("in busy")
     assert seen[1][0]
+    # torch's elastic launcher is at the bottom of every worker that `meshtron train --nproc` forks: not a wait.
+    launcher = traceback.FrameSummary("/v/torch/distributed/elastic/multiprocessing/api.py", 706, "_wrap")
+    collective = traceback.FrameSummary("/v/torch/distributed/distributed_c10d.py", 2800, "all_reduce")
+    assert not _waits_for_ranks(launcher) and _waits_for_ranks(collective)
 
 
 def test_stop_signals_are_recorded_once_and_handlers_come_back():

@@ -86,7 +86,8 @@ def losses(run) -> list[float]:
 @pytest.mark.slow
 def test_two_launchers_from_a_fake_slurm_environment_train_as_one_process(tmp_path, cache_dir):
     """Two `meshtron train --nproc 2` launchers, each told by a fake SLURM environment that it is node 0 or 1 of
-    job 4242 (node list "localhost"), meet over c10d and train FSDP over 4 ranks: the losses of one process."""
+    job 4242 (node list "localhost"), meet over c10d and train FSDP over 4 ranks: the losses of one process. Node 0
+    starts its workers as fresh interpreters (`--rank-start fresh`, as torchrun), node 1 forks them (the default)."""
     from meshtron.config import load_config
     from meshtron.distributed.runtime import Runtime
     from meshtron.train.trainer import train
@@ -95,7 +96,8 @@ def test_two_launchers_from_a_fake_slurm_environment_train_as_one_process(tmp_pa
     cache = [f"--data.cache_dir={cache_dir}"]
     launchers = [
         subprocess.Popen(
-            [sys.executable, "-m", "meshtron", "train", *overrides(out), *cache, "--master-port", str(port)],
+            [sys.executable, "-m", "meshtron", "train", *overrides(out), *cache, "--master-port", str(port)]
+            + (["--rank-start", "fresh"] if node == 0 else []),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

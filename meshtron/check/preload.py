@@ -1,5 +1,5 @@
 """Imported once by the forkserver of ``meshtron check`` (multiprocessing's preload): what every rank imports."""
 
-from meshtron.check.worker import import_before_forking
+from meshtron.train.rank_imports import import_rank_modules
 
-import_before_forking()
+import_rank_modules()

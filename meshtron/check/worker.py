@@ -32,43 +32,6 @@ LAUNCHER_VARIABLES = (
 )
 
 
-def import_before_forking() -> None:
-    """Import in the forkserver, once, what every rank would otherwise import again (transformers' model classes
-    of meshtron's families, torch's parallel APIs, the training loop). Nothing here starts a thread, touches a
-    tensor or initializes CUDA (a fork keeps none of them safely)."""
-    import importlib
-    import logging
-
-    # torch.cuda.is_available() (called by some imports) asks NVML instead of initializing CUDA, which would leave
-    # the forked ranks unable to use it.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-
-    # As meshtron.cli quiets them: torchao (imported by transformers' quantizers) logs its unloadable CUDA kernels on
-    # CPU builds, and torch 2.13 warns about its Enums registered as pytree constants.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils._pytree").addFilter(
-        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage()
-    )
-
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from meshtron.models.families import FAMILIES
-
-    for module in (
-        "transformers.modeling_utils",
-        "torch.distributed.pipelining",
-        "torch.distributed.fsdp",
-        "torch.distributed.tensor.parallel",
-        "torch.distributed.checkpoint.state_dict",
-        "meshtron.train.trainer",
-        "meshtron.train.preflight",
-    ):
-        importlib.import_module(module)
-    for model_type in FAMILIES:
-        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-
-
 def run_rank(job: dict) -> None:
     """Entry point of a rank: ``job`` holds rank, world, port, overrides, device, out (the run's directory), env
     (the launching process's environment), threads and broken."""

@@ -68,6 +68,15 @@ class Fault:
         )
 
 
+LAUNCHER_PID_ENV = "MESHTRON_LAUNCHER_PID"
+"""Set by ``meshtron train --nproc`` (meshtron.launch) for its workers, whose parent is its forkserver, not itself."""
+
+
+def launcher_pid() -> int:
+    """The process that launched this worker: meshtron's launcher, or torchrun's agent (this process's parent)."""
+    return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+
+
 @dataclass
 class Faults:
     """The faults ``MESHTRON_FAULT`` asks for, with the hooks training calls."""
@@ -92,7 +101,7 @@ class Faults:
         if self._due("term", step, rank):
             _announce(f"rank {rank} sends SIGTERM to its launcher at the start of step {step}")
             self.second_term = True
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(launcher_pid(), signal.SIGTERM)
         if self._due("hang", step, rank):
             _announce(f"rank {rank} hangs at the start of step {step}")
             while True:
@@ -114,7 +123,7 @@ class Faults:
         if self.second_term:
             self.second_term = False
             _announce(f"rank {rank} sends a second SIGTERM during the save of step {step}")
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(launcher_pid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
         if self._due("killsave", step, rank):
             _announce(f"rank {rank} killed in the save of step {step}")

@@ -95,15 +95,21 @@ def main_thread_location() -> tuple[bool, str]:
     if frame is None:
         return False, "unknown"
     stack = traceback.extract_stack(frame)
-    waiting = any(
-        "torch/distributed" in entry.filename.replace(os.sep, "/") or entry.name in WAITING_FUNCTIONS for entry in stack
-    )
+    waiting = any(_waits_for_ranks(entry) for entry in stack)
     stdlib = sysconfig.get_paths()["stdlib"]
     ours = [
         entry for entry in stack if "torch" not in Path(entry.filename).parts and not entry.filename.startswith(stdlib)
     ] or list(stack)
     last = ours[-1]
     return waiting, f"{Path(last.filename).name}:{last.lineno} in {last.name}"
+
+
+def _waits_for_ranks(entry: traceback.FrameSummary) -> bool:
+    """Whether a frame of the main thread waits for other ranks: in torch.distributed (a collective, the store), but
+    not in torch's elastic launcher, whose frames are at the bottom of every worker forked by ``meshtron train
+    --nproc``, or in a host sync of the step."""
+    path = entry.filename.replace(os.sep, "/")
+    return ("torch/distributed" in path and "torch/distributed/elastic" not in path) or entry.name in WAITING_FUNCTIONS
 
 
 class HangWatchdog:
