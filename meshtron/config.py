@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 import sys
@@ -101,10 +102,21 @@ class ModelConfig:
     (docs/attention.md#varlen-modelattention_kernelvarlen)."""
     trust_remote_code: bool = False
     """Allow a model or tokenizer directory's own Python code to run; off unless you ask."""
+    max_position_embeddings: int | None = None
+    """Positions the model takes (longer sequences are refused); unset: the model's own, or its own x
+    ``rope_scaling``'s factor (docs/models.md#longer-context-modelrope_scaling)."""
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    """Rope parameters merged into the model config's, to extend its context: ``{rope_type = "yarn", factor =
+    4.0}`` (TOML) or ``--model.rope_scaling='{"rope_type": "yarn", "factor": 4.0}'``; any rope type the installed
+    transformers knows (linear, yarn, llama3, longrope, dynamic, ...). Exported models carry it. Empty: the model's."""
 
     def validate(self) -> None:
         if self.name_or_path and self.preset:
             raise ConfigError("set only one of model.name_or_path and model.preset")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ConfigError(
+                f"model.max_position_embeddings: must be a positive integer, got {self.max_position_embeddings}"
+            )
 
 
 @dataclass
@@ -518,7 +530,9 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 
 def _type_name(tp: Any) -> str:
     base, optional = _split_optional(tp)
-    if typing.get_origin(base) is list:
+    if typing.get_origin(base) is dict:
+        name = "table (a JSON object on the command line)"
+    elif typing.get_origin(base) is list:
         name = "list of integers" if typing.get_args(base)[0] is int else "list of strings"
     else:
         name = base.__name__
@@ -544,6 +558,15 @@ def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
     """Return ``value`` as type ``tp`` or raise a ConfigError naming ``key``."""
     base, optional = _split_optional(tp)
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}; fix the value in the config or CLI")
+    if typing.get_origin(base) is dict:
+        if from_text:
+            try:
+                value = json.loads(str(value)) if str(value).strip() else {}
+            except json.JSONDecodeError:
+                raise bad from None
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
     if typing.get_origin(base) is list:
         items = _typed_list(value, typing.get_args(base)[0], from_text)
         if items is None:
@@ -891,6 +914,8 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
         unset_default = {f.name for f in dataclasses.fields(section) if f.default is None}
         values = dataclasses.asdict(section).items()
         result[name] = {k: "none" if v is None else v for k, v in values if v is not None or k not in unset_default}
+    if not cfg.model.rope_scaling:  # an empty table, the default: left out
+        del result["model"]["rope_scaling"]
     result["optimizer"].update(result["optimizer"].pop("settings"))  # [optimizer.muon] tables
     return result
 

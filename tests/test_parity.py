@@ -460,6 +460,18 @@ LAYOUTS["cp2_qwen3_accum_ac"] = (
     "qwen3-docs",
 )
 
+# Context extension (model.rope_scaling, docs/models.md): llama-tiny as if pretrained at 16 positions, extended 4x by
+# YaRN (scaled frequencies and attention), trained at 32 with document masks; ring CP and pipeline stages compute the
+# model's own scaled rotary embeddings for their positions.
+_YARN = '{{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}'  # braces: str.format
+REFERENCES["llama-yarn"] = [
+    "model.preset=llama-tiny",
+    f"model.rope_scaling={_YARN}",
+    "model.max_position_embeddings=64",
+]
+LAYOUTS["cp2_yarn"] = (2, ["parallel.cp=2"], "llama-yarn")
+LAYOUTS["pp2_yarn"] = (2, ["parallel.pp=2"], "llama-yarn")
+
 # Learning-rate schedules (docs/schedules.md): warmup-stable-decay over the 4 steps: 1 of warmup, then the last 3 cool
 # down along 1 - sqrt from progress 0 (step 2 still at optimizer.lr), so that steps 3 and 4 train at lower rates.
 _WSD = ["schedule.kind=wsd", "schedule.warmup_steps=1", "schedule.decay_fraction=0.75", "schedule.decay_shape=1-sqrt"]

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
+from meshtron.models.context_extension import extend_context
 from meshtron.models.families import resolve_attn_implementation
 from meshtron.models.lora import is_lora_parameter, lora_init
 from meshtron.models.moe import read_experts
@@ -96,6 +97,7 @@ def load_hf_config(model_cfg: ModelConfig, tokenizer_vocab_size: int):
         )
     else:
         config = make_preset_config(model_cfg.preset or DEFAULT_PRESET, tokenizer_vocab_size)
+    extend_context(config, model_cfg)
     if tokenizer_vocab_size > config.vocab_size:
         raise ConfigError(
             f"data.tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size is {config.vocab_size}; "
@@ -110,7 +112,9 @@ def check_seq_len(hf_config, seq_len: int, setting: str = "data.seq_len") -> Non
     if max_positions is not None and seq_len > max_positions:
         raise ConfigError(
             f"{setting} {seq_len} is larger than the model's max_position_embeddings {max_positions}; "
-            f"use {setting} <= {max_positions}"
+            f"use {setting} <= {max_positions}, or extend the model's context with "
+            f"{'--rope-scaling' if setting.startswith('--') else 'model.rope_scaling'} "
+            "(docs/models.md#longer-context-modelrope_scaling)"
         )
 
 

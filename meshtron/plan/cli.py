@@ -9,6 +9,7 @@ import math
 import os
 import shlex
 from pathlib import Path
+from typing import Any
 
 from meshtron.config import ATTN_IMPLEMENTATIONS, Config, LoraConfig, ModelConfig, TrainConfig
 from meshtron.errors import ConfigError
@@ -44,6 +45,18 @@ def add_plan_parser(sub) -> None:
         "--seq-len",
         type=int,
         help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's max_position_embeddings when shorter)",
+    )
+    plan.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="positions the model takes, as model.max_position_embeddings (default: the model's, or its own x "
+        "--rope-scaling's factor)",
+    )
+    plan.add_argument(
+        "--rope-scaling",
+        metavar="JSON",
+        help='rope parameters that extend the model\'s context, as model.rope_scaling: e.g. \'{"rope_type": "yarn", '
+        '"factor": 4}\' (docs/models.md#longer-context-modelrope_scaling)',
     )
     plan.add_argument(
         "--global-batch",
@@ -183,6 +196,20 @@ def _run_line(out: Path, gpus: int, hw: Hardware) -> str:
     )
 
 
+def extended_model(hf_config, model_cfg: ModelConfig, positions: int | None, rope_scaling: str | None) -> ModelConfig:
+    """``model_cfg`` with ``--max-position-embeddings`` and ``--rope-scaling`` (applied to ``hf_config`` in place),
+    so that the plan and the config it emits train the extended model."""
+    from meshtron.config import coerce_value
+    from meshtron.models.context_extension import extend_context
+
+    if positions is not None and positions < 1:
+        raise ConfigError(f"--max-position-embeddings must be a positive integer, got {positions}")
+    scaling = coerce_value("--rope-scaling", rope_scaling, dict[str, Any], from_text=True) if rope_scaling else {}
+    model_cfg = dataclasses.replace(model_cfg, max_position_embeddings=positions, rope_scaling=scaling)
+    extend_context(hf_config, model_cfg)
+    return model_cfg
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from meshtron.models.build import check_seq_len
     from meshtron.models.families import resolve_attn_implementation
@@ -206,6 +233,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     check_cluster(args.gpus, hw)  # before the model is built: a wrong cluster fails at once
     hf_config, model_cfg = resolve_model(args.model)
+    model_cfg = extended_model(hf_config, model_cfg, args.max_position_embeddings, args.rope_scaling)
     if args.emit_config:
         check_new_file(args.emit_config)  # before the search: a path that cannot take the config fails at once
     if args.seq_len is not None:

@@ -36,6 +36,7 @@ from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
+from meshtron.models.context_extension import check_rope_layout
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
@@ -203,6 +204,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         check_chat_tokenizer(tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     check_seq_len(hf_config, cfg.data.seq_len)
+    check_rope_layout(hf_config, cfg.data.seq_len, dims.cp, cfg.data.mask_documents)
     pp_microbatches = check_layout(
         hf_config,
         cfg.parallel,
