@@ -197,6 +197,10 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """Recompute activations in backward to save memory: ``none``, ``full`` (recompute each decoder block) or
     ``selective`` (keep the matmul and attention outputs, recompute the rest)."""
+    mlp_tiles: int = 0
+    """Run each block's MLP over this many tiles of its tokens, recomputing each tile in backward, so that its
+    ``tokens x intermediate_size`` activations never exist for the whole sequence; 0 or 1: off. Exact (the MLP works
+    on each token alone); for long sequences (docs/long-context.md#tiled-mlp-trainmlp_tiles). Dense MLPs only."""
     compile: str = "auto"
     """Compile each decoder block with torch.compile: ``true``, ``false``, or ``auto`` (on for CUDA, off on CPU)."""
     loss_chunk_size: int = 4096
@@ -215,6 +219,8 @@ class TrainConfig:
         _positive("train.micro_batch_size", self.micro_batch_size, allow_none=True)
         if self.loss_chunk_size < 0:
             raise ConfigError(f"train.loss_chunk_size: must be >= 0 (0 disables chunking), got {self.loss_chunk_size}")
+        if self.mlp_tiles < 0:
+            raise ConfigError(f"train.mlp_tiles: must be >= 0 (0 turns tiling off), got {self.mlp_tiles}")
         parse_batch_rampup(self.batch_rampup, self.global_batch_size)
 
 

@@ -472,6 +472,17 @@ REFERENCES["llama-yarn"] = [
 LAYOUTS["cp2_yarn"] = (2, ["parallel.cp=2"], "llama-yarn")
 LAYOUTS["pp2_yarn"] = (2, ["parallel.pp=2"], "llama-yarn")
 
+# Tiled MLP (train.mlp_tiles, docs/long-context.md; refused under pp): 4 tiles of each rank's tokens, against the
+# untiled one process;
+# under TP with sequence parallel each tile's gather and reduce-scatter hand every rank its own tokens back.
+LAYOUTS["fsdp2_mlp_tiles"] = (2, ["parallel.dp_shard=2", "train.mlp_tiles=4"], "llama-tiny")
+LAYOUTS["tp2_mlp_tiles"] = (2, ["parallel.tp=2", "train.mlp_tiles=4"], "llama-tiny")
+LAYOUTS["cp2_mlp_tiles_ac"] = (
+    2,
+    ["parallel.cp=2", "train.mlp_tiles=4", "train.activation_checkpointing=full"],
+    "llama-docs",
+)
+
 # Learning-rate schedules (docs/schedules.md): warmup-stable-decay over the 4 steps: 1 of warmup, then the last 3 cool
 # down along 1 - sqrt from progress 0 (step 2 still at optimizer.lr), so that steps 3 and 4 train at lower rates.
 _WSD = ["schedule.kind=wsd", "schedule.warmup_steps=1", "schedule.decay_fraction=0.75", "schedule.decay_shape=1-sqrt"]

@@ -25,6 +25,7 @@ from meshtron.distributed.precision import PrecisionPolicy, apply_compute_casts
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import uses_meshtron_attention
+from meshtron.models.tiled_mlp import apply_tiled_mlp
 
 # Selective checkpointing keeps the outputs of these (expensive) ops and recomputes the rest.
 _SAVED_OPS = {
@@ -213,6 +214,7 @@ def parallelize_model(
         )
     if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
         adapter.use_attention(model, register_attention())
+    apply_tiled_mlp(adapter.named_blocks(model), adapter.block_tp_roles, cfg.train.mlp_tiles)
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     if compiled:
         apply_compile(model, adapter)

@@ -59,6 +59,13 @@ def add_plan_parser(sub) -> None:
         '"factor": 4}\' (docs/models.md#longer-context-modelrope_scaling)',
     )
     plan.add_argument(
+        "--mlp-tiles",
+        type=int,
+        default=0,
+        help="plan train.mlp_tiles=N: each block's MLP keeps only its input for backward (no pipeline layouts; "
+        "docs/long-context.md)",
+    )
+    plan.add_argument(
         "--global-batch",
         type=int,
         help="sequences per optimizer step (default: about 2^20 = 1M tokens per step, a usual pretraining batch "
@@ -221,6 +228,8 @@ def run_plan(args: argparse.Namespace) -> int:
     for name in ("gpus", "seq_len", "global_batch", "top"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.mlp_tiles < 0:
+        raise ConfigError(f"--mlp-tiles must be >= 0 (0 turns tiling off), got {args.mlp_tiles}")
     if args.loss_chunk_size < 0:
         raise ConfigError(f"--loss-chunk-size must be >= 0 (0 disables chunking), got {args.loss_chunk_size}")
     overrides = {name: getattr(args, name) for name in HARDWARE_OVERRIDES}
@@ -259,6 +268,7 @@ def run_plan(args: argparse.Namespace) -> int:
         compiled=not args.no_compile,
         attn_implementation=attn_implementation,
         float8=args.float8,
+        mlp_tiles=args.mlp_tiles,
     )
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:

@@ -61,6 +61,8 @@ class Workload:
     float8: bool = False
     """``precision.float8``: the blocks' linears multiply in float8 (the GPU's float8 rate; compiled blocks keep
     the linears' inputs as their float8 casts)."""
+    mlp_tiles: int = 0
+    """``train.mlp_tiles``: each dense MLP keeps only its input for backward (meshtron.models.tiled_mlp)."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -98,6 +100,7 @@ class Workload:
             optimizer=cfg.optimizer.name,
             optimizer_settings=optimizer_settings(cfg.optimizer),
             float8=cfg.precision.float8,
+            mlp_tiles=cfg.train.mlp_tiles,
         )
 
 

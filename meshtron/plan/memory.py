@@ -247,6 +247,8 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
     if shape.experts and not dense:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
         mlp = moe_activation_per_token(shape, e, layout.ep)
+    elif tiled_mlp(workload):  # only the MLP's input, this rank's part of the sequence (meshtron.models.tiled_mlp)
+        mlp = e * h / stream_split - e * h  # instead of the gathered input that gate and up keep
     else:
         mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
     adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x (whole on every tp rank, or a partial sum)
@@ -271,6 +273,8 @@ def _compiled_block_per_token(shape: ModelShape, layout: Layout, workload: Workl
     if dense_document_mask(layout, workload):
         attention += e * workload.seq_len
     mlp = (2 * e + linear_in) * inter // tp  # gate, up, and down's input SiLU(gate) * up
+    if tiled_mlp(workload):  # only the MLP's input (this rank's part), instead of gate and up's gathered input
+        mlp = e * h / stream_split - linear_in * h
     adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x
     return norms + gathered_inputs + attention + mlp + adapters
 
@@ -336,6 +340,11 @@ def weight_copy_bytes(shape: ModelShape, layout: Layout, workload: Workload, lay
     if layout.activation_checkpointing == "none":
         numel += layers * _local_numel(shape.block, layout, shape)
     return numel * compute_bytes(workload)
+
+
+def tiled_mlp(workload: Workload) -> bool:
+    """Whether ``train.mlp_tiles`` tiles the dense MLPs (meshtron.models.tiled_mlp): each keeps only its input."""
+    return workload.mlp_tiles > 1
 
 
 def checkpointed_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:

@@ -37,6 +37,7 @@ from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
+from meshtron.models.tiled_mlp import check_mlp_tiles
 from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
@@ -216,6 +217,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         micro_batch_size=cfg.train.micro_batch_size,
         device_type=device_type,
     )
+    check_mlp_tiles(cfg.train.mlp_tiles, hf_config, dims.pp)
     check_router_balance(cfg.moe.router_balance, hf_config)
     router_loss_enabled(cfg.moe.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
     check_fixed_directory(cfg, launched=launched_by_torchrun())
