@@ -472,11 +472,17 @@ REFERENCES["llama-yarn"] = [
 LAYOUTS["cp2_yarn"] = (2, ["parallel.cp=2"], "llama-yarn")
 LAYOUTS["pp2_yarn"] = (2, ["parallel.pp=2"], "llama-yarn")
 
-# Tiled MLP (train.mlp_tiles, docs/long-context.md; refused under pp): 4 tiles of each rank's tokens, against the
-# untiled one process;
+# Tiled MLP (train.mlp_tiles, docs/long-context.md): 4 tiles of each rank's tokens, against the untiled one process;
 # under TP with sequence parallel each tile's gather and reduce-scatter hand every rank its own tokens back.
 LAYOUTS["fsdp2_mlp_tiles"] = (2, ["parallel.dp_shard=2", "train.mlp_tiles=4"], "llama-tiny")
 LAYOUTS["tp2_mlp_tiles"] = (2, ["parallel.tp=2", "train.mlp_tiles=4"], "llama-tiny")
+LAYOUTS["pp2_mlp_tiles"] = (2, ["parallel.pp=2", "train.mlp_tiles=4"], "llama-deep")
+# Zero-bubble: input gradients first, weight gradients in a pass of their own (the tiles recomputed for each).
+LAYOUTS["pp2_zbv_mlp_tiles"] = (
+    2,
+    ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "train.mlp_tiles=4"],
+    "llama-deep",
+)
 LAYOUTS["cp2_mlp_tiles_ac"] = (
     2,
     ["parallel.cp=2", "train.mlp_tiles=4", "train.activation_checkpointing=full"],

@@ -23,13 +23,14 @@ SEQUENCE_DIM = -2
 
 
 class _TiledMLPFunction(torch.autograd.Function):
-    """``mlp(x)`` over ``tiles`` pieces of the sequence; saves only ``x``. The MLP's parameters are no inputs of this
-    function: backward accumulates their gradients itself (``torch.autograd.backward`` on each recomputed tile),
-    before the gradient of ``x`` leaves it, as FSDP's post-backward expects."""
+    """``mlp(x)`` over ``tiles`` pieces of the sequence; saves only ``x``. The MLP's trained parameters are inputs too,
+    so that their gradients leave backward as any function's do: autograd accumulates them where the caller's
+    backward asks for them, and only there (torch.distributed.pipelining runs backward passes of its own, on made-up
+    inputs, to learn gradient shapes: gradients accumulated by hand there would land in the parameters)."""
 
     @staticmethod
-    def forward(ctx, run_mlp, tiles: int, x: torch.Tensor) -> torch.Tensor:
-        ctx.run_mlp, ctx.tiles = run_mlp, tiles
+    def forward(ctx, run_mlp, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run_mlp, ctx.tiles, ctx.params = run_mlp, tiles, params
         ctx.save_for_backward(x)
         with torch.no_grad():
             return torch.cat([run_mlp(piece) for piece in x.chunk(tiles, dim=SEQUENCE_DIM)], dim=SEQUENCE_DIM)
@@ -37,23 +38,27 @@ class _TiledMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (x,) = ctx.saved_tensors
-        grads = []
+        grads, param_grads = [], [None] * len(ctx.params)
         for piece, grad in zip(
             x.chunk(ctx.tiles, dim=SEQUENCE_DIM), grad_output.chunk(ctx.tiles, dim=SEQUENCE_DIM), strict=True
         ):
             piece = piece.detach().requires_grad_(True)
             with torch.enable_grad():
                 output = ctx.run_mlp(piece)
-            torch.autograd.backward(output, grad)
-            grads.append(piece.grad)
-        return None, None, torch.cat(grads, dim=SEQUENCE_DIM)
+            piece_grad, *tile_param_grads = torch.autograd.grad(output, (piece, *ctx.params), grad, allow_unused=True)
+            grads.append(piece_grad)
+            for i, tile_grad in enumerate(tile_param_grads):
+                if tile_grad is not None:
+                    param_grads[i] = tile_grad if param_grads[i] is None else param_grads[i] + tile_grad
+        return None, None, torch.cat(grads, dim=SEQUENCE_DIM), *param_grads
 
 
 def _tiled_call(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     call = super(type(self), self).__call__
     if args or kwargs or not torch.is_grad_enabled() or self.mlp_tiles <= 1:
         return call(hidden, *args, **kwargs)
-    return _TiledMLPFunction.apply(call, self.mlp_tiles, hidden)
+    params = [param for param in self.parameters() if param.requires_grad]
+    return _TiledMLPFunction.apply(call, self.mlp_tiles, hidden, *params)
 
 
 @functools.cache
@@ -69,20 +74,13 @@ def mlp_of(block: nn.Module, roles: dict[str, str]) -> nn.Module | None:
     return block.get_submodule(paths[0]) if len(paths) == 1 else None
 
 
-def check_mlp_tiles(tiles: int, hf_config, pp: int) -> None:
+def check_mlp_tiles(tiles: int, hf_config) -> None:
     """Refuse ``train.mlp_tiles`` for what it cannot tile: a mixture of experts, an MLP with dropout (its recomputation
-    in backward would draw other masks), and pipeline stages (not yet exact, see below)."""
+    in backward would draw other masks)."""
     from meshtron.models.moe import is_moe
 
     if tiles <= 1:
         return
-    if pp > 1:
-        # Measured on CPU (gloo, pp=2, llama-deep, GPipe and 1F1B): some runs matched the untiled one exactly, others
-        # met non-finite MLP inputs in the last stage's backward recomputation; the cause is not found yet.
-        raise ConfigError(
-            f"train.mlp_tiles={tiles} is not yet exact under pipeline parallelism (parallel.pp={pp}); set "
-            "train.mlp_tiles=0 or parallel.pp=1 (docs/long-context.md#tiled-mlp-trainmlp_tiles)"
-        )
     if is_moe(hf_config):
         raise ConfigError(
             f"train.mlp_tiles={tiles}: this model's MLPs are mixtures of experts, which route each token to its "

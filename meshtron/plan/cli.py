@@ -62,8 +62,7 @@ def add_plan_parser(sub) -> None:
         "--mlp-tiles",
         type=int,
         default=0,
-        help="plan train.mlp_tiles=N: each block's MLP keeps only its input for backward (no pipeline layouts; "
-        "docs/long-context.md)",
+        help="plan train.mlp_tiles=N: each block's MLP keeps only its input for backward (docs/long-context.md)",
     )
     plan.add_argument(
         "--global-batch",

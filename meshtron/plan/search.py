@@ -63,8 +63,7 @@ def candidate_layouts(
     layouts = []
     for tp in [t for t in _powers_of_two(hw.gpus_per_node) if gpus % t == 0]:
         for cp in [c for c in _powers_of_two(16) if gpus % (tp * c) == 0]:
-            pps = [p for p in _powers_of_two(64) if gpus % (tp * cp * p) == 0 and p <= shape.layers // 2 or p == 1]
-            for pp in [p for p in pps if p == 1 or workload.mlp_tiles <= 1]:  # tiled MLPs: refused under pp
+            for pp in [p for p in _powers_of_two(64) if gpus % (tp * cp * p) == 0 and p <= shape.layers // 2 or p == 1]:
                 if gpus % (tp * cp * pp):
                     continue
                 dp = gpus // (tp * cp * pp)

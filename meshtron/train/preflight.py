@@ -217,7 +217,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         micro_batch_size=cfg.train.micro_batch_size,
         device_type=device_type,
     )
-    check_mlp_tiles(cfg.train.mlp_tiles, hf_config, dims.pp)
+    check_mlp_tiles(cfg.train.mlp_tiles, hf_config)
     check_router_balance(cfg.moe.router_balance, hf_config)
     router_loss_enabled(cfg.moe.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
     check_fixed_directory(cfg, launched=launched_by_torchrun())
