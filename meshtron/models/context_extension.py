@@ -46,12 +46,16 @@ def extend_context(hf_config, model_cfg) -> None:
 
 def _pretrained_length(hf_config) -> int:
     """The length the model was pretrained at: a rope type's own record of it, Phi-3's attribute, or its positions."""
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    entries = [rope[key] for key in _layer_type_keys(hf_config, rope)] or [rope]
-    for entry in entries:
+    for entry in _rope_entries(hf_config):
         if entry and entry.get("original_max_position_embeddings"):
             return int(entry["original_max_position_embeddings"])
     return int(getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+
+
+def _rope_entries(hf_config) -> list[dict]:
+    """The config's rope parameters: one entry per layer type (Gemma 3), or the one for every layer."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    return [rope[key] for key in _layer_type_keys(hf_config, rope)] or [rope]
 
 
 def _layer_type_keys(hf_config, rope: dict) -> list[str]:
@@ -118,9 +122,7 @@ def check_rope_layout(hf_config, seq_len: int, cp: int, mask_documents: bool) ->
     micro-batches or ranks: longrope takes its long or short factors by the largest position of each forward, which
     document masks (positions restart per document) and context parallelism (each rank holds part of a sequence)
     make depend on the batch and the layout."""
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    entries = [rope[key] for key in _layer_type_keys(hf_config, rope)] or [rope]
-    for entry in entries:
+    for entry in _rope_entries(hf_config):
         if not entry or entry.get("rope_type") != "longrope":
             continue
         pretrained = int(entry.get("original_max_position_embeddings") or _pretrained_length(hf_config))
