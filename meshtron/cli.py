@@ -447,9 +447,13 @@ def run() -> None:
     store's), and in CI it once aborted a rank of a restarted run after the run had finished ("terminate called
     without an active exception", exit -6), which torchrun counted as a failure of the whole run. Everything a
     run writes is closed by then; stdout, stderr and logging are flushed here.
+
+    A ``--nproc`` launcher leaves the same way once its workers have ended: its teardown (about 2,000 modules) took
+    seconds on a loaded machine, between a hung run's workers being stopped and the command returning.
     """
     code = main()
-    if _under_torchrun() and "torch.distributed" in sys.modules:
+    launched_workers = "torch.distributed.elastic.agent.server.api" in sys.modules
+    if (_under_torchrun() or launched_workers) and "torch.distributed" in sys.modules:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
