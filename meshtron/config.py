@@ -201,6 +201,10 @@ class TrainConfig:
     """Run each block's MLP over this many tiles of its tokens, recomputing each tile in backward, so that its
     ``tokens x intermediate_size`` activations never exist for the whole sequence; 0 or 1: off. Exact (the MLP works
     on each token alone); for long sequences (docs/long-context.md#tiled-mlp-trainmlp_tiles). Dense MLPs only."""
+    activation_offload: bool = False
+    """Move the tensors autograd keeps for backward (with activation checkpointing: each block's input) to host
+    memory in forward, on a side stream, and bring them back ahead of their use in backward. Exact; saves GPU memory
+    for host memory and PCIe traffic (docs/long-context.md#activation-offloading-trainactivation_offload)."""
     compile: str = "auto"
     """Compile each decoder block with torch.compile: ``true``, ``false``, or ``auto`` (on for CUDA, off on CPU)."""
     loss_chunk_size: int = 4096

@@ -144,7 +144,12 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
     setup = preflight(cfg, runtime.world_size, runtime.device.type)
     result = train(cfg, runtime, setup)
     measured = torch.tensor(
-        [sum(result.state_bytes.values()), result.activation_bytes, result.accumulation_grad_bytes],
+        [
+            sum(result.state_bytes.values()),
+            result.activation_bytes,
+            result.accumulation_grad_bytes,
+            result.offloaded_bytes,
+        ],
         dtype=torch.int64,
     )
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
@@ -169,6 +174,7 @@ def train_and_record(name: str, cfg, runtime, out: Path) -> None:
                     "state_bytes": int(measured[0]),
                     "activation_bytes": int(measured[1]),
                     "accumulation_grad_bytes": int(measured[2]),
+                    "offloaded_bytes": int(measured[3]),
                     "expert_state_bytes": [int(expert_local), expert_full],
                 }
             )

@@ -65,6 +65,18 @@ def add_plan_parser(sub) -> None:
         help="plan train.mlp_tiles=N: each block's MLP keeps only its input for backward (docs/long-context.md)",
     )
     plan.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="plan train.activation_offload=true: what autograd keeps for backward waits in host memory "
+        "(--host-memory-gb per GPU, copies at --pcie-gbps; docs/long-context.md)",
+    )
+    plan.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="find the longest sequence the model trains at on --gpus (with activation offloading and tiled MLPs "
+        "where they help) and print the settings it needs; --global-batch defaults to 1",
+    )
+    plan.add_argument(
         "--global-batch",
         type=int,
         help="sequences per optimizer step (default: about 2^20 = 1M tokens per step, a usual pretraining batch "
@@ -220,6 +232,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from meshtron.models.build import check_seq_len
     from meshtron.models.families import resolve_attn_implementation
     from meshtron.plan.layout import Workload
+    from meshtron.plan.longest import GRANULARITY
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import candidate_record, check_new_file, emit_config, format_table
     from meshtron.plan.search import check_cluster, plan_layouts
@@ -244,6 +257,11 @@ def run_plan(args: argparse.Namespace) -> int:
     model_cfg = extended_model(hf_config, model_cfg, args.max_position_embeddings, args.rope_scaling)
     if args.emit_config:
         check_new_file(args.emit_config)  # before the search: a path that cannot take the config fails at once
+    if args.max_seq_len and args.seq_len is not None:
+        raise ConfigError("--seq-len and --max-seq-len: give one (--max-seq-len searches the length)")
+    if args.max_seq_len:
+        args.global_batch = args.global_batch or 1
+        args.seq_len = GRANULARITY  # the search replaces it
     if args.seq_len is not None:
         check_seq_len(hf_config, args.seq_len, setting="--seq-len")
     defaulted = {name for name in ("seq_len", "global_batch") if getattr(args, name) is None}
@@ -268,7 +286,10 @@ def run_plan(args: argparse.Namespace) -> int:
         attn_implementation=attn_implementation,
         float8=args.float8,
         mlp_tiles=args.mlp_tiles,
+        activation_offload=args.activation_offload,
     )
+    if args.max_seq_len:
+        return _print_longest(args, shape, hf_config, workload, hw, model_cfg, lora)
     candidates = plan_layouts(shape, hf_config, workload, args.gpus, hw)
     if args.json:
         print(
@@ -311,6 +332,52 @@ def run_plan(args: argparse.Namespace) -> int:
         out = emit_config(best.layout, workload, model_cfg, args.emit_config, header, lora)
         print(f"meshtron plan: wrote {out}; {_run_line(out, args.gpus, hw)}")
     return 0 if fitting else 1
+
+
+def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) -> int:
+    """``--max-seq-len``: print the longest length, the fastest settings that train at it, and emit them."""
+    from meshtron.plan.longest import GRANULARITY, longest_sequence
+    from meshtron.plan.report import emit_config
+
+    found = longest_sequence(shape, hf_config, base, args.gpus, hw)
+    where = (
+        f"{args.model} ({_count(shape.total_params)} parameters{f', LoRA rank {args.lora_rank}' if lora else ''}) on "
+        f"{args.gpus} x {hw.name} ({hw.memory_gb:g} GB, {hw.host_memory_gb:g} GB of host memory each), global "
+        f"batch {args.global_batch}"
+    )
+    if found.candidate is None:
+        print(f"meshtron plan: {where}: no length of {GRANULARITY} tokens or more fits; add GPUs or use LoRA")
+        return 1
+    best, workload, layout = found.candidate, found.workload, found.candidate.layout
+    stopped = {
+        "memory": "the next step would not fit in memory",
+        "positions": "the model's max_position_embeddings; extend it with --rope-scaling (docs/models.md)",
+        "search": "the search's limit",
+    }[found.bound]
+    settings = [f"parallel.{name}={value}" for name, value in zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+                (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)) if value > 1]  # fmt: skip
+    if layout.cp > 1:
+        settings.append(f"parallel.cp_method={layout.cp_method}")
+    settings += [f"train.activation_checkpointing={layout.activation_checkpointing}"]
+    settings += [f"train.activation_offload={str(workload.activation_offload).lower()}"]
+    settings += [f"train.mlp_tiles={workload.mlp_tiles}"]
+    print(
+        f"meshtron plan: {where}: the longest sequence is {found.seq_len:,} tokens (stopped by {stopped}), with "
+        f"{' '.join(settings)}\n"
+        f"  per GPU: {best.memory.total / 1e9:.1f} GB of {hw.memory_gb:g} ({hw.reserved_gb:g} reserved), "
+        f"{best.memory.host / 1e9:.1f} GB in host memory; a step of {best.step.seconds:.1f} s, "
+        f"{best.step.tokens_per_s / args.gpus:,.0f} tokens/s per GPU (offload copies exposed: "
+        f"{best.step.offload_s:.1f} s)"
+    )
+    if args.emit_config:
+        header = (
+            f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --max-seq-len --global-batch "
+            f"{args.global_batch} --gpu {args.gpu}{f' --lora-rank {args.lora_rank}' if lora else ''}\n"
+            f"# The longest sequence that fits: {found.seq_len} tokens. Set data.path and data.tokenizer.\n\n"
+        )
+        out = emit_config(layout, workload, model_cfg, args.emit_config, header, lora)
+        print(f"meshtron plan: wrote {out}; {_run_line(out, args.gpus, hw)}")
+    return 0
 
 
 def run_dry_run(cfg: Config, world_size: int, rank: int) -> int:

@@ -52,6 +52,14 @@ class Hardware:
     """Dense float8 peak (``precision.float8``); 0 where the GPU has no float8 matmuls (they run at the bf16 rate)."""
     reserved_gb: float = 3.0
     """Memory not available to tensors: CUDA context, NCCL buffers, allocator fragmentation."""
+    host_memory_gb: float = 128.0
+    """Host memory per GPU in GB that offloaded activations (``train.activation_offload``) may fill: a machine's
+    memory over its GPUs, less what the data loader and the process need. 128: one H100 in a 128 GB machine (DGX
+    H100: 2 TB over 8 GPUs, 256 each)."""
+    pcie_gbps: float = 64.0
+    """Host <-> device GB/s per GPU and direction (PCIe Gen5 x16 data sheet; Gen4: 32)."""
+    pcie_efficiency: float = 0.8
+    """Fraction of ``pcie_gbps`` pinned-memory copies reach."""
 
     def with_overrides(self, **values) -> "Hardware":
         return replace(self, **{k: v for k, v in values.items() if v is not None})
@@ -64,8 +72,8 @@ class Hardware:
 GPUS: dict[str, Hardware] = {
     "h100": Hardware("H100 SXM 80GB", 80, 989, 450, 50, 67, hbm_gbps=3350, fp8_tflops=1979),
     "h200": Hardware("H200 SXM 141GB", 141, 989, 450, 50, 67, hbm_gbps=4800, fp8_tflops=1979),
-    "a100": Hardware("A100 SXM 80GB", 80, 312, 300, 25, 19.5, hbm_gbps=2039),
-    "a100-40gb": Hardware("A100 SXM 40GB", 40, 312, 300, 25, 19.5, hbm_gbps=1555),
+    "a100": Hardware("A100 SXM 80GB", 80, 312, 300, 25, 19.5, hbm_gbps=2039, pcie_gbps=32),
+    "a100-40gb": Hardware("A100 SXM 40GB", 40, 312, 300, 25, 19.5, hbm_gbps=1555, pcie_gbps=32),
     "b200": Hardware("B200 180GB", 180, 2250, 900, 100, 80, hbm_gbps=8000, fp8_tflops=4500),
 }
 

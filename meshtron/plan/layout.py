@@ -63,6 +63,9 @@ class Workload:
     the linears' inputs as their float8 casts)."""
     mlp_tiles: int = 0
     """``train.mlp_tiles``: each dense MLP keeps only its input for backward (meshtron.models.tiled_mlp)."""
+    activation_offload: bool = False
+    """``train.activation_offload``: what autograd keeps for backward lives in host memory between the forward and
+    the backward (meshtron.train.activation_offload)."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -101,6 +104,7 @@ class Workload:
             optimizer_settings=optimizer_settings(cfg.optimizer),
             float8=cfg.precision.float8,
             mlp_tiles=cfg.train.mlp_tiles,
+            activation_offload=cfg.train.activation_offload,
         )
 
 

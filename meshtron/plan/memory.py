@@ -40,6 +40,9 @@ class MemoryEstimate:
     temporaries: int
     """Transient buffers outside autograd's saved set: one loss chunk's logits, their fp32 copy and
     gradient; a block's recomputation under activation checkpointing; CP attention's tile buffers."""
+    host: int = 0
+    """Bytes in host memory: the activations ``train.activation_offload`` moves there (all micro-batches in
+    flight). ``activations`` then counts what stays on the device: nothing the planner counts."""
     grads_in_forward: int | None = None
     """Gradient bytes live while the activations peak (at the turn from forward to backward): none with one
     micro-batch a step (meshtron frees gradients after each update and backward makes them as it frees
@@ -374,15 +377,61 @@ def chunks_in_flight(layout: Layout, workload: Workload, pp_rank: int) -> int:
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
-    """Peak saved-for-backward bytes of each pipeline rank (weight copies of mixed precision included)."""
+    """Peak saved-for-backward bytes of each pipeline rank on the device (weight copies of mixed precision
+    included); none under ``train.activation_offload``, which moves them to host memory (``host_activation_bytes``:
+    tensors under 1 MiB and parameters stay, which the planner leaves out)."""
+    saved = saved_activation_bytes(shape, layout, workload)
+    return [0.0] * len(saved) if workload.activation_offload else saved
+
+
+def host_activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Peak bytes each pipeline rank holds in host memory under ``train.activation_offload`` (else none)."""
+    saved = saved_activation_bytes(shape, layout, workload)
+    return saved if workload.activation_offload else [0.0] * len(saved)
+
+
+def kept_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Bytes per token of this rank's chunk that one (sparse, for an MoE) block keeps for backward, checkpointed or
+    not."""
+    if layout.activation_checkpointing == "none":
+        return block_activation_per_token(shape, layout, workload)
+    return checkpointed_block_per_token(shape, layout, workload)
+
+
+OFFLOAD_BLOCKS_ON_DEVICE = 3
+"""Blocks' worth of offloaded activations on the device at once in backward: the block being differentiated and
+what is fetched ahead (meshtron.train.activation_offload: twice the largest host copy)."""
+
+
+def offload_traffic_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Bytes the busiest rank copies to the host in a step's forwards under ``train.activation_offload`` (as many
+    come back in backward): each micro-batch's saved activations, on every stage the rank holds."""
+    if not workload.activation_offload:
+        return 0.0
+    return max(
+        sum(chunk for chunk in per_rank) * layout.microbatches(workload)
+        for per_rank in _saved_per_chunk(shape, layout, workload)
+    )
+
+
+def saved_activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Peak saved-for-backward bytes of each pipeline rank, wherever they are kept."""
+    return [
+        max(max(per_chunk), sum(per_chunk) / len(per_chunk) * chunks_in_flight(layout, workload, rank))
+        for rank, per_chunk in enumerate(_saved_per_chunk(shape, layout, workload))
+    ]
+
+
+def _saved_per_chunk(shape: ModelShape, layout: Layout, workload: Workload) -> list[list[float]]:
+    """Per pipeline rank, per stage it holds: the bytes one micro-batch keeps for backward."""
     tokens = head_tokens(layout, workload)
     if layout.activation_checkpointing == "none":
         per_block = block_activation_per_token(shape, layout, workload)
         per_dense_block = block_activation_per_token(shape, layout, workload, dense=True)
     else:
         per_block = per_dense_block = checkpointed_block_per_token(shape, layout, workload)
-    peaks = []
-    for rank, stages in enumerate(stage_layout(shape, layout, workload)):
+    ranks = []
+    for stages in stage_layout(shape, layout, workload):
         per_chunk = [
             tokens
             * (
@@ -394,9 +443,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
             + (fused_loss_gradient_bytes(shape, layout, workload) if last else 0)
             for layers, first, last in stages
         ]
-        average = sum(per_chunk) / len(per_chunk)
-        peaks.append(max(max(per_chunk), average * chunks_in_flight(layout, workload, rank)))
-    return peaks
+        ranks.append(per_chunk)
+    return ranks
 
 
 def ddp_replication(layout: Layout, workload: Workload) -> bool:
@@ -482,6 +530,8 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
     temporaries = 0.0
     if layout.activation_checkpointing != "none":  # one block recomputed
         temporaries += tokens * block_activation_per_token(shape, layout, workload)
+    if workload.activation_offload:  # the offloaded activations of the blocks differentiated or fetched ahead
+        temporaries += OFFLOAD_BLOCKS_ON_DEVICE * tokens * kept_block_per_token(shape, layout, workload)
     casts_per_step = casts_weights(layout, workload) and layout.activation_checkpointing != "none"
     # Without FSDP the compute-dtype weight copies are made once per optimizer step and held through it
     # (meshtron.distributed.precision.ComputeWeights); autograd keeps them anyway unless blocks are checkpointed.
@@ -504,11 +554,12 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         stage_layout(shape, layout, workload),
         state_numel(shape, layout, workload),
         activation_bytes(shape, layout, workload),
+        host_activation_bytes(shape, layout, workload),
         held_gradient_bytes(shape, layout, workload),
         muon_numel(shape, layout, workload),
         trained_numel(shape, layout, workload),
     )
-    for stages, numel, acts, held_grads, muon, trained in per_rank:
+    for stages, numel, acts, host_acts, held_grads, muon, trained in per_rank:
         holds_head = any(last for _, _, last in stages)
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
@@ -519,6 +570,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
                 grads=int(max(trained * state_bytes, held_grads)),
                 optimizer=optimizer_state_numel(workload, trained, muon) * state_bytes,
                 activations=int(acts),
+                host=int(host_acts),
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
                 grads_in_forward=int(max(trained * state_bytes, held_grads)) if accumulates else 0,

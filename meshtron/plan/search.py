@@ -134,6 +134,7 @@ def plan_layouts(shape: ModelShape, hf_config, workload: Workload, gpus: int, hw
     for layout in candidate_layouts(shape, hf_config, workload, gpus, hw):
         memory = estimate_memory(shape, layout, workload)
         step = estimate_step(shape, layout, workload, hw, hf_config)
-        results.append(Candidate(layout, memory, step, memory.total <= usable))
+        fits = memory.total <= usable and memory.host <= hw.host_memory_gb * 1e9
+        results.append(Candidate(layout, memory, step, fits))
     results.sort(key=lambda c: (not c.fits, _speed_band(c.step.tokens_per_s), complexity(c.layout), c.memory.total))
     return results

@@ -35,6 +35,8 @@ class StepEstimate:
     optimizer_s: float = 0.0
     """Muon's step (``optimizer.name=muon``): gathering sharded matrices and their Newton-Schulz iterations, on the
     critical path; 0 under AdamW (whose step is part of ``compute_s``: ``kernels.parameters``)."""
+    offload_s: float = 0.0
+    """The copies of ``train.activation_offload`` that compute does not hide (part of ``exposed_comm_s``)."""
     kernels: "KernelTimes | None" = None
     """A compiled step's kernels by kind (compiled steps on CUDA; None for eager steps, whose compute is the whole
     step's FLOPs at ``Hardware.matmul_efficiency``)."""
@@ -200,7 +202,9 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         send = _collective_s(local_tokens * h * e * 2, 2, span, hw)
         pp_s = 2 * send * forwards * layout.pp_stages_per_rank
 
-    exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s
+    offload_s = activation_offload_s(shape, layout, workload, hw, compute)
+
+    exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s + offload_s
     optimizer_s = matrix_step_s(shape, layout, workload, hw)
     seconds = compute + exposed + optimizer_s
     return StepEstimate(
@@ -212,7 +216,18 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         all_to_all_s=a2a_s,
         optimizer_s=optimizer_s,
         kernels=kernels,
+        offload_s=offload_s,
     )
+
+
+def activation_offload_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, compute: float) -> float:
+    """``train.activation_offload``'s copies on the critical path: each micro-batch's saved activations go to the host
+    during its forwards (about a third of ``compute``) and come back during its backwards (two thirds), on a side
+    stream at ``pcie_gbps x pcie_efficiency``; only what exceeds the compute they overlap is exposed."""
+    from meshtron.plan.memory import offload_traffic_bytes
+
+    one_way = offload_traffic_bytes(shape, layout, workload) / (hw.pcie_gbps * 1e9 * hw.pcie_efficiency)
+    return max(0.0, one_way - compute / 3) + max(0.0, one_way - 2 * compute / 3)
 
 
 def matmul_size_factor(layout: Layout, workload: Workload) -> float:

@@ -34,6 +34,7 @@ from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.resilience.faults import faulted_loss
 from meshtron.tensors import local_tensor
+from meshtron.train.activation_offload import ActivationOffloader, saved_activation_hooks
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.moe.router_balance import RouterBalance
@@ -97,7 +98,9 @@ class StepResult:
     accumulation_grad_bytes: int = 0
     """With ``measure_state``: the peak gradient bytes held between accumulated micro-batches."""
     activation_bytes: int | None = None
-    """With ``measure_activations``: the peak bytes autograd kept for backward."""
+    """With ``measure_activations``: the peak bytes autograd kept for backward (on the device)."""
+    offloaded_bytes: int | None = None
+    """With ``measure_activations`` and ``train.activation_offload``: the peak bytes offloaded to host memory."""
     flag_sums: tuple[int, ...] = ()
     """The ``shared_flags`` of ``train_step`` summed over all ranks (in the step's own all-reduce)."""
 
@@ -230,8 +233,9 @@ def train_step(
     accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else len(batches)
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
     tracker = SavedActivationTracker() if measure_activations else None
+    offloader = ActivationOffloader(device, tracker) if cfg.train.activation_offload else None
     measured: dict = {}
-    with tracker.track() if tracker is not None else contextlib.nullcontext():
+    with saved_activation_hooks(offloader, tracker):
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
             ((input_ids, labels, bounds),) = batches
             with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
@@ -243,6 +247,8 @@ def train_step(
                 measured["accumulation_grad_bytes"] = max(held_grads)
     if tracker is not None:
         measured["activation_bytes"] = tracker.peak_bytes
+        if offloader is not None:
+            measured["offloaded_bytes"] = offloader.peak_offloaded_bytes
     parameters = [p for p in model.parameters() if p.grad is not None]
     if not dims.fsdp_enabled:  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)

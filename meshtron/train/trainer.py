@@ -75,6 +75,8 @@ class TrainResult:
     activation_bytes: int = 0
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
     also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
+    offloaded_bytes: int = 0
+    """With ``train.activation_offload``: this rank's peak bytes of activations in host memory, same step."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     """(step, evaluation loss) of each evaluation of this start (``[eval]``; meshtron.train.evaluate)."""
 
@@ -88,6 +90,8 @@ class TrainResult:
             self.state_bytes, self.accumulation_grad_bytes = outcome.state_bytes, outcome.accumulation_grad_bytes
         if outcome.activation_bytes is not None:
             self.activation_bytes = outcome.activation_bytes
+        if outcome.offloaded_bytes is not None:
+            self.offloaded_bytes = outcome.offloaded_bytes
 
     def rewind(self, steps_kept: int) -> None:
         """Forget the steps after the first ``steps_kept`` of this start (a rollback trains them again)."""
@@ -296,7 +300,9 @@ def _train_steps(cfg, runtime, setup, result: TrainResult, loop: _Loop) -> int:
         if step - 1 == activation_step:
             logger.message(
                 f"meshtron: step {step}: autograd kept {result.activation_bytes / 1e9:.3f} GB of activations "
-                f"for backward at its peak on rank 0 (meshtron plan estimates this; see docs/planning.md)"
+                f"for backward at its peak on rank 0"
+                + (f" and {result.offloaded_bytes / 1e9:.3f} GB in host memory" if cfg.train.activation_offload else "")
+                + " (meshtron plan estimates this; see docs/planning.md)"
             )
         evaluation = _evaluate_if_due(loop, step, model, result)
         if loop.planned.due(step):  # once: reading the peak memory is not every step's work

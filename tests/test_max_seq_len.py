@@ -1,0 +1,102 @@
+"""``meshtron plan --max-seq-len``: the longest sequence that fits, the settings it needs (activation offloading, tiled
+MLPs, checkpointing), and a CPU run at that length keeping what the planner planned for it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtron.models.presets import make_preset_config
+from meshtron.plan.hardware import hardware
+from meshtron.plan.layout import Workload
+from meshtron.plan.longest import GRANULARITY, fastest_fit, longest_sequence
+from meshtron.plan.model_shape import ModelShape
+
+# llama-deep (8 blocks) planned as the CPU runs it: fp32, eager, no document masks (whose dense CPU mask grows with
+# the square of the length), one sequence a step, on a "GPU" of 40 MB
+BASE = Workload(seq_len=GRANULARITY, global_batch=1, compute_dtype="float32", device="cpu", compiled=False,
+                mask_documents=False)  # fmt: skip
+
+
+def llama_deep(positions: int = 65536):
+    from meshtron.config import ModelConfig
+
+    hf_config = make_preset_config("llama-deep", 257)
+    hf_config.max_position_embeddings = positions
+    return hf_config, ModelShape.from_hf_config(hf_config, ModelConfig(preset="llama-deep"), None)
+
+
+def small_gpu(host_gb: float):
+    return hardware("h100").with_overrides(memory_gb=0.04, reserved_gb=0.0, host_memory_gb=host_gb)
+
+
+def test_the_longest_sequence_is_the_last_length_that_fits_and_offloading_lengthens_it():
+    hf_config, shape = llama_deep()
+    roomy, cramped = (longest_sequence(shape, hf_config, BASE, 1, small_gpu(host)) for host in (1.0, 0.001))
+    for found, host in ((roomy, 1.0), (cramped, 0.001)):
+        assert found.bound == "memory"
+        assert fastest_fit(shape, hf_config, BASE, found.seq_len, 1, small_gpu(host)) is not None
+        assert fastest_fit(shape, hf_config, BASE, found.seq_len + GRANULARITY, 1, small_gpu(host)) is None
+    # with host memory to fill, offloading (and checkpointing, tiles) double the length; with none, it cannot help
+    assert roomy.workload.activation_offload and roomy.candidate.layout.activation_checkpointing == "full"
+    assert roomy.workload.mlp_tiles > 1 and roomy.candidate.memory.host > 0
+    assert not cramped.workload.activation_offload and roomy.seq_len >= 2 * cramped.seq_len, (roomy, cramped)
+    # the model's positions stop it first when they are fewer
+    hf_short, _ = llama_deep(positions=2048)
+    assert longest_sequence(shape, hf_short, BASE, 1, small_gpu(1.0)).bound == "positions"
+
+
+def test_a_run_at_the_longest_planned_length_keeps_what_the_planner_planned(tmp_path, cache_dir, capsys):
+    """The planner's answer on the 40 MB "GPU", trained for 2 steps on CPU: what it offloads within 25% of the
+    planned host bytes, next to nothing left on the device."""
+    import torch
+
+    from meshtron.cli import main
+    from meshtron.config import load_config
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.plan.memory import config_view, estimate_memory
+    from meshtron.train.trainer import train
+
+    hf_config, shape = llama_deep()
+    found = longest_sequence(shape, hf_config, BASE, 1, small_gpu(1.0))
+    emitted = tmp_path / "longest.toml"
+    code = main(
+        ["plan", "--model", "llama-deep", "--gpus", "1", "--max-seq-len", "--max-position-embeddings", "65536",
+         "--gpu-memory", "0.04GB", "--reserved-gb", "0", "--host-memory-gb", "1", "--mixed-precision", "none",
+         "--no-compile", "--no-mask-documents", "--emit-config", str(emitted)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0 and f"the longest sequence is {found.seq_len:,} tokens" in printed, printed
+    assert "train.activation_offload=true" in printed and "train.activation_checkpointing=full" in printed
+    run_settings = [
+        f"data.cache_dir={cache_dir}",
+        "data.max_documents=400",
+        "train.steps=2",
+        "run.progress=false",
+        "checkpoint.interval=0",
+        f"run.output_dir={tmp_path / 'run'}",
+    ]
+    cfg = load_config(str(emitted), run_settings, env={})
+    assert (cfg.data.seq_len, cfg.train.activation_offload, cfg.train.mlp_tiles) == (found.seq_len, True, 8)
+    planned = estimate_memory(*config_view(cfg, 1, device="cpu"))
+    assert planned.host == found.candidate.memory.host
+    result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    print(f"{found.seq_len} tokens: offloaded {result.offloaded_bytes:,} B (planned {planned.host:,}), "
+          f"{result.activation_bytes:,} B left on the device")  # fmt: skip
+    assert abs(result.offloaded_bytes / planned.host - 1) <= 0.25
+    assert result.activation_bytes <= 0.05 * result.offloaded_bytes
+
+
+def test_max_seq_len_refuses_a_length_too():
+    from meshtron.cli import main
+
+    assert main(["plan", "--model", "llama-deep", "--gpus", "1", "--max-seq-len", "--seq-len", "1024"]) == 2
+
+
+def test_savings_are_tried_only_where_they_apply():
+    from meshtron.plan.longest import savings_variants
+
+    _, shape = llama_deep()
+    tried = {(w.activation_offload, w.mlp_tiles) for w in savings_variants(shape, BASE)}
+    assert tried == {(False, 0), (False, 8), (True, 0), (True, 8)}
+    offloading = dataclasses.replace(BASE, activation_offload=True, mlp_tiles=4)
+    assert {(w.activation_offload, w.mlp_tiles) for w in savings_variants(shape, offloading)} == {(True, 0), (True, 4)}
