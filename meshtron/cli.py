@@ -245,7 +245,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
-    if world_size == 1 and launched_world_size() == 1 and not args.max_restarts:
+    # fsdp.cpu_offload in one process shards over a one-rank mesh, which needs a process group: one worker
+    if world_size == 1 and launched_world_size() == 1 and not args.max_restarts and not cfg.fsdp.cpu_offload:
         return _run_worker(cfg)
     return self_launch(args, extra, cfg, world_size, nodes)
 

@@ -390,8 +390,8 @@ class FSDPConfig:
     """Dtype gradients are reduced in; ``none`` reduces in the compute dtype (precision.mixed_precision)."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and AdamW state in host memory, copying shards to the GPU for
-    compute (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU). Needs sharded data parallelism
-    (docs/data-parallel.md)."""
+    compute (FSDP2's CPUOffloadPolicy; the optimizer step runs on the CPU). Needs sharded data parallelism or a
+    single process, which then shards over one rank (docs/data-parallel.md)."""
     accumulate_unsharded: bool = False
     """With gradient accumulation: keep each block's full gradient between micro-batches and reduce-scatter
     once per step (less communication, full-size fp32 gradients held). False: reduce-scatter every

@@ -77,16 +77,60 @@ def test_adamw_is_fused_on_cpu_and_foreach_on_meta():
 
 
 def test_cpu_offload_is_checked_against_the_layout_before_any_collective():
-    """fsdp.cpu_offload needs FSDP to offload through; with it, it now runs on CPU too (parity layout
-    fsdp2_cpu_offload in test_parity.py trains it against one process)."""
+    """fsdp.cpu_offload needs FSDP to offload through: FSDP over dp_shard x cp ranks, or over a one-rank mesh in a
+    world of one (parity layout fsdp2_cpu_offload in test_parity.py trains the first against one process)."""
     from meshtron.config import load_config
     from meshtron.errors import ConfigError
     from meshtron.train.preflight import preflight
 
     cfg = load_config(None, ["fsdp.cpu_offload=true", "run.progress=false"], env={})
-    with pytest.raises(ConfigError, match="fsdp.cpu_offload needs FSDP"):
-        preflight(cfg, 1, "cpu")
     assert preflight(cfg, 2, "cpu").dims.fsdp_enabled
+    preflight(cfg, 1, "cpu")  # one process: FSDP over a one-rank mesh
+    cfg = load_config(None, ["fsdp.cpu_offload=true", "parallel.tp=2", "run.progress=false"], env={})
+    with pytest.raises(ConfigError, match="fsdp.cpu_offload needs FSDP"):
+        preflight(cfg, 2, "cpu")
+
+
+def test_cpu_offload_in_one_process_shards_over_one_rank_and_trains_the_same_model(tmp_path, cache_dir):
+    """One process with fsdp.cpu_offload: FSDP2 over a one-rank mesh with CPUOffloadPolicy (parameters, gradients
+    and AdamW state in host memory on a GPU), the same losses as without. ``meshtron train`` starts such a run as one
+    worker of its launcher, for the process group; here the test makes that group itself."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import DTensor
+
+    from meshtron.config import load_config
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    def run(offload: bool):
+        settings = [
+            "model.preset=llama-tiny",
+            "data.seq_len=32",
+            "data.max_documents=40",
+            f"data.cache_dir={cache_dir}",
+            "train.steps=3",
+            "train.global_batch_size=4",
+            "run.progress=false",
+            f"run.output_dir={tmp_path / str(offload)}",
+            f"fsdp.cpu_offload={str(offload).lower()}",
+        ]
+        cfg = load_config(None, settings, env={})
+        return train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+
+    plain = run(False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        offloaded = run(True)
+        weight = dict(offloaded.model.named_parameters())["model.embed_tokens.weight"]
+        assert isinstance(weight, DTensor) and weight.device_mesh.size() == 1
+        policy = offloaded.model._get_fsdp_state()._fsdp_param_group.offload_policy
+        assert isinstance(policy, CPUOffloadPolicy)
+    finally:
+        dist.destroy_process_group()
+    assert offloaded.losses == pytest.approx(plain.losses, rel=1e-6), (offloaded.losses, plain.losses)
+    assert offloaded.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
 
 
 def test_cpu_offload_on_gpus_adds_gloo_for_host_tensors():

@@ -101,10 +101,18 @@ def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_onc
         counted += f" ({count_params(built.model, built.pp_group, trainable_only=True):,} trained: LoRA)"
     return (
         f"meshtron: {built.adapter.family} model, {counted} | "
-        f"layout: {dims.describe()} | {policy.describe()} | {data_summary(dataset, cfg.data.seq_len)} | "
+        f"layout: {dims.describe()}{host_state_note(cfg)} | {policy.describe()} | "
+        f"{data_summary(dataset, cfg.data.seq_len)} | "
         f"tokenizer: {setup.tokenizer.describe()} | {batching}"
         + (f" | {evaluator.describe(once=evaluates_once)}" if evaluator is not None else "")
     )
+
+
+def host_state_note(cfg) -> str:
+    """What ``fsdp.cpu_offload`` adds to the layout's description."""
+    if not cfg.fsdp.cpu_offload:
+        return ""
+    return ", parameters, gradients and optimizer state in host memory (fsdp.cpu_offload)"
 
 
 def data_summary(dataset, seq_len: int) -> str:
