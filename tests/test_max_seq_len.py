@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from meshtron.models.presets import make_preset_config
 from meshtron.plan.hardware import hardware
 from meshtron.plan.layout import Workload
@@ -46,14 +48,16 @@ def test_the_longest_sequence_is_the_last_length_that_fits_and_offloading_length
 
 
 def test_a_run_at_the_longest_planned_length_keeps_what_the_planner_planned(tmp_path, cache_dir, capsys):
-    """The planner's answer on the 40 MB "GPU", trained for 2 steps on CPU: what it offloads within 25% of the
-    planned host bytes, next to nothing left on the device."""
+    """The planner's answer on the 40 MB "GPU", trained for 2 steps on CPU with the emitted config: what it offloads
+    within 25% of the planned host activation bytes, next to nothing left on the device. The answer keeps the model
+    state in host memory too (fsdp.cpu_offload: FSDP over a one-rank group, which the test makes itself)."""
     import torch
+    import torch.distributed as dist
 
     from meshtron.cli import main
     from meshtron.config import load_config
     from meshtron.distributed.runtime import Runtime
-    from meshtron.plan.memory import config_view, estimate_memory
+    from meshtron.plan.memory import config_view, host_activation_bytes
     from meshtron.train.trainer import train
 
     hf_config, shape = llama_deep()
@@ -77,12 +81,18 @@ def test_a_run_at_the_longest_planned_length_keeps_what_the_planner_planned(tmp_
     ]
     cfg = load_config(str(emitted), run_settings, env={})
     assert (cfg.data.seq_len, cfg.train.activation_offload, cfg.train.mlp_tiles) == (found.seq_len, True, 8)
-    planned = estimate_memory(*config_view(cfg, 1, device="cpu"))
-    assert planned.host == found.candidate.memory.host
-    result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    print(f"{found.seq_len} tokens: offloaded {result.offloaded_bytes:,} B (planned {planned.host:,}), "
+    assert cfg.fsdp.cpu_offload == found.workload.cpu_offload
+    planned = max(host_activation_bytes(*config_view(cfg, 1, device="cpu")))
+    if cfg.fsdp.cpu_offload:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"{found.seq_len} tokens: offloaded {result.offloaded_bytes:,} B (planned {planned:,.0f}), "
           f"{result.activation_bytes:,} B left on the device")  # fmt: skip
-    assert abs(result.offloaded_bytes / planned.host - 1) <= 0.25
+    assert abs(result.offloaded_bytes / planned - 1) <= 0.25
     assert result.activation_bytes <= 0.05 * result.offloaded_bytes
 
 
@@ -96,7 +106,26 @@ def test_savings_are_tried_only_where_they_apply():
     from meshtron.plan.longest import savings_variants
 
     _, shape = llama_deep()
-    tried = {(w.activation_offload, w.mlp_tiles) for w in savings_variants(shape, BASE)}
-    assert tried == {(False, 0), (False, 8), (True, 0), (True, 8)}
+    variants = savings_variants(shape, BASE)
+    tried = {(w.activation_offload, w.mlp_tiles) for w in variants}
+    assert len(variants) == 8 and sum(w.cpu_offload for w in variants) == 4
+    assert tried == {(False, 0), (False, 8), (True, 0), (True, 8)}  # each with the state on the GPU and on the host
     offloading = dataclasses.replace(BASE, activation_offload=True, mlp_tiles=4)
     assert {(w.activation_offload, w.mlp_tiles) for w in savings_variants(shape, offloading)} == {(True, 0), (True, 4)}
+
+
+def test_the_planner_keeps_the_model_state_in_host_memory_under_cpu_offload():
+    from meshtron.distributed.mesh import ParallelDims
+    from meshtron.errors import ConfigError
+    from meshtron.plan.layout import Layout
+    from meshtron.plan.memory import estimate_memory
+
+    hf_config, shape = llama_deep()
+    hosted = dataclasses.replace(BASE, cpu_offload=True)
+    on_gpu, on_host = estimate_memory(shape, Layout(), BASE), estimate_memory(shape, Layout(), hosted)
+    assert on_host.params == on_host.grads == on_host.optimizer == 0
+    assert on_host.host == on_gpu.params + on_gpu.grads + on_gpu.optimizer
+    assert on_gpu.gathered == 0 < on_host.gathered  # FSDP over one rank: the blocks being computed, gathered
+    Layout().check(hf_config, hosted)  # one GPU: FSDP over one rank
+    with pytest.raises(ConfigError, match="fsdp.cpu_offload needs FSDP"):
+        Layout(ParallelDims(tp=2)).check(hf_config, hosted)

@@ -23,6 +23,7 @@ from meshtron.distributed.mesh import Meshes, ParallelDims
 from meshtron.distributed.pipeline_parallel import split_pipeline
 from meshtron.distributed.precision import PrecisionPolicy, apply_compute_casts
 from meshtron.distributed.tensor_parallel import apply_tensor_parallel
+from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.attention import uses_meshtron_attention
 from meshtron.models.tiled_mlp import apply_tiled_mlp
@@ -219,6 +220,11 @@ def parallelize_model(
     if compiled:
         apply_compile(model, adapter)
     if fsdp_applied(dims, cfg.fsdp):
+        if meshes is None:
+            raise ConfigError(
+                "fsdp.cpu_offload in one process shards over a one-rank mesh, which needs a process group; start "
+                "the run with meshtron train (it starts one worker) or torchrun --nproc-per-node 1"
+            )
         apply_fsdp(
             model,
             adapter,

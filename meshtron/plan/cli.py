@@ -71,10 +71,17 @@ def add_plan_parser(sub) -> None:
         "(--host-memory-gb per GPU, copies at --pcie-gbps; docs/long-context.md)",
     )
     plan.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="plan fsdp.cpu_offload=true: parameters, gradients and optimizer state in host memory, the optimizer "
+        "step on the CPU (layouts without FSDP are left out, except a single GPU)",
+    )
+    plan.add_argument(
         "--max-seq-len",
         action="store_true",
-        help="find the longest sequence the model trains at on --gpus (with activation offloading and tiled MLPs "
-        "where they help) and print the settings it needs; --global-batch defaults to 1",
+        help="find the longest sequence the model trains at on --gpus (with activation offloading, tiled MLPs and "
+        "the model state in host memory where they help) and print the settings it needs; --global-batch defaults "
+        "to 1",
     )
     plan.add_argument(
         "--global-batch",
@@ -287,6 +294,7 @@ def run_plan(args: argparse.Namespace) -> int:
         float8=args.float8,
         mlp_tiles=args.mlp_tiles,
         activation_offload=args.activation_offload,
+        cpu_offload=args.cpu_offload,
     )
     if args.max_seq_len:
         return _print_longest(args, shape, hf_config, workload, hw, model_cfg, lora)
@@ -346,7 +354,10 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         f"batch {args.global_batch}"
     )
     if found.candidate is None:
-        print(f"meshtron plan: {where}: no length of {GRANULARITY} tokens or more fits; add GPUs or use LoRA")
+        print(
+            f"meshtron plan: {where}: no length of {GRANULARITY} tokens or more fits; add GPUs or host memory "
+            "(--host-memory-gb), or use LoRA"
+        )
         return 1
     best, workload, layout = found.candidate, found.workload, found.candidate.layout
     stopped = {
@@ -360,7 +371,7 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         settings.append(f"parallel.cp_method={layout.cp_method}")
     settings += [f"train.activation_checkpointing={layout.activation_checkpointing}"]
     settings += [f"train.activation_offload={str(workload.activation_offload).lower()}"]
-    settings += [f"train.mlp_tiles={workload.mlp_tiles}"]
+    settings += [f"train.mlp_tiles={workload.mlp_tiles}", f"fsdp.cpu_offload={str(workload.cpu_offload).lower()}"]
     print(
         f"meshtron plan: {where}: the longest sequence is {found.seq_len:,} tokens (stopped by {stopped}), with "
         f"{' '.join(settings)}\n"

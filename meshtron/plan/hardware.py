@@ -60,6 +60,10 @@ class Hardware:
     """Host <-> device GB/s per GPU and direction (PCIe Gen5 x16 data sheet; Gen4: 32)."""
     pcie_efficiency: float = 0.8
     """Fraction of ``pcie_gbps`` pinned-memory copies reach."""
+    host_step_gbps: float = 10.0
+    """GB/s a GPU's share of the host streams through its CPU optimizer step under ``fsdp.cpu_offload`` (AdamW reads
+    parameter, gradient and two moments and writes three: 28 bytes per fp32 parameter). An assumption, not
+    measured."""
 
     def with_overrides(self, **values) -> "Hardware":
         return replace(self, **{k: v for k, v in values.items() if v is not None})

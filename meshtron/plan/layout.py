@@ -66,6 +66,9 @@ class Workload:
     activation_offload: bool = False
     """``train.activation_offload``: what autograd keeps for backward lives in host memory between the forward and
     the backward (meshtron.train.activation_offload)."""
+    cpu_offload: bool = False
+    """``fsdp.cpu_offload``: parameters, gradients and optimizer state in host memory (FSDP, over one rank in a
+    world of one); layouts without FSDP are refused with it, as preflight does."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -105,6 +108,7 @@ class Workload:
             float8=cfg.precision.float8,
             mlp_tiles=cfg.train.mlp_tiles,
             activation_offload=cfg.train.activation_offload,
+            cpu_offload=cfg.fsdp.cpu_offload,
         )
 
 
@@ -206,9 +210,12 @@ class Layout:
         """Raise ConfigError where ``meshtron train``'s preflight would refuse this layout for ``hf_config`` and
         ``workload``: the degrees (``ParallelDims.from_config``: their product, ``ep`` dividing ``dp_shard x cp``)
         and ``check_layout``, the checks preflight runs (family, experts, context, attention, pipeline, tensor)."""
+        from meshtron.config import FSDPConfig
+        from meshtron.distributed.data_parallel import check_data_parallel
         from meshtron.distributed.layout_checks import check_layout
 
         parallel = self.parallel_config(workload)
+        check_data_parallel(FSDPConfig(cpu_offload=workload.cpu_offload), self.dims)
         check_layout(
             hf_config,
             parallel,

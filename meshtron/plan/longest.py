@@ -1,10 +1,10 @@
 """``meshtron plan --max-seq-len``: the longest sequence a model trains at on a cluster, and the settings it needs.
 
 A length fits when some layout the planner enumerates (tensor, context and pipeline degrees, activation
-checkpointing) fits the GPUs' and the host's memory with some of the long-context savings: activation offloading
-and tiled MLPs (docs/long-context.md). Memory grows with the length, so the longest is found by doubling, then
-bisecting, in steps of ``granularity`` tokens; it never passes the model's ``max_position_embeddings`` (extend it
-with ``--rope-scaling`` / ``--max-position-embeddings``).
+checkpointing) fits the GPUs' and the host's memory with some of the long-context savings: activation offloading,
+tiled MLPs and the model state in host memory (``fsdp.cpu_offload``; docs/long-context.md). Memory grows with the
+length, so the longest is found by doubling, then bisecting, in steps of ``granularity`` tokens; it never passes the
+model's ``max_position_embeddings`` (extend it with ``--rope-scaling`` / ``--max-position-embeddings``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,17 @@ class Longest:
 
 
 def savings_variants(shape: ModelShape, base: Workload) -> list[Workload]:
-    """``base`` with activation offloading off and on, and tiled MLPs off and on (dense MLPs only), cheapest first."""
+    """``base`` with activation offloading off and on, tiled MLPs off and on (dense MLPs only), and the model state
+    on the GPU or in host memory (``fsdp.cpu_offload``); what ``base`` turns on stays on."""
     tiles = [0] if shape.experts else sorted({0, base.mlp_tiles or DEFAULT_MLP_TILES})
-    offloads = [base.activation_offload] if base.activation_offload else [False, True]
-    return [dataclasses.replace(base, mlp_tiles=t, activation_offload=o) for o in offloads for t in tiles]
+    offloads = [True] if base.activation_offload else [False, True]
+    host_state = [True] if base.cpu_offload else [False, True]
+    return [
+        dataclasses.replace(base, mlp_tiles=t, activation_offload=o, cpu_offload=c)
+        for c in host_state
+        for o in offloads
+        for t in tiles
+    ]
 
 
 def fastest_fit(shape: ModelShape, hf_config, base: Workload, seq_len: int, gpus: int, hw: Hardware):

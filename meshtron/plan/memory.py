@@ -42,7 +42,9 @@ class MemoryEstimate:
     gradient; a block's recomputation under activation checkpointing; CP attention's tile buffers."""
     host: int = 0
     """Bytes in host memory: the activations ``train.activation_offload`` moves there (all micro-batches in
-    flight). ``activations`` then counts what stays on the device: nothing the planner counts."""
+    flight; ``activations`` then counts what stays on the device: nothing the planner counts), and under
+    ``fsdp.cpu_offload`` the parameter shards, gradients and optimizer state (``params``, ``grads`` and
+    ``optimizer`` are then 0; FSDP's gathered compute copies stay in ``gathered``)."""
     grads_in_forward: int | None = None
     """Gradient bytes live while the activations peak (at the turn from forward to backward): none with one
     micro-batch a step (meshtron frees gradients after each update and backward makes them as it frees
@@ -156,7 +158,7 @@ def compute_bytes(workload: Workload) -> int:
 def casts_weights(layout: Layout, workload: Workload) -> bool:
     """Whether the forward computes with compute-dtype copies of the weights that autograd keeps: mixed
     precision without FSDP (FSDP's gathered parameters are counted in ``gathered`` instead)."""
-    return not layout.fsdp_enabled and workload.compute_dtype != workload.model_dtype
+    return not fsdp_applied(layout, workload) and workload.compute_dtype != workload.model_dtype
 
 
 def head_tokens(layout: Layout, workload: Workload) -> int:
@@ -447,11 +449,18 @@ def _saved_per_chunk(shape: ModelShape, layout: Layout, workload: Workload) -> l
     return ranks
 
 
+def fsdp_applied(layout: Layout, workload: Workload) -> bool:
+    """Whether the model is sharded with ``fully_shard`` (meshtron.distributed.data_parallel.fsdp_applied): over
+    ``dp_shard x cp``, or over one rank for ``fsdp.cpu_offload`` in a world of one."""
+    return layout.fsdp_enabled or (workload.cpu_offload and layout.world_size == 1)
+
+
 def ddp_replication(layout: Layout, workload: Workload) -> bool:
     """Data parallelism meshtron runs with DDP instead of ``fully_shard`` (``data_parallel.replicates_only``):
-    replicas only (no dp_shard, cp, tp or pp) computing in the weights' own dtype."""
+    replicas only (no dp_shard, cp, tp or pp) computing in the weights' own dtype, without ``fsdp.cpu_offload``."""
     return (
-        layout.fsdp_size == 1
+        not workload.cpu_offload
+        and layout.fsdp_size == 1
         and layout.tp == 1
         and layout.pp == 1
         and workload.compute_dtype == workload.model_dtype == "float32"
@@ -462,7 +471,7 @@ def defers_gradient_reduction(layout: Layout, workload: Workload) -> bool:
     """Whether FSDP holds full-size gradients across a step's microbatches and reduce-scatters them once:
     under ``fsdp.accumulate_unsharded`` with accumulation, and always under pipeline parallelism
     (torch.distributed.pipelining reduce-scatters a stage's gradients after its last microbatch)."""
-    if not layout.fsdp_enabled or ddp_replication(layout, workload) or layout.microbatches(workload) <= 1:
+    if not fsdp_applied(layout, workload) or ddp_replication(layout, workload) or layout.microbatches(workload) <= 1:
         return False
     return layout.pp > 1 or workload.accumulate_unsharded
 
@@ -491,7 +500,7 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
     are resharded after forward (two gathered at a time: the one computing, the one prefetched), except
     under pipelining, where a stage keeps all of its blocks gathered for the step; the root's parameters
     (embeddings, final norm, head) stay gathered. Nothing under plain replication (run by DDP)."""
-    if not layout.fsdp_enabled or ddp_replication(layout, workload):
+    if not fsdp_applied(layout, workload) or ddp_replication(layout, workload):
         return 0.0
     e = compute_bytes(workload)
     block = _local_numel(shape.block, layout, shape)
@@ -564,16 +573,21 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
         )
+        params, grads = numel * state_bytes, int(max(trained * state_bytes, held_grads))
+        optimizer = optimizer_state_numel(workload, trained, muon) * state_bytes
+        host_state = params + grads + optimizer if workload.cpu_offload else 0
+        if workload.cpu_offload:
+            params = grads = optimizer = 0
         estimates.append(
             MemoryEstimate(
-                params=numel * state_bytes,
-                grads=int(max(trained * state_bytes, held_grads)),
-                optimizer=optimizer_state_numel(workload, trained, muon) * state_bytes,
+                params=params,
+                grads=grads,
+                optimizer=optimizer,
                 activations=int(acts),
-                host=int(host_acts),
+                host=int(host_acts) + host_state,
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
-                grads_in_forward=int(max(trained * state_bytes, held_grads)) if accumulates else 0,
+                grads_in_forward=grads if accumulates else 0,
             )
         )
     return estimates

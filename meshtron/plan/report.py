@@ -145,6 +145,7 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lor
     cfg.precision.float8 = workload.float8
     cfg.train.mlp_tiles = workload.mlp_tiles
     cfg.train.activation_offload = workload.activation_offload
+    cfg.fsdp.cpu_offload = workload.cpu_offload
     cfg.fsdp.accumulate_unsharded = workload.accumulate_unsharded
     cfg.parallel = layout.parallel_config()  # no parallel.pp_microbatches: train.micro_batch_size says it
     return cfg

@@ -15,9 +15,20 @@ from meshtron.metrics.flops import flops_per_token
 from meshtron.plan import calibration
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.layout import DTYPE_BYTES, Layout, Workload
-from meshtron.plan.memory import FP32, INDEX, compute_bytes, ep_rows_per_token, stage_layout, state_numel
+from meshtron.plan.memory import (
+    FP32,
+    INDEX,
+    compute_bytes,
+    ep_rows_per_token,
+    stage_layout,
+    state_numel,
+    trained_numel,
+)
 from meshtron.plan.model_shape import ModelShape
 from meshtron.train.optim.registry import optimizer_entry
+
+HOST_ADAMW_BYTES_PER_PARAM = 28
+"""AdamW on the host (``fsdp.cpu_offload``): fp32 parameter, gradient and two moments read, three written."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +204,9 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         fsdp_s += reduce_scatters * _collective_s(numel * group * FP32, group, fsdp_span, hw)
     replicate_span = layout.dp_replicate * fsdp_span
     fsdp_s += _collective_s(shard * FP32, layout.dp_replicate, replicate_span, hw, 2.0)
+    if workload.cpu_offload:  # shards cross PCIe: to the GPU for each gather, gradients back once reduced
+        pcie = hw.pcie_gbps * 1e9 * hw.pcie_efficiency
+        fsdp_s += (gathers * shard * DTYPE_BYTES[workload.model_dtype] + reduce_scatters * shard * FP32) / pcie
     fsdp_exposed = max(0.0, fsdp_s - 0.9 * compute)
 
     # Pipeline: each microbatch's activations cross each stage boundary forward and backward.
@@ -206,6 +220,9 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
 
     exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s + offload_s
     optimizer_s = matrix_step_s(shape, layout, workload, hw)
+    if workload.cpu_offload:  # the optimizer steps on the host, after the backward
+        host_rate = hw.host_step_gbps * 1e9
+        optimizer_s += max(trained_numel(shape, layout, workload)) * HOST_ADAMW_BYTES_PER_PARAM / host_rate
     seconds = compute + exposed + optimizer_s
     return StepEstimate(
         seconds=seconds,
@@ -268,7 +285,6 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
         fused_loss,
         fused_loss_vocab,
         loss_vocab,
-        trained_numel,
     )
 
     world, e = layout.world_size, compute_bytes(workload)
