@@ -45,7 +45,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
 ROUTER_AUX_LOSS = ("auto", "true", "false")
 ROUTER_BALANCE = ("auto", "aux_loss", "bias")
-CP_METHODS = ("ring", "allgather", "ulysses")
+CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BUILTIN_CORPUS = "builtin:python-stdlib"
@@ -356,8 +356,13 @@ class ParallelConfig:
     """Context-parallel degree: every sequence split over this many ranks (see docs/context-parallel.md)."""
     cp_method: str = "ring"
     """How context-parallel attention sees the other ranks' keys/values: ``ring`` or ``allgather``; or ``ulysses``:
-    all-to-all from sequence shards to head shards around attention (needs heads divisible by cp). See
+    all-to-all from sequence shards to head shards around attention (needs heads divisible by cp); or ``hybrid``:
+    Ulysses inside groups of ``cp_ulysses`` consecutive cp ranks, ring across the groups. See
     docs/context-parallel.md#methods-parallelcp_method."""
+    cp_ulysses: int = 0
+    """With ``cp_method=hybrid``: the Ulysses degree, the consecutive cp ranks (e.g. a node's GPUs) whose sequence
+    shards an all-to-all turns into head shards before ring attention runs across their ``cp / cp_ulysses`` groups;
+    it must divide cp and the heads. 0: unset (other methods). See docs/context-parallel.md#hybrid-ulysses-x-ring."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each MoE layer's experts split over this many ranks,
     borrowed from ``dp_shard x cp`` (the world size does not change; see docs/moe.md)."""
@@ -830,6 +835,23 @@ def _validate_parallel(p) -> None:
         _positive(f"parallel.{key}", getattr(p, key))
     if p.dp_shard != -1:
         _positive("parallel.dp_shard", p.dp_shard)
+    if p.cp_method == "hybrid":
+        if p.cp_ulysses < 0 or (p.cp > 1 and p.cp_ulysses == 0):  # unset with cp = 1: no cp_method matters yet
+            raise ConfigError(
+                f"parallel.cp_method=hybrid needs parallel.cp_ulysses (the Ulysses degree inside each group of "
+                f"consecutive cp ranks), got {p.cp_ulysses}; set it to a divisor of parallel.cp={p.cp}, e.g. the GPUs "
+                "per node"
+            )
+        if p.cp_ulysses and p.cp % p.cp_ulysses:
+            raise ConfigError(
+                f"parallel.cp_ulysses={p.cp_ulysses} does not divide parallel.cp={p.cp} (the cp ranks form groups of "
+                "cp_ulysses); use a divisor of parallel.cp"
+            )
+    elif p.cp_ulysses:
+        raise ConfigError(
+            f"parallel.cp_ulysses={p.cp_ulysses} is only used by parallel.cp_method=hybrid, not {p.cp_method}; set "
+            "parallel.cp_method=hybrid or leave parallel.cp_ulysses unset (0)"
+        )
 
 
 def _validate_run(cfg: Config) -> None:

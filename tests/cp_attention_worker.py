@@ -11,6 +11,9 @@ planned ``BlockMask``; forward only, as FlexAttention has no CPU backward).
 Sliding-window cases (``sliding_window_cases``: windows shorter than, equal to and longer than a chunk of
 16 tokens at cp=2 and of 8 at cp=4, documents crossing chunk borders inside the window) go to a second
 file, OUT's name with ``.sliding_window.json`` appended.
+Hybrid cases (``hybrid_cases``: ``hybrid_attention`` at cp=4 with cp_ulysses 2, and 1 and 4 at the ends; the
+groups made by ``hybrid_groups`` from a 1-D cp DeviceMesh; the ring's tile plan from the host document bounds
+that training passes) go to a third, OUT's name with ``.hybrid.json`` appended.
 """
 
 import itertools
@@ -20,10 +23,14 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from meshtron.distributed.context_parallel import (
     SequenceLayout,
+    chunk_document_bounds,
     context_parallel_attention,
+    hybrid_attention,
+    hybrid_groups,
     local_token_index,
     ulysses_attention,
 )
@@ -53,7 +60,7 @@ def reference(q, k, v, docs, scale, window=None):
     return torch.softmax(scores, -1) @ v
 
 
-def run_case(cp, method, masked, kernel, group, rank, window=None) -> dict:
+def run_case(cp, method, masked, kernel, group, rank, window=None, hybrid=None) -> dict:
     generator = torch.Generator().manual_seed(1234)
     q = torch.randn(BATCH, HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
     k = torch.randn(BATCH, KV_HEADS, SEQ, DIM, generator=generator, dtype=torch.float64)
@@ -67,8 +74,9 @@ def run_case(cp, method, masked, kernel, group, rank, window=None) -> dict:
 
     index = local_token_index(SEQ, cp, rank)
     local = [t[:, :, index].float().contiguous().requires_grad_() for t in (q, k, v)]
-    layout = SequenceLayout(SEQ, cp, rank, group, method, docs, kernel)
-    attention = ulysses_attention if method == "ulysses" else context_parallel_attention
+    bounds = chunk_document_bounds(docs, cp) if hybrid is not None and docs is not None else None
+    layout = SequenceLayout(SEQ, cp, rank, group, method, docs, kernel, document_bounds=bounds, hybrid=hybrid)
+    attention = {"ulysses": ulysses_attention, "hybrid": hybrid_attention}.get(method, context_parallel_attention)
     out = attention(*local, layout, scale, window)
     backward = kernel != "flex"
     if backward:
@@ -97,6 +105,18 @@ def sliding_window_cases():
         yield cp, "ulysses", True, "auto", window
 
 
+def hybrid_cases():
+    """(cp_ulysses, masked, kernel, window) at cp=4: Ulysses over pairs and a ring of two (2) with and without
+    documents, every kernel, windows shorter than, equal to and (without documents, which are shorter) longer than
+    the ring's chunk of 16; the ends (4: a ring of one, 1: a ring of all four) with documents."""
+    for masked, kernel in ((False, "auto"), (True, "auto"), (True, "math"), (True, "flex")):
+        yield 2, masked, kernel, None
+    for masked, window in ((True, 5), (True, 16), (False, 27)):
+        yield 2, masked, "auto", window
+    for ulysses in (1, 4):
+        yield ulysses, True, "auto", None
+
+
 def main() -> None:
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     dist.init_process_group("gloo")
@@ -115,11 +135,20 @@ def main() -> None:
         group = dist.group.WORLD if cp == 4 else pairs[rank // 2]
         name = f"cp{cp}-{method}-{'documents' if masked else 'causal'}-{kernel}-window{window}"
         windowed[name] = run_case(cp, method, masked, kernel, group, rank % cp, window)
+    cp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    groups = {ulysses: hybrid_groups(cp_mesh, ulysses) for ulysses in (1, 2, 4)}
+    hybrid = {}
+    for ulysses, masked, kernel, window in hybrid_cases():
+        name = f"cp4-hybrid-u{ulysses}-{'documents' if masked else 'causal'}-{kernel}"
+        name += f"-window{window}" if window else ""
+        hybrid[name] = run_case(4, "hybrid", masked, kernel, dist.group.WORLD, rank, window, groups[ulysses])
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
         with open(sys.argv[1] + ".sliding_window.json", "w") as f:
             json.dump(windowed, f, indent=1)
+        with open(sys.argv[1] + ".hybrid.json", "w") as f:
+            json.dump(hybrid, f, indent=1)
     dist.destroy_process_group()
 
 

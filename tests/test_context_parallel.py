@@ -355,9 +355,9 @@ def test_tile_benchmark_runs_every_kernel(monkeypatch):
 
 @pytest.mark.slow
 def test_context_parallel_attention_matches_single_device(tmp_path):
-    """Output and q/k/v gradients, cp 2 and 4, ring, all-gather and Ulysses, causal and document masks, GQA,
-    with the fastest kernel and the plain-PyTorch one (and FlexAttention tiles, output only),
-    against float64 whole-sequence attention."""
+    """Output and q/k/v gradients, cp 2 and 4, ring, all-gather, Ulysses and hybrid (cp 4, cp_ulysses 2: the ring's
+    tiles planned from the host document bounds), causal and document masks, GQA, with the fastest kernel and the
+    plain-PyTorch one (and FlexAttention tiles, output only), against float64 whole-sequence attention."""
     out = tmp_path / "errors.json"
     proc = run_forked(4, ["tests/cp_attention_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -376,13 +376,34 @@ def test_context_parallel_attention_matches_single_device(tmp_path):
     failures = {case: errs for case, errs in windowed.items() if max(errs.values()) > OP_TOLERANCE}
     print("worst relative error with a sliding window:", max(max(e.values()) for e in windowed.values()))
     assert not failures, failures
+    # Hybrid (Ulysses over pairs x a ring of two at cp 4; the ends cp_ulysses 1 and 4), written beside: see the worker.
+    hybrid = json.loads((tmp_path / "errors.json.hybrid.json").read_text())
+    assert len(hybrid) == 9 and {name for name in hybrid if "-u2-" not in name} == {
+        "cp4-hybrid-u1-documents-auto",
+        "cp4-hybrid-u4-documents-auto",
+    }
+    assert all(len(errs) == (1 if "-flex" in name else 4) for name, errs in hybrid.items())
+    failures = {case: errs for case, errs in hybrid.items() if max(errs.values()) > OP_TOLERANCE}
+    print("worst relative error of hybrid attention:", max(max(e.values()) for e in hybrid.values()))
+    assert not failures, failures
 
 
-@pytest.mark.parametrize("layout", [["parallel.cp=2"], ["parallel.pp=2", "parallel.cp=2"]], ids=["cp2", "pp2_cp2"])
-def test_training_plans_context_parallel_tiles_without_reading_the_device(layout, tmp_path, cache_dir, monkeypatch):
-    """Issue 43, finding 10, in training: rank 0 of a cp=2 (and of a pp=2 x cp=2) layout, trained alone on a fake
-    process group, with document masks: its micro-batches' and its pipeline stage's forwards plan the ring's tiles
-    from bounds computed in host memory, reading nothing back from the device."""
+@pytest.mark.parametrize(
+    "layout, world",
+    [
+        (["parallel.cp=2"], 2),
+        (["parallel.pp=2", "parallel.cp=2"], 4),
+        (["parallel.cp=4", "parallel.cp_method=hybrid", "parallel.cp_ulysses=2"], 4),
+    ],
+    ids=["cp2", "pp2_cp2", "cp4_hybrid"],
+)
+def test_training_plans_context_parallel_tiles_without_reading_the_device(
+    layout, world, tmp_path, cache_dir, monkeypatch
+):
+    """Issue 43, finding 10, in training: rank 0 of a cp=2 (and of a pp=2 x cp=2, and of a hybrid cp=4: the ring of
+    two across its Ulysses pairs) layout, trained alone on a fake process group, with document masks: its
+    micro-batches' and its pipeline stage's forwards plan the ring's tiles from bounds computed in host memory,
+    reading nothing back from the device."""
     from meshtron.config import load_config
     from meshtron.plan.rehearsal import rehearse
 
@@ -401,6 +422,9 @@ def test_training_plans_context_parallel_tiles_without_reading_the_device(layout
         "run.device=cpu",
         "run.progress=false",
     ]
-    rehearse(load_config(None, settings, env={}), world_size=2 * len(layout), rank=0, steps=2)
+    rehearse(load_config(None, settings, env={}), world_size=world, rank=0, steps=2)
     assert planned and all(layout.document_ids is not None for layout, *_ in planned)
+    # Every plan is a ring of 2 (hybrid's: its 2 groups of cp_ulysses 2) with bounds for its 4 chunks (hybrid's
+    # derived from the 8 cp chunks').
+    assert all(layout.cp == 2 and len(layout.document_bounds[0][0]) == 4 for layout, *_ in planned)
     assert reads == []

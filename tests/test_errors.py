@@ -77,10 +77,34 @@ def causal_lm_dir(tmp_path):
             "model.attn_implementation=eager cannot be combined with parallel.cp > 1",
         ),
         (["--model.attn_implementation=eager"], "or set data.mask_documents=false"),
-        (["--parallel.cp_method=flash"], "parallel.cp_method: 'flash' is not one of ring, allgather, ulysses"),
+        (["--parallel.cp_method=flash"], "parallel.cp_method: 'flash' is not one of ring, allgather, ulysses, hybrid"),
         (
             ["--model.preset=llama-small", "--parallel.cp=4", "--parallel.cp_method=ulysses", "--nproc", "4"],
             "parallel.cp_method=ulysses splits attention heads over parallel.cp=4, but this rank's 6 query heads",
+        ),
+        (
+            ["--parallel.cp=4", "--parallel.cp_method=hybrid", "--nproc", "4"],
+            "parallel.cp_method=hybrid needs parallel.cp_ulysses (the Ulysses degree inside each group of consecutive "
+            "cp ranks), got 0; set it to a divisor of parallel.cp=4",
+        ),
+        (
+            ["--parallel.cp=4", "--parallel.cp_method=hybrid", "--parallel.cp_ulysses=3", "--nproc", "4"],
+            "parallel.cp_ulysses=3 does not divide parallel.cp=4",
+        ),
+        (
+            ["--parallel.cp=4", "--parallel.cp_ulysses=2", "--nproc", "4"],
+            "parallel.cp_ulysses=2 is only used by parallel.cp_method=hybrid, not ring",
+        ),
+        (
+            ["--model.preset=llama-small", "--parallel.cp=4", "--parallel.cp_method=hybrid", "--parallel.cp_ulysses=4"]
+            + ["--nproc", "4"],
+            "parallel.cp_method=hybrid splits attention heads over parallel.cp_ulysses=4, but this rank's 6 query",
+        ),
+        (
+            ["--model.preset=llama-small", "--parallel.cp=6", "--parallel.cp_method=hybrid", "--parallel.cp_ulysses=3"]
+            + ["--data.seq_len=24", "--nproc", "6"],
+            "parallel.cp_method=hybrid needs key/value heads (2 per tp rank) divisible by parallel.cp_ulysses=3 or "
+            "dividing it",
         ),
         (
             ["--data.seq_len=36", "--parallel.cp=2", "--parallel.tp=4", "--nproc", "8"],

@@ -383,6 +383,11 @@ for _method in ("ring", "allgather"):
 for _name, (_world, _overrides) in CP_LAYOUTS.items():
     LAYOUTS[f"{_name}_ulysses"] = (_world, _overrides + ["parallel.cp_method=ulysses"], "llama-docs")
 LAYOUTS["cp2_ulysses_causal_only"] = (2, ["parallel.cp=2", "parallel.cp_method=ulysses"], "llama-docs-causal")
+# Hybrid (Ulysses over pairs of consecutive cp ranks, ring across the pairs): the smallest genuine one is cp 4, so with
+# TP (KV heads repeated: 1 per tp rank, cp_ulysses 2) and PP it takes 8 processes.
+HYBRID = ["parallel.cp=4", "parallel.cp_method=hybrid", "parallel.cp_ulysses=2"]
+LAYOUTS["cp4_hybrid"] = (4, HYBRID, "llama-docs")
+LAYOUTS["tp2_cp4_hybrid"] = (8, ["parallel.tp=2", *HYBRID], "llama-docs")
 # Pipeline parallelism: schedules at pp 2 and 4, and every composition up to 4-D (16 processes).
 PP_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 for _pp in (2, 4):
@@ -415,6 +420,7 @@ LAYOUTS["pp2_dp2"] = (4, ["parallel.pp=2", "parallel.dp_shard=2"], "llama-deep")
 LAYOUTS["pp2_tp2"] = (4, ["parallel.pp=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_cp2"] = (4, ["parallel.pp=2", "parallel.cp=2"], "llama-deep")
 LAYOUTS["pp2_cp2_ulysses"] = (4, ["parallel.pp=2", "parallel.cp=2", "parallel.cp_method=ulysses"], "llama-deep")
+LAYOUTS["pp2_cp4_hybrid"] = (8, ["parallel.pp=2", *HYBRID], "llama-deep")
 LAYOUTS["pp2_dp2_tp2"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-deep")
 LAYOUTS["pp2_dp2_cp2_tp2"] = (
     16,

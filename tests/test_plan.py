@@ -864,6 +864,45 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
     assert seconds(131072, "ring") < seconds(131072, "ulysses")
 
 
+def test_the_planner_proposes_hybrid_where_cp_spans_nodes():
+    """parallel.cp_method=hybrid is a candidate where the cp ranks span nodes, with a node's cp ranks
+    (gpus_per_node / tp) as its Ulysses groups, and passes the layout checks; its ends cost what ring (cp_ulysses 1)
+    and Ulysses (cp_ulysses = cp) cost; over 4 nodes (cp 32) its all-to-all inside the node and ring of 4 across
+    nodes beat Ulysses' all-to-all and ring's 31 steps across nodes at 32k tokens; the table says hybrid:8."""
+    from meshtron.distributed.mesh import ParallelDims
+    from meshtron.models.presets import make_preset_config
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.report import describe_layout
+    from meshtron.plan.search import candidate_layouts
+    from meshtron.plan.throughput import estimate_step
+
+    hw = hardware("h100")
+    big = make_preset_config("llama-8b", 128256)
+    shape = ModelShape.from_hf_config(big)
+    workload = Workload(seq_len=32768, global_batch=8)
+    hybrid = {
+        (layout.cp, layout.tp, layout.cp_ulysses)
+        for layout in candidate_layouts(shape, big, workload, 32, hw)
+        if layout.cp_method == "hybrid"
+    }
+    assert {(16, 1, 8), (16, 2, 4), (8, 4, 2)} <= hybrid
+    assert all(cp > ulysses == hw.gpus_per_node // tp for cp, tp, ulysses in hybrid)
+
+    def step(method: str, ulysses: int = 0, cp: int = 32, seq_len: int = 32768):
+        layout = Layout(ParallelDims(cp=cp), micro_batch=1, cp_method=method, cp_ulysses=ulysses)
+        layout.check(big, Workload(seq_len=seq_len, global_batch=8))
+        return estimate_step(shape, layout, Workload(seq_len=seq_len, global_batch=8), hw, big)
+
+    assert step("hybrid", 1).seconds == pytest.approx(step("ring").seconds)
+    assert step("hybrid", 32).seconds == pytest.approx(step("ulysses").seconds)
+    assert step("hybrid", 8).exposed_comm_s < min(step("ring").exposed_comm_s, step("ulysses").exposed_comm_s)
+    layout = Layout(ParallelDims(cp=32), micro_batch=1, cp_method="hybrid", cp_ulysses=8)
+    assert describe_layout(layout).startswith("cp=32 (hybrid:8)")
+    assert layout.parallel_config().cp_ulysses == 8
+
+
 def _table_rows(stdout: str) -> list[list[str]]:
     """The table's rows as [degrees, micro, ckpt, cp method, schedule] (the numbers left out)."""
     rows = []

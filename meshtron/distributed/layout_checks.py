@@ -36,9 +36,11 @@ def check_layout(
     check_family(hf_config, tp=dims.tp, attn_implementation=attn_implementation)
     check_expert_parallel(hf_config, dims.ep)
     check_context_parallel(dims.cp, seq_len)
-    if dims.cp > 1 and parallel.cp_method == "ulysses":
+    if dims.cp > 1 and parallel.cp_method in ("ulysses", "hybrid"):
         shape = adapter_for(hf_config).attention_shape(hf_config)
-        check_ulysses(shape.num_heads, shape.num_kv_heads, dims.cp, dims.tp)
+        hybrid = parallel.cp_method == "hybrid"
+        degree = parallel.cp_ulysses if hybrid else dims.cp
+        check_ulysses(shape.num_heads, shape.num_kv_heads, degree, dims.tp, hybrid=hybrid)
     check_attention(hf_config, attn_implementation, dims.cp, mask_documents, parallel.cp_method)
     microbatches = check_pipeline(parallel, hf_config, local_batch, micro_batch_size, device_type)
     check_tensor_parallel(hf_config, adapter_for(hf_config), dims.tp, seq_len, parallel.sequence_parallel, dims.cp)

@@ -116,6 +116,7 @@ PARALLEL_CHOICES = (
     "sequence_parallel",
     "loss_parallel",
     "cp_method",
+    "cp_ulysses",
     "pp_schedule",
     "pp_first_stage_layers",
     "pp_last_stage_layers",
@@ -139,6 +140,9 @@ class Layout:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     cp_method: str = "ring"
+    cp_ulysses: int = 0
+    """``parallel.cp_ulysses``: under ``cp_method=hybrid`` the all-to-all degree inside each group of consecutive cp
+    ranks (the ring runs across the ``cp / cp_ulysses`` groups); 0 otherwise."""
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 1
     pp_first_stage_layers: int | None = None

@@ -235,8 +235,11 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     norms = shape.residual_norms * _norm(h, e, frozen) / stream_split
     gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
     attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
-    if layout.cp > 1 and layout.cp_method == "ulysses":  # whole sequences of heads / cp: as many q / out bytes
-        kv_received = max(kv_local, layout.cp)  # KV heads repeated up to cp when fewer
+    if layout.cp > 1 and layout.cp_method in ("ulysses", "hybrid"):
+        # After the all-to-all: heads / degree for degree times the tokens (Ulysses: the whole sequence; hybrid: its
+        # group's, which its ring keeps), as many q / out bytes.
+        degree = layout.cp_ulysses if layout.cp_method == "hybrid" else layout.cp
+        kv_received = max(kv_local, degree)  # KV heads repeated up to the all-to-all's degree when fewer
         attention = e * (2 * heads * d + 2 * kv_received * d) + FP32 * heads
     if meshtron_attention(layout, workload):
         attention += e * heads * d  # the output made contiguous for o_proj
@@ -547,8 +550,11 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
     if layout.ep > 1:  # one MoE layer's dispatch: the rows sent and the rows received before regrouping
         temporaries += 2 * tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
     if layout.cp > 1:
-        chunk = workload.seq_len / (2 * layout.cp)
-        query_rows = layout.micro_batch * (shape.heads // layout.tp) * chunk
+        ring, heads = layout.cp, shape.heads // layout.tp
+        if layout.cp_method == "hybrid":  # the ring across the groups: chunks cp_ulysses times longer, fewer heads
+            ring, heads = layout.cp // layout.cp_ulysses, heads // layout.cp_ulysses
+        chunk = workload.seq_len / (2 * ring)
+        query_rows = layout.micro_batch * heads * chunk
         if workload.device == "cuda":
             # fused tile kernels (flash, FlexAttention): a few fp32 (query chunk x head dim) buffers of a
             # tile's output, merge and gradients, never its (chunk x chunk) scores

@@ -48,13 +48,21 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
     }
 
 
+def cp_method_label(layout: Layout) -> str:
+    """The layout's ``parallel.cp_method`` as the table shows it: ``hybrid:U`` with its ``parallel.cp_ulysses``, "-"
+    without context parallelism."""
+    if layout.cp == 1:
+        return "-"
+    return f"hybrid:{layout.cp_ulysses}" if layout.cp_method == "hybrid" else layout.cp_method
+
+
 def _layout_cell(layout: Layout) -> str:
     return f"{layout.pp:>2} {layout.dp_replicate:>4} {layout.dp_shard:>5} {layout.cp:>2} {layout.tp:>2} {layout.ep:>3}"
 
 
 def describe_layout(layout: Layout, checkpointing: bool = True) -> str:
     """A layout in a few words: its degrees above 1 (with the CP method), micro batch and checkpointing."""
-    method = f" ({layout.cp_method})" if layout.cp > 1 else ""
+    method = f" ({cp_method_label(layout)})" if layout.cp > 1 else ""
     mode = f", {layout.activation_checkpointing} checkpointing" if checkpointing else ""
     return f"{layout.dims.describe()}{method}, micro batch {layout.micro_batch}{mode}"
 
@@ -98,7 +106,7 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
     for index, c in enumerate(fitting[:top]):
         m, s, layout = c.memory, c.step, c.layout
         schedule = layout.pp_schedule if layout.pp > 1 else "-"
-        method = layout.cp_method if layout.cp > 1 else "-"
+        method = cp_method_label(layout)
         lines.append(
             f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  "
             f"{layout.activation_checkpointing:<9}  {method:<9}  {schedule:<15} | "

@@ -54,12 +54,23 @@ def expert_degrees(shape: ModelShape, dp_shard: int, cp: int) -> list[int]:
     return _divisors(math.gcd(shape.experts, dp_shard * cp))
 
 
+def cp_methods(cp: int, tp: int, hw: Hardware) -> list[tuple[str, int]]:
+    """``(parallel.cp_method, parallel.cp_ulysses)`` worth trying at this cp: ring and Ulysses, and where the cp ranks
+    span several nodes, hybrid with the cp ranks of one node as its Ulysses groups (the ring across nodes)."""
+    if cp == 1:
+        return [("ring", 0)]
+    in_node = hw.gpus_per_node // tp  # cp ranks are tp apart: a node holds this many consecutive ones
+    hybrid = [("hybrid", in_node)] if 1 < in_node < cp and cp % in_node == 0 else []
+    return [("ring", 0), ("ulysses", 0), *hybrid]
+
+
 def candidate_layouts(
     shape: ModelShape, hf_config, workload: Workload, gpus: int, hw: Hardware, max_micro_batch: int = 16
 ) -> list[Layout]:
-    """Every layout worth estimating: tp within a node, cp and pp as powers of two (cp by ring and by Ulysses where
-    the heads allow it), dp split as FSDP across all data-parallel ranks or as HSDP (FSDP inside a node, replicas
-    across nodes), and for a mixture of experts every expert-parallel degree meshtron allows."""
+    """Every layout worth estimating: tp within a node, cp and pp as powers of two (cp by ring, by Ulysses where
+    the heads allow it and by hybrid where cp spans nodes: ``cp_methods``), dp split as FSDP across all data-parallel
+    ranks or as HSDP (FSDP inside a node, replicas across nodes), and for a mixture of experts every expert-parallel
+    degree meshtron allows."""
     layouts = []
     for tp in [t for t in _powers_of_two(hw.gpus_per_node) if gpus % t == 0]:
         for cp in [c for c in _powers_of_two(16) if gpus % (tp * c) == 0]:
@@ -82,16 +93,15 @@ def candidate_layouts(
                         for schedule, per_rank in schedules:
                             if schedule == "Interleaved1F1B" and shape.layers < 2 * pp:
                                 continue
-                            for ac, ep, method in itertools.product(
-                                AC_MODES,
-                                expert_degrees(shape, dp_shard, cp),
-                                ("ring", "ulysses") if cp > 1 else ("ring",),
+                            for ac, ep, (method, ulysses) in itertools.product(
+                                AC_MODES, expert_degrees(shape, dp_shard, cp), cp_methods(cp, tp, hw)
                             ):
                                 layout = Layout(
                                     ParallelDims(dp_replicate, dp_shard, cp, tp, pp, ep),
                                     micro,
                                     ac,
                                     cp_method=method,
+                                    cp_ulysses=ulysses,
                                     pp_schedule=schedule,
                                     pp_stages_per_rank=per_rank,
                                 )

@@ -87,18 +87,27 @@ def expert_all_to_all_s(
 
 
 def ulysses_all_to_all_s(
-    shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, passes: int, layers: int, forwards: int
+    shape: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    hw: Hardware,
+    passes: int,
+    layers: int,
+    forwards: int,
+    degree: int | None = None,
 ) -> float:
     """Ulysses context parallelism's all-to-alls of one step on a rank: per layer and micro-batch, q, k and v to head
     shards and the output back in every forward (a checkpointed block's recomputation included), and their gradients
     the other way in backward: four all-to-alls per pass, on the critical path (attention waits for them). k and v
-    carry the rank's KV heads, repeated up to ``cp`` heads when fewer. The cp group spans ``cp x tp`` ranks."""
+    carry the rank's KV heads, repeated up to ``degree`` heads when fewer. ``degree``: the all-to-all's ranks, ``cp``
+    (or ``cp_ulysses`` under ``cp_method=hybrid``: consecutive cp ranks); the group spans ``degree x tp`` ranks."""
+    degree = degree or layout.cp
     e = compute_bytes(workload)
     tokens = layout.micro_batch * workload.seq_len / layout.cp
-    heads, kv = shape.heads // layout.tp, max(max(shape.kv_heads // layout.tp, 1), layout.cp)
-    span = layout.cp * layout.tp
+    heads, kv = shape.heads // layout.tp, max(max(shape.kv_heads // layout.tp, 1), degree)
+    span = degree * layout.tp
     q_bytes, kv_bytes = tokens * heads * shape.head_dim * e, tokens * kv * shape.head_dim * e
-    one_pass = 2 * _collective_s(q_bytes, layout.cp, span, hw) + 2 * _collective_s(kv_bytes, layout.cp, span, hw)
+    one_pass = 2 * _collective_s(q_bytes, degree, span, hw) + 2 * _collective_s(kv_bytes, degree, span, hw)
     return one_pass * passes * layers * forwards
 
 
@@ -173,13 +182,21 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     tp_s = tp_one * (4 if layout.sequence_parallel else 2) * passes * layers_per_rank * forwards
 
     # Context parallel: every block's keys and values go round the ring forward (and their gradients
-    # backward); it overlaps the attention computation of the blocks already received.
-    kv_bytes = local_tokens * 2 * max(shape.kv_heads // layout.tp, 1) * shape.head_dim * e
+    # backward); it overlaps the attention computation of the blocks already received. Hybrid: the ring runs across
+    # the cp / cp_ulysses groups (still spanning cp x tp ranks) on the K/V heads its all-to-all gathered (the group's
+    # tokens of heads / cp_ulysses: cp_ulysses times a rank's K/V, KV heads repeated when fewer), and the
+    # all-to-alls inside each group are on the critical path, as Ulysses'.
+    ring, kv_heads = layout.cp, max(shape.kv_heads // layout.tp, 1)
+    if layout.cp_method == "hybrid":
+        ring, kv_heads = layout.cp // layout.cp_ulysses, max(kv_heads, layout.cp_ulysses)
+    kv_bytes = local_tokens * 2 * kv_heads * shape.head_dim * e
     cp_span = layout.cp * layout.tp
-    cp_comm = _collective_s(kv_bytes * layout.cp, layout.cp, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
+    cp_comm = _collective_s(kv_bytes * ring, ring, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
     cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * efficiency))
     if ulysses:
         cp_s = ulysses_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)
+    elif layout.cp > 1 and layout.cp_method == "hybrid":
+        cp_s += ulysses_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards, layout.cp_ulysses)
 
     # Expert parallel: the all-to-alls of the token dispatch and combine, on the critical path.
     a2a_s = expert_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)

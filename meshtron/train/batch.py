@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshtron.distributed.context_parallel import SequenceLayout, chunk_document_bounds, planned_tiles, shard_sequence
+from meshtron.distributed.context_parallel import (
+    HybridGroups,
+    SequenceLayout,
+    chunk_document_bounds,
+    planned_tiles,
+    shard_sequence,
+)
+from meshtron.distributed.context_parallel.hybrid import ring_layout
 from meshtron.models.attention import document_ids, document_positions, uses_meshtron_attention
 from meshtron.models.attention_kernels import document_lengths, prepare_masks
 
@@ -24,6 +31,8 @@ class SequenceSplit:
     cp_rank: int = 0
     cp_group: ProcessGroup | None = None
     cp_method: str = "ring"
+    hybrid: HybridGroups | None = None
+    """With ``cp_method=hybrid``: this rank's Ulysses and ring groups (``context_parallel.hybrid_groups``)."""
     mask_documents: bool = False
     eos_token_id: int | None = None
     attention_windows: tuple = (None,)
@@ -39,7 +48,8 @@ def shard_labels(labels: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
 
 
 def plans_tiles(split: SequenceSplit) -> bool:
-    """Whether attention plans context-parallel tiles from document bounds (ring / all-gather with documents)."""
+    """Whether attention plans context-parallel tiles from document bounds (ring / all-gather / hybrid with
+    documents)."""
     return split.cp > 1 and split.cp_method != "ulysses" and split.mask_documents
 
 
@@ -91,6 +101,7 @@ def sequence_inputs(
             docs,
             document_bounds=document_bounds if docs is not None else None,
             document_kernel=split.attention_kernel,
+            hybrid=split.hybrid,
         )
         # Every layer's attention finds its masks built, outside any compiled block (with cp: the tile
         # plan, here and not in the layers; Ulysses attends whole sequences).
@@ -104,9 +115,10 @@ def sequence_inputs(
                 kernel=layout.document_kernel,
                 lengths=lengths,
             )
-        else:
+        else:  # hybrid: the tiles of its ring across the groups
+            tiled = ring_layout(layout) if split.cp_method == "hybrid" else layout
             for window in split.attention_windows:
-                planned_tiles(layout, input_ids.device, window)
+                planned_tiles(tiled, input_ids.device, window)
         kwargs["sequence_layout"] = layout
     return kwargs
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.config import Config
+from meshtron.distributed.context_parallel import hybrid_groups
 from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import Meshes
 from meshtron.distributed.parallelize import parallelize
@@ -43,15 +44,18 @@ class BuiltModel:
 
 def sequence_split(meshes: Meshes | None, setup: RunSetup, cfg: Config, eos_token_id: int | None) -> SequenceSplit:
     dims = setup.dims
-    cp_rank, cp_group = 0, None
+    cp_rank, cp_group, hybrid = 0, None, None
     if dims.cp > 1:
         cp_mesh = meshes.cp
         cp_rank, cp_group = cp_mesh.get_local_rank(), cp_mesh.get_group()
+        if cfg.parallel.cp_method == "hybrid":  # its Ulysses and ring groups, made on every rank alike
+            hybrid = hybrid_groups(cp_mesh, cfg.parallel.cp_ulysses)
     return SequenceSplit(
         dims.cp,
         cp_rank,
         cp_group,
         cfg.parallel.cp_method,
+        hybrid,
         cfg.data.mask_documents,
         eos_token_id,
         attention_windows=attention_windows(setup.hf_config),

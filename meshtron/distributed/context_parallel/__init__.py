@@ -7,10 +7,14 @@
 * ``tile_kernels``, ``fused_tile_kernels``: attention on one tile, returning the log-sum-exp.
 * ``ulysses``: ``ulysses_attention`` (``parallel.cp_method=ulysses``), all-to-all from sequence shards to head
   shards around whole-sequence attention.
+* ``hybrid``: ``hybrid_attention`` (``parallel.cp_method=hybrid``), Ulysses inside groups of ``cp_ulysses``
+  consecutive cp ranks, the ring across the groups.
 * ``routing``: ``hf_attention``, the attention function transformers calls, and its registration.
 """
 
+from meshtron.distributed.context_parallel.hybrid import hybrid_attention, hybrid_groups
 from meshtron.distributed.context_parallel.layout import (
+    HybridGroups,
     SequenceLayout,
     check_context_parallel,
     chunk_document_bounds,
@@ -24,12 +28,15 @@ from meshtron.distributed.context_parallel.ulysses import check_ulysses, ulysses
 
 __all__ = [
     "ATTENTION_NAME",
+    "HybridGroups",
     "SequenceLayout",
     "check_context_parallel",
     "chunk_document_bounds",
     "check_ulysses",
     "context_parallel_attention",
     "hf_attention",
+    "hybrid_attention",
+    "hybrid_groups",
     "local_token_index",
     "planned_tiles",
     "register_attention",

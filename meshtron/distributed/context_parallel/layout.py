@@ -43,6 +43,17 @@ def shard_sequence(tensor: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class HybridGroups:
+    """The process groups of ``parallel.cp_method=hybrid`` (``hybrid.hybrid_groups``): the cp ranks form groups of
+    ``ulysses`` consecutive ones; cp rank r is rank ``r % ulysses`` of its Ulysses group and rank ``r // ulysses``
+    of its ring, the ``cp / ulysses`` ranks with its place in their groups."""
+
+    ulysses: int
+    ulysses_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup
+
+
+@dataclass(frozen=True)
 class SequenceLayout:
     """What attention needs to know about the sequence: its sharding and its documents.
 
@@ -73,6 +84,8 @@ class SequenceLayout:
     document_kernel: str = "auto"
     """The kernel of whole-sequence document attention with cp = 1 (``model.attention_kernel``: see
     ``meshtron.models.attention_kernels.KERNELS``)."""
+    hybrid: HybridGroups | None = None
+    """With ``method="hybrid"``: the Ulysses and ring groups of this rank (``hybrid``)."""
 
     @property
     def chunk(self) -> int:

@@ -8,6 +8,7 @@ travels in the ``sequence_layout`` keyword argument that transformers passes dow
 
 from __future__ import annotations
 
+from meshtron.distributed.context_parallel.hybrid import hybrid_attention
 from meshtron.distributed.context_parallel.layout import SequenceLayout
 from meshtron.distributed.context_parallel.ring import context_parallel_attention
 from meshtron.distributed.context_parallel.ulysses import ulysses_attention
@@ -62,8 +63,9 @@ def hf_attention(
     ``sliding_window``: what the layer's attention module passes (Gemma 2/3, Qwen2/3: the window on sliding
     layers, None on full ones; Mistral, Phi-3, Starcoder2: ``config.sliding_window``); a query at index i then
     sees a key at index j only if i - j < sliding_window, as transformers' ``sliding_window_overlay``.
-    ``softcap``: Gemma 2's ``attn_logit_softcapping`` (whole-sequence attention and Ulysses only); ``s_aux``:
-    gpt-oss's per-head attention sinks (H,), this rank's heads under tensor parallelism."""
+    ``softcap``: Gemma 2's ``attn_logit_softcapping`` (whole-sequence attention and Ulysses only: the tiles of ring,
+    all-gather and hybrid do not cap); ``s_aux``: gpt-oss's per-head attention sinks (H,), this rank's heads under
+    tensor parallelism. ``parallel.cp_method=hybrid``: ``hybrid.hybrid_attention``."""
     if sequence_layout is None:
         raise MeshtronError("meshtron attention was called without a sequence_layout; call the model through meshtron")
     if dropout:
@@ -78,6 +80,8 @@ def hf_attention(
             f"soft-capped attention scores with parallel.cp_method={sequence_layout.method}: use parallel.cp_method="
             "ulysses"
         )
+    elif sequence_layout.method == "hybrid":
+        out = hybrid_attention(query, key, value, sequence_layout, scale, sliding_window, s_aux)
     else:
         out = context_parallel_attention(query, key, value, sequence_layout, scale, sliding_window, s_aux)
     return out.transpose(1, 2).contiguous(), None

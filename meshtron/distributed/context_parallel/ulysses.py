@@ -24,19 +24,24 @@ from meshtron.models.attention_kernels import document_attention
 from meshtron.tensors import compile_disabled
 
 
-def check_ulysses(heads: int, kv_heads: int, cp: int, tp: int = 1) -> None:
-    """Refuse, with one line, head counts Ulysses cannot split over ``cp`` (after ``tp``'s split)."""
+def check_ulysses(heads: int, kv_heads: int, cp: int, tp: int = 1, hybrid: bool = False) -> None:
+    """Refuse, with one line, head counts Ulysses cannot split over ``cp`` ranks (after ``tp``'s split); ``hybrid``:
+    ``cp`` is ``parallel.cp_ulysses``, the all-to-all degree of ``parallel.cp_method=hybrid``."""
     local, local_kv = heads // tp, max(kv_heads // tp, 1)
+    method, setting = ("hybrid", "parallel.cp_ulysses") if hybrid else ("ulysses", "parallel.cp")
     if local % cp:
+        fix = "a parallel.cp_ulysses that divides them"
+        if not hybrid:
+            fix = "parallel.cp_method=ring or a cp that divides them"
         raise ConfigError(
-            f"parallel.cp_method=ulysses splits attention heads over parallel.cp={cp}, but this rank's {local} "
-            f"query heads ({heads} / parallel.tp={tp}) are not divisible by it; use parallel.cp_method=ring or a cp "
-            "that divides them"
+            f"parallel.cp_method={method} splits attention heads over {setting}={cp}, but this rank's {local} "
+            f"query heads ({heads} / parallel.tp={tp}) are not divisible by it; use {fix}"
         )
     if local_kv % cp and cp % local_kv:
+        fix = "a parallel.cp_ulysses that divides them or that they divide" if hybrid else "parallel.cp_method=ring"
         raise ConfigError(
-            f"parallel.cp_method=ulysses needs key/value heads ({local_kv} per tp rank) divisible by parallel.cp={cp} "
-            "or dividing it; use parallel.cp_method=ring"
+            f"parallel.cp_method={method} needs key/value heads ({local_kv} per tp rank) divisible by {setting}={cp} "
+            f"or dividing it; use {fix}"
         )
 
 
@@ -72,6 +77,26 @@ def sequence_orders(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch
     return layout.attention_cache[key]
 
 
+def to_head_shards(q, k, v, degree: int, group, order: torch.Tensor, sinks=None):
+    """The all-to-all of Ulysses over ``degree`` ranks: this rank's sequence shard of every head (B, H, L, D) ->
+    every rank's shard of this rank's ``H / degree`` heads, put in the sequence order ``order`` gives (an index
+    into the rank-major concatenation of the shards), for q, k and v; KV heads fewer than ``degree`` repeated
+    first. ``sinks`` (H,): this rank's heads' slice (None stays None)."""
+    kv_heads = k.shape[1]
+    check_ulysses(q.shape[1], kv_heads, degree)  # this rank's heads (preflight checked the model's already)
+    if kv_heads % degree:  # fewer key/value heads than ranks: each rank receives the one its query heads use
+        k, v = (t.repeat_interleave(degree // kv_heads, dim=1) for t in (k, v))
+    if sinks is not None:  # this rank's heads: [r H/degree, (r+1) H/degree), as _seq_to_heads splits them
+        sinks = sinks.reshape(degree, -1)[torch.distributed.get_rank(group)]
+    q, k, v = (_seq_to_heads(t, degree, group).index_select(2, order) for t in (q, k, v))
+    return q, k, v, sinks
+
+
+def to_sequence_shards(out: torch.Tensor, degree: int, group, order: torch.Tensor) -> torch.Tensor:
+    """The reverse of ``to_head_shards`` for the output: ``order`` puts it back rank-major, then the all-to-all."""
+    return _heads_to_seq(out.index_select(2, order), degree, group)
+
+
 @compile_disabled
 def ulysses_attention(
     q: torch.Tensor,
@@ -87,16 +112,10 @@ def ulysses_attention(
     ``sinks`` (H,): the heads' attention sinks (gpt-oss), of which this rank applies its own heads' slice. Runs
     eagerly inside compiled blocks, as the ring does."""
     cp, group = layout.cp, layout.group
-    kv_heads = k.shape[1]
-    check_ulysses(q.shape[1], kv_heads, cp)  # this rank's heads (preflight checked the model's already)
-    if kv_heads % cp:  # fewer key/value heads than ranks: each rank receives the one its query heads use
-        k, v = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (k, v))
     to_global, to_shards = sequence_orders(layout, q.device)
-    q_all, k_all, v_all = (_seq_to_heads(t, cp, group).index_select(2, to_global) for t in (q, k, v))
+    q_all, k_all, v_all, sinks = to_head_shards(q, k, v, cp, group, to_global, sinks)
     kernel = "sdpa" if layout.kernel == "math" else layout.kernel  # the tiles' plain kernel: SDPA on whole sequences
-    if sinks is not None:  # this rank's heads: [r H/cp, (r+1) H/cp), as _seq_to_heads splits them
-        sinks = sinks.reshape(cp, -1)[torch.distributed.get_rank(group)]
     out = document_attention(
         q_all, k_all, v_all, layout.document_ids, scale, kernel, layout.attention_cache, window, softcap, sinks
     )
-    return _heads_to_seq(out.index_select(2, to_shards), cp, group)
+    return to_sequence_shards(out, cp, group, to_shards)
