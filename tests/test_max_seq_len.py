@@ -123,9 +123,34 @@ def test_the_planner_keeps_the_model_state_in_host_memory_under_cpu_offload():
     hf_config, shape = llama_deep()
     hosted = dataclasses.replace(BASE, cpu_offload=True)
     on_gpu, on_host = estimate_memory(shape, Layout(), BASE), estimate_memory(shape, Layout(), hosted)
-    assert on_host.params == on_host.grads == on_host.optimizer == 0
+    assert on_host.state == on_gpu.state and on_host.peak_state == 0  # the same bytes, in host memory
     assert on_host.host == on_gpu.params + on_gpu.grads + on_gpu.optimizer
     assert on_gpu.gathered == 0 < on_host.gathered  # FSDP over one rank: the blocks being computed, gathered
     Layout().check(hf_config, hosted)  # one GPU: FSDP over one rank
     with pytest.raises(ConfigError, match="fsdp.cpu_offload needs FSDP"):
         Layout(ParallelDims(tp=2)).check(hf_config, hosted)
+
+
+def test_a_rehearsed_rank_of_four_gpus_at_the_longest_planned_length_keeps_what_was_planned(tmp_path, cache_dir):
+    """``--max-seq-len`` for 4 "GPUs" of 10 MB (1 GB of host memory each), then rank 0 of that layout rehearsed on
+    CPU (``meshtron train --rehearse``: one process on a fake group): its state and the activations it offloads
+    within 10% of the plan for that rank."""
+    from meshtron.cli import main
+    from meshtron.config import load_config
+    from meshtron.plan.rehearsal import format_rehearsal, rehearse
+
+    emitted = tmp_path / "longest4.toml"
+    code = main(
+        ["plan", "--model", "llama-deep", "--gpus", "4", "--max-seq-len", "--max-position-embeddings", "65536",
+         "--gpu-memory", "0.01GB", "--reserved-gb", "0", "--host-memory-gb", "1", "--mixed-precision", "none",
+         "--no-compile", "--no-mask-documents", "--emit-config", str(emitted)]
+    )  # fmt: skip
+    assert code == 0
+    settings = [f"data.cache_dir={cache_dir}", "data.max_documents=400", f"run.output_dir={tmp_path / 'rehearsal'}"]
+    cfg = load_config(str(emitted), settings, env={})
+    assert cfg.train.activation_offload and cfg.data.seq_len > 2 * GRANULARITY
+    report = rehearse(cfg, 4, 0, steps=2)
+    print(format_rehearsal(report))
+    for key in ("state_bytes", "host_activation_bytes"):
+        measured, planned = report.measured[key], report.planned[key]
+        assert abs(measured / planned - 1) <= 0.10, (key, measured, planned)

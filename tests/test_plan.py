@@ -660,7 +660,8 @@ def test_rehearse_prints_measured_next_to_planned_and_writes_rehearsal_json(tmp_
     assert "measured" in proc.stdout and "planned" in proc.stdout
     got = json.loads((out / "rehearsal.json").read_text())
     assert (got["rank"], got["world_size"]) == (1, 2)
-    assert set(got["measured"]) == {"state_bytes", "activation_bytes", "peak_bytes", "step_s"}
+    assert set(got["measured"]) == {"state_bytes", "activation_bytes", "host_activation_bytes", "peak_bytes", "step_s"}
+    assert got["measured"]["host_activation_bytes"] == got["planned"]["host_activation_bytes"] == 0  # no offloading
     assert (
         got["measured"]["state_bytes"] > 0 and got["measured"]["activation_bytes"] > 0 and got["measured"]["step_s"] > 0
     )

@@ -40,15 +40,21 @@ class MemoryEstimate:
     temporaries: int
     """Transient buffers outside autograd's saved set: one loss chunk's logits, their fp32 copy and
     gradient; a block's recomputation under activation checkpointing; CP attention's tile buffers."""
-    host: int = 0
-    """Bytes in host memory: the activations ``train.activation_offload`` moves there (all micro-batches in
-    flight; ``activations`` then counts what stays on the device: nothing the planner counts), and under
-    ``fsdp.cpu_offload`` the parameter shards, gradients and optimizer state (``params``, ``grads`` and
-    ``optimizer`` are then 0; FSDP's gathered compute copies stay in ``gathered``)."""
+    host_activations: int = 0
+    """Activations ``train.activation_offload`` keeps in host memory (all micro-batches in flight); ``activations``
+    then counts what stays on the device: nothing the planner counts."""
+    state_on_host: bool = False
+    """``fsdp.cpu_offload``: ``params``, ``grads`` and ``optimizer`` are in host memory, not on the device (FSDP's
+    gathered compute copies stay in ``gathered``)."""
     grads_in_forward: int | None = None
     """Gradient bytes live while the activations peak (at the turn from forward to backward): none with one
     micro-batch a step (meshtron frees gradients after each update and backward makes them as it frees
     activations), ``grads`` when micro-batches accumulate. None: ``grads``."""
+
+    @property
+    def host(self) -> int:
+        """Bytes in host memory: offloaded activations, and the state under ``fsdp.cpu_offload``."""
+        return self.host_activations + (self.state if self.state_on_host else 0)
 
     @property
     def state(self) -> int:
@@ -56,16 +62,20 @@ class MemoryEstimate:
 
     @property
     def peak_state(self) -> int:
-        """The state at the forward's end: parameters, optimizer state and the gradients held through the forward."""
+        """The state on the device at the forward's end: parameters, optimizer state and the gradients held through
+        the forward (none of it under ``fsdp.cpu_offload``)."""
+        if self.state_on_host:
+            return 0
         held = self.grads if self.grads_in_forward is None else self.grads_in_forward
         return self.params + self.optimizer + held
 
     @property
     def total(self) -> int:
-        """The peak: the larger of the forward's end (``peak_state``, activations, FSDP's buffers and the loss's
-        temporaries) and the backward's end (parameters, optimizer state, FSDP's buffers and all gradients)."""
+        """The device's peak: the larger of the forward's end (``peak_state``, activations, FSDP's buffers and the
+        loss's temporaries) and the backward's end (parameters, optimizer state, FSDP's buffers and all gradients)."""
         forward_end = self.peak_state + self.activations + self.gathered + self.temporaries
-        return max(forward_end, self.params + self.optimizer + self.gathered + self.grads)
+        backward_end = (0 if self.state_on_host else self.state) + self.gathered
+        return max(forward_end, backward_end)
 
 
 def stage_layout(
@@ -579,18 +589,15 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
         )
-        params, grads = numel * state_bytes, int(max(trained * state_bytes, held_grads))
-        optimizer = optimizer_state_numel(workload, trained, muon) * state_bytes
-        host_state = params + grads + optimizer if workload.cpu_offload else 0
-        if workload.cpu_offload:
-            params = grads = optimizer = 0
+        grads = int(max(trained * state_bytes, held_grads))
         estimates.append(
             MemoryEstimate(
-                params=params,
+                params=numel * state_bytes,
                 grads=grads,
-                optimizer=optimizer,
+                optimizer=optimizer_state_numel(workload, trained, muon) * state_bytes,
                 activations=int(acts),
-                host=int(host_acts) + host_state,
+                host_activations=int(host_acts),
+                state_on_host=workload.cpu_offload,
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
                 grads_in_forward=grads if accumulates else 0,
