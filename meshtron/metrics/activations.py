@@ -41,7 +41,8 @@ class _Held:
         self.tensor, self.key, self.tracker = tensor, key, tracker
 
     def __del__(self):
-        if self.key is not None:
+        # getattr: torch.compile's tracing of the pack hook can make (and drop) one without running __init__
+        if getattr(self, "key", None) is not None:
             self.tracker._release(self.key)
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from meshtron.metrics.activations import SavedActivationTracker
+from meshtron.tensors import compile_disabled
 
 MIN_OFFLOAD_BYTES_CUDA = 1 << 20
 """Below this a tensor stays on the GPU: its copy would cost more in launch overhead than its bytes are worth."""
@@ -121,8 +122,12 @@ class ActivationOffloader:
         self.peak_offloaded_bytes = 0
 
     def hooks(self):
-        """The ``saved_tensors_hooks`` context for the step's forwards."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        """The ``saved_tensors_hooks`` context for the step's forwards. The hooks run eagerly: compiled code that
+        saves tensors in an autograd.Function (a tiled MLP's) would otherwise trace them, making copies of the
+        bookkeeping objects without running their ``__init__``."""
+        pack = compile_disabled(lambda tensor: self._pack(tensor))  # (functions: a bound method takes no attributes)
+        unpack = compile_disabled(lambda handle: self._unpack(handle))
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
         from torch.distributed.tensor import DTensor
