@@ -103,3 +103,58 @@ def test_a_run_with_offloading_trains_the_same_model_and_keeps_its_activations_o
         assert 0.9 * plain.activation_bytes <= offloaded.offloaded_bytes <= 1.1 * plain.activation_bytes
     # measured (llama-tiny, 4 x 64 tokens): 2.9 MB kept without checkpointing; with it, the blocks' inputs
     assert results[True, "full"].offloaded_bytes < 0.3 * results[True, "none"].offloaded_bytes
+
+
+class ScriptedTransfers:
+    """HostTransfers that log what the offloader asks of the streams (what CudaTransfers would do on a GPU)."""
+
+    def __init__(self):
+        self.log = []
+        self.names = {}
+
+    def name(self, tensor):
+        return self.names.get(tensor.data_ptr(), "?")
+
+    def to_host(self, source):
+        host = source.clone()
+        self.names[host.data_ptr()] = f"t{len(self.names)}"
+        self.log.append(("to_host", self.names[host.data_ptr()]))
+        return host, f"copied:{self.names[host.data_ptr()]}"
+
+    def wait(self, event):
+        self.log.append(("wait", event))
+
+    def to_device(self, host, device):
+        self.log.append(("to_device", self.name(host)))
+        return host.clone()
+
+    def to_device_ahead(self, host, device):
+        self.log.append(("to_device_ahead", self.name(host)))
+        return host.clone(), f"ready:{self.name(host)}"
+
+    def adopt(self, tensor):
+        self.log.append(("adopt",))
+
+
+def test_backward_fetches_each_copy_once_waiting_for_its_copy_and_fetches_the_next_ones_ahead():
+    """The CUDA path's order of events, scripted: a copy is waited for before it is read; fetching one starts the
+    copies backward needs next (up to twice the largest), which are then waited for and adopted, never fetched
+    twice."""
+    transfers = ScriptedTransfers()
+    offloader = ActivationOffloader(torch.device("cpu"), transfers=transfers)
+    saved = [torch.full((4,), float(i)) for i in range(4)]  # t0..t3, 16 bytes each
+    handles = [offloader._pack(t) for t in saved]
+    assert transfers.log == [("to_host", f"t{i}") for i in range(4)]
+    transfers.log.clear()
+    restored = [offloader._unpack(handles[i]) for i in (3, 2, 1, 0)]  # backward: the newest first
+    assert transfers.log == [
+        ("wait", "copied:t3"), ("to_device", "t3"), ("to_device_ahead", "t2"), ("to_device_ahead", "t1"),
+        ("wait", "ready:t2"), ("adopt",), ("to_device_ahead", "t0"),
+        ("wait", "ready:t1"), ("adopt",),
+        ("wait", "ready:t0"), ("adopt",),
+    ]  # fmt: skip
+    for value, tensor in zip((3, 2, 1, 0), restored):
+        assert torch.equal(tensor, torch.full((4,), float(value)))
+    transfers.log.clear()
+    again = offloader._unpack(handles[2])  # a zero-bubble pipeline's second pass: the device copy is still there
+    assert transfers.log == [] and torch.equal(again, saved[2])

@@ -12,8 +12,9 @@ fetching one tensor also starts copying the ones saved just before it (the next 
 stream, so the copies overlap the recomputation and gradients of the block in between. Copies change no value:
 training is exact.
 
-On CPU the host *is* the device: the tensors are copied all the same (nothing is saved), which lets the CPU tests
-run this code under every parallelism.
+On CPU the host *is* the device: the tensors are copied all the same (nothing is saved), and the same bookkeeping
+(what is fetched when, fetching ahead) runs, with ``HostTransfers`` in place of ``CudaTransfers``' streams and
+events. The CPU tests therefore cover all of it but the CUDA calls themselves, under every parallelism.
 
 Kept on the device: parameters and views of them (they live there anyway), tensors smaller than
 ``min_bytes``, and tensor subclasses other than DTensor (whose local shard is offloaded).
@@ -42,15 +43,16 @@ class _HostCopy:
     """The host copy of one device storage (every saved view of it shares it), and its way back."""
 
     __slots__ = ("host", "device", "copied", "fetched", "fetched_ready", "index", "used", "nbytes", "owner", "source")
-    __slots__ += ("version", "__weakref__")
+    __slots__ += ("version", "ahead", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, copied, index: int, owner, source, version: int):
         self.host, self.device, self.copied, self.index, self.owner = host, device, copied, index, owner
         # a weak reference to the device storage and the version of its views when copied: while both hold, a new
         # view of the storage shares this copy (an in-place change in between makes a new one)
         self.source, self.version = source, version
-        self.fetched: torch.Tensor | None = None  # the device copy started ahead of its use
-        self.fetched_ready = None  # the side stream's event after that copy
+        self.fetched: torch.Tensor | None = None  # its bytes on the device, once fetched
+        self.ahead = False  # fetched ahead, beside the compute, and not yet waited for
+        self.fetched_ready = None  # the event that marks that copy done
         self.used = False
         self.nbytes = host.numel()
         owner.offloaded_bytes += self.nbytes
@@ -101,6 +103,68 @@ def prefetch_candidates(order: list, unpacked_index: int, budget_bytes: int) -> 
     return chosen
 
 
+class HostTransfers:
+    """The copies where the host is the device (CPU): made at once, nothing to wait for. The offloader's bookkeeping
+    (which copy is fetched when, fetching ahead) runs as on CUDA, so the CPU tests cover it."""
+
+    pinned = False
+
+    def to_host(self, source: torch.Tensor):
+        """(host bytes, the event that marks the copy done) of ``source``'s bytes."""
+        return source.clone(), None
+
+    def wait(self, event) -> None:
+        """The compute stream waits for ``event``."""
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` on ``device``, copied on the compute stream (here: the host copy itself)."""
+        return host if device.type == "cpu" else host.to(device)
+
+    def to_device_ahead(self, host: torch.Tensor, device: torch.device):
+        """(``host`` on ``device``, the event that marks the copy done), copied beside the compute."""
+        return self.to_device(host, device), None
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """``tensor``, made beside the compute, is used by the compute stream from now on."""
+
+
+class CudaTransfers(HostTransfers):
+    """Pinned host memory and a side stream: copies to the host wait for the kernels that made the tensor, and the
+    caching allocator does not reuse a tensor's memory before its copy has read it, nor a fetched-ahead copy's before
+    the compute stream is done with it (``record_stream``)."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device):
+        self.device, self.stream = device, torch.cuda.Stream(device)
+
+    def to_host(self, source: torch.Tensor):
+        host = torch.empty(source.numel(), dtype=source.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(source, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        source.record_stream(self.stream)
+        return host, copied
+
+    def wait(self, event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device, non_blocking=True)
+
+    def to_device_ahead(self, host: torch.Tensor, device: torch.device):
+        with torch.cuda.stream(self.stream):  # after this stream's copies to the host
+            fetched = host.to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return fetched, ready
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
 class ActivationOffloader:
     """Moves saved activations to host memory in forward and back in backward; ``hooks()`` is the context.
 
@@ -108,13 +172,17 @@ class ActivationOffloader:
     ``peak_offloaded_bytes``: the host bytes held now / at most."""
 
     def __init__(
-        self, device: torch.device, tracker: SavedActivationTracker | None = None, min_bytes: int | None = None
+        self,
+        device: torch.device,
+        tracker: SavedActivationTracker | None = None,
+        min_bytes: int | None = None,
+        transfers: HostTransfers | None = None,
     ):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.min_bytes = (MIN_OFFLOAD_BYTES_CUDA if self.cuda else 0) if min_bytes is None else min_bytes
+        cuda = device.type == "cuda"
+        self.min_bytes = (MIN_OFFLOAD_BYTES_CUDA if cuda else 0) if min_bytes is None else min_bytes
         self.tracker = tracker
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.transfers = transfers or (CudaTransfers(device) if cuda else HostTransfers())
         self._order: list[weakref.ref] = []  # the host copies, in the order they were made
         self._copies: dict[int, weakref.ref] = {}  # device storage address -> its host copy
         self._largest = 0
@@ -161,17 +229,7 @@ class ActivationOffloader:
         if known is not None and not known.source.expired() and known.version == tensor._version:
             return known
         source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=self.cuda)
-        copied = None
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(source, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
-            source.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        else:
-            host.copy_(source)
+        host, copied = self.transfers.to_host(source)
         copy = _HostCopy(host, device, copied, len(self._order), self, StorageWeakRef(storage), tensor._version)
         self._order.append(weakref.ref(copy))
         self._copies[storage.data_ptr()] = self._order[-1]
@@ -182,7 +240,7 @@ class ActivationOffloader:
         if isinstance(handle, _Kept):
             return self.tracker._unpack(handle.value) if self.tracker is not None else handle.value
         copy = handle.copy
-        restored = handle.view_of(self._fetch(copy) if self.cuda else copy.host.to(copy.device))
+        restored = handle.view_of(self._fetch(copy))
         copy.used = True
         if handle.dtensor_spec is None:
             return restored
@@ -194,21 +252,18 @@ class ActivationOffloader:
 
     def _fetch(self, copy: _HostCopy) -> torch.Tensor:
         """``copy``'s bytes on the device: fetched ahead, or copied now; then the next ones are fetched ahead."""
-        current = torch.cuda.current_stream(copy.device)
+        transfers = self.transfers
         if copy.fetched is None:
-            current.wait_event(copy.copied)
-            copy.fetched = copy.host.to(copy.device, non_blocking=True)
-        elif copy.fetched_ready is not None:  # fetched ahead on the side stream
-            current.wait_event(copy.fetched_ready)
-            copy.fetched.record_stream(current)  # allocated on the side stream, used on this one
-            copy.fetched_ready = None
-        restored = copy.fetched  # kept for the storage's other views until autograd frees the copy
-        for ahead in prefetch_candidates(self._order, copy.index, 2 * self._largest):
-            with torch.cuda.stream(self.stream):  # after the device-to-host copies on this stream
-                ahead.fetched = ahead.host.to(ahead.device, non_blocking=True)
-                ahead.fetched_ready = torch.cuda.Event()
-                ahead.fetched_ready.record(self.stream)
-        return restored
+            transfers.wait(copy.copied)
+            copy.fetched = transfers.to_device(copy.host, copy.device)
+        elif copy.ahead:
+            transfers.wait(copy.fetched_ready)
+            transfers.adopt(copy.fetched)
+            copy.ahead, copy.fetched_ready = False, None
+        for later in prefetch_candidates(self._order, copy.index, 2 * self._largest):
+            later.fetched, later.fetched_ready = transfers.to_device_ahead(later.host, later.device)
+            later.ahead = True
+        return copy.fetched  # kept for the storage's other views until autograd frees the copy
 
 
 @contextlib.contextmanager
