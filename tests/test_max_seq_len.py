@@ -153,3 +153,16 @@ def test_a_rehearsed_rank_of_four_gpus_at_the_longest_planned_length_keeps_what_
     for key in ("state_bytes", "host_activation_bytes"):
         measured, planned = report.measured[key], report.planned[key]
         assert abs(measured / planned - 1) <= 0.10, (key, measured, planned)
+
+
+def test_max_seq_len_as_json_is_one_document(capsys):
+    import json
+
+    from meshtron.cli import main
+
+    code = main(["plan", "--model", "llama-deep", "--gpus", "1", "--max-seq-len", "--json", "--max-position-embeddings",
+                 "65536", "--gpu-memory", "0.04GB", "--reserved-gb", "0", "--host-memory-gb", "1"])  # fmt: skip
+    record = json.loads(capsys.readouterr().out)  # nothing else printed
+    assert code == 0 and record["bound"] == "memory" and record["seq_len"] % GRANULARITY == 0
+    assert record["workload"]["seq_len"] == record["seq_len"] and record["candidate"]["fits"]
+    assert record["candidate"]["memory_gb"]["host"] > 0

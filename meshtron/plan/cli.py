@@ -348,16 +348,26 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
     from meshtron.plan.report import emit_config
 
     found = longest_sequence(shape, hf_config, base, args.gpus, hw)
+    if args.json:
+        from meshtron.plan.report import candidate_record
+
+        record = {"model": args.model, "gpus": args.gpus, "hardware": hw.__dict__, "seq_len": found.seq_len}
+        record["bound"] = found.bound
+        if found.candidate is not None:
+            record["workload"] = found.workload.__dict__
+            record["candidate"] = candidate_record(found.candidate, args.gpus)
+        print(json.dumps(record, indent=1))
     where = (
         f"{args.model} ({_count(shape.total_params)} parameters{f', LoRA rank {args.lora_rank}' if lora else ''}) on "
         f"{args.gpus} x {hw.name} ({hw.memory_gb:g} GB, {hw.host_memory_gb:g} GB of host memory each), global "
         f"batch {args.global_batch}"
     )
     if found.candidate is None:
-        print(
-            f"meshtron plan: {where}: no length of {GRANULARITY} tokens or more fits; add GPUs or host memory "
-            "(--host-memory-gb), or use LoRA"
-        )
+        if not args.json:
+            print(
+                f"meshtron plan: {where}: no length of {GRANULARITY} tokens or more fits; add GPUs or host memory "
+                "(--host-memory-gb), or use LoRA"
+            )
         return 1
     best, workload, layout = found.candidate, found.workload, found.candidate.layout
     stopped = {
@@ -369,10 +379,12 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
                 (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)) if value > 1]  # fmt: skip
     if layout.cp > 1:
         settings.append(f"parallel.cp_method={layout.cp_method}")
+    if layout.cp > 1 and layout.cp_method == "hybrid":
+        settings.append(f"parallel.cp_ulysses={layout.cp_ulysses}")
     settings += [f"train.activation_checkpointing={layout.activation_checkpointing}"]
     settings += [f"train.activation_offload={str(workload.activation_offload).lower()}"]
     settings += [f"train.mlp_tiles={workload.mlp_tiles}", f"fsdp.cpu_offload={str(workload.cpu_offload).lower()}"]
-    print(
+    text = (
         f"meshtron plan: {where}: the longest sequence is {found.seq_len:,} tokens (stopped by {stopped}), with "
         f"{' '.join(settings)}\n"
         f"  per GPU: {best.memory.total / 1e9:.1f} GB of {hw.memory_gb:g} ({hw.reserved_gb:g} reserved), "
@@ -380,6 +392,8 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         f"{best.step.tokens_per_s / args.gpus:,.0f} tokens/s per GPU (offload copies exposed: "
         f"{best.step.offload_s:.1f} s)"
     )
+    if not args.json:
+        print(text)
     if args.emit_config:
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --max-seq-len --global-batch "
