@@ -142,6 +142,16 @@ class _ComputeCast(torch.autograd.Function):
         return grad.to(param.dtype), None
 
 
+WEIGHT_COPY_MARK = "_meshtron_weight_copy"
+"""Set on each compute-dtype copy of a master weight (ComputeWeights), which lives through the step."""
+
+
+def is_weight_copy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a compute-dtype weight copy (ComputeWeights) or a view of one (a weight transposed for a
+    matmul): the step holds it anyway, so moving what autograd saves of it elsewhere frees nothing."""
+    return getattr(tensor, WEIGHT_COPY_MARK, False) or getattr(getattr(tensor, "_base", None), WEIGHT_COPY_MARK, False)
+
+
 class ComputeWeights:
     """The compute-dtype copies of master weights, made once per optimizer step.
 
@@ -162,6 +172,7 @@ class ComputeWeights:
         if entry is not None and entry[0] is param and entry[1] == param._version and entry[2].requires_grad == trains:
             return entry[2]
         copy = _ComputeCast.apply(param, self.dtype) if trains else param.to(self.dtype)
+        setattr(copy, WEIGHT_COPY_MARK, True)
         self._copies[id(param)] = (param, param._version, copy)
         return copy
 

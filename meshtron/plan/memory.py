@@ -393,16 +393,27 @@ def chunks_in_flight(layout: Layout, workload: Workload, pp_rank: int) -> int:
 
 def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
     """Peak saved-for-backward bytes of each pipeline rank on the device (weight copies of mixed precision
-    included); none under ``train.activation_offload``, which moves them to host memory (``host_activation_bytes``:
-    tensors under 1 MiB and parameters stay, which the planner leaves out)."""
+    included). Under ``train.activation_offload`` only those weight copies, which the step holds anyway; the rest is in
+    host memory (``host_activation_bytes``; tensors under 1 MiB and parameters stay too, which the planner leaves
+    out)."""
     saved = saved_activation_bytes(shape, layout, workload)
-    return [0.0] * len(saved) if workload.activation_offload else saved
+    return _weight_copies_per_rank(shape, layout, workload) if workload.activation_offload else saved
 
 
 def host_activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
     """Peak bytes each pipeline rank holds in host memory under ``train.activation_offload`` (else none)."""
     saved = saved_activation_bytes(shape, layout, workload)
-    return saved if workload.activation_offload else [0.0] * len(saved)
+    if not workload.activation_offload:
+        return [0.0] * len(saved)
+    return [s - w for s, w in zip(saved, _weight_copies_per_rank(shape, layout, workload))]
+
+
+def _weight_copies_per_rank(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """The compute-dtype weight copies autograd keeps on each pipeline rank (mixed precision without FSDP)."""
+    return [
+        float(sum(weight_copy_bytes(shape, layout, workload, layers, last) for layers, _, last in stages))
+        for stages in stage_layout(shape, layout, workload)
+    ]
 
 
 def kept_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:

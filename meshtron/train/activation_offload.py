@@ -16,8 +16,9 @@ On CPU the host *is* the device: the tensors are copied all the same (nothing is
 (what is fetched when, fetching ahead) runs, with ``HostTransfers`` in place of ``CudaTransfers``' streams and
 events. The CPU tests therefore cover all of it but the CUDA calls themselves, under every parallelism.
 
-Kept on the device: parameters and views of them (they live there anyway), tensors smaller than
-``min_bytes``, and tensor subclasses other than DTensor (whose local shard is offloaded).
+Kept on the device: parameters and views of them, and mixed precision's compute-dtype weight copies (they live
+there through the step anyway), tensors smaller than ``min_bytes``, and tensor subclasses other than DTensor (whose
+local shard is offloaded).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import weakref
 import torch
 from torch import nn
 
+from meshtron.distributed.precision import is_weight_copy
 from meshtron.metrics.activations import SavedActivationTracker
 from meshtron.tensors import compile_disabled
 
@@ -200,7 +202,7 @@ class ActivationOffloader:
     def _keeps(self, tensor: torch.Tensor) -> bool:
         from torch.distributed.tensor import DTensor
 
-        if _is_parameter(tensor) or tensor.layout != torch.strided:
+        if _is_parameter(tensor) or is_weight_copy(tensor) or tensor.layout != torch.strided:
             return True
         if type(tensor) not in (torch.Tensor, nn.Parameter, DTensor):
             return True
