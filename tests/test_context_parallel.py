@@ -428,3 +428,15 @@ def test_training_plans_context_parallel_tiles_without_reading_the_device(
     # derived from the 8 cp chunks').
     assert all(layout.cp == 2 and len(layout.document_bounds[0][0]) == 4 for layout, *_ in planned)
     assert reads == []
+
+
+def test_hybrid_is_refused_where_torch_cannot_split_the_cp_mesh(monkeypatch):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshtron.distributed.layout_checks import check_mesh_unflatten
+    from meshtron.errors import ConfigError
+
+    check_mesh_unflatten()  # torch 2.13 has it
+    monkeypatch.delattr(DeviceMesh, "_unflatten")
+    with pytest.raises(ConfigError, match=r"parallel.cp_method=hybrid needs DeviceMesh._unflatten"):
+        check_mesh_unflatten()

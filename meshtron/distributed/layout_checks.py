@@ -9,6 +9,7 @@ from meshtron.distributed.expert_parallel import check_expert_parallel
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.pipeline_parallel import check_pipeline
 from meshtron.distributed.tensor_parallel import check_tensor_parallel
+from meshtron.errors import ConfigError
 from meshtron.models.adapter import adapter_for
 from meshtron.models.attention import check_attention
 from meshtron.models.families import check_family
@@ -41,7 +42,23 @@ def check_layout(
         hybrid = parallel.cp_method == "hybrid"
         degree = parallel.cp_ulysses if hybrid else dims.cp
         check_ulysses(shape.num_heads, shape.num_kv_heads, degree, dims.tp, hybrid=hybrid)
+        if hybrid:
+            check_mesh_unflatten()
     check_attention(hf_config, attn_implementation, dims.cp, mask_documents, parallel.cp_method)
     microbatches = check_pipeline(parallel, hf_config, local_batch, micro_batch_size, device_type)
     check_tensor_parallel(hf_config, adapter_for(hf_config), dims.tp, seq_len, parallel.sequence_parallel, dims.cp)
     return microbatches
+
+
+def check_mesh_unflatten() -> None:
+    """``parallel.cp_method=hybrid`` splits the cp mesh with ``DeviceMesh._unflatten`` (meshtron.distributed
+    .context_parallel.hybrid), which older PyTorch releases lack: refuse before any process group work."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not hasattr(DeviceMesh, "_unflatten"):
+        import torch
+
+        raise ConfigError(
+            f"parallel.cp_method=hybrid needs DeviceMesh._unflatten, which torch {torch.__version__} lacks; upgrade "
+            "torch or use parallel.cp_method=ring or ulysses"
+        )
