@@ -4,7 +4,8 @@ the peak GPU memory against the planner's, and what autograd kept on the GPU and
 Each target is one ``meshtron train`` run (a fresh process; ``fsdp.cpu_offload`` starts one worker of meshtron's
 launcher), on the embedded default data, with the settings ``meshtron plan --max-seq-len`` names for it:
 
-* ``llama8b-lora``: llama-8b extended with yarn rope scaling, LoRA rank 16, at ``--lora-len`` tokens (ALST: 500K);
+* ``llama8b-lora``: llama-8b extended with yarn rope scaling, its frozen base in bf16, LoRA rank 16, at ``--lora-len``
+  tokens (ALST: 500K);
 * ``llama8b-full``: llama-8b fully trained with its state in host memory (``fsdp.cpu_offload``) at ``--full-len``;
 * ``llama1b-full``: llama-1b fully trained at ``--small-len`` tokens (target: 1M).
 
@@ -38,7 +39,8 @@ def target_settings(name: str, seq_len: int) -> list[str]:
     """The ``meshtron train`` settings of one target at ``seq_len`` tokens."""
     factor = max(1, -(-seq_len // 8192))
     if name == "llama8b-lora":
-        return ["--model.preset=llama-8b", YARN % factor, "--lora.rank=16", "--lora.alpha=32", *SAVINGS]
+        return ["--model.preset=llama-8b", "--model.dtype=bfloat16", YARN % factor, "--lora.rank=16", "--lora.alpha=32",
+                *SAVINGS]  # fmt: skip
     if name == "llama8b-full":
         return ["--model.preset=llama-8b", YARN % factor, "--fsdp.cpu_offload=true", *SAVINGS]
     if name == "llama1b-full":
@@ -84,7 +86,7 @@ def run_target(name: str, seq_len: int, steps: int, out: Path, timeout: float, e
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", default=["llama8b-lora", "llama1b-full", "llama8b-full"])
-    parser.add_argument("--lora-len", type=int, nargs="+", default=[524288])
+    parser.add_argument("--lora-len", type=int, nargs="+", default=[438272])
     parser.add_argument("--full-len", type=int, nargs="+", default=[131072])
     parser.add_argument("--small-len", type=int, nargs="+", default=[1048576])
     parser.add_argument("--steps", type=int, default=3)

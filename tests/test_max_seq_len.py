@@ -166,3 +166,18 @@ def test_max_seq_len_as_json_is_one_document(capsys):
     assert code == 0 and record["bound"] == "memory" and record["seq_len"] % GRANULARITY == 0
     assert record["workload"]["seq_len"] == record["seq_len"] and record["candidate"]["fits"]
     assert record["candidate"]["memory_gb"]["host"] > 0
+
+
+def test_plan_model_dtype_bfloat16_stores_the_weights_in_half_the_bytes(capsys):
+    import json
+
+    from meshtron.cli import main
+
+    params = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["plan", "--model", "llama-deep", "--gpus", "1", "--seq-len", "256", "--json", "--model-dtype",
+                     dtype]) == 0  # fmt: skip
+        record = json.loads(capsys.readouterr().out)
+        assert record["workload"]["model_dtype"] == dtype
+        params[dtype] = record["candidates"][0]["memory_gb"]["params"]
+    assert params["bfloat16"] == pytest.approx(params["float32"] / 2)

@@ -110,6 +110,13 @@ def add_plan_parser(sub) -> None:
         help="precision.mixed_precision: compute dtype of every layout (default bf16; none: fp32 compute)",
     )
     plan.add_argument(
+        "--model-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="model.dtype: the stored weights' dtype (default float32 master weights; bfloat16 trains in bf16 alone, "
+        "e.g. a LoRA run whose frozen base then takes half the memory)",
+    )
+    plan.add_argument(
         "--loss-chunk-size",
         type=int,
         default=TrainConfig.loss_chunk_size,
@@ -286,6 +293,7 @@ def run_plan(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         mask_documents=not args.no_mask_documents,
+        model_dtype=args.model_dtype,
         compute_dtype=MIXED_PRECISION_DTYPES.get(args.mixed_precision, "float32"),
         loss_chunk_size=args.loss_chunk_size,
         accumulate_unsharded=args.accumulate_unsharded,
@@ -332,7 +340,8 @@ def run_plan(args: argparse.Namespace) -> int:
             f"--loss-chunk-size {args.loss_chunk_size}{' --accumulate-unsharded' * args.accumulate_unsharded}"
             f"{' --no-compile' * args.no_compile}{' --float8' * args.float8} "
             f"--attn-implementation {attn_implementation}"
-            f"{f' --lora-rank {args.lora_rank}' if lora else ''}\n"
+            f"{f' --lora-rank {args.lora_rank}' if lora else ''}"
+            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} "
             "tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
@@ -397,7 +406,8 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
     if args.emit_config:
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --max-seq-len --global-batch "
-            f"{args.global_batch} --gpu {args.gpu}{f' --lora-rank {args.lora_rank}' if lora else ''}\n"
+            f"{args.global_batch} --gpu {args.gpu}{f' --lora-rank {args.lora_rank}' if lora else ''}"
+            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}\n"
             f"# The longest sequence that fits: {found.seq_len} tokens. Set data.path and data.tokenizer.\n\n"
         )
         out = emit_config(layout, workload, model_cfg, args.emit_config, header, lora)
