@@ -18,6 +18,13 @@ Examples (on the GPU machine; ``--smoke`` runs a tiny stand-in on CPU to check t
     python bench/long_context.py --targets llama8b-lora llama1b-full --steps 3
     python bench/long_context.py --targets llama8b-lora --lora-len 262144 524288
     python bench/long_context.py --smoke
+    python bench/long_context.py --cpu-memory          # the savings at tiny shapes on CPU (no GPU needed)
+
+``--cpu-memory`` trains llama-deep (8 blocks) for 2 steps of 2 x 1,024 tokens in this process, once per setting,
+in a fresh process per setting, and reports what autograd kept on the device and in host memory at its peak
+(meshtron's own measurement) and how far the process's peak resident memory rose above what it held before
+training (model, optimizer state and the step's peaks). On CPU the host is the device, so offloading cannot lower
+that peak there: its saving is what leaves the device, measured as kept bytes.
 """
 
 from __future__ import annotations
@@ -83,6 +90,58 @@ def run_target(name: str, seq_len: int, steps: int, out: Path, timeout: float, e
     return figures
 
 
+CPU_MEMORY_SETTINGS = {
+    "plain": [],
+    "tiles 8": ["train.mlp_tiles=8"],
+    "offload": ["train.activation_offload=true"],
+    "checkpointing": ["train.activation_checkpointing=full"],
+    "checkpointing + tiles 8": ["train.activation_checkpointing=full", "train.mlp_tiles=8"],
+    "checkpointing + offload": ["train.activation_checkpointing=full", "train.activation_offload=true"],
+}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_memory_one(name: str, out: Path) -> dict:
+    """Train llama-deep with one of CPU_MEMORY_SETTINGS in this (fresh) process; its figures."""
+    import resource
+
+    import torch
+
+    from meshtron.config import load_config
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    base = ["model.preset=llama-deep", "data.seq_len=1024", "data.max_documents=200", "data.mask_documents=false",
+            "train.steps=2", "train.global_batch_size=2", "run.progress=false", "checkpoint.interval=0"]  # fmt: skip
+    settings = [*base, *CPU_MEMORY_SETTINGS[name], f"run.output_dir={out / name.replace(' ', '_')}"]
+    cfg = load_config(None, settings, env={})
+    before = resident_bytes()
+    result = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {
+        "setting": name,
+        "losses": [round(x, 6) for x in result.losses],
+        "kept_bytes": result.activation_bytes,
+        "host_bytes": result.offloaded_bytes,
+        "peak_rss_growth_bytes": peak - before,
+    }
+
+
+def cpu_memory(out: Path) -> None:
+    """One JSON line per setting, each trained in a fresh process (its peak resident memory is its own)."""
+    for name in CPU_MEMORY_SETTINGS:
+        command = [sys.executable, __file__, "--cpu-memory-one", name, "--out", str(out)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        print(lines[-1] if lines else json.dumps({"setting": name, "exit": proc.returncode}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", default=["llama8b-lora", "llama1b-full", "llama8b-full"])
@@ -92,9 +151,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--smoke", action="store_true", help="a tiny stand-in on CPU (llama-deep, 4096 tokens)")
+    parser.add_argument("--cpu-memory", action="store_true", help="the memory each saving saves, on CPU")
+    parser.add_argument("--cpu-memory-one", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="where the runs go (default: a temporary folder)")
     args, extra = parser.parse_known_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="meshtron-long-context-"))
+    if args.cpu_memory_one:
+        print(json.dumps(cpu_memory_one(args.cpu_memory_one, out)), flush=True)
+        return
+    if args.cpu_memory:
+        cpu_memory(out)
+        return
     lengths = {"llama8b-lora": args.lora_len, "llama8b-full": args.full_len, "llama1b-full": args.small_len}
     plan = [("smoke", 4096)] if args.smoke else [(t, n) for t in args.targets for n in lengths[t]]
     if args.smoke:
