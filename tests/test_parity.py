@@ -1129,10 +1129,10 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
         # the local expert weights the EP forward takes with to_local() (FSDP's gathered buffers, not extra
         # memory), which the planner leaves out of activations, and the busiest rank's routing imbalance.
         unseen = layout.activation_checkpointing == "selective" or cfg.train.compile == "true"
-        if cfg.train.activation_offload:  # in host memory; on the device only what the planner leaves out
+        if cfg.train.activation_offload:  # in host memory; nothing left on the device (fp32: no weight copies)
             offloaded, planned_host = got["offloaded_bytes"], max(host_activation_bytes(shape, layout, workload))
             lines.append(f"{'':32s} offloaded to the host {offloaded:>10,} B planned x{planned_host / offloaded:.3f}")
-            if abs(planned_host / offloaded - 1) > ACTIVATION_RTOL or activations > 0.05 * offloaded:
+            if abs(planned_host / offloaded - 1) > ACTIVATION_RTOL or activations:
                 failures.append(
                     f"{name}: planned {planned_host:,.0f} B offloaded vs measured {offloaded:,} B "
                     f"({activations:,} B left on the device)"

@@ -18,7 +18,7 @@ events. The CPU tests therefore cover all of it but the CUDA calls themselves, u
 
 Kept on the device: parameters and views of them, and mixed precision's compute-dtype weight copies (they live
 there through the step anyway), tensors smaller than ``min_bytes``, and tensor subclasses other than DTensor (whose
-local shard is offloaded).
+local shard is offloaded, a pending collective's result included).
 """
 
 from __future__ import annotations
@@ -35,6 +35,17 @@ from meshtron.tensors import compile_disabled
 
 MIN_OFFLOAD_BYTES_CUDA = 1 << 20
 """Below this a tensor stays on the GPU: its copy would cost more in launch overhead than its bytes are worth."""
+
+
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``tensor``'s bytes on this rank: a DTensor's local shard, and where that is a
+    collective's result (sequence parallelism's all-gathered block inputs, an AsyncCollectiveTensor) the result
+    itself: the op saving it has already waited for it, so waiting again costs nothing."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
@@ -206,7 +217,7 @@ class ActivationOffloader:
             return True
         if type(tensor) not in (torch.Tensor, nn.Parameter, DTensor):
             return True
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        local = _local_part(tensor)
         return type(local) is not torch.Tensor or local.numel() * local.element_size() < max(self.min_bytes, 1)
 
     def _pack(self, tensor: torch.Tensor):
@@ -217,8 +228,8 @@ class ActivationOffloader:
         spec = None
         if isinstance(tensor, DTensor):
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-            tensor = tensor._local_tensor
-        return _Offloaded(self._host_copy(tensor), tensor, spec)
+        local = _local_part(tensor)
+        return _Offloaded(self._host_copy(local), local, spec)
 
     def _host_copy(self, tensor: torch.Tensor) -> _HostCopy:
         """The host copy of ``tensor``'s storage: the one made for an earlier view of it while the storage lives
