@@ -203,6 +203,30 @@ def two_step_run(model_setting: str, tmp_path: Path, cache_dir: Path, *extra: st
     return load_config(None, settings, env={})
 
 
+def train_llama_tiny(cache_dir: Path, out: Path, *extra: str, steps: int = 2):
+    """llama-tiny trained in this process on CPU, 4 sequences of 64 tokens a step, with ``extra`` settings; the
+    run's ``TrainResult`` (losses, gradient norms, the bytes autograd kept and offloaded)."""
+    import torch
+
+    from meshtron.config import load_config
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    settings = [
+        "model.preset=llama-tiny",
+        "data.seq_len=64",
+        "data.max_documents=40",
+        f"data.cache_dir={cache_dir}",
+        f"train.steps={steps}",
+        "train.global_batch_size=4",
+        "run.progress=false",
+        f"run.output_dir={out}",
+        *extra,
+    ]
+    runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    return train(load_config(None, settings, env={}), runtime)
+
+
 def each_document_alone(model, tokens, eos: int):
     """The logits of every document of ``tokens`` (B, L; documents end at ``eos``) run alone through ``model``,
     concatenated back in place: what packed documents with document masks must equal."""

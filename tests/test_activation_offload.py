@@ -8,6 +8,7 @@ import gc
 import weakref
 
 import torch
+from conftest import train_llama_tiny
 from torch import nn
 
 from meshtron.config import load_config
@@ -74,27 +75,16 @@ def test_fetching_ahead_takes_the_copies_saved_just_before_newest_first_within_t
 
 
 def test_a_run_with_offloading_trains_the_same_model_and_keeps_its_activations_off_the_device(tmp_path, cache_dir):
-    from meshtron.distributed.runtime import Runtime
-    from meshtron.train.trainer import train
-
     results = {}
     for offload in (False, True):
         for checkpointing in ("none", "full"):
-            settings = [
-                "model.preset=llama-tiny",
-                "data.seq_len=64",
-                "data.max_documents=40",
-                f"data.cache_dir={cache_dir}",
-                "train.steps=3",
-                "train.global_batch_size=4",
-                "run.progress=false",
-                f"run.output_dir={tmp_path / f'{offload}-{checkpointing}'}",
+            results[offload, checkpointing] = train_llama_tiny(
+                cache_dir,
+                tmp_path / f"{offload}-{checkpointing}",
                 f"train.activation_offload={str(offload).lower()}",
                 f"train.activation_checkpointing={checkpointing}",
-            ]
-            cfg = load_config(None, settings, env={})
-            run = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-            results[offload, checkpointing] = run
+                steps=3,
+            )
     for checkpointing in ("none", "full"):
         plain, offloaded = results[False, checkpointing], results[True, checkpointing]
         assert offloaded.losses == plain.losses and offloaded.grad_norms == plain.grad_norms  # copies: bit for bit
@@ -108,31 +98,18 @@ def test_a_run_with_offloading_trains_the_same_model_and_keeps_its_activations_o
 def test_mixed_precision_weight_copies_stay_on_the_device_and_the_planner_says_so(tmp_path, cache_dir):
     """bf16 without FSDP: the compute-dtype weight copies live through the step, so they are not offloaded (that would
     free nothing); the planner counts them on the device and the rest in host memory."""
-    from meshtron.distributed.runtime import Runtime
     from meshtron.plan.memory import activation_bytes, config_view, host_activation_bytes
-    from meshtron.train.trainer import train
 
     results = {}
     for offload in (False, True):
-        settings = [
-            "model.preset=llama-tiny",
-            "data.seq_len=64",
-            "data.max_documents=40",
-            f"data.cache_dir={cache_dir}",
-            "train.steps=2",
-            "train.global_batch_size=4",
-            "run.progress=false",
-            "precision.mixed_precision=bf16",
-            f"run.output_dir={tmp_path / str(offload)}",
-            f"train.activation_offload={str(offload).lower()}",
-        ]
-        cfg = load_config(None, settings, env={})
-        results[offload] = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+        settings = ["precision.mixed_precision=bf16", f"train.activation_offload={str(offload).lower()}"]
+        results[offload] = train_llama_tiny(cache_dir, tmp_path / str(offload), *settings)
     plain, offloaded = results[False], results[True]
     assert offloaded.losses == plain.losses
     # measured: 1,859,200 B kept without offloading; with it 172,672 B of weight copies stay, 1,686,528 B move
     assert offloaded.activation_bytes + offloaded.offloaded_bytes == plain.activation_bytes
     assert 0 < offloaded.activation_bytes < 0.15 * plain.activation_bytes
+    cfg = load_config(str(tmp_path / "True" / "config.toml"), env={})  # the offloading run's resolved config
     shape, layout, workload = config_view(cfg, 1, device="cpu")
     on_device, on_host = activation_bytes(shape, layout, workload)[0], host_activation_bytes(shape, layout, workload)[0]
     assert abs(on_device / offloaded.activation_bytes - 1) <= 0.25, (on_device, offloaded.activation_bytes)

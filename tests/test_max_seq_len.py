@@ -27,6 +27,21 @@ def llama_deep(positions: int = 65536):
     return hf_config, ModelShape.from_hf_config(hf_config, ModelConfig(preset="llama-deep"), None)
 
 
+def plan_longest(gpus: int, gpu_memory_gb: float, *extra: str) -> int:
+    """``meshtron plan --max-seq-len`` for llama-deep extended to 65,536 positions on ``gpus`` GPUs of
+    ``gpu_memory_gb`` (nothing reserved) with 1 GB of host memory each; its exit status."""
+    from meshtron.cli import main
+
+    return main(
+        ["plan", "--model", "llama-deep", "--gpus", str(gpus), "--max-seq-len", "--max-position-embeddings", "65536",
+         "--gpu-memory", f"{gpu_memory_gb}GB", "--reserved-gb", "0", "--host-memory-gb", "1", *extra]
+    )  # fmt: skip
+
+
+CPU_RUN = ["--mixed-precision", "none", "--no-compile", "--no-mask-documents"]
+"""How the CPU runs below train: fp32, eager, no document masks (as BASE)."""
+
+
 def small_gpu(host_gb: float, memory_gb: float = 0.04):
     return hardware("h100").with_overrides(memory_gb=memory_gb, reserved_gb=0.0, host_memory_gb=host_gb)
 
@@ -54,7 +69,6 @@ def test_a_run_at_the_longest_planned_length_keeps_what_the_planner_planned(tmp_
     import torch
     import torch.distributed as dist
 
-    from meshtron.cli import main
     from meshtron.config import load_config
     from meshtron.distributed.runtime import Runtime
     from meshtron.plan.memory import config_view, host_activation_bytes
@@ -63,11 +77,7 @@ def test_a_run_at_the_longest_planned_length_keeps_what_the_planner_planned(tmp_
     hf_config, shape = llama_deep()
     found = longest_sequence(shape, hf_config, BASE, 1, small_gpu(1.0, memory_gb=0.015))
     emitted = tmp_path / "longest.toml"
-    code = main(
-        ["plan", "--model", "llama-deep", "--gpus", "1", "--max-seq-len", "--max-position-embeddings", "65536",
-         "--gpu-memory", "0.015GB", "--reserved-gb", "0", "--host-memory-gb", "1", "--mixed-precision", "none",
-         "--no-compile", "--no-mask-documents", "--emit-config", str(emitted)]
-    )  # fmt: skip
+    code = plan_longest(1, 0.015, *CPU_RUN, "--emit-config", str(emitted))
     printed = capsys.readouterr().out
     assert code == 0 and f"the longest sequence is {found.seq_len:,} tokens" in printed, printed
     assert "train.activation_offload=true" in printed and "train.activation_checkpointing=full" in printed
@@ -134,16 +144,11 @@ def test_a_rehearsed_rank_of_four_gpus_at_the_longest_planned_length_keeps_what_
     """``--max-seq-len`` for 4 "GPUs" of 10 MB (1 GB of host memory each), then rank 0 of that layout rehearsed on
     CPU (``meshtron train --rehearse``: one process on a fake group): its state and the activations it offloads
     within 10% of the plan for that rank."""
-    from meshtron.cli import main
     from meshtron.config import load_config
     from meshtron.plan.rehearsal import format_rehearsal, rehearse
 
     emitted = tmp_path / "longest4.toml"
-    code = main(
-        ["plan", "--model", "llama-deep", "--gpus", "4", "--max-seq-len", "--max-position-embeddings", "65536",
-         "--gpu-memory", "0.01GB", "--reserved-gb", "0", "--host-memory-gb", "1", "--mixed-precision", "none",
-         "--no-compile", "--no-mask-documents", "--emit-config", str(emitted)]
-    )  # fmt: skip
+    code = plan_longest(4, 0.01, *CPU_RUN, "--emit-config", str(emitted))
     assert code == 0
     settings = [f"data.cache_dir={cache_dir}", "data.max_documents=400", f"run.output_dir={tmp_path / 'rehearsal'}"]
     cfg = load_config(str(emitted), settings, env={})
@@ -158,10 +163,7 @@ def test_a_rehearsed_rank_of_four_gpus_at_the_longest_planned_length_keeps_what_
 def test_max_seq_len_as_json_is_one_document(capsys):
     import json
 
-    from meshtron.cli import main
-
-    code = main(["plan", "--model", "llama-deep", "--gpus", "1", "--max-seq-len", "--json", "--max-position-embeddings",
-                 "65536", "--gpu-memory", "0.04GB", "--reserved-gb", "0", "--host-memory-gb", "1"])  # fmt: skip
+    code = plan_longest(1, 0.04, "--json")
     record = json.loads(capsys.readouterr().out)  # nothing else printed
     assert code == 0 and record["bound"] == "memory" and record["seq_len"] % GRANULARITY == 0
     assert record["workload"]["seq_len"] == record["seq_len"] and record["candidate"]["fits"]

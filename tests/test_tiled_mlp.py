@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import train_llama_tiny
 from torch import nn
 
 from meshtron.config import load_config
@@ -47,24 +48,9 @@ def test_tiles_give_the_mlps_outputs_and_gradients(tokens):
 
 
 def test_a_run_with_tiles_trains_the_same_model_and_keeps_less_for_backward(tmp_path, cache_dir):
-    from meshtron.distributed.runtime import Runtime
-    from meshtron.train.trainer import train
-
-    results = {}
-    for tiles in (0, 4):
-        settings = [
-            "model.preset=llama-tiny",
-            "data.seq_len=64",
-            "data.max_documents=40",
-            f"data.cache_dir={cache_dir}",
-            "train.steps=2",
-            "train.global_batch_size=4",
-            "run.progress=false",
-            f"run.output_dir={tmp_path / str(tiles)}",
-            f"train.mlp_tiles={tiles}",
-        ]
-        cfg = load_config(None, settings, env={})
-        results[tiles] = train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    results = {
+        tiles: train_llama_tiny(cache_dir, tmp_path / str(tiles), f"train.mlp_tiles={tiles}") for tiles in (0, 4)
+    }
     plain, tiled = results[0], results[4]
     assert tiled.losses == pytest.approx(plain.losses, rel=1e-6)
     assert tiled.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)

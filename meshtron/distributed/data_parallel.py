@@ -69,16 +69,9 @@ def reshard_all(*models: nn.Module) -> None:
                 module.reshard()
 
 
-def fsdp_applied(dims, fsdp_cfg: FSDPConfig) -> bool:
-    """Whether the model is sharded with ``fully_shard``: over ``dp_shard x cp`` ranks, or, for ``fsdp.cpu_offload``
-    in a world of one, over a one-rank mesh, so that FSDP2's CPUOffloadPolicy keeps the parameters, gradients and
-    optimizer state of a single GPU in host memory too."""
-    return dims.fsdp_enabled or (fsdp_cfg.cpu_offload and dims.product == 1)
-
-
 def check_data_parallel(fsdp_cfg: FSDPConfig, dims) -> None:
     """Refuse FSDP settings the layout cannot honour (``dims``: the run's ParallelDims)."""
-    if fsdp_cfg.cpu_offload and not fsdp_applied(dims, fsdp_cfg):
+    if fsdp_cfg.cpu_offload and not dims.fsdp_applied(fsdp_cfg.cpu_offload):
         raise ConfigError(
             "fsdp.cpu_offload needs FSDP (parallel.dp_shard, dp_replicate or cp > 1, or a single process), and this "
             "layout has no data parallelism; set fsdp.cpu_offload=false or use more than one data-parallel rank"

@@ -138,6 +138,12 @@ class ParallelDims:
         """FSDP shards over ``dp_shard x cp``: context-parallel ranks hold the same parameters too."""
         return self.dp * self.cp > 1
 
+    def fsdp_applied(self, cpu_offload: bool) -> bool:
+        """Whether the model is sharded with ``fully_shard``: over ``dp_shard x cp`` ranks (``fsdp_enabled``), or, for
+        ``fsdp.cpu_offload`` in a world of one, over a one-rank mesh, so that FSDP2's CPUOffloadPolicy keeps the
+        parameters, gradients and optimizer state of a single GPU in host memory too."""
+        return self.fsdp_enabled or (cpu_offload and self.product == 1)
+
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 

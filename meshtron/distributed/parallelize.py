@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from meshtron.config import Config
 from meshtron.distributed.context_parallel import register_attention
-from meshtron.distributed.data_parallel import apply_fsdp, fsdp_applied
+from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
 from meshtron.distributed.float8 import apply_float8
 from meshtron.distributed.mesh import Meshes, ParallelDims
@@ -198,7 +198,7 @@ def parallelize_model(
             model,
             adapter,
             device_type=device_type,
-            fsdp_enabled=fsdp_applied(dims, cfg.fsdp),
+            fsdp_enabled=dims.fsdp_applied(cfg.fsdp.cpu_offload),
             tp=dims.tp,
             recipe=cfg.precision.float8_recipe,
         )
@@ -219,7 +219,7 @@ def parallelize_model(
     apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
     if compiled:
         apply_compile(model, adapter)
-    if fsdp_applied(dims, cfg.fsdp):
+    if dims.fsdp_applied(cfg.fsdp.cpu_offload):
         if meshes is None:
             raise ConfigError(
                 "fsdp.cpu_offload in one process shards over a one-rank mesh, which needs a process group; start "

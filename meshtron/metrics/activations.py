@@ -28,7 +28,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _is_parameter(tensor: torch.Tensor) -> bool:
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a weight transposed for a matmul): not an activation."""
     return isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter)
 
 
@@ -55,7 +56,7 @@ class SavedActivationTracker:
     _refs: dict = field(default_factory=dict)
 
     def _pack(self, tensor: torch.Tensor):
-        if _is_parameter(tensor):
+        if is_parameter(tensor):
             return _Held(tensor, None, self)
         local = _local(tensor)
         storage = local.untyped_storage()

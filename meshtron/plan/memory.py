@@ -168,7 +168,7 @@ def compute_bytes(workload: Workload) -> int:
 def casts_weights(layout: Layout, workload: Workload) -> bool:
     """Whether the forward computes with compute-dtype copies of the weights that autograd keeps: mixed
     precision without FSDP (FSDP's gathered parameters are counted in ``gathered`` instead)."""
-    return not fsdp_applied(layout, workload) and workload.compute_dtype != workload.model_dtype
+    return not layout.dims.fsdp_applied(workload.cpu_offload) and workload.compute_dtype != workload.model_dtype
 
 
 def head_tokens(layout: Layout, workload: Workload) -> int:
@@ -396,15 +396,16 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
     included). Under ``train.activation_offload`` only those weight copies, which the step holds anyway; the rest is in
     host memory (``host_activation_bytes``; tensors under 1 MiB and parameters stay too, which the planner leaves
     out)."""
-    saved = saved_activation_bytes(shape, layout, workload)
-    return _weight_copies_per_rank(shape, layout, workload) if workload.activation_offload else saved
+    if workload.activation_offload:
+        return _weight_copies_per_rank(shape, layout, workload)
+    return saved_activation_bytes(shape, layout, workload)
 
 
 def host_activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
     """Peak bytes each pipeline rank holds in host memory under ``train.activation_offload`` (else none)."""
-    saved = saved_activation_bytes(shape, layout, workload)
     if not workload.activation_offload:
-        return [0.0] * len(saved)
+        return [0.0] * layout.pp
+    saved = saved_activation_bytes(shape, layout, workload)
     return [s - w for s, w in zip(saved, _weight_copies_per_rank(shape, layout, workload))]
 
 
@@ -416,11 +417,11 @@ def _weight_copies_per_rank(shape: ModelShape, layout: Layout, workload: Workloa
     ]
 
 
-def kept_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """Bytes per token of this rank's chunk that one (sparse, for an MoE) block keeps for backward, checkpointed or
-    not."""
+def kept_block_per_token(shape: ModelShape, layout: Layout, workload: Workload, dense: bool = False) -> float:
+    """Bytes per token of this rank's chunk that one block keeps for backward, checkpointed or not; ``dense``: one of
+    an MoE model's dense first layers (see block_activation_per_token)."""
     if layout.activation_checkpointing == "none":
-        return block_activation_per_token(shape, layout, workload)
+        return block_activation_per_token(shape, layout, workload, dense=dense)
     return checkpointed_block_per_token(shape, layout, workload)
 
 
@@ -451,11 +452,8 @@ def saved_activation_bytes(shape: ModelShape, layout: Layout, workload: Workload
 def _saved_per_chunk(shape: ModelShape, layout: Layout, workload: Workload) -> list[list[float]]:
     """Per pipeline rank, per stage it holds: the bytes one micro-batch keeps for backward."""
     tokens = head_tokens(layout, workload)
-    if layout.activation_checkpointing == "none":
-        per_block = block_activation_per_token(shape, layout, workload)
-        per_dense_block = block_activation_per_token(shape, layout, workload, dense=True)
-    else:
-        per_block = per_dense_block = checkpointed_block_per_token(shape, layout, workload)
+    per_block = kept_block_per_token(shape, layout, workload)
+    per_dense_block = kept_block_per_token(shape, layout, workload, dense=True)
     ranks = []
     for stages in stage_layout(shape, layout, workload):
         per_chunk = [
@@ -471,12 +469,6 @@ def _saved_per_chunk(shape: ModelShape, layout: Layout, workload: Workload) -> l
         ]
         ranks.append(per_chunk)
     return ranks
-
-
-def fsdp_applied(layout: Layout, workload: Workload) -> bool:
-    """Whether the model is sharded with ``fully_shard`` (meshtron.distributed.data_parallel.fsdp_applied): over
-    ``dp_shard x cp``, or over one rank for ``fsdp.cpu_offload`` in a world of one."""
-    return layout.fsdp_enabled or (workload.cpu_offload and layout.world_size == 1)
 
 
 def ddp_replication(layout: Layout, workload: Workload) -> bool:
@@ -495,7 +487,8 @@ def defers_gradient_reduction(layout: Layout, workload: Workload) -> bool:
     """Whether FSDP holds full-size gradients across a step's microbatches and reduce-scatters them once:
     under ``fsdp.accumulate_unsharded`` with accumulation, and always under pipeline parallelism
     (torch.distributed.pipelining reduce-scatters a stage's gradients after its last microbatch)."""
-    if not fsdp_applied(layout, workload) or ddp_replication(layout, workload) or layout.microbatches(workload) <= 1:
+    sharded = layout.dims.fsdp_applied(workload.cpu_offload)
+    if not sharded or ddp_replication(layout, workload) or layout.microbatches(workload) <= 1:
         return False
     return layout.pp > 1 or workload.accumulate_unsharded
 
@@ -524,7 +517,7 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
     are resharded after forward (two gathered at a time: the one computing, the one prefetched), except
     under pipelining, where a stage keeps all of its blocks gathered for the step; the root's parameters
     (embeddings, final norm, head) stay gathered. Nothing under plain replication (run by DDP)."""
-    if not fsdp_applied(layout, workload) or ddp_replication(layout, workload):
+    if not layout.dims.fsdp_applied(workload.cpu_offload) or ddp_replication(layout, workload):
         return 0.0
     e = compute_bytes(workload)
     block = _local_numel(shape.block, layout, shape)

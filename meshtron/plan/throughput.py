@@ -20,6 +20,7 @@ from meshtron.plan.memory import (
     INDEX,
     compute_bytes,
     ep_rows_per_token,
+    offload_traffic_bytes,
     stage_layout,
     state_numel,
     trained_numel,
@@ -258,8 +259,6 @@ def activation_offload_s(shape: ModelShape, layout: Layout, workload: Workload, 
     """``train.activation_offload``'s copies on the critical path: each micro-batch's saved activations go to the host
     during its forwards (about a third of ``compute``) and come back during its backwards (two thirds), on a side
     stream at ``pcie_gbps x pcie_efficiency``; only what exceeds the compute they overlap is exposed."""
-    from meshtron.plan.memory import offload_traffic_bytes
-
     one_way = offload_traffic_bytes(shape, layout, workload) / (hw.pcie_gbps * 1e9 * hw.pcie_efficiency)
     return max(0.0, one_way - compute / 3) + max(0.0, one_way - 2 * compute / 3)
 

@@ -28,9 +28,12 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from meshtron.distributed.precision import is_weight_copy
-from meshtron.metrics.activations import SavedActivationTracker
+from meshtron.metrics.activations import SavedActivationTracker, is_parameter
 from meshtron.tensors import compile_disabled
 
 MIN_OFFLOAD_BYTES_CUDA = 1 << 20
@@ -41,15 +44,8 @@ def _local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding ``tensor``'s bytes on this rank: a DTensor's local shard, and where that is a
     collective's result (sequence parallelism's all-gathered block inputs, an AsyncCollectiveTensor) the result
     itself: the op saving it has already waited for it, so waiting again costs nothing."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
     return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter)
 
 
 class _HostCopy:
@@ -120,8 +116,6 @@ class HostTransfers:
     """The copies where the host is the device (CPU): made at once, nothing to wait for. The offloader's bookkeeping
     (which copy is fetched when, fetching ahead) runs as on CUDA, so the CPU tests cover it."""
 
-    pinned = False
-
     def to_host(self, source: torch.Tensor):
         """(host bytes, the event that marks the copy done) of ``source``'s bytes."""
         return source.clone(), None
@@ -145,8 +139,6 @@ class CudaTransfers(HostTransfers):
     """Pinned host memory and a side stream: copies to the host wait for the kernels that made the tensor, and the
     caching allocator does not reuse a tensor's memory before its copy has read it, nor a fetched-ahead copy's before
     the compute stream is done with it (``record_stream``)."""
-
-    pinned = True
 
     def __init__(self, device: torch.device):
         self.device, self.stream = device, torch.cuda.Stream(device)
@@ -191,7 +183,6 @@ class ActivationOffloader:
         min_bytes: int | None = None,
         transfers: HostTransfers | None = None,
     ):
-        self.device = device
         cuda = device.type == "cuda"
         self.min_bytes = (MIN_OFFLOAD_BYTES_CUDA if cuda else 0) if min_bytes is None else min_bytes
         self.tracker = tracker
@@ -210,32 +201,29 @@ class ActivationOffloader:
         unpack = compile_disabled(lambda handle: self._unpack(handle))
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def _keeps(self, tensor: torch.Tensor) -> bool:
-        from torch.distributed.tensor import DTensor
-
-        if _is_parameter(tensor) or is_weight_copy(tensor) or tensor.layout != torch.strided:
-            return True
+    def _offloadable(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """None when ``tensor`` stays on the device, else the plain tensor to offload (``_local_part``)."""
+        if is_parameter(tensor) or is_weight_copy(tensor) or tensor.layout != torch.strided:
+            return None
         if type(tensor) not in (torch.Tensor, nn.Parameter, DTensor):
-            return True
+            return None
         local = _local_part(tensor)
-        return type(local) is not torch.Tensor or local.numel() * local.element_size() < max(self.min_bytes, 1)
+        if type(local) is not torch.Tensor or local.numel() * local.element_size() < max(self.min_bytes, 1):
+            return None
+        return local
 
     def _pack(self, tensor: torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
-        if self._keeps(tensor):
+        local = self._offloadable(tensor)
+        if local is None:
             return _Kept(self.tracker._pack(tensor) if self.tracker is not None else tensor)
         spec = None
         if isinstance(tensor, DTensor):
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-        local = _local_part(tensor)
         return _Offloaded(self._host_copy(local), local, spec)
 
     def _host_copy(self, tensor: torch.Tensor) -> _HostCopy:
         """The host copy of ``tensor``'s storage: the one made for an earlier view of it while the storage lives
         unchanged, else a new one."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         storage, device = tensor.untyped_storage(), tensor.device
         known = self._copies.get(storage.data_ptr())
         known = known() if known is not None else None
@@ -257,8 +245,6 @@ class ActivationOffloader:
         copy.used = True
         if handle.dtensor_spec is None:
             return restored
-        from torch.distributed.tensor import DTensor
-
         mesh, placements, shape, stride = handle.dtensor_spec
         with torch.no_grad():
             return DTensor.from_local(restored, mesh, placements, run_check=False, shape=shape, stride=stride)

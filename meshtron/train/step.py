@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtron.config import Config
 from meshtron.data.prefetch import StepReader, StepSequences
 from meshtron.data.streaming import StreamingDataset
-from meshtron.distributed.data_parallel import fsdp_applied, set_gradient_sync
+from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
@@ -250,7 +250,7 @@ def train_step(
         if offloader is not None:
             measured["offloaded_bytes"] = offloader.peak_offloaded_bytes
     parameters = [p for p in model.parameters() if p.grad is not None]
-    if not fsdp_applied(dims, cfg.fsdp):  # FSDP sums partial tensor-parallel gradients itself
+    if not dims.fsdp_applied(cfg.fsdp.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
     # One all-reduce for both: loss shares (only last pipeline stages hold one; tp ranks hold copies)
     # and squared gradient norms, with the run's flags; one device-to-host transfer.
