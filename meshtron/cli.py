@@ -20,7 +20,14 @@ from datetime import datetime
 from pathlib import Path
 
 from meshtron.errors import ConfigError, MeshtronError
-from meshtron.launch import RANK_STARTS, check_enough_processes, nodes_of, processes_needed, self_launch
+from meshtron.launch import (
+    RANK_STARTS,
+    check_enough_processes,
+    nodes_of,
+    note_reported_end,
+    processes_needed,
+    self_launch,
+)
 from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"
@@ -451,8 +458,18 @@ def run() -> None:
 
     A ``--nproc`` launcher leaves the same way once its workers have ended: its teardown (about 2,000 modules) took
     seconds on a loaded machine, between a hung run's workers being stopped and the command returning.
+
+    A Ctrl-C outside training (which saves and stops on it) ends with status 130 and no traceback.
     """
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = 130  # 128 + SIGINT, as a shell reports it
+        if not _under_torchrun():  # a worker's launcher says what was saved
+            print("meshtron: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    else:
+        if _under_torchrun():
+            note_reported_end(code)  # main returns an error's status after its line: no report from torch
     launched_workers = "torch.distributed.elastic.agent.server.api" in sys.modules
     if (_under_torchrun() or launched_workers) and "torch.distributed" in sys.modules:
         logging.shutdown()

@@ -8,12 +8,18 @@ without coming here.
 The workers are forked from a forkserver (multiprocessing's: a process started once, before any worker, that
 imports torch, transformers and the training loop; meshtron.launch_preload): a worker starts without ~5 s of CPU of
 imports of its own, and a restart after a failure re-imports nothing. ``--rank-start fresh`` starts each worker as
-a new ``python -m meshtron`` instead, as torchrun does.
+a new ``python -m meshtron`` instead, as torchrun does; so does a GPU run whose forkserver has initialized CUDA
+anyway (meshtron.train.rank_imports keeps it from doing so; a child forked after it could not use CUDA).
+
+A worker that ends with an error it has said in its own line tells the launcher (``REPORTED_ERRORS_ENV``), which then
+leaves out torch's report of that failure: the user sees the one line. A crash keeps torch's report.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 from datetime import datetime
@@ -59,9 +65,11 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
     from meshtron.distributed.devices import resolve_device_type
     from meshtron.resilience.faults import LAUNCHER_PID_ENV
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
+    from meshtron.resilience.preemption import EXIT_PREEMPTED
     from meshtron.train.preflight import preflight
 
-    preflight(cfg, world_size, resolve_device_type(cfg.run.device, world_size))
+    device_type = resolve_device_type(cfg.run.device, world_size)
+    preflight(cfg, world_size, device_type)
     if cfg.run.output_dir is None:
         if nodes is not None and not nodes.job_id.startswith("slurm-"):
             raise ConfigError(
@@ -85,16 +93,31 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
     parser = get_args_parser()
     worker = [*command] + (["--config", args.config] if args.config else []) + extra
     started = time.time()
-    with forward_stop_signals(parser, launcher_args, cfg.run.collective_timeout_s) as stopped:
+    with forward_stop_signals(parser, launcher_args, cfg.run.collective_timeout_s) as stopped, reported_errors_kept():
         try:
             launcher = parser.parse_args(launcher_args + ["-m", "meshtron", *worker])
-            start_workers(launcher, worker, args.rank_start or RANK_STARTS[0])
+            start_workers(launcher, worker, args.rank_start or RANK_STARTS[0], device_type)
         except ChildFailedError as err:
             _, failure = err.get_first_failure()
             return failure.exitcode if failure.exitcode > 0 else 1
         except stopped.exception as err:
-            return stopped_with_checkpoint(cfg, started, err.sigval)
+            code = stopped_with_checkpoint(cfg, started, err.sigval)
+            if code != EXIT_PREEMPTED:  # else rank 0 said which checkpoint it saved
+                print(unsaved_stop_line(err.sigval, stopped.at_once, code), file=sys.stderr, flush=True)
+            return code
     return 0
+
+
+def unsaved_stop_line(received: int, at_once: bool, code: int) -> str:
+    """What the launcher says when a signal stopped the run before the workers saved a checkpoint of the stop."""
+    import signal
+
+    name = signal.Signals(received).name
+    how = f"stopped at once by a second {name}" if at_once else f"stopped by {name} before the workers could save"
+    return (
+        f"meshtron: {how}: no checkpoint of this stop; the same command resumes from the last complete "
+        f"checkpoint (exit status {code})"
+    )
 
 
 RANK_STARTS = ("forkserver", "fresh")
@@ -104,25 +127,115 @@ FORKSERVER_IGNORED_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
 ignores it itself and gives its workers Python's handler back)."""
 
 
-def start_workers(launcher: argparse.Namespace, worker_argv: list[str], rank_start: str) -> None:
+FORKSERVER_PRELOAD = ["meshtron.launch_preload"]
+"""What the forkserver imports before it forks any worker."""
+
+
+def start_workers(
+    launcher: argparse.Namespace, worker_argv: list[str], rank_start: str, device_type: str = "cpu"
+) -> None:
     """Run torch's elastic agent with ``launcher`` (torchrun's parsed arguments, which name ``meshtron`` as the module
     to run) until the workers end; each worker runs ``meshtron WORKER_ARGV``. Raises ChildFailedError as torchrun's
     ``run`` does."""
     from torch.distributed.run import config_from_args, run
 
-    if rank_start == "fresh":
+    if rank_start_for(rank_start, device_type) == "fresh":
         run(launcher)
         return
-    import multiprocessing
-
     from torch.distributed.launcher.api import elastic_launch
 
     _rendezvous_as_torchrun(launcher)
     _log_worker_failures_without_traceback()
     config, _, _ = config_from_args(launcher)
     config.start_method = "forkserver"
-    multiprocessing.set_forkserver_preload(["meshtron.launch_preload"])
-    elastic_launch(config, entrypoint=run_forked_rank)(worker_argv)
+    elastic_launch(config, entrypoint=run_forked_rank)(worker_argv, device_type)
+
+
+def rank_start_for(rank_start: str, device_type: str, context=None) -> str:
+    """``rank_start``, or ``fresh`` (with one line saying why) for a GPU run whose forkserver (``context``'s, started
+    here with ``FORKSERVER_PRELOAD`` unless given) has initialized CUDA, which no child forked from it could use."""
+    if rank_start != "forkserver":
+        return rank_start
+    if context is None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    from meshtron.train.rank_imports import initialized_cuda_before_forking
+
+    if device_type != "cuda" or not initialized_cuda_before_forking(context):
+        return rank_start
+    print(
+        "meshtron: CUDA was initialized in the forkserver while it imported the ranks' modules (a child forked from "
+        "it could not use CUDA): starting each worker fresh instead (--rank-start fresh)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "fresh"
+
+
+AGENT_PROCESSES_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+REPORTED_ERRORS_ENV = "MESHTRON_REPORTED_ERRORS"
+"""Set by the launcher for its workers: a folder where a worker that said why it ends leaves a file named by its pid."""
+TORCH_TEARDOWN_LINES = ("Terminating process", "Sending process", "Closing process")
+"""The beginnings of torch's lines about stopping the other workers after one failed (torch.multiprocessing's and
+torch.distributed.elastic's)."""
+
+
+def note_reported_end(code: int) -> None:
+    """In a worker of ``meshtron train|eval --nproc`` that ends with ``code`` after saying why in its own line: tell
+    the launcher, which then leaves torch's report of the failure out."""
+    directory = os.environ.get(REPORTED_ERRORS_ENV)
+    if code and directory:
+        with contextlib.suppress(OSError):
+            Path(directory, str(os.getpid())).touch()
+
+
+class _ReportedFailures(logging.Filter):
+    """Drops torch's report of a worker failure that the worker has said itself (``note_reported_end``): its
+    "failed (exitcode: N)" line and the lines about stopping the other workers. Other failures keep them."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = directory
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("failed (exitcode"):
+            args = record.args if isinstance(record.args, tuple) else ()
+            reported = len(args) > 2 and (self.directory / str(args[2])).exists()
+            for note in self.directory.iterdir():  # one report per failure: a restarted attempt starts afresh
+                note.unlink(missing_ok=True)
+            return not reported
+        if message.startswith(TORCH_TEARDOWN_LINES):
+            return not any(self.directory.iterdir())
+        return True
+
+
+@contextlib.contextmanager
+def reported_errors_kept():
+    """Within: workers can say that they reported their own end (``REPORTED_ERRORS_ENV``), and torch's agent and
+    torch.multiprocessing then leave out their lines about that failure."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="meshtron-reported-"))
+    quiet = _ReportedFailures(directory)
+    loggers = [logging.getLogger(name) for name in ("torch.multiprocessing.spawn", AGENT_PROCESSES_LOGGER)]
+    previous = os.environ.get(REPORTED_ERRORS_ENV)
+    os.environ[REPORTED_ERRORS_ENV] = str(directory)
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+        if previous is None:
+            os.environ.pop(REPORTED_ERRORS_ENV, None)
+        else:
+            os.environ[REPORTED_ERRORS_ENV] = previous
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _log_worker_failures_without_traceback() -> None:
@@ -130,13 +243,12 @@ def _log_worker_failures_without_traceback() -> None:
     launcher-side traceback it attaches (torch.multiprocessing's ProcessExitedException, which says nothing the line
     does not). Formatting it through torch's log formatter imports torch._dynamo: seconds of CPU in the launcher,
     between a worker's failure and the others being stopped."""
-    import logging
 
     def without_traceback(record: logging.LogRecord) -> bool:
         record.exc_info, record.exc_text = None, None
         return True
 
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(without_traceback)
+    logging.getLogger(AGENT_PROCESSES_LOGGER).addFilter(without_traceback)
 
 
 def _rendezvous_as_torchrun(launcher: argparse.Namespace) -> None:
@@ -153,11 +265,10 @@ def _rendezvous_as_torchrun(launcher: argparse.Namespace) -> None:
         launcher.master_port = 29500
 
 
-def run_forked_rank(argv: list[str]) -> None:
+def run_forked_rank(argv: list[str], device_type: str = "cpu") -> None:
     """A worker of ``start_workers``, in a process forked from the forkserver: ``meshtron ARGV`` as ``python -u -m
     meshtron ARGV`` runs it under torchrun. Returns on success (torch's agent waits for the return value); any other
-    end leaves with its exit status, a traceback first where one was raised."""
-    import logging
+    end leaves with its exit status, a traceback first where one was raised (none for a Ctrl-C)."""
     import signal
     import traceback
 
@@ -167,20 +278,43 @@ def run_forked_rank(argv: list[str]) -> None:
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)  # as python -u: lines out as they are written
+    if device_type == "cuda":
+        _leave_if_cuda_unusable()
+    reported = True  # main returns an error's status after its line; SystemExit comes after its message
     try:
         code = main(argv)
     except SystemExit as stop:
         if stop.code is not None and not isinstance(stop.code, int):
             print(stop.code, file=sys.stderr)
         code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = 128 + signal.SIGINT
+    except KeyboardInterrupt:  # a SIGINT before training (or after it): the launcher says what was saved
+        code, reported = 128 + signal.SIGINT, False
     except BaseException:
         traceback.print_exc()
-        code = 1
+        code, reported = 1, False
     if code:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _leave(code, reported)
+
+
+def _leave_if_cuda_unusable() -> None:
+    """The bad-fork check meshtron.check.worker has: a rank forked after CUDA was initialized in its forkserver
+    leaves with one line (rank 0's) instead of CUDA's traceback at its first use of the device."""
+    from meshtron.train.rank_imports import cuda_initialized_here
+
+    if cuda_initialized_here():
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                "meshtron: error: CUDA was initialized in the forkserver before this rank was forked, so the rank "
+                "cannot use it; run with --rank-start fresh",
+                file=sys.stderr,
+            )
+        _leave(1, reported=True)
+
+
+def _leave(code: int, reported: bool) -> None:
+    if reported:
+        note_reported_end(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -16,7 +16,7 @@ import runpy
 import sys
 import traceback
 
-from parity_worker import fork_ranks, import_before_forking, set_rank_environment
+from parity_worker import check_cuda_uninitialized, fork_ranks, import_before_forking, set_rank_environment
 
 
 def main() -> None:
@@ -24,6 +24,7 @@ def main() -> None:
     import_before_forking()
     worker = runpy.run_path(script, run_name="forked_worker")  # its imports happen here, once
     gc.freeze()  # see parity_worker.main
+    check_cuda_uninitialized()
 
     def run(rank: int, port: int) -> None:
         set_rank_environment(rank, world, port)

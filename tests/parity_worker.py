@@ -223,13 +223,22 @@ def import_before_forking() -> None:
     the float8 layouts. Nothing here starts a thread or touches a tensor (a fork keeps neither safely)."""
     import importlib
 
-    from meshtron.train.rank_imports import import_rank_modules
+    from meshtron.train.rank_imports import device_questions_without_cuda, import_rank_modules
 
     import_rank_modules()
     try:
-        importlib.import_module("torchao.float8")
+        with device_questions_without_cuda():
+            importlib.import_module("torchao.float8")
     except ImportError:  # float8 layouts need it; the others do not
         pass
+
+
+def check_cuda_uninitialized() -> None:
+    """Leave with one line if CUDA was initialized here: no rank forked from this process could use it."""
+    from meshtron.train.rank_imports import cuda_initialized_here
+
+    if cuda_initialized_here():
+        sys.exit("CUDA was initialized in the test launcher before forking its ranks (an import asked the device)")
 
 
 def main() -> None:
@@ -238,6 +247,7 @@ def main() -> None:
     # Every object imported so far moves to a generation the collector never scans: a forked rank's collections then
     # do not write into the pages it shares with this process (copy-on-write), which measured ~10% of a launch's CPU.
     gc.freeze()
+    check_cuda_uninitialized()
     context = multiprocessing.get_context("fork")
     for names in shared_runs(spec):
         run_layouts(context, spec["worlds"][names[0]], names, spec, out)

@@ -131,3 +131,17 @@ def test_a_broken_layout_fails_the_check(monkeypatch):
     assert "1 of 2 layouts differ: fsdp2 (losses, gradient norms, weights)" in done.stdout
     kept = re.search(r"kept in (\S+)", done.stdout).group(1)
     shutil.rmtree(kept)
+
+
+def test_gpu_ranks_start_as_fresh_interpreters_when_the_forkserver_initialized_cuda(monkeypatch, tmp_path, capsys):
+    """A child forked after CUDA was initialized cannot use it: when the probe (tested in test_command_line.py) says
+    the forkserver did, the GPU runs' ranks are spawned instead, with one line; CPU runs keep the forkserver."""
+    from meshtron.check import runner
+
+    probed = []
+    monkeypatch.setattr(runner, "initialized_cuda_before_forking", lambda context: probed.append(context) or True)
+    launcher = runner._Launcher(tmp_path, [], None, 60.0)
+    assert launcher.context_for("cpu").get_start_method() == "forkserver" and not probed
+    assert launcher.context_for("cuda").get_start_method() == "spawn"
+    assert launcher.context_for("cuda").get_start_method() == "spawn" and len(probed) == 1
+    assert "CUDA was initialized in the forkserver" in capsys.readouterr().err

@@ -71,3 +71,93 @@ def test_the_command_line_imports_no_torch_until_a_command_needs_it():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+FAKE_CUDA_FORKSERVER = """
+import multiprocessing, os, sys
+import torch
+
+# A CUDA build on a GPU machine, faked: initializing CUDA is recorded, and the capability query initializes it as
+# torch's does; NVML (no CUDA context) answers for device 0.
+torch.version.cuda = "12.8"
+torch.cuda.is_available = lambda: True
+torch.cuda._lazy_init = lambda: setattr(torch.cuda, "_initialized", True)
+
+
+def properties(device=None):
+    torch.cuda._lazy_init()
+    return type("Properties", (), {"major": 9, "minor": 0})()
+
+
+torch.cuda.get_device_properties = properties
+import meshtron.train.rank_imports as rank_imports
+
+rank_imports.capability_from_nvml = lambda index: (9, 0)
+rank_imports.import_rank_modules()  # transformers -> torchao, which asks the capability at import time
+print("after the preload imports: initialized", torch.cuda._initialized, flush=True)
+
+from meshtron.launch import rank_start_for, run_forked_rank
+
+fork = multiprocessing.get_context("fork")  # forks this process, as the forkserver forks itself
+print("clean:", rank_start_for("forkserver", "cuda", fork), flush=True)
+torch.cuda._initialized = True  # as an import that initialized CUDA anyway would leave it
+print("initialized, cpu run:", rank_start_for("forkserver", "cpu", fork), flush=True)
+print("initialized, gpu run:", rank_start_for("forkserver", "cuda", fork), flush=True)
+os.environ["RANK"] = "0"
+rank = fork.Process(target=run_forked_rank, args=(["train", "--model.preset=tiny"], "cuda"))
+rank.start()
+rank.join()
+print("a rank forked anyway exits", rank.exitcode, flush=True)
+"""
+
+
+def test_forked_gpu_ranks_start_with_cuda_uninitialized_or_fresh(tmp_path):
+    """torchao (which transformers imports when it is installed) asks the device's capability at import time, which
+    initializes CUDA in the process the ranks are forked from: no rank could use CUDA. The preload imports leave a
+    faked CUDA uninitialized (the question answered by NVML); where something initializes it anyway, a GPU run starts
+    fresh workers with one line, and a rank forked anyway leaves with one line instead of CUDA's traceback."""
+    import subprocess
+
+    from conftest import worker_env
+
+    script = tmp_path / "fake_cuda_forkserver.py"
+    script.write_text(FAKE_CUDA_FORKSERVER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=worker_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "after the preload imports: initialized False",
+        "clean: forkserver",
+        "initialized, cpu run: forkserver",
+        "initialized, gpu run: fresh",
+        "a rank forked anyway exits 1",
+    ], proc.stdout + proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("meshtron:")]
+    assert lines == [
+        "meshtron: CUDA was initialized in the forkserver while it imported the ranks' modules (a child forked from "
+        "it could not use CUDA): starting each worker fresh instead (--rank-start fresh)",
+        "meshtron: error: CUDA was initialized in the forkserver before this rank was forked, so the rank cannot use "
+        "it; run with --rank-start fresh",
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_worker_error_said_in_one_line_leaves_out_torchs_report_and_a_crash_keeps_it():
+    """A worker that reported its own end (note_reported_end) is not followed by torch's lines about its failure and
+    the other workers' stop; a worker that crashed (no note) still is."""
+    from meshtron.launch import AGENT_PROCESSES_LOGGER, note_reported_end, reported_errors_kept
+
+    agent, spawn = logging.getLogger(AGENT_PROCESSES_LOGGER), logging.getLogger("torch.multiprocessing.spawn")
+
+    def shown(logger, message, *args) -> bool:
+        return bool(logger.filter(logging.LogRecord(logger.name, logging.ERROR, __file__, 1, message, args, None)))
+
+    failed = "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)"
+    with reported_errors_kept():
+        assert shown(spawn, "Terminating process %s via signal SIGTERM", 11)  # nothing reported yet
+        note_reported_end(2)  # as a worker with this pid would
+        assert not shown(spawn, "Terminating process %s via signal SIGTERM", 11)
+        assert not shown(agent, failed, 2, 0, os.getpid(), "run_forked_rank", "forkserver")
+        assert shown(agent, failed, -9, 1, os.getpid() + 1, "run_forked_rank", "forkserver")  # a crash, next attempt
+        assert shown(agent, "Sending process %s closing signal %s", 11, "SIGTERM")
+    assert "MESHTRON_REPORTED_ERRORS" not in os.environ
+    assert shown(agent, failed, 2, 0, os.getpid(), "run_forked_rank", "forkserver")

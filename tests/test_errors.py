@@ -274,7 +274,8 @@ def test_torchrun_world_size_mismatch_fails_on_every_rank_without_hang():
 
 @pytest.mark.slow
 def test_self_launch_reports_worker_error_once(tmp_path):
-    """A data error found inside the workers (after the launcher's checks pass) still ends cleanly."""
+    """A data error found inside the workers (after the launcher's checks pass) still ends cleanly: its one line
+    only, without torch's lines about the failed worker and stopping the other."""
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("too short")
     proc = run_cli(
@@ -293,6 +294,7 @@ def test_self_launch_reports_worker_error_once(tmp_path):
     assert proc.returncode != 0
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "data.seq_len" in lines[0], proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == lines, proc.stderr[-3000:]  # torch's report of the failure is left out
 
 
 @pytest.mark.parametrize(

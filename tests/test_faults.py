@@ -307,15 +307,19 @@ def test_stop_signals_are_recorded_once_and_handlers_come_back():
 
     from meshtron.resilience.preemption import StopSignals
 
-    before = signal.getsignal(signal.SIGUSR1)
+    before, before_int = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)
     with StopSignals() as signals:
-        assert signals.flags() == [0, 0] and signals.agreed(signals.flags()) is None
+        assert signals.flags() == [0, 0, 0] and signals.agreed(signals.flags()) is None
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while stopping: counted, not acted on
         assert signals.agreed(signals.flags()) == "SIGUSR1" and signals.repeated == 1
-    assert signal.getsignal(signal.SIGUSR1) is before
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a Ctrl-C while stopping ends the process at once
+    assert signal.getsignal(signal.SIGUSR1) is before and signal.getsignal(signal.SIGINT) is before_int
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C stops as SIGTERM does, no KeyboardInterrupt
+        assert signals.flags() == [0, 0, 1] and signals.agreed(signals.flags()) == "SIGINT"
     # Summed over ranks: one rank's SIGUSR1 stops all; SIGTERM wins when ranks got different ones (as a max did).
-    assert StopSignals.agreed([0, 1]) == "SIGUSR1" and StopSignals.agreed([1, 3]) == "SIGTERM"
+    assert StopSignals.agreed([0, 1, 0]) == "SIGUSR1" and StopSignals.agreed([1, 3, 1]) == "SIGTERM"
 
 
 def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):
@@ -336,6 +340,45 @@ def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):
     (step / "meshtron.json").write_text(json.dumps({"step": 3, "stopped_by": "SIGTERM"}))
     (tmp_path / "checkpoints" / "latest").write_text(step.name)
     assert stopped_with_checkpoint(cfg, 0.0, 15) == 75
+
+
+def test_launcher_sends_a_second_ctrl_c_on_to_the_workers_and_ignores_a_second_sigterm():
+    """The launcher's handler (installed by torch's agent under the name forward_stop_signals replaces): the first
+    signal goes to the agent, which stops the workers with it; a repeated SIGTERM is ignored (the workers are saving);
+    a SIGINT while stopping (a second Ctrl-C) is sent on to every worker, which then ends at once."""
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    from torch.distributed.elastic.multiprocessing import api as agent_api
+    from torch.distributed.run import get_args_parser
+
+    from meshtron.resilience.launcher_signals import forward_stop_signals
+
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); print(1); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    worker.stdout.readline()  # its SIGINT handler is the default: a SIGINT ends it
+    handler, start = agent_api._terminate_process_handler, local_elastic_agent.start_processes
+    try:
+        with forward_stop_signals(get_args_parser(), [], 600) as stopped:
+            stopped.workers = type("Workers", (), {"pids": lambda self: {0: worker.pid}})()
+            with pytest.raises(stopped.exception):
+                agent_api._terminate_process_handler(signal.SIGINT, None)
+            agent_api._terminate_process_handler(signal.SIGTERM, None)
+            assert worker.poll() is None and not stopped.at_once
+            agent_api._terminate_process_handler(signal.SIGINT, None)
+            assert worker.wait(timeout=60) == -signal.SIGINT and stopped.at_once
+    finally:
+        worker.kill()
+    assert (agent_api._terminate_process_handler, local_elastic_agent.start_processes) == (handler, start)
 
 
 def test_skipped_batches_shift_the_data_order_and_are_settings():

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_tensors, run_cli, worker_env
+from conftest import REPO, assert_same_tensors, run_cli, worker_env
 
 STEPS = 8
 FINAL = f"checkpoints/step-{STEPS:08d}"
@@ -122,6 +124,50 @@ def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tm
     assert "removed step-00000006.partial" in rerun.stdout
     assert last_losses(out) == last_losses(straight)
     assert_same_tensors(out / FINAL, straight / FINAL, tmp_path)
+
+
+def run_in_a_terminal_job(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m meshtron ARGS`` leading a process group of its own, as a shell starts a job: a ``ctrlc`` fault's
+    SIGINT then reaches that group, as a terminal's Ctrl-C does, and never this test."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtron", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_75_and_a_second_one_stops_at_once(tmp_path, cache_dir):
+    """A Ctrl-C (SIGINT to the launcher's whole process group, as a terminal sends it) at step 2 stops the run as
+    SIGTERM does: every rank finishes its step and saves it, exit 75, one line, no traceback. The same command
+    resumes, and a Ctrl-C there and a second one during the stop's save (which would then wait a minute) end it
+    within seconds, without that save: exit 130, one line."""
+    out = tmp_path / "run"
+    stopped = run_in_a_terminal_job(command(cache_dir, out), worker_env(MESHTRON_FAULT="ctrlc:step=2:rank=1"), 300)
+    assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    said = re.search(r"stopped by SIGINT after step (\d) of 8: checkpoint step-0000000(\d) saved", stopped.stdout)
+    assert said and said[1] == said[2] and said[1] in "23", stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr, stopped.stderr[-3000:]
+    assert [line for line in stopped.stderr.splitlines() if "fault" not in line] == [], stopped.stderr[-3000:]
+    meta = json.loads((out / "checkpoints" / f"step-0000000{said[1]}" / "meshtron.json").read_text())
+    assert meta["stopped_by"] == "SIGINT"
+
+    again = run_in_a_terminal_job(
+        command(cache_dir, out), worker_env(MESHTRON_FAULT=f"ctrlc2:step={int(said[1]) + 2}:rank=0"), 300
+    )
+    ended = time.time()
+    assert again.returncode == 130, again.stdout[-2000:] + again.stderr[-3000:]
+    second = float(re.search(r"sends a second Ctrl-C during the save of step \d at time ([\d.]+)", again.stderr)[1])
+    assert ended - second < 15  # the save would have waited 60 s (faults.SLOW_SAVE_S)
+    lines = [line for line in again.stderr.splitlines() if "fault" not in line]
+    assert len(lines) == 1 and lines[0].startswith("meshtron: stopped at once by a second SIGINT"), again.stderr
+    assert "stopped by SIGINT after" not in again.stdout
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from meshtron.check.layouts import DEFAULT_STEPS, Layout, Run, base_overrides, l
 from meshtron.check.report import COLUMNS, LEGEND, Row, environment_lines, verdict
 from meshtron.check.worker import BREAK_ENV, COLLECTIVE_TIMEOUT_S, run_rank
 from meshtron.errors import ConfigError
+from meshtron.train.rank_imports import initialized_cuda_before_forking
 
 RUN_TIMEOUT_S = 600.0
 """A run that has not finished by then counts as hung: its ranks are killed and its row says so."""
@@ -88,7 +89,23 @@ class _Launcher:
         self.out, self.base, self.broken, self.timeout_s = out, base, broken, timeout_s
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["meshtron.check.preload"])
+        self.cuda_checked = False
         self.done: dict[str, tuple[list[dict] | None, str | None, float]] = {}
+
+    def context_for(self, device: str):
+        """The context that starts a run's ranks: the forkserver's, or fresh interpreters (spawn) for GPU runs when
+        CUDA was initialized in the forkserver anyway (no child forked from it could use CUDA), said in one line."""
+        if device == "cuda" and not self.cuda_checked:
+            self.cuda_checked = True
+            if initialized_cuda_before_forking(self.context):
+                print(
+                    "meshtron check: CUDA was initialized in the forkserver while it imported the ranks' modules: "
+                    "each GPU rank starts as a fresh interpreter instead",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.context = multiprocessing.get_context("spawn")
+        return self.context
 
     def run(self, run: Run, layout_name: str) -> tuple[list[dict] | None, str | None, float]:
         """(each rank's results or None, why not, seconds)."""
@@ -126,7 +143,8 @@ class _Launcher:
             threads=_threads(run.world),
             broken=broken,
         )
-        ranks = [self.context.Process(target=run_rank, args=({**job, "rank": rank},)) for rank in range(run.world)]
+        context = self.context_for(run.device)
+        ranks = [context.Process(target=run_rank, args=({**job, "rank": rank},)) for rank in range(run.world)]
         for process in ranks:
             process.start()
         deadline = time.monotonic() + self.timeout_s

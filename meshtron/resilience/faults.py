@@ -9,6 +9,10 @@
 - ``term``: rank R sends SIGTERM to its launcher (torchrun's agent) at the start of step S, as SLURM does
   before a preemption; the agent forwards it to every rank. During the checkpoint that follows, rank R sends
   a second SIGTERM to the launcher and to itself.
+- ``ctrlc``: rank R sends SIGINT at the start of step S to its launcher's process group, as a terminal's Ctrl-C
+  reaches every process of its foreground job (to the launcher alone where it leads no group of its own).
+- ``ctrlc2``: as ``ctrlc``, and rank R sends a second Ctrl-C in the save that follows, then waits there a minute, as a
+  long save would (a second Ctrl-C has to end it at once).
 - ``nan``: step S's loss is made non-finite (every rank; ``rank`` is ignored), once per process.
 - ``killsave``: rank R kills itself with SIGKILL in the save of step S, after writing its part.
 - ``failsave``: rank R's save of step S fails with "No space left on device".
@@ -44,7 +48,9 @@ if TYPE_CHECKING:
     from meshtron.checkpoint.manager import CheckpointManager
 
 ENV = "MESHTRON_FAULT"
-KINDS = ("kill", "hang", "term", "nan", "killsave", "failsave", "stale")
+KINDS = ("kill", "hang", "term", "ctrlc", "ctrlc2", "nan", "killsave", "failsave", "stale")
+SLOW_SAVE_S = 60
+"""How long a ``ctrlc2`` fault's save waits after the second Ctrl-C."""
 
 
 def _announce(what: str) -> None:
@@ -77,6 +83,15 @@ def launcher_pid() -> int:
     return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
 
 
+def _ctrl_c() -> None:
+    """SIGINT to the launcher's process group where it leads one (a terminal's job), else to the launcher alone."""
+    launcher = launcher_pid()
+    if os.getpgid(launcher) == launcher:
+        os.killpg(launcher, signal.SIGINT)
+    else:
+        os.kill(launcher, signal.SIGINT)
+
+
 @dataclass
 class Faults:
     """The faults ``MESHTRON_FAULT`` asks for, with the hooks training calls."""
@@ -85,6 +100,8 @@ class Faults:
     fired: set = field(default_factory=set)
     second_term: bool = False
     """A ``term`` fault fired: send the second SIGTERM in the save that follows."""
+    second_ctrlc: bool = False
+    """A ``ctrlc2`` fault fired: send the second Ctrl-C in the save that follows."""
 
     def _due(self, kind: str, step: int, rank: int) -> bool:
         for fault in self.faults:
@@ -102,6 +119,11 @@ class Faults:
             _announce(f"rank {rank} sends SIGTERM to its launcher at the start of step {step}")
             self.second_term = True
             os.kill(launcher_pid(), signal.SIGTERM)
+        for kind in ("ctrlc", "ctrlc2"):
+            if self._due(kind, step, rank):
+                _announce(f"rank {rank} sends Ctrl-C (SIGINT) to its launcher at the start of step {step}")
+                self.second_ctrlc = kind == "ctrlc2"
+                _ctrl_c()
         if self._due("hang", step, rank):
             _announce(f"rank {rank} hangs at the start of step {step}")
             while True:
@@ -125,6 +147,11 @@ class Faults:
             _announce(f"rank {rank} sends a second SIGTERM during the save of step {step}")
             os.kill(launcher_pid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.second_ctrlc:
+            self.second_ctrlc = False
+            _announce(f"rank {rank} sends a second Ctrl-C during the save of step {step}")
+            _ctrl_c()
+            time.sleep(SLOW_SAVE_S)
         if self._due("killsave", step, rank):
             _announce(f"rank {rank} killed in the save of step {step}")
             os.kill(os.getpid(), signal.SIGKILL)

@@ -3,15 +3,18 @@
 torchrun's agent forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the workers and then waits 30 s before it
 kills them. For a stop with a checkpoint (meshtron.resilience.preemption) the launcher asks it to forward SIGUSR1
 as well and to wait as long as the workers may take to finish a step and save (``run.collective_timeout_s``
-plus a margin), and it ignores a repeated signal: otherwise the agent's handler would raise again in the
-middle of its shutdown and leave, with the workers still saving. Under a torchrun of one's own, pass
-``--signals-to-handle`` and ``--shutdown-timeout`` (docs/faults.md).
+plus a margin), and it ignores a repeated SIGTERM / SIGHUP / SIGQUIT / SIGUSR1: otherwise the agent's handler would
+raise again in the middle of its shutdown and leave, with the workers still saving. A SIGINT while stopping (a second
+Ctrl-C) is sent on to the workers, which then end at once (meshtron.resilience.preemption). Under a torchrun of one's
+own, pass ``--signals-to-handle`` and ``--shutdown-timeout`` (docs/faults.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +26,9 @@ from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
 @contextlib.contextmanager
 def forward_stop_signals(parser, launcher_args: list[str], timeout_s: float):
     """Add the signal options torchrun's ``parser`` knows to ``launcher_args``; yields ``.exception`` (the agent's
-    exception for a signal) and ``.received`` (the first signal, or None)."""
+    exception for a signal), ``.received`` (the first signal, or None) and ``.at_once`` (whether a SIGINT came
+    while stopping)."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing import api as agent_api
 
@@ -32,22 +37,70 @@ def forward_stop_signals(parser, launcher_args: list[str], timeout_s: float):
         launcher_args.append(f"--signals-to-handle={LAUNCHER_SIGNALS}")
     if "--shutdown-timeout" in known:
         launcher_args.append(f"--shutdown-timeout={int(timeout_s + COLLECTIVE_GRACE_S)}")
-    state = SimpleNamespace(exception=SignalException, received=None)
+    state = SimpleNamespace(exception=SignalException, received=None, at_once=False, workers=None)
     forward = getattr(agent_api, "_terminate_process_handler", None)
+    start_processes = getattr(local_elastic_agent, "start_processes", None)
 
     def first_only(signum, frame):
-        if state.received is not None:
-            return  # already stopping: the workers are finishing their step and saving
-        state.received = signum
-        forward(signum, frame)
+        if state.received is None:
+            state.received = signum
+            forward(signum, frame)
+        elif signum == signal.SIGINT:
+            state.at_once = True
+            interrupt(state.workers)
+        # else already stopping: the workers are finishing their step and saving
 
-    if forward is not None:  # looked up by name when the agent installs its handlers
+    def keep_workers(*args, **kwargs):
+        state.workers = start_processes(*args, **kwargs)
+        return state.workers
+
+    # both looked up by name: the handler when the agent installs its handlers, start_processes at each start
+    if forward is not None:
         agent_api._terminate_process_handler = first_only
+    if start_processes is not None:
+        local_elastic_agent.start_processes = keep_workers
+    quiet = _ForwardedSignalLines(state)
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         yield state
     finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+        state.workers = None  # its queues' semaphores are released with it (else "leaked semaphore objects")
         if forward is not None:
             agent_api._terminate_process_handler = forward
+        if start_processes is not None:
+            local_elastic_agent.start_processes = start_processes
+
+
+AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+FORWARDING_LINES = ("Received %s death signal", "Closing process %s via signal")
+"""The beginnings of the agent's lines saying that it sends a signal it received on to the workers."""
+
+
+class _ForwardedSignalLines(logging.Filter):
+    """Drops the agent's lines about sending on a stop signal (the workers' own line says what the stop did); a
+    worker that does not stop is still reported ("Unable to shutdown process")."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.state.received is None or not str(record.msg).startswith(FORWARDING_LINES)
+
+
+def interrupt(workers) -> None:
+    """Send SIGINT to each process of ``workers`` (torch's PContext, or None: nothing started yet)."""
+    try:
+        pids = workers.pids() if workers is not None else {}
+    except AssertionError:  # torch's context of processes that have ended
+        pids = {}
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
 
 
 def stopped_with_checkpoint(cfg, started: float, received: int) -> int:

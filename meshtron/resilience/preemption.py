@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM or SIGUSR1 make every rank finish its step, save a checkpoint and exit with status 75.
+"""Preemption: SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) make every rank finish its step, save a checkpoint and exit
+with status 75.
 
 SLURM sends SIGTERM before it ends or preempts a job (or SIGUSR1 some seconds earlier with
 ``--signal=USR1@120``); torchrun's agent forwards the signals it handles to every worker. Each rank records
@@ -7,7 +8,8 @@ step's own all-reduce of its loss: meshtron.train.step_stats), so they stop afte
 signal reached only some of them (a signal that comes after that all-reduce stops the run after the next
 step). Then they save a checkpoint at that step (also between ``checkpoint.interval`` steps), wait for it to
 be complete, and exit with ``EXIT_PREEMPTED``: running the same command again resumes from it. Further
-signals while stopping are ignored, and a kill in the middle of the save leaves the previous checkpoint
+SIGTERM / SIGUSR1 while stopping are ignored (SLURM may repeat them); a SIGINT while stopping (a second Ctrl-C)
+ends the rank at once, without its save. A kill in the middle of the save leaves the previous checkpoint
 complete (saves are atomic).
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 EXIT_PREEMPTED = 75
 """Exit status after a stop by a signal with the checkpoint saved (``EX_TEMPFAIL``: run again to resume)."""
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LAUNCHER_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 """What torchrun's agent should forward to the workers (``--signals-to-handle``); its default lacks SIGUSR1."""
 
@@ -29,7 +31,9 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """Records SIGTERM / SIGUSR1 while training (a context manager; the earlier handlers come back after)."""
+    """Records SIGTERM / SIGUSR1 / SIGINT while training (a context manager; the earlier handlers come back
+    after). Once one came, SIGINT takes its default action back: a second Ctrl-C ends the process at once, even in
+    the middle of a collective or a save, where a Python handler would wait for the call to return."""
 
     def __init__(self):
         self.received: int = 0
@@ -49,9 +53,10 @@ class StopSignals:
 
     def _record(self, signum: int, frame) -> None:
         if self.received:
-            self.repeated += 1  # already stopping: a second signal must not interrupt the save
+            self.repeated += 1  # already stopping: a second SIGTERM / SIGUSR1 must not interrupt the save
         else:
             self.received = signum
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def flags(self) -> list[int]:
         """Whether this rank got each of STOP_SIGNALS (first), for the step's all-reduce to sum over the ranks."""
@@ -60,7 +65,7 @@ class StopSignals:
     @staticmethod
     def agreed(counts: Sequence[int]) -> str | None:
         """The name of a stop signal that any rank got, from ``flags()`` summed over the ranks, or None; SIGTERM
-        before SIGUSR1 when ranks got different ones (every rank decides the same)."""
+        before SIGUSR1 before SIGINT when ranks got different ones (every rank decides the same)."""
         got = [sig for sig, count in zip(STOP_SIGNALS, counts, strict=True) if count > 0]
         return signal.Signals(max(got)).name if got else None
 
