@@ -19,15 +19,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from meshtron.errors import ConfigError, MeshtronError
-from meshtron.launch import (
-    RANK_STARTS,
-    check_enough_processes,
-    nodes_of,
-    note_reported_end,
-    processes_needed,
-    self_launch,
-)
+from meshtron.errors import ConfigError, MeshtronError, note_reported_end
+from meshtron.launch import RANK_STARTS, check_enough_processes, nodes_of, processes_needed, self_launch
 from meshtron.plan.cli import PLAN_USAGE
 
 USAGE = "meshtron train [--config FILE] [--nproc N] [--section.key=value ...]"

@@ -1,5 +1,13 @@
 """The one error type users see: a clear, one-line message naming the setting and the fix."""
 
+import contextlib
+import os
+from pathlib import Path
+
+REPORTED_ERRORS_ENV = "MESHTRON_REPORTED_ERRORS"
+"""Set by ``meshtron train|eval --nproc`` (meshtron.launch) for its workers: a folder where a worker that said in its
+own line why it ends leaves a file named by its pid, so that the launcher leaves torch's report of that end out."""
+
 
 class MeshtronError(Exception):
     """A user-facing error. ``str(err)`` is a single line that names the setting and the fix.
@@ -15,3 +23,12 @@ class MeshtronError(Exception):
 
 class ConfigError(MeshtronError):
     """A bad setting in the config file, the CLI overrides or the environment."""
+
+
+def note_reported_end(code: int) -> None:
+    """In a worker that ends with status ``code`` after saying why in its own line: tell its launcher (nothing under
+    a launcher other than meshtron's, or for status 0)."""
+    directory = os.environ.get(REPORTED_ERRORS_ENV)
+    if code and directory:
+        with contextlib.suppress(OSError):
+            Path(directory, str(os.getpid())).touch()

@@ -25,7 +25,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from meshtron.errors import ConfigError
+from meshtron.errors import REPORTED_ERRORS_ENV, ConfigError, note_reported_end
 
 
 def processes_needed(p) -> int:
@@ -103,16 +103,19 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
         except stopped.exception as err:
             code = stopped_with_checkpoint(cfg, started, err.sigval)
             if code != EXIT_PREEMPTED:  # else rank 0 said which checkpoint it saved
-                print(unsaved_stop_line(err.sigval, stopped.at_once, code), file=sys.stderr, flush=True)
+                print(unsaved_stop_line(err.sigval, stopped.at_once, code, command[0]), file=sys.stderr, flush=True)
             return code
     return 0
 
 
-def unsaved_stop_line(received: int, at_once: bool, code: int) -> str:
-    """What the launcher says when a signal stopped the run before the workers saved a checkpoint of the stop."""
+def unsaved_stop_line(received: int, at_once: bool, code: int, command: str = "train") -> str:
+    """What the launcher says when a signal stopped ``meshtron COMMAND`` before the workers saved a checkpoint of the
+    stop (``meshtron eval`` saves none)."""
     import signal
 
     name = signal.Signals(received).name
+    if command != "train":
+        return f"meshtron: {command} stopped by {name} (exit status {code})"
     how = f"stopped at once by a second {name}" if at_once else f"stopped by {name} before the workers could save"
     return (
         f"meshtron: {how}: no checkpoint of this stop; the same command resumes from the last complete "
@@ -175,20 +178,9 @@ def rank_start_for(rank_start: str, device_type: str, context=None) -> str:
 
 
 AGENT_PROCESSES_LOGGER = "torch.distributed.elastic.multiprocessing.api"
-REPORTED_ERRORS_ENV = "MESHTRON_REPORTED_ERRORS"
-"""Set by the launcher for its workers: a folder where a worker that said why it ends leaves a file named by its pid."""
 TORCH_TEARDOWN_LINES = ("Terminating process", "Sending process", "Closing process")
 """The beginnings of torch's lines about stopping the other workers after one failed (torch.multiprocessing's and
 torch.distributed.elastic's)."""
-
-
-def note_reported_end(code: int) -> None:
-    """In a worker of ``meshtron train|eval --nproc`` that ends with ``code`` after saying why in its own line: tell
-    the launcher, which then leaves torch's report of the failure out."""
-    directory = os.environ.get(REPORTED_ERRORS_ENV)
-    if code and directory:
-        with contextlib.suppress(OSError):
-            Path(directory, str(os.getpid())).touch()
 
 
 class _ReportedFailures(logging.Filter):

@@ -144,7 +144,8 @@ def test_forked_gpu_ranks_start_with_cuda_uninitialized_or_fresh(tmp_path):
 def test_a_worker_error_said_in_one_line_leaves_out_torchs_report_and_a_crash_keeps_it():
     """A worker that reported its own end (note_reported_end) is not followed by torch's lines about its failure and
     the other workers' stop; a worker that crashed (no note) still is."""
-    from meshtron.launch import AGENT_PROCESSES_LOGGER, note_reported_end, reported_errors_kept
+    from meshtron.errors import note_reported_end
+    from meshtron.launch import AGENT_PROCESSES_LOGGER, reported_errors_kept
 
     agent, spawn = logging.getLogger(AGENT_PROCESSES_LOGGER), logging.getLogger("torch.multiprocessing.spawn")
 
@@ -161,3 +162,50 @@ def test_a_worker_error_said_in_one_line_leaves_out_torchs_report_and_a_crash_ke
         assert shown(agent, "Sending process %s closing signal %s", 11, "SIGTERM")
     assert "MESHTRON_REPORTED_ERRORS" not in os.environ
     assert shown(agent, failed, 2, 0, os.getpid(), "run_forked_rank", "forkserver")
+
+
+def test_the_capability_comes_from_nvml_with_visible_devices_mapped(monkeypatch):
+    """capability_from_nvml with a stand-in for libnvidia-ml (never run on a GPU): CUDA device 0 is the first of
+    CUDA_VISIBLE_DEVICES, NVML is shut down after the question, and a failing or missing NVML answers None."""
+    import ctypes
+
+    import torch  # before ctypes.CDLL is replaced: torch loads its own libraries with it
+
+    from meshtron.train.rank_imports import capability_from_nvml
+
+    assert torch.cuda.is_initialized() is False
+    calls = []
+
+    class FakeNvml:
+        def __init__(self, fail_on=None):
+            self.fail_on = fail_on
+
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(name)
+                if name == "nvmlDeviceGetHandleByIndex_v2":
+                    calls.append(args[0])
+                if name == "nvmlDeviceGetCudaComputeCapability":
+                    args[1]._obj.value, args[2]._obj.value = 9, 0
+                return 1 if name == self.fail_on else 0
+
+            return call
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: FakeNvml())
+    assert capability_from_nvml(0) == (9, 0)
+    assert calls == [
+        "nvmlInit_v2",
+        "nvmlDeviceGetHandleByIndex_v2",
+        3,
+        "nvmlDeviceGetCudaComputeCapability",
+        "nvmlShutdown",
+    ]
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: FakeNvml(fail_on="nvmlDeviceGetCudaComputeCapability"))
+    assert capability_from_nvml(0) is None and calls[-1] == "nvmlShutdown"
+
+    def missing(path):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert capability_from_nvml(0) is None

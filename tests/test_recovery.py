@@ -1,7 +1,7 @@
 """Faults in real 2-process runs (FSDP over 2 ranks, gloo, CPU), each compared with one uninterrupted run:
 ranks killed at three points and during a sync and an async save, a save that fails, a stop by SIGTERM and
-its rerun, and a hung rank. The 4-rank (pp2 x tp2) kill is in test_checkpoint.py; the pieces without
-processes in test_faults.py."""
+its rerun, a Ctrl-C and a second one, and a hung rank. The 4-rank (pp2 x tp2) kill is in test_checkpoint.py;
+the pieces without processes in test_faults.py."""
 
 from __future__ import annotations
 
@@ -184,6 +184,7 @@ def test_a_hung_rank_stops_every_rank_within_the_timeout(tmp_path, cache_dir):
     assert ended - hung_at < timeout_s + 15  # the watchdog's wait for reports, torchrun's shutdown
     lines = [line for line in proc.stderr.splitlines() if "made no progress" in line]
     assert len(lines) == 1, proc.stderr[-3000:]
+    assert "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]  # the line says it: no report from torch
     assert re.search(
         rf"step 3 made no progress for \d+ s \(run.collective_timeout_s={timeout_s}\): rank\(s\) 1 did "
         r"not arrive \(rank 1 busy at faults.py:\d+ in before_step\); every rank exits with status 124",

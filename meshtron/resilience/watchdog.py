@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshtron.errors import note_reported_end
+
 if TYPE_CHECKING:
     from meshtron.distributed.runtime import Runtime
 
@@ -210,6 +212,7 @@ class HangWatchdog:
                 flush=True,
             )
             self._in_time(lambda: self.store.set(announced, "1"))
+        note_reported_end(EXIT_HUNG)  # the line above says it for every rank
         self.exit(EXIT_HUNG)
 
     def _write_trace(self, step: int) -> Path | None:

@@ -56,8 +56,8 @@ def import_rank_modules() -> None:
 @contextlib.contextmanager
 def device_questions_without_cuda():
     """Within: ``torch.cuda.get_device_capability()`` asked before CUDA is initialized answers from NVML (where
-    NVML answers; else it initializes CUDA as usual, which ``cuda_initialized_here`` then reports). A module that
-    keeps a reference to the function keeps an answer that is right in a rank too."""
+    NVML answers; else it initializes CUDA as usual, which ``initialized_cuda_before_forking`` then reports). A
+    module that keeps a reference to the function keeps an answer that is right in a rank too."""
     import torch
 
     asked = torch.cuda.get_device_capability
@@ -87,11 +87,15 @@ def capability_from_nvml(index: int) -> tuple[int, int] | None:
     try:
         nvml = CDLL("libnvidia-ml.so.1")
         physical = torch.cuda._get_nvml_device_index(index)  # CUDA_VISIBLE_DEVICES taken into account
-        answered = (
-            nvml.nvmlInit_v2() == 0
-            and nvml.nvmlDeviceGetHandleByIndex_v2(physical, byref(handle)) == 0
-            and nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) == 0
-        )
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        try:
+            answered = (
+                nvml.nvmlDeviceGetHandleByIndex_v2(physical, byref(handle)) == 0
+                and nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor)) == 0
+            )
+        finally:
+            nvml.nvmlShutdown()
     except (OSError, RuntimeError, ValueError, AttributeError):
         return None
     return (major.value, minor.value) if answered else None
