@@ -346,6 +346,7 @@ def test_launcher_sends_a_second_ctrl_c_on_to_the_workers_and_ignores_a_second_s
     """The launcher's handler (installed by torch's agent under the name forward_stop_signals replaces): the first
     signal goes to the agent, which stops the workers with it; a repeated SIGTERM is ignored (the workers are saving);
     a SIGINT while stopping (a second Ctrl-C) is sent on to every worker, which then ends at once."""
+    import logging
     import signal
     import subprocess
     import sys
@@ -366,12 +367,22 @@ def test_launcher_sends_a_second_ctrl_c_on_to_the_workers_and_ignores_a_second_s
         text=True,
     )
     worker.stdout.readline()  # its SIGINT handler is the default: a SIGINT ends it
+
+    def shown(logger, message, *args) -> bool:
+        return bool(logger.filter(logging.LogRecord(logger.name, logging.WARNING, __file__, 1, message, args, None)))
+
     handler, start = agent_api._terminate_process_handler, local_elastic_agent.start_processes
     try:
         with forward_stop_signals(get_args_parser(), [], 600) as stopped:
             stopped.workers = type("Workers", (), {"pids": lambda self: {0: worker.pid}})()
+            agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+            assert shown(agent, "Sending process %s closing signal %s", 7, "SIGINT")  # no signal yet
             with pytest.raises(stopped.exception):
                 agent_api._terminate_process_handler(signal.SIGINT, None)
+            # the agent's lines about sending it on (fresh and forked workers) are left out; a stuck worker is not
+            assert not shown(agent, "Sending process %s closing signal %s", 7, "SIGINT")
+            assert not shown(agent, "Closing process %s via signal %s", 7, "SIGINT")
+            assert shown(agent, "Unable to shutdown process %s via %s, forcefully exiting via %s", 7, 2, 9)
             agent_api._terminate_process_handler(signal.SIGTERM, None)
             assert worker.poll() is None and not stopped.at_once
             agent_api._terminate_process_handler(signal.SIGINT, None)

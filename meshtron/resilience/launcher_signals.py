@@ -76,8 +76,9 @@ def forward_stop_signals(parser, launcher_args: list[str], timeout_s: float):
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
-FORWARDING_LINES = ("Received %s death signal", "Closing process %s via signal")
-"""The beginnings of the agent's lines saying that it sends a signal it received on to the workers."""
+FORWARDING_LINES = ("Received %s death signal", "Closing process %s via signal", "Sending process %s closing signal")
+"""The beginnings of the agent's lines saying that it sends a signal it received on to the workers (forked ones, fresh
+ones)."""
 
 
 class _ForwardedSignalLines(logging.Filter):
