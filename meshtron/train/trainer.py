@@ -143,7 +143,7 @@ def run_session(
     """Set this rank's run up (data, model, optimizer, checkpoint restored, guard), do ``work``, close what it opened.
     ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
     setup = setup or preflight(cfg, runtime.world_size, runtime.device.type)
-    setup = agree_resume_point(setup, runtime)  # every rank resumes rank 0's choice (one broadcast)
+    setup = agree_resume_point(setup, runtime, cfg)  # every rank resumes rank 0's choice, checked by all
     if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
         print(setup.tokenizer_notice, flush=True)
     dims = setup.dims
