@@ -6,8 +6,8 @@ nodes (a shared file system's cached listings after a restart). In the workers o
 alone resolves it (``checkpoint.resume=auto``, the checks of that checkpoint and of the output directory); once
 the process group exists, ``agree_resume_point`` gives every rank rank 0's choice, or raises rank 0's error on
 every rank. A launcher (``meshtron train --nproc``) and a single process resolve it here, before anything starts.
-Preflight checks a checkpoint's file sizes only; its checksums, which read every byte, are checked by
-``agree_resume_point``, each rank reading its share of the files (meshtron.checkpoint.integrity).
+Preflight checks a checkpoint's file sizes only; its checksums, which read every byte, are checked then by
+``verified_resume_point``, each rank reading its share of the files (meshtron.checkpoint.integrity).
 """
 
 from __future__ import annotations
@@ -268,12 +268,11 @@ def _resume_point(
     return resume_from, skipped
 
 
-def agree_resume_point(setup: RunSetup, runtime, cfg: Config) -> RunSetup:
-    """``setup`` with the checkpoint every rank resumes from, whose bytes are as saved: rank 0's choice (preflight's,
-    which checks sizes only) shared, its checksums checked by all ranks together (integrity.content_damage), and
+def verified_resume_point(setup: RunSetup, runtime, cfg: Config) -> RunSetup:
+    """``setup`` (once ``agree_resume_point`` shared rank 0's choice, which preflight made on sizes only) with a
+    checkpoint whose bytes are as saved: its checksums checked by all ranks together (integrity.content_damage), and
     with ``checkpoint.resume=auto`` rank 0's next choice while one was changed in place; a checkpoint given by path
     that was changed is an error on every rank."""
-    setup = _rank_0_choice(setup, runtime)
     altered: dict[Path, str] = {}
     while setup.resume_from is not None:
         reason = content_damage(setup.resume_from, runtime)
@@ -282,13 +281,13 @@ def agree_resume_point(setup: RunSetup, runtime, cfg: Config) -> RunSetup:
         if cfg.checkpoint.resume != "auto":
             raise damaged_error(setup.resume_from, "is damaged", reason)
         altered[setup.resume_from] = reason
-        setup = _rank_0_choice(_choose_again(setup, runtime, cfg, altered), runtime)
+        setup = agree_resume_point(_choose_again(setup, runtime, cfg, altered), runtime)
     return setup
 
 
 def _choose_again(setup: RunSetup, runtime, cfg: Config, altered: dict[Path, str]) -> RunSetup:
     """``setup`` with rank 0's resume point (``checkpoint.resume=auto``) once ``altered`` are left out, for
-    ``_rank_0_choice`` to share."""
+    ``agree_resume_point`` to share."""
     path, skipped, error = None, [], None
     if runtime.is_main or _alone(runtime):
         try:
@@ -303,7 +302,7 @@ def _alone(runtime) -> bool:
     return not runtime.distributed or runtime.rehearsal
 
 
-def _rank_0_choice(setup: RunSetup, runtime) -> RunSetup:
+def agree_resume_point(setup: RunSetup, runtime) -> RunSetup:
     """``setup`` with rank 0's resume point on every rank, learned in one broadcast once the process group exists
     (``runtime``), or rank 0's error raised on every rank; ``setup`` itself where it was resolved by preflight."""
     if setup.resume_agreed:
