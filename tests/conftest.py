@@ -183,6 +183,14 @@ def reference_attention(q, k, v, visible, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def flip_a_byte(file, at: int | None = None) -> None:
+    """Change one byte of ``file`` in place (its size stays the same): at ``at``, or in the middle."""
+    data = bytearray(file.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 def two_step_run(model_setting: str, tmp_path: Path, cache_dir: Path, *extra: str):
     """The config of a one-process, two-step run of 2 sequences of 16 tokens that checkpoints at step 2 (under
     ``tmp_path / "run"``): ``model_setting`` is ``model.preset=...`` or ``model.name_or_path=...``."""

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_same_tensors, run_cli, run_layouts, run_main, run_torchrun, worker_env
+from conftest import (
+    REPO,
+    assert_same_tensors,
+    flip_a_byte,
+    run_cli,
+    run_layouts,
+    run_main,
+    run_torchrun,
+    two_step_run,
+    worker_env,
+)
 
 STEPS, HALF = 6, 3
 LOSS_RTOL = 1e-5
@@ -779,3 +789,153 @@ def test_uneven_vocab_resumes_under_another_tp_and_exports_its_true_vocab(runs, 
         [sys.executable, "-c", script], env=worker_env(), capture_output=True, text=True, timeout=120
     )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
+
+
+def _save_and_check_as_rank(rank: int, directory: Path, store: Path, async_save: bool) -> None:
+    """One of 2 forked ranks (gloo): save a checkpoint, check it whole, change a byte of the file rank 1 checks, check
+    it again; what each rank read for checksums and what it found, in ``result-rank<r>.json``."""
+    import torch.distributed as dist
+
+    from meshtron.checkpoint import integrity, manager
+    from meshtron.distributed.runtime import Runtime
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(store), 2), rank=rank, world_size=2)
+    reads: list[str] = []
+    checksum = integrity.file_checksum
+    integrity.file_checksum = lambda file: reads.append(Path(file).name) or checksum(file)
+
+    class State:  # each rank's own tensors, so that each writes a file of its own
+        def state_dict(self):
+            return {f"w{rank}": torch.arange(4096, dtype=torch.float32) + rank}
+
+    runtime = Runtime(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"))
+    saver = manager.CheckpointManager(directory / "checkpoints", 1, 2, async_save, runtime)
+    saver.save(1, State(), {"step": 1}, "[train]\n")
+    saver.wait()
+    path = directory / "checkpoints" / "step-00000001"
+    saved, reads[:] = list(reads), []
+    whole = integrity.content_damage(path, runtime)
+    checked, reads[:] = list(reads), []
+    if rank == 0:
+        sizes = json.loads((path / "meshtron.json").read_text())["files"]
+        target = integrity.share_of_files(sizes, 1, 2)[0]
+        data = bytearray((path / target).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / target).write_bytes(bytes(data))
+    dist.barrier()
+    changed = integrity.content_damage(path, runtime)
+    result = {"saved": saved, "checked": checked, "whole": whole, "changed": changed}
+    (directory / f"result-rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_each_rank_checksums_the_files_it_wrote_and_its_share_of_a_resume(tmp_path, async_save):
+    """2 ranks (gloo): at the save each rank checksums only the files it wrote (rank 0 also .metadata and
+    config.toml), and meshtron.json records every file; at a resume each file is read by one rank only, and a byte
+    changed in a file rank 1 reads is found by both ranks alike."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    ranks = [
+        context.Process(target=_save_and_check_as_rank, args=(rank, tmp_path, tmp_path / "store", async_save))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    for process in ranks:
+        if process.is_alive():  # its peer failed: it waits in a collective
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]
+    results = [json.loads((tmp_path / f"result-rank{rank}.json").read_text()) for rank in range(2)]
+    meta = json.loads((tmp_path / "checkpoints" / "step-00000001" / "meshtron.json").read_text())
+    assert sorted(meta["crc32"]) == sorted(meta["files"])
+    assert sorted(results[0]["saved"]) == [".metadata", "__0_0.distcp", "config.toml", "rng-rank0.pt"]
+    assert sorted(results[1]["saved"]) == ["__1_0.distcp", "rng-rank1.pt"]
+    assert sorted(results[0]["checked"] + results[1]["checked"]) == sorted(meta["files"])
+    assert results[0]["whole"] is None and results[1]["whole"] is None
+    assert results[0]["changed"] == results[1]["changed"]
+    assert "was changed after the save" in results[0]["changed"]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, cache_dir) -> tuple[Path, list[float]]:
+    """A one-process run (two_step_run) that saves steps 1 and 2: its folder and losses."""
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    out = tmp_path_factory.mktemp("two-checkpoints")
+    runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    result = train(two_step_run("model.preset=llama-tiny", out, cache_dir, "checkpoint.interval=1"), runtime)
+    return out, result.losses
+
+
+def test_a_checkpoint_changed_in_place_is_refused_by_path_and_skipped_by_auto(
+    two_checkpoints, tmp_path, cache_dir, capfd
+):
+    """A byte of step 2's tensors changed in place (the size unchanged). Given by path it is one line naming it and
+    the file (exit 1, no traceback); checkpoint.resume=auto says it skips it, resumes from step 1 and trains step 2
+    again to the same loss. meshtron export refuses it too."""
+    import shutil
+
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.train.trainer import train
+
+    saved, first_losses = two_checkpoints
+    shutil.copytree(saved / "run", tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    newest = checkpoints / "step-00000002"
+    shard = next(newest.glob("*.distcp"))
+    flip_a_byte(shard)
+
+    args = [
+        "train",
+        "--model.preset=llama-tiny",
+        "--data.seq_len=16",
+        "--data.max_documents=20",
+        f"--data.cache_dir={cache_dir}",
+        "--train.steps=2",
+        "--train.global_batch_size=2",
+        "--run.progress=false",
+        f"--run.output_dir={tmp_path / 'by-path'}",
+        f"--checkpoint.resume={newest}",
+    ]
+    refused = run_main(args)
+    assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-2000:]
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in refused.stdout + refused.stderr, refused.stderr
+    assert lines[0].startswith(f"meshtron: error: checkpoint '{newest}' is damaged: {shard.name} was changed after")
+
+    capfd.readouterr()
+    runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    again = train(two_step_run("model.preset=llama-tiny", tmp_path, cache_dir, "checkpoint.interval=1"), runtime)
+    said = capfd.readouterr().out
+    assert f"checkpoint {newest.name} is damaged ({shard.name} was changed after the save" in said, said
+    assert f"resumed from {checkpoints / 'step-00000001'} (step 1" in said, said
+    assert again.losses == first_losses[1:]
+
+    flip_a_byte(shard)  # the resumed run saved step 2 again: change it once more
+    exported = run_main(["export", str(newest), str(tmp_path / "export")])
+    assert exported.returncode == 2 and "Traceback" not in exported.stderr, exported.stderr
+    assert f"'{newest}' is not a whole meshtron checkpoint ({shard.name} was changed after" in exported.stderr
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_never_overwrites_what_is_at_its_destination(two_checkpoints, tmp_path):
+    """An existing file, a folder that is not empty, a path under a file: each one line (exit 2), left as it was."""
+    checkpoint = two_checkpoints[0] / "run" / "checkpoints" / "step-00000001"
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes").write_text("mine too")
+    for target, said in (
+        (tmp_path / "file", "is an existing file"),
+        (tmp_path / "full", "is not empty"),
+        (tmp_path / "file" / "model", f"cannot be made: '{tmp_path / 'file'}' is a file"),
+    ):
+        proc = run_main(["export", str(checkpoint), str(target)])
+        assert proc.returncode == 2, proc.stderr
+        expected = f"meshtron: error: export directory '{target}' {said}; choose a new directory (nothing was written)"
+        assert proc.stderr == expected + "\n"
+    assert (tmp_path / "file").read_text() == "mine" and (tmp_path / "full" / "notes").read_text() == "mine too"

@@ -1,13 +1,22 @@
 """Fault handling pieces that need no processes: the test-only fault spec, the restart bookkeeping and a
-checkpoint's file list (the multi-process restart and damaged-checkpoint runs are in test_checkpoint.py)."""
+checkpoint's file list and checksums (the multi-process restart and damaged-checkpoint runs are in
+test_checkpoint.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from conftest import flip_a_byte
 
-from meshtron.checkpoint.integrity import damage, file_manifest
+from meshtron.checkpoint.integrity import (
+    CHECKSUMS,
+    content_damage,
+    damage,
+    file_manifest,
+    manifest_checksums,
+    share_of_files,
+)
 from meshtron.errors import ConfigError
 from meshtron.resilience.faults import Fault, Faults, faults_from_env
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
@@ -119,6 +128,40 @@ def test_file_list_finds_missing_and_truncated_files(tmp_path):
     (tmp_path / "meshtron.json").write_text("{")
     assert damage(tmp_path).startswith("meshtron.json is unreadable")
     assert damage(tmp_path / "nowhere") == "the folder does not exist"
+
+
+def test_checksums_find_bytes_changed_in_place_and_older_checkpoints_keep_the_size_check(tmp_path):
+    """A file changed in place keeps its size (``damage`` sees nothing); its CRC-32 names it. A checkpoint saved
+    before checksums existed (no crc32 in meshtron.json) is checked by size only."""
+    import torch
+
+    from meshtron.distributed.runtime import Runtime
+
+    alone = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    (tmp_path / ".metadata").write_bytes(b"x" * 10)
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(range(256)) * 40)
+    sizes = file_manifest(tmp_path)
+    recorded = {"files": sizes, CHECKSUMS: manifest_checksums(tmp_path, sizes, [])}
+    (tmp_path / "meshtron.json").write_text(json.dumps(recorded))
+    assert damage(tmp_path) is None and content_damage(tmp_path, alone) is None
+    flip_a_byte(tmp_path / "__0_0.distcp")
+    assert damage(tmp_path) is None
+    reason = content_damage(tmp_path, alone)
+    assert reason.startswith("__0_0.distcp was changed after the save (crc32 ") and reason.endswith(" when saved)")
+    (tmp_path / "meshtron.json").write_text(json.dumps({"files": sizes}))  # saved before checksums
+    assert content_damage(tmp_path, alone) is None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_the_files_of_a_checkpoint_are_split_over_the_ranks_each_read_once(world_size):
+    """Every file is checked by exactly one rank, the largest first to the least loaded, so no rank reads much more
+    than its share (at most one file more)."""
+    sizes = {f"__{rank}_0.distcp": 1000 + 37 * rank for rank in range(5)} | {".metadata": 3, "config.toml": 2}
+    shares = [share_of_files(sizes, rank, world_size) for rank in range(world_size)]
+    assert sorted(name for share in shares for name in share) == sorted(sizes)
+    loads = [sum(sizes[name] for name in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    assert shares == [share_of_files(sizes, rank, world_size) for rank in range(world_size)]  # the same every time
 
 
 def _watchdog(rank, world, store, lines, codes, **kwargs):

@@ -1,7 +1,7 @@
 """Faults in real 2-process runs (FSDP over 2 ranks, gloo, CPU), each compared with one uninterrupted run:
 ranks killed at three points and during a sync and an async save, a save that fails, a stop by SIGTERM and
-its rerun, a Ctrl-C and a second one, and a hung rank. The 4-rank (pp2 x tp2) kill is in test_checkpoint.py;
-the pieces without processes in test_faults.py."""
+its rerun, a Ctrl-C and a second one, a checkpoint changed in place, and a hung rank. The 4-rank (pp2 x tp2)
+kill is in test_checkpoint.py; the pieces without processes in test_faults.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_same_tensors, run_cli, worker_env
+from conftest import REPO, assert_same_tensors, flip_a_byte, run_cli, worker_env
 
 STEPS = 8
 FINAL = f"checkpoints/step-{STEPS:08d}"
@@ -168,6 +168,27 @@ def test_ctrl_c_saves_and_exits_75_and_a_second_one_stops_at_once(tmp_path, cach
     lines = [line for line in again.stderr.splitlines() if "fault" not in line]
     assert len(lines) == 1 and lines[0].startswith("meshtron: stopped at once by a second SIGINT"), again.stderr
     assert "stopped by SIGINT after" not in again.stdout
+
+
+@pytest.mark.slow
+def test_a_checkpoint_changed_in_place_is_skipped_by_every_rank_and_the_run_continues_exactly(
+    straight, tmp_path, cache_dir
+):
+    """The uninterrupted run's folder with a byte of its step-8 tensors changed in place (sizes unchanged): the same
+    command, on 2 ranks, finds it by checksum (each rank reading its share), says it skips it, resumes from step 6
+    on every rank and trains steps 7 and 8 to the same losses and final weights."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shard = out / FINAL / "__1_0.distcp"
+    flip_a_byte(shard)
+    proc = run_cli(command(cache_dir, out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "checkpoint step-00000008 is damaged (__1_0.distcp was changed after the save" in proc.stdout, proc.stdout
+    assert f"resumed from {out / 'checkpoints'}/step-00000006 (step 6" in proc.stdout, proc.stdout[-3000:]
+    assert last_losses(out) == last_losses(straight)
+    assert_same_tensors(out / FINAL, straight / FINAL, tmp_path)
 
 
 @pytest.mark.slow

@@ -15,16 +15,17 @@ checkpoint's own ``config.toml`` says so.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from meshtron.checkpoint.integrity import damage
+from meshtron.checkpoint.integrity import altered, damage, recorded_checksums
 from meshtron.checkpoint.lora_export import merge_adapters, write_peft_adapter
 from meshtron.checkpoint.manager import quiet_single_process, read_meta
-from meshtron.errors import ConfigError
+from meshtron.errors import ConfigError, MeshtronError
 
 
 @contextmanager
@@ -64,15 +65,16 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.lora import add_lora
 
+    check_export_target(target)
     reason = damage(source)
+    if reason is None:
+        reason = altered(source, {name: crc for name, (_, crc) in recorded_checksums(source).items()})
     if reason is not None:
         raise ConfigError(
             f"meshtron export: '{source}' is not a whole meshtron checkpoint ({reason}); give a step-N "
             "folder from a run's checkpoints/ directory"
         )
     read_meta(source)
-    if target.exists() and any(target.iterdir()):
-        raise ConfigError(f"export directory '{target}' is not empty; choose a new directory (nothing was written)")
     cfg = load_config(source / "config.toml", env={})
     cfg.model.trust_remote_code = trust_remote_code
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
@@ -95,8 +97,11 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
     if getattr(hf_config, "tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # saved once, as the embeddings
     state = {"model": weights}
-    with quiet_single_process():
-        dcp.load(state, checkpoint_id=str(source), no_dist=True)
+    try:
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=str(source), no_dist=True)
+    except Exception as err:  # noqa: BLE001 - DCP raises many types for a broken or foreign checkpoint
+        raise MeshtronError(f"checkpoint '{source}' could not be loaded: {str(err).splitlines()[0]}") from None
     missing = model.load_state_dict(state["model"], strict=False).missing_keys
     frozen = set(model.state_dict()) - trained if cfg.lora.enabled else set()  # LoRA: the base, made above
     if set(missing) - {"lm_head.weight"} - frozen:
@@ -108,11 +113,42 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
         return target
     merge_adapters(model)
     adapter.fuse_projections(model)  # the family's own layout (Phi-3's fused qkv_proj and gate_up_proj)
-    target.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [type(model).__name__]
-    model.save_pretrained(target, safe_serialization=True, max_shard_size=max_shard_size)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(target, safe_serialization=True, max_shard_size=max_shard_size)
+    except OSError as err:  # a disk that filled up, a folder made unwritable meanwhile
+        raise MeshtronError(
+            f"meshtron export: writing '{target}' failed ({err}); free disk space or choose another directory"
+        ) from None
     _save_tokenizer(tokenizer, target)
     return target
+
+
+def check_export_target(target: Path) -> None:
+    """Refuse, before any work, an export directory that would overwrite what is there or cannot be made: an
+    existing file, a folder that is not empty, a path under a file or in a folder this user cannot write."""
+    nothing = "choose a new directory (nothing was written)"
+    if target.is_symlink() and not target.exists():
+        raise ConfigError(f"export directory '{target}' is a link to nothing; {nothing}")
+    if target.exists():
+        if not target.is_dir():
+            raise ConfigError(f"export directory '{target}' is an existing file; {nothing}")
+        try:
+            empty = not any(target.iterdir())
+        except OSError as err:
+            raise ConfigError(
+                f"export directory '{target}' cannot be read ({err.strerror or err}); {nothing}"
+            ) from None
+        if not empty:
+            raise ConfigError(f"export directory '{target}' is not empty; {nothing}")
+        writable = target
+    else:
+        writable = next(parent for parent in target.absolute().parents if parent.exists())
+        if not writable.is_dir():
+            raise ConfigError(f"export directory '{target}' cannot be made: '{writable}' is a file; {nothing}")
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise ConfigError(f"export directory '{target}' cannot be made: '{writable}' is not writable; {nothing}")
 
 
 def _save_tokenizer(tokenizer, target: Path) -> None:

@@ -9,7 +9,9 @@ On disk (``checkpoint.dir``, default ``<run.output_dir>/checkpoints``)::
     step-00000030.partial/  a save in progress (or killed); never loaded
     latest                  the name of the newest complete checkpoint
 
-A save goes to ``step-N.partial``; once every rank has written, rank 0 adds ``meshtron.json``,
+A save goes to ``step-N.partial``; each rank checksums the files it wrote (meshtron.checkpoint.integrity; an async
+save in its background thread); once every rank has written, rank 0 adds ``meshtron.json`` (with every file's size
+and checksum),
 renames the folder to ``step-N`` and then replaces ``latest`` (write + rename), so a run killed at
 any moment leaves the previous checkpoint complete and named by ``latest``.
 
@@ -27,6 +29,7 @@ import shutil
 import time
 import uuid
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,8 +38,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from meshtron.checkpoint.integrity import FILES, META, damage, file_manifest
-from meshtron.checkpoint.shared_directory import check_shared_directory, on_every_rank, on_main
+from meshtron.checkpoint.integrity import (
+    CHECKSUMS,
+    FILES,
+    META,
+    damage,
+    file_manifest,
+    manifest_checksums,
+    rank_checksums,
+)
+from meshtron.checkpoint.shared_directory import _gather, check_shared_directory, on_every_rank, on_main
 from meshtron.checkpoint.state import TrainingState
 from meshtron.data.carry import SEQ_LEN_CHANGES
 from meshtron.errors import ConfigError, MeshtronError
@@ -77,25 +88,37 @@ def read_meta(path: Path) -> dict:
     """meshtron.json of a whole checkpoint, or a clear error for a missing, incomplete or damaged one."""
     reason = damage(path)
     if reason is not None:
-        raise MeshtronError(
-            f"checkpoint '{path}' is missing or incomplete: {reason}; point checkpoint.resume at another step-N folder "
-            "written by meshtron (checkpoint.resume=auto falls back to the newest whole one), or use "
-            "checkpoint.resume=none"
-        )
+        raise damaged_error(path, "is missing or incomplete", reason)
     return json.loads((Path(path) / META).read_text())
 
 
+def damaged_error(path: Path, what: str, reason: str) -> MeshtronError:
+    """The one-line error of a checkpoint given by path that cannot be loaded (``what``: is missing or incomplete,
+    is damaged)."""
+    return MeshtronError(
+        f"checkpoint '{path}' {what}: {reason}; point checkpoint.resume at another step-N folder written by meshtron "
+        "(checkpoint.resume=auto falls back to the newest whole one), or use checkpoint.resume=none"
+    )
+
+
 def find_checkpoint(
-    directory: Path, resume: str, skipped: list[str] | None = None, visible_up_to: int | None = None
+    directory: Path,
+    resume: str,
+    skipped: list[str] | None = None,
+    visible_up_to: int | None = None,
+    altered: dict[Path, str] | None = None,
 ) -> Path | None:
     """The checkpoint ``checkpoint.resume`` asks for: None, a given path, or (``auto``) the newest whole one in
     ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity).
+    ``altered``: checkpoints already found changed in place ({path: reason}: integrity.content_damage).
     ``visible_up_to``: tests only (meshtron.resilience.faults' ``stale``), checkpoints of later steps are not seen."""
     if resume == "none":
         return None
     if resume != "auto":
         path = Path(resume)
         read_meta(path)
+        if altered and path in altered:
+            raise damaged_error(path, "is damaged", altered[path])
         return path
     # Newest first; a complete folder newer than `latest` is a run killed between the rename and the marker.
     candidates = (
@@ -111,7 +134,7 @@ def find_checkpoint(
         candidates = [path for path in candidates if int(path.name.removeprefix("step-")) <= visible_up_to]
     reasons = []
     for path in candidates:
-        reason = damage(path)
+        reason = (altered or {}).get(path) or damage(path)
         if reason is None:
             if skipped is not None:
                 skipped.extend(reasons)
@@ -191,6 +214,7 @@ class CheckpointManager:
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
         self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
+        self._checksummer = None  # the thread that checksums an async save's files once they are written
         self._asked = None  # the pending save that ``unfinished`` last looked at
         self.on_commit = None
         """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
@@ -251,8 +275,32 @@ class CheckpointManager:
 
         on_every_rank(self.runtime, write_rank_files, lambda reason: self._failed(partial, reason))
         self._write_state(step, state, partial, meta, started)
-        if not self.async_save:
-            self._commit(step, partial, meta, (started, None))
+        own = (rng_file.name, *(rank_files or {}))
+        if self.async_save:
+            written, *rest = self.pending
+            self.pending = (self._checksums_once_written(written, partial, own), *rest)
+        else:
+            self._commit(step, partial, meta, (started, None), self._own_checksums(partial, own))
+
+    def _own_checksums(self, partial: Path, own: tuple[str, ...]) -> dict[str, int] | str:
+        """{name: crc32} of the files this rank wrote into ``partial``, or why they cannot be read back (the commit
+        then fails the save on every rank)."""
+        try:
+            return rank_checksums(partial, self.runtime.rank, own)
+        except OSError as err:
+            return f"rank {self.runtime.rank}: {err}"
+
+    def _checksums_once_written(self, written: Future, partial: Path, own: tuple[str, ...]) -> Future:
+        """A future of this rank's checksums (``_own_checksums``), computed in the background once the async write
+        ``written`` is done (which raises its error instead)."""
+        if self._checksummer is None:
+            self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="meshtron-checksums")
+
+        def checksum() -> dict[str, int] | str:
+            written.result()
+            return self._own_checksums(partial, own)
+
+        return self._checksummer.submit(checksum)
 
     def _write_state(self, step: int, state: TrainingState, partial: Path, meta: dict, started: float) -> None:
         """Write this rank's part of ``state`` into ``partial``; an async save starts writing it and is ``pending``
@@ -292,19 +340,26 @@ class CheckpointManager:
         future, step, partial, meta, timing = self.pending
         self.pending = None
         try:
-            future.result()
+            checksums = future.result()
         except (OSError, CheckpointException) as err:
             raise self._failed(partial, _check_exception(err), uniform=isinstance(err, CheckpointException)) from None
-        self._commit(step, partial, meta, timing)
+        self._commit(step, partial, meta, timing, checksums)
 
-    def _commit(self, step: int, partial: Path, meta: dict, timing: tuple[float, float | None]) -> None:
+    def _commit(
+        self, step: int, partial: Path, meta: dict, timing: tuple[float, float | None], checksums: dict[str, int] | str
+    ) -> None:
         """Make the written ``partial`` folder checkpoint ``step``; ``timing``: (when the save started, how long
-        training paused for an async one)."""
-        self.runtime.barrier()  # every rank has written its shards
+        training paused for an async one); ``checksums``: of the files this rank wrote (``_own_checksums``)."""
+        by_ranks = _gather(self.runtime, checksums)  # also: every rank has written its shards
+        unreadable = [sums for sums in by_ranks if isinstance(sums, str)]
+        if unreadable:
+            raise self._failed(partial, unreadable[0])
 
         def commit() -> None:
-            # Every file with its size, so that a resume can tell a damaged checkpoint (integrity.damage).
-            (partial / META).write_text(json.dumps({**meta, FILES: file_manifest(partial)}, indent=1))
+            # Every file with its size and checksum, so that a resume can tell a damaged checkpoint (integrity).
+            sizes = file_manifest(partial)
+            recorded = {FILES: sizes, CHECKSUMS: manifest_checksums(partial, sizes, by_ranks)}
+            (partial / META).write_text(json.dumps({**meta, **recorded}, indent=1))
             final = self.directory / step_dir_name(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
@@ -359,13 +414,19 @@ def check_fixed_directory(cfg, launched: bool) -> None:
         )
 
 
-def resume_point(cfg, hf_config, skipped: list[str] | None = None, visible_up_to: int | None = None) -> Path | None:
+def resume_point(
+    cfg,
+    hf_config,
+    skipped: list[str] | None = None,
+    visible_up_to: int | None = None,
+    altered: dict[Path, str] | None = None,
+) -> Path | None:
     """The checkpoint this run continues from (checked against the model and data settings), or None;
-    ``skipped``, ``visible_up_to``: as for ``find_checkpoint``."""
+    ``skipped``, ``visible_up_to``, ``altered``: as for ``find_checkpoint``."""
     directory = checkpoint_directory(cfg)
     if cfg.checkpoint.resume == "auto" and directory is None:
         return None
-    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, visible_up_to)
+    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, visible_up_to, altered)
     if path is not None:
         meta = read_meta(path)
         check_compatible(meta, path, hf_config, cfg.data, cfg.train.global_batch_size)

@@ -6,6 +6,8 @@ nodes (a shared file system's cached listings after a restart). In the workers o
 alone resolves it (``checkpoint.resume=auto``, the checks of that checkpoint and of the output directory); once
 the process group exists, ``agree_resume_point`` gives every rank rank 0's choice, or raises rank 0's error on
 every rank. A launcher (``meshtron train --nproc``) and a single process resolve it here, before anything starts.
+Preflight checks a checkpoint's file sizes only; its checksums, which read every byte, are checked then by
+``verified_resume_point``, each rank reading its share of the files (meshtron.checkpoint.integrity).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from meshtron.checkpoint.manager import check_fixed_directory, resume_point
+from meshtron.checkpoint.integrity import content_damage
+from meshtron.checkpoint.manager import check_fixed_directory, damaged_error, resume_point
 from meshtron.config import BUILTIN_CORPUS, Config, parse_batch_rampup
 from meshtron.data.chat import check_chat_tokenizer
 from meshtron.data.mixture import parse_sources
@@ -249,17 +252,54 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     )
 
 
-def _resume_point(cfg: Config, hf_config, rank: int) -> tuple[Path | None, list[str]]:
+def _resume_point(
+    cfg: Config, hf_config, rank: int, altered: dict[Path, str] | None = None
+) -> tuple[Path | None, list[str]]:
     """(the checkpoint the run continues from, the newer ones skipped as damaged), checked with the output
-    directory; a MeshtronError for a checkpoint or directory that cannot be used."""
+    directory; a MeshtronError for a checkpoint or directory that cannot be used. ``altered``: checkpoints found
+    changed in place (``agree_resume_point``)."""
     skipped: list[str] = []
     faults = faults_from_env()  # tests only: a rank with a stale view of the checkpoint directory
     stale = faults.stale_view(rank) if faults is not None else None
-    resume_from = resume_point(cfg, hf_config, skipped, stale)
+    resume_from = resume_point(cfg, hf_config, skipped, stale, altered)
     check_stream_checkpoint(resume_from, cfg.data.streaming)
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
     return resume_from, skipped
+
+
+def verified_resume_point(setup: RunSetup, runtime, cfg: Config) -> RunSetup:
+    """``setup`` (once ``agree_resume_point`` shared rank 0's choice, which preflight made on sizes only) with a
+    checkpoint whose bytes are as saved: its checksums checked by all ranks together (integrity.content_damage), and
+    with ``checkpoint.resume=auto`` rank 0's next choice while one was changed in place; a checkpoint given by path
+    that was changed is an error on every rank."""
+    altered: dict[Path, str] = {}
+    while setup.resume_from is not None:
+        reason = content_damage(setup.resume_from, runtime)
+        if reason is None:
+            return setup
+        if cfg.checkpoint.resume != "auto":
+            raise damaged_error(setup.resume_from, "is damaged", reason)
+        altered[setup.resume_from] = reason
+        setup = agree_resume_point(_choose_again(setup, runtime, cfg, altered), runtime)
+    return setup
+
+
+def _choose_again(setup: RunSetup, runtime, cfg: Config, altered: dict[Path, str]) -> RunSetup:
+    """``setup`` with rank 0's resume point (``checkpoint.resume=auto``) once ``altered`` are left out, for
+    ``agree_resume_point`` to share."""
+    path, skipped, error = None, [], None
+    if runtime.is_main or _alone(runtime):
+        try:
+            path, skipped = _resume_point(cfg, setup.hf_config, runtime.rank, altered)
+        except MeshtronError as err:
+            error = err
+    return replace(setup, resume_from=path, resume_skipped=tuple(skipped), resume_agreed=False, resume_error=error)
+
+
+def _alone(runtime) -> bool:
+    """Whether this rank has no one to agree with: no process group, or a rehearsal's (which moves no data)."""
+    return not runtime.distributed or runtime.rehearsal
 
 
 def agree_resume_point(setup: RunSetup, runtime) -> RunSetup:
@@ -267,7 +307,7 @@ def agree_resume_point(setup: RunSetup, runtime) -> RunSetup:
     (``runtime``), or rank 0's error raised on every rank; ``setup`` itself where it was resolved by preflight."""
     if setup.resume_agreed:
         return setup
-    if not runtime.distributed:  # no one to agree with (not a torchrun worker's usual case)
+    if _alone(runtime):
         if setup.resume_error is not None:
             raise setup.resume_error
         return replace(setup, resume_agreed=True)

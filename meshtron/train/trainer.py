@@ -38,7 +38,7 @@ from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import RunSetup, agree_resume_point, preflight
+from meshtron.train.preflight import RunSetup, agree_resume_point, preflight, verified_resume_point
 from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import done_message, startup_message
 from meshtron.train.segments import resume_run, start_segment
@@ -144,6 +144,7 @@ def run_session(
     ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
     setup = setup or preflight(cfg, runtime.world_size, runtime.device.type)
     setup = agree_resume_point(setup, runtime)  # every rank resumes rank 0's choice (one broadcast)
+    setup = verified_resume_point(setup, runtime, cfg)  # its bytes as saved (checksums, each rank a share)
     if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
         print(setup.tokenizer_notice, flush=True)
     dims = setup.dims
