@@ -7,12 +7,13 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from conftest import train_llama_tiny
 from torch import nn
 
 from meshtron.config import load_config
-from meshtron.train.activation_offload import ActivationOffloader, prefetch_candidates
+from meshtron.train.activation_offload import ActivationOffloader, HostTransfers, PinnedPieces, prefetch_candidates
 
 
 def test_saved_tensors_come_back_equal_and_views_of_one_storage_share_a_host_copy():
@@ -59,8 +60,8 @@ def test_a_view_saved_after_an_in_place_change_gets_its_own_copy():
 class _Copy:
     """A host copy as prefetch_candidates sees it."""
 
-    def __init__(self, nbytes, used=False, fetched=None):
-        self.nbytes, self.used, self.fetched = nbytes, used, fetched
+    def __init__(self, nbytes, used=False, fetched=None, forward_call=0):
+        self.nbytes, self.used, self.fetched, self.forward_call = nbytes, used, fetched, forward_call
 
 
 def test_fetching_ahead_takes_the_copies_saved_just_before_newest_first_within_the_budget():
@@ -72,6 +73,9 @@ def test_fetching_ahead_takes_the_copies_saved_just_before_newest_first_within_t
     assert prefetch_candidates(order, 0, 100) == []
     del copies[2]  # freed: skipped, and the budget reaches copy 0
     assert prefetch_candidates(order, 5, 30) == [copies[3], copies[0]]
+    calls = [_Copy(10, forward_call=1), _Copy(10, forward_call=2), _Copy(10, forward_call=2)]
+    order = [weakref.ref(c) for c in calls]
+    assert prefetch_candidates(order, 2, 100) == [calls[1]]  # never another forward call's
 
 
 def test_a_run_with_offloading_trains_the_same_model_and_keeps_its_activations_off_the_device(tmp_path, cache_dir):
@@ -169,3 +173,180 @@ def test_backward_fetches_each_copy_once_waiting_for_its_copy_and_fetches_the_ne
     transfers.log.clear()
     again = offloader._unpack(handles[2])  # a zero-bubble pipeline's second pass: the device copy is still there
     assert transfers.log == [] and torch.equal(again, saved[2])
+
+
+def _tiled_block(tiles: int) -> nn.Module:
+    """A block whose MLP runs over ``tiles`` tiles of its tokens (meshtron.models.tiled_mlp)."""
+    from meshtron.models.tiled_mlp import apply_tiled_mlp
+
+    block = nn.Module()
+    block.mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8))
+    apply_tiled_mlp([("0", block)], lambda _: {"mlp": "mlp"}, tiles)
+    return block
+
+
+def test_a_tiled_mlp_recomputed_in_backward_copies_nothing_to_the_host():
+    """The hooks stay active in backward, where each tile's recomputation saves tensors of its own: those stay on the
+    device (they live for one tile), and the one saved input is fetched once, not once per tile."""
+    transfers = ScriptedTransfers()
+    offloader = ActivationOffloader(torch.device("cpu"), transfers=transfers)
+    block = _tiled_block(tiles=4)
+    x = torch.randn(2, 16, 8, requires_grad=True)
+    with offloader.hooks():
+        loss = block.mlp(x * 1).pow(2).sum()
+        forward = [event for event in transfers.log if event[0] == "to_host"]
+        transfers.log.clear()
+        loss.backward()
+    assert forward == [("to_host", "t0"), ("to_host", "t1")]  # the tiled function's input, pow's input
+    assert [event for event in transfers.log if event[0] == "to_host"] == []
+    assert sorted(event for event in transfers.log if event[0].startswith("to_device")) == [
+        ("to_device", "t1"), ("to_device_ahead", "t0")
+    ]  # fmt: skip
+    plain = x.detach().requires_grad_(True)
+    block.mlp(plain * 1).pow(2).sum().backward()
+    assert torch.equal(x.grad, plain.grad)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo process group in this process and its mesh, destroyed after the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_compiled_tensor_parallel_block_keeps_its_weights_on_the_device(one_rank_mesh):
+    """Compiled code saves a DTensor weight's local tensor, neither a Parameter nor a view of one: recognized by its
+    storage, it is neither copied to the host nor counted as an activation. (aot_eager: the same AOTAutograd unwrapping
+    as inductor, without compiling kernels.)"""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
+
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    parallelize_module(mlp, one_rank_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    compiled = torch.compile(mlp, backend="aot_eager")
+    resident = ResidentStorages(mlp)
+    tracker = SavedActivationTracker(resident)
+    offloader = ActivationOffloader(torch.device("cpu"), tracker, resident=resident)
+    x = torch.randn(4, 8, requires_grad=True)
+    with offloader.hooks():
+        loss = compiled(x).pow(2).sum()
+    weights = {p._local_tensor.untyped_storage().data_ptr() for p in mlp.parameters()}
+    copied = [ref() for ref in offloader._order if ref() is not None]
+    assert copied and not weights & set(offloader._copies), [c.nbytes for c in copied]
+    # what is offloaded: the input, tanh's output, the MLP's output (pow's input); 8 x 16 + 16 x 8 weights stay
+    assert sorted(c.nbytes for c in copied) == sorted([4 * 8 * 4, 4 * 16 * 4, 4 * 8 * 4]), [c.nbytes for c in copied]
+    assert tracker.peak_bytes == 0  # nothing else was kept on the device: the weights are not activations
+    loss.backward()
+    assert all(p.grad is not None for p in mlp.parameters())
+
+
+class AheadTracking(ScriptedTransfers):
+    """ScriptedTransfers that also count the bytes fetched ahead and not yet used (waited for), at their most."""
+
+    def __init__(self):
+        super().__init__()
+        self.ahead, self.most_ahead = {}, 0
+
+    def to_device_ahead(self, host, device):
+        self.ahead[self.name(host)] = host.nbytes
+        self.most_ahead = max(self.most_ahead, sum(self.ahead.values()))
+        return super().to_device_ahead(host, device)
+
+    def wait(self, event):
+        if event.startswith("ready:"):
+            self.ahead.pop(event.removeprefix("ready:"))
+        super().wait(event)
+
+
+def test_fetching_ahead_never_crosses_into_another_stage_or_micro_batch():
+    """Rank 0 of a zero-bubble (V) pipeline over 2 ranks holds stages 0 and 3: forwards of stage 0 for micro-batches
+    0 and 1, then stage 3's of micro-batch 0, whose backward comes first. The tensors saved just before stage 3's are
+    micro-batch 1's of stage 0, needed last: fetched ahead then, they would wait on the device beyond the budget
+    (twice the largest copy) while stage 0's micro-batch 0 fetches its own."""
+    transfers = AheadTracking()
+    offloader = ActivationOffloader(torch.device("cpu"), transfers=transfers)
+    stage0, stage3 = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Tanh()  # 2 copies a call, then 1
+    inputs = [torch.randn(2, 4, requires_grad=True) for _ in range(3)]
+    with offloader.hooks(), offloader.forward_calls([stage0, stage3]):
+        outputs = [stage0(inputs[0]), stage0(inputs[1]), stage3(inputs[2])]
+        for index in (2, 0, 1):  # stage 3's micro-batch 0, then stage 0's micro-batches 0 and 1
+            outputs[index].sum().backward()
+    assert len(transfers.ahead) == 0 and transfers.log.count(("to_device_ahead", "t0")) == 1
+    assert 0 < transfers.most_ahead <= 2 * 2 * 4 * 4, transfers.log
+    stages = (stage0, stage0, stage3)
+    expected = [torch.autograd.grad(stage(x).sum(), x)[0] for stage, x in zip(stages, inputs)]
+    for x, grad in zip(inputs, expected):
+        torch.testing.assert_close(x.grad, grad, rtol=0, atol=0)
+
+
+def test_a_host_copy_is_pinned_in_pieces_the_host_allocator_does_not_round_up():
+    """torch's caching host allocator rounds each pinned request up to a power of two (CachingHostAllocator.h): a
+    3.59 GB block input in one request takes 4 GiB. In pieces, it takes its bytes rounded up to a MiB."""
+    from meshtron.train.activation_offload import PINNED_TAIL_BYTES, pinned_bytes, pinned_piece_sizes
+
+    nbytes = 438_272 * 4096 * 2  # llama-8b's block input at 438,272 tokens, bf16
+    pieces = pinned_piece_sizes(nbytes)
+    assert all(size & (size - 1) == 0 for size in pieces)
+    assert nbytes <= sum(pieces) == pinned_bytes(nbytes) < nbytes + PINNED_TAIL_BYTES
+    assert pinned_piece_sizes(0) == [] and pinned_piece_sizes(1) == [PINNED_TAIL_BYTES]
+
+
+class PinnedRecording(HostTransfers):
+    """The host copies as CudaTransfers makes them (PinnedPieces), on plain memory: each pinned request recorded with
+    what torch's caching host allocator would hold for it (rounded up to a power of two), live and at most."""
+
+    def __init__(self):
+        self.requests, self.live, self.most = [], 0, 0
+        PinnedRecording.made.append(self)
+
+    made: list = []
+
+    def _pin(self, size):
+        held = 1 << (size - 1).bit_length()
+        self.requests.append(size)
+        self.live += held
+        self.most = max(self.most, self.live)
+        piece = torch.empty(size, dtype=torch.uint8)
+        weakref.finalize(piece, self._unpin, held)
+        return piece
+
+    def _unpin(self, held):
+        self.live -= held
+
+    def to_host(self, source):
+        host = PinnedPieces(source.numel(), pin=self._pin)
+        host.copy_from(source)
+        return host, None
+
+    def to_device(self, host, device):
+        return host.to(device)
+
+
+def test_the_planner_counts_the_pinned_bytes_of_the_host_copies(tmp_path, cache_dir, monkeypatch):
+    """A run whose host copies are pinned as on CUDA (pieces scaled down to llama-tiny's tensors, 1 to 160 KB: 64 KiB
+    and 4 KiB) trains the same model; the planner's host bytes cover what the host allocator would hold at most."""
+    from meshtron.plan.memory import config_view, host_activation_bytes, offload_pinning_bytes
+    from meshtron.train import activation_offload
+
+    monkeypatch.setattr(activation_offload, "PINNED_PIECE_BYTES", 1 << 16)
+    monkeypatch.setattr(activation_offload, "PINNED_TAIL_BYTES", 1 << 12)
+    monkeypatch.setattr(activation_offload, "HostTransfers", PinnedRecording)
+    PinnedRecording.made.clear()
+    run = train_llama_tiny(cache_dir, tmp_path / "run", "train.activation_offload=true", steps=1)
+    requests = [size for made in PinnedRecording.made for size in made.requests]
+    assert requests and all(size in (1 << 16, 1 << 12) for size in requests)
+    most = max(made.most for made in PinnedRecording.made)
+    cfg = load_config(str(tmp_path / "run" / "config.toml"), env={})
+    shape, layout, workload = config_view(cfg, 1, device="cpu")
+    planned = host_activation_bytes(shape, layout, workload)[0] + offload_pinning_bytes(shape, layout, workload)[0]
+    print(f"offloaded {run.offloaded_bytes:,} B, pinned {most:,} B at most, planned {planned:,.0f} B")
+    assert run.offloaded_bytes < most <= planned < 1.5 * most, (run.offloaded_bytes, most, planned)
+    monkeypatch.undo()
+    assert run.losses == train_llama_tiny(cache_dir, tmp_path / "plain", steps=1).losses

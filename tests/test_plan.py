@@ -12,10 +12,11 @@ import sys
 import pytest
 from conftest import REPO, worker_env
 
-# (name, world size, rank, layout overrides): FSDP alone, HSDP x TP, PP x FSDP x TP (interleaved, the
-# last rank, which holds the head), and a 512-rank 3-D layout of the 70B shape.
+# (name, world size, rank, layout overrides): FSDP alone (and with its state in pinned host memory), HSDP x TP,
+# PP x FSDP x TP (interleaved, the last rank, which holds the head), and a 512-rank 3-D layout of the 70B shape.
 DRY_RUNS = [
     ("8b_fsdp8", 8, 0, ["model.preset=llama-8b", "train.global_batch_size=8"]),
+    ("8b_fsdp8_cpu_offload", 8, 0, ["model.preset=llama-8b", "train.global_batch_size=8", "fsdp.cpu_offload=true"]),
     (
         "8b_hsdp_tp2_16",
         16,
@@ -90,6 +91,9 @@ def test_dry_run_agrees_with_planner(name, dry_runs):
     )
     assert abs(got["params"] - got["planned_params"]) <= 0.05 * got["params"]
     assert got["grads"] == got["params"] and got["optimizer"] == 2 * got["params"]  # AdamW: two moments per weight
+    if "pinning" in got:  # fsdp.cpu_offload: each shard pinned apart, rounded up to a power of two by the allocator
+        print(f"{name}: pinning adds {got['pinning'] / 1e9:.3f} GB, planned {got['planned_pinning'] / 1e9:.3f} GB")
+        assert got["pinning"] > 0.05 * got["params"] and got["planned_pinning"] == got["pinning"]
 
 
 def test_plan_ranks_layouts_and_emits_a_config_that_loads(tmp_path, capsys):

@@ -31,6 +31,7 @@ from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.build import torch_dtype
+from meshtron.tensors import storage_address
 
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -165,19 +166,29 @@ class ComputeWeights:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._addresses: set[int] = set()  # the copies' storages (storage_address)
 
     def copy_of(self, param: torch.Tensor) -> torch.Tensor:
         trains = torch.is_grad_enabled() and param.requires_grad
         entry = self._copies.get(id(param))
         if entry is not None and entry[0] is param and entry[1] == param._version and entry[2].requires_grad == trains:
             return entry[2]
+        if entry is not None:  # replaced: its storage may go to anything from now on
+            self._addresses.discard(storage_address(entry[2]))
         copy = _ComputeCast.apply(param, self.dtype) if trains else param.to(self.dtype)
         setattr(copy, WEIGHT_COPY_MARK, True)
         self._copies[id(param)] = (param, param._version, copy)
+        self._addresses.add(storage_address(copy))
         return copy
+
+    def holds(self, address: int) -> bool:
+        """Whether the storage at ``address`` is a copy's (compiled code saves a DTensor copy's local tensor, which
+        carries no mark)."""
+        return address != 0 and address in self._addresses
 
     def release(self) -> None:
         self._copies.clear()
+        self._addresses.clear()
 
 
 COMPUTE_WEIGHTS_ATTRIBUTE = "_meshtron_compute_weights"

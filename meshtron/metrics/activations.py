@@ -3,10 +3,12 @@
 Works on any device (CPU included), under every parallelism: each tensor that autograd saves passes
 through a ``saved_tensors_hooks`` pack hook; a storage counts once however many views of it are saved,
 from the first save until the last graph node holding it is freed (after its backward). Parameters
-(and views of them, e.g. a weight transposed for a matmul) are not activations and are skipped.
+(and views of them, e.g. a weight transposed for a matmul; with ``ResidentStorages``, any tensor sharing their
+storage, as compiled code's unwrapped DTensor shards do) are not activations and are skipped.
 
 Under activation checkpointing this counts what the checkpoints keep (each block's inputs); the
-tensors a block saves while it is recomputed in backward, one block at a time, are not counted.
+tensors a block saves while it is recomputed in backward, one block at a time, are not counted, nor what a tiled MLP's
+tiles save while they are recomputed in backward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from meshtron.distributed.precision import COMPUTE_WEIGHTS_ATTRIBUTE
+from meshtron.tensors import storage_address
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -28,9 +33,41 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter, or a view of one (a weight transposed for a matmul): not an activation."""
-    return isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter)
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread. Saved-tensor hooks stay active there: a function
+    that recomputes its forward in backward (a tiled MLP's tiles) saves tensors that live for one piece of the
+    backward, transient memory rather than activations kept for backward (activation checkpointing's recomputation
+    saves through hooks of its own, never the step's)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ResidentStorages:
+    """A model's parameters and mixed precision's weight copies, recognized by storage: compiled code saves a DTensor
+    parameter's local tensor, which is neither a Parameter nor a view of one but shares its storage. Made at a step's
+    start (FSDP's gathered parameters, new storages each gather, are Parameters when saved)."""
+
+    def __init__(self, model: nn.Module):
+        self._parameters = {storage_address(param) for param in model.parameters()} - {0}
+        self._weights = [
+            weights for module in model.modules() if (weights := module.__dict__.get(COMPUTE_WEIGHTS_ATTRIBUTE))
+        ]
+
+    def parameter(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` shares a parameter's storage."""
+        return storage_address(tensor) in self._parameters
+
+    def weight_copy(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` shares a compute-dtype weight copy's storage (meshtron.distributed.precision)."""
+        address = storage_address(tensor)
+        return any(weights.holds(address) for weights in self._weights)
+
+
+def is_parameter(tensor: torch.Tensor, resident: ResidentStorages | None = None) -> bool:
+    """A parameter, or a view of one (a weight transposed for a matmul), or with ``resident`` a tensor sharing a
+    parameter's storage (what compiled code saves of a DTensor parameter): not an activation."""
+    if isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter):
+        return True
+    return resident is not None and resident.parameter(tensor)
 
 
 class _Held:
@@ -51,12 +88,14 @@ class _Held:
 class SavedActivationTracker:
     """Live and peak bytes of the tensors autograd saves for backward while ``track()`` is active."""
 
+    resident: ResidentStorages | None = None
+    """The model's parameters by storage (else only Parameters and their views are recognized)."""
     live_bytes: int = 0
     peak_bytes: int = 0
     _refs: dict = field(default_factory=dict)
 
     def _pack(self, tensor: torch.Tensor):
-        if is_parameter(tensor):
+        if in_backward() or is_parameter(tensor, self.resident):
             return _Held(tensor, None, self)
         local = _local(tensor)
         storage = local.untyped_storage()

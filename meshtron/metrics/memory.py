@@ -34,6 +34,17 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     }
 
 
+def pinned_state_bytes(model: torch.nn.Module) -> int:
+    """The pinned host memory FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` takes for this rank's state: each parameter
+    shard, and each trained one's gradient shard, pinned in a request of its own, which torch's caching host allocator
+    rounds up to a power of two (the optimizer state is not pinned)."""
+    total = 0
+    for param in model.parameters():
+        nbytes = local_bytes(param)
+        total += (1 << (nbytes - 1).bit_length() if nbytes else 0) * (1 + param.requires_grad)
+    return total
+
+
 def max_memory_gb(device: torch.device) -> float:
     """Peak memory of this rank: allocated GPU memory on CUDA, the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -30,6 +30,8 @@ class DryRunReport:
     grads: int
     optimizer: int
     seconds: float
+    pinned_state: int | None = None
+    """Under ``fsdp.cpu_offload``: the pinned host memory of the parameter and gradient shards (pinned_state_bytes)."""
 
     @property
     def state(self) -> int:
@@ -41,7 +43,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtron.distributed.parallelize import parallelize
-    from meshtron.metrics.memory import model_state_bytes
+    from meshtron.metrics.memory import model_state_bytes, pinned_state_bytes
     from meshtron.models.build import build_meta_model
     from meshtron.train.optim.build import build_optimizer
     from meshtron.train.preflight import preflight
@@ -69,6 +71,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
             param.grad = torch.zeros_like(param)
         optimizer.step()  # creates AdamW's moments, sharded like their parameters (on the meta device)
         measured = model_state_bytes(parts, optimizer)
+        pinned = pinned_state_bytes(parts) if cfg.fsdp.cpu_offload else None
     finally:
         dist.destroy_process_group()
     return DryRunReport(
@@ -80,4 +83,5 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
         grads=measured["grads"],
         optimizer=measured["optimizer"],
         seconds=time.perf_counter() - started,
+        pinned_state=pinned,
     )

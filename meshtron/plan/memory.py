@@ -43,6 +43,9 @@ class MemoryEstimate:
     host_activations: int = 0
     """Activations ``train.activation_offload`` keeps in host memory (all micro-batches in flight); ``activations``
     then counts what stays on the device: nothing the planner counts."""
+    host_pinning: int = 0
+    """What pinning adds in host memory on CUDA: torch's caching host allocator rounds each pinned request up to a power
+    of two (``pinned_rounding_bytes``)."""
     state_on_host: bool = False
     """``fsdp.cpu_offload``: ``params``, ``grads`` and ``optimizer`` are in host memory, not on the device (FSDP's
     gathered compute copies stay in ``gathered``)."""
@@ -53,8 +56,8 @@ class MemoryEstimate:
 
     @property
     def host(self) -> int:
-        """Bytes in host memory: offloaded activations, and the state under ``fsdp.cpu_offload``."""
-        return self.host_activations + (self.state if self.state_on_host else 0)
+        """Bytes in host memory: offloaded activations, and the state under ``fsdp.cpu_offload``, as pinned."""
+        return self.host_activations + (self.state if self.state_on_host else 0) + self.host_pinning
 
     @property
     def state(self) -> int:
@@ -425,6 +428,77 @@ def kept_block_per_token(shape: ModelShape, layout: Layout, workload: Workload, 
     return checkpointed_block_per_token(shape, layout, workload)
 
 
+OFFLOADED_TENSORS_PER_BLOCK = 24
+"""At most this many tensors a block saves that are offloaded apart without checkpointing (llama-tiny: 18; LoRA's
+adapters add theirs); under full checkpointing one, its input."""
+
+OFFLOADED_TENSORS_OUTSIDE_BLOCKS = 8
+"""At most this many offloaded tensors saved outside the blocks per micro-batch (llama-tiny: 6: the embeddings' output,
+the rotary tables, the final norm's and the loss's inputs)."""
+
+
+def pinned_rounding_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Per pipeline rank, what pinning adds on CUDA to the bytes in host memory, at most: each offloaded activation
+    takes its bytes rounded up to ``PINNED_TAIL_BYTES`` (meshtron.train.activation_offload.pinned_piece_sizes), and
+    under ``fsdp.cpu_offload`` FSDP2 pins each parameter shard and each gradient shard in a request of its own, which
+    torch's caching host allocator rounds up to a power of two (``pinned_state_rounding``)."""
+    if workload.device != "cuda":
+        return [0.0] * layout.pp
+    return [
+        a + s
+        for a, s in zip(offload_pinning_bytes(shape, layout, workload), pinned_state_rounding(shape, layout, workload))
+    ]
+
+
+def offload_pinning_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Per pipeline rank, under ``train.activation_offload``: what rounding each host copy up to ``PINNED_TAIL_BYTES``
+    adds, at most, for the copies in flight at the peak (as ``saved_activation_bytes`` counts micro-batches)."""
+    if not workload.activation_offload:
+        return [0.0] * layout.pp
+    from meshtron.train.activation_offload import PINNED_TAIL_BYTES
+
+    per_block = 1 if layout.activation_checkpointing == "full" else OFFLOADED_TENSORS_PER_BLOCK
+    ranks = []
+    for rank, stages in enumerate(stage_layout(shape, layout, workload)):
+        copies = [layers * per_block + OFFLOADED_TENSORS_OUTSIDE_BLOCKS for layers, _, _ in stages]
+        in_flight = max(max(copies), sum(copies) / len(copies) * chunks_in_flight(layout, workload, rank))
+        ranks.append(float(in_flight * PINNED_TAIL_BYTES))
+    return ranks
+
+
+def pinned_state_rounding(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
+    """Per pipeline rank: what FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` adds under ``fsdp.cpu_offload`` by
+    pinning each parameter shard, and each gradient shard it copies to the host, in a request of its own: torch's
+    caching host allocator rounds each up to a power of two (the optimizer state is not pinned)."""
+    if not workload.cpu_offload:
+        return [0.0] * layout.pp
+    element = DTYPE_BYTES[workload.model_dtype]
+
+    def rounding(specs) -> int:
+        added = 0
+        for p in specs:
+            nbytes = p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) * element
+            added += (_power_of_two_ceil(nbytes) - nbytes) * (1 + p.trained)
+        return added
+
+    embedding = rounding(shape.embedding)
+    return [
+        float(
+            sum(
+                shape.blocks_numel(layers, first, rounding)
+                + (embedding if first else 0)
+                + rounding(_final_specs(shape, first, last))
+                for layers, first, last in stages
+            )
+        )
+        for stages in stage_layout(shape, layout, workload)
+    ]
+
+
+def _power_of_two_ceil(nbytes: int) -> int:
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 OFFLOAD_BLOCKS_ON_DEVICE = 3
 """Blocks' worth of offloaded activations on the device at once in backward: the block being differentiated and
 what is fetched ahead (meshtron.train.activation_offload: twice the largest host copy)."""
@@ -584,11 +658,12 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         state_numel(shape, layout, workload),
         activation_bytes(shape, layout, workload),
         host_activation_bytes(shape, layout, workload),
+        pinned_rounding_bytes(shape, layout, workload),
         held_gradient_bytes(shape, layout, workload),
         muon_numel(shape, layout, workload),
         trained_numel(shape, layout, workload),
     )
-    for stages, numel, acts, host_acts, held_grads, muon, trained in per_rank:
+    for stages, numel, acts, host_acts, pinning, held_grads, muon, trained in per_rank:
         holds_head = any(last for _, _, last in stages)
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
@@ -601,6 +676,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
                 optimizer=optimizer_state_numel(workload, trained, muon) * state_bytes,
                 activations=int(acts),
                 host_activations=int(host_acts),
+                host_pinning=int(pinning),
                 state_on_host=workload.cpu_offload,
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),

@@ -29,7 +29,7 @@ from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
-from meshtron.metrics.activations import SavedActivationTracker
+from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.resilience.faults import faulted_loss
@@ -232,10 +232,11 @@ def train_step(
     routing = StepRouting() if ctx.router is not None else None
     accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else len(batches)
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
-    tracker = SavedActivationTracker() if measure_activations else None
-    offloader = ActivationOffloader(device, tracker) if cfg.train.activation_offload else None
+    resident = ResidentStorages(model) if measure_activations or cfg.train.activation_offload else None
+    tracker = SavedActivationTracker(resident) if measure_activations else None
+    offloader = ActivationOffloader(device, tracker, resident=resident) if cfg.train.activation_offload else None
     measured: dict = {}
-    with saved_activation_hooks(offloader, tracker):
+    with saved_activation_hooks(offloader, tracker, ctx.runner.modules if ctx.runner is not None else [model]):
         if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
             ((input_ids, labels, bounds),) = batches
             with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
