@@ -165,7 +165,7 @@ def _load(target: str):
 
 def run_child(target: str, result_path: str, out_dir: str) -> int:
     """In the check's own process: run ``target`` and write {status, reason, figures}."""
-    from gpu_support import Skip
+    from gpu_support import FIGURES, Skip
 
     result = {"status": "pass", "reason": "", "figures": {}}
     try:
@@ -173,9 +173,9 @@ def run_child(target: str, result_path: str, out_dir: str) -> int:
     except Skip as skip:
         result.update(status="skip", reason=str(skip))
     except AssertionError as failure:
-        result.update(status="fail", reason=str(failure) or f"assertion failed ({_where(failure)})")
+        result.update(status="fail", reason=str(failure) or f"assertion failed ({_where(failure)})", figures=FIGURES)
     except Exception as error:  # noqa: BLE001 - a crash is the check's result
-        result.update(status="fail", reason=f"{type(error).__name__}: {error} ({_where(error)})")
+        result.update(status="fail", reason=f"{type(error).__name__}: {error} ({_where(error)})", figures=FIGURES)
     Path(result_path).write_text(json.dumps(result, default=str))
     return 0
 

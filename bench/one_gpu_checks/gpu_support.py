@@ -13,6 +13,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+FIGURES: dict = {}
+"""What this check's process has measured so far: written with its result when it fails too (``record``,
+``expect_ratio``, ``expect_close``)."""
+
+
+def record(**figures) -> dict:
+    """Add ``figures`` to what this check reports, pass or fail; all of them so far."""
+    FIGURES.update(figures)
+    return FIGURES
+
+
 class Skip(Exception):
     """A check that cannot run here (no GPU, a missing package); its message is the reason."""
 
@@ -118,6 +129,7 @@ def worst_relative(got: list[float], want: list[float]) -> float:
 def expect_close(name: str, got: list[float], want: list[float], rel: float) -> float:
     """Fail unless ``got`` is within ``rel`` of ``want`` value by value; the worst relative difference."""
     worst = worst_relative(got, want)
+    record(**{f"{name.replace(' ', '_')}_rel_diff": worst})
     assert worst <= rel, f"{name}: {got} vs {want}, worst relative difference {worst:.2e} > {rel:.0e}"
     return worst
 
@@ -126,6 +138,7 @@ def expect_ratio(name: str, measured: float, planned: float, low: float, high: f
     """Fail unless measured / planned lies in [low, high]; the ratio."""
     assert planned, f"{name}: nothing planned (measured {measured:,.0f})"
     ratio = measured / planned
+    record(**{f"{name.replace(' ', '_')}_measured_over_planned": round(ratio, 4)})
     assert low <= ratio <= high, (
         f"{name}: measured {measured:,.0f} / planned {planned:,.0f} = x{ratio:.3f}, outside [x{low}, x{high}]"
     )
