@@ -315,7 +315,9 @@ def write_benchmarks(results: dict, path: Path, checks=CHECKS) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these checks only")
-    parser.add_argument("--json", type=Path, default=Path("one-gpu-checks.json"), help="results file")
+    parser.add_argument(
+        "--json", type=Path, default=Path("runs/one-gpu-checks.json"), help="results file (runs/one-gpu-checks.json)"
+    )
     parser.add_argument("--out", type=Path, help="the checks' run folders and logs (default: a temporary folder)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for the whole queue ({BUDGET_S})")
     parser.add_argument("--write-benchmarks", action="store_true", help="write the results into BENCHMARKS.md")
@@ -345,6 +347,12 @@ def main(argv=None) -> int:
     if args.from_json:
         if not args.write_benchmarks:
             print("gpu_queue.py: --from-json only goes with --write-benchmarks", file=sys.stderr)
+            return 2
+        if not args.from_json.is_file():
+            print(
+                f"gpu_queue.py: --from-json: {args.from_json} is not a file; give the JSON a GPU run wrote",
+                file=sys.stderr,
+            )
             return 2
         write_benchmarks(json.loads(args.from_json.read_text()), REPO / "BENCHMARKS.md")
         return 0
