@@ -48,7 +48,9 @@ def quoted_figures(page: str):
     text = (ROOT / page).read_text()
     commands = dict(COMMAND.findall(text))
     marks, understood = text.count("<!-- plan"), len(COMMAND.findall(text)) + len(FIGURE.findall(text))
-    assert marks == understood, f"{page}: {marks - understood} of its '<!-- plan' marks are not in the form {__name__} reads"
+    assert marks == understood, (
+        f"{page}: {marks - understood} of its '<!-- plan' marks are not in the form {__name__} reads"
+    )
     for match in FIGURE.finditer(text):
         quoted, name, field = match.groups()
         assert name in commands, f"{page}: figure {quoted} names plan-command {name}, which the page does not define"

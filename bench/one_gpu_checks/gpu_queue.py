@@ -56,7 +56,14 @@ class Check:
 
 
 CHECKS = (
-    Check("forked_nproc1_torchao", "gpu_training:forked_nproc1_torchao", 30, 120, finding="issue 56 finding 1"),
+    Check(
+        "forked_nproc1_torchao",
+        "gpu_training:forked_nproc1_torchao",
+        30,
+        120,
+        ("Forked workers",),
+        finding="issue 56 finding 1",
+    ),  # fmt: skip
     Check("meshtron_check_nproc1", "gpu_training:meshtron_check_nproc1", 45, 150, ("`meshtron check [--nproc N]`",)),
     Check("varlen_attention", "gpu_kernels:varlen_attention", 20, 90, ("Document-masked attention",)),
     Check("cp_ring_tiles", "gpu_kernels:cp_ring_tiles", 15, 90, ("Context parallelism",), cuda=False),

@@ -111,9 +111,25 @@ def forked_nproc1_torchao(out) -> dict:
     settings = settings_for(out / "run", "train.compile=false", device_setting())
     text = meshtron("train", "--nproc", "1", *(f"--{s}" for s in settings))
     assert "re-initialize CUDA" not in text, "a forked rank met CUDA initialized in the forkserver"
+    assert "starting each worker fresh" not in text, "the forkserver initialized CUDA: the ranks started fresh"
     losses = _losses(metrics_rows(out / "run"))
     assert len(losses) == 3 and all(map(math.isfinite, losses)), f"losses {losses}"
-    return {"losses": [round(x, 4) for x in losses]}
+    return {"losses": [round(x, 4) for x in losses], "nvml_capability": nvml_capability_matches_cuda()}
+
+
+def nvml_capability_matches_cuda() -> str:
+    """The forkserver's answer to torchao's capability query (NVML) against CUDA's own, in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from meshtron.train.rank_imports import capability_from_nvml as nvml; "
+        "a = nvml(0); assert not torch.cuda.is_initialized(); b = torch.cuda.get_device_capability(0); "
+        "assert a == b, (a, b); print(a)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"NVML's capability against CUDA's: {done.stderr.strip().splitlines()[-1:]}"
+    return done.stdout.strip()
 
 
 def meshtron_check_nproc1(out) -> dict:

@@ -5,7 +5,7 @@ kills them. For a stop with a checkpoint (meshtron.resilience.preemption) the la
 as well and to wait as long as the workers may take to finish a step and save (``run.collective_timeout_s``
 plus a margin), and it ignores a repeated SIGTERM / SIGHUP / SIGQUIT / SIGUSR1: otherwise the agent's handler would
 raise again in the middle of its shutdown and leave, with the workers still saving. A SIGINT while stopping (a second
-Ctrl-C) is sent on to the workers, which then end at once (meshtron.resilience.preemption). Under a torchrun of one's
+Ctrl-C) ends the workers at once (``interrupt``). Under a torchrun of one's
 own, pass ``--signals-to-handle`` and ``--shutdown-timeout`` (docs/faults.md).
 """
 
@@ -94,14 +94,20 @@ class _ForwardedSignalLines(logging.Filter):
 
 
 def interrupt(workers) -> None:
-    """Send SIGINT to each process of ``workers`` (torch's PContext, or None: nothing started yet)."""
+    """End each process of ``workers`` (torch's PContext, or None: nothing started yet) at once: SIGKILL, to the
+    process group a fresh worker leads. Not SIGINT: a rank blocked in C (a CUDA sync, an NCCL wait, a write) runs
+    its Python handler once however many SIGINTs came meanwhile, so a quick second Ctrl-C would count as its first
+    there, and that rank would go on to save alone and wait out the collective timeout."""
     try:
         pids = workers.pids() if workers is not None else {}
     except AssertionError:  # torch's context of processes that have ended
         pids = {}
     for pid in pids.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
 
 
 def stopped_with_checkpoint(cfg, started: float, received: int) -> int:

@@ -294,6 +294,11 @@ def _choose_again(setup: RunSetup, runtime, cfg: Config, altered: dict[Path, str
             path, skipped = _resume_point(cfg, setup.hf_config, runtime.rank, altered)
         except MeshtronError as err:
             error = err
+        except Exception as err:  # raised on rank 0 alone, it would leave the others waiting in the broadcast
+            error = MeshtronError(
+                f"checkpoint.resume=auto could not choose a checkpoint again ({err}); set checkpoint.resume "
+                "to a step-N folder or to none"
+            )
     return replace(setup, resume_from=path, resume_skipped=tuple(skipped), resume_agreed=False, resume_error=error)
 
 

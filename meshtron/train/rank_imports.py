@@ -96,7 +96,7 @@ def capability_from_nvml(index: int) -> tuple[int, int] | None:
             )
         finally:
             nvml.nvmlShutdown()
-    except (OSError, RuntimeError, ValueError, AttributeError):
+    except (OSError, RuntimeError, ValueError, AttributeError, IndexError):  # IndexError: no device visible
         return None
     return (major.value, minor.value) if answered else None
 
