@@ -4,6 +4,7 @@ start-up line names the tokenizer; every command that reads ``data.tokenizer`` r
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -15,9 +16,17 @@ from meshtron.config import load_config
 from meshtron.data.dataset import cache_path
 from meshtron.data.shards import TokenCorpus
 from meshtron.data.sources import iter_documents
-from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, has_tokenizer, resolve_tokenizer
+from meshtron.data.tokenizer import (
+    BYTE_MODEL_VOCAB,
+    ByteTokenizer,
+    HFTokenizer,
+    has_tokenizer,
+    load_tokenizer,
+    resolve_tokenizer,
+)
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
+from meshtron.models.presets import make_preset_config
 from meshtron.train.preflight import preflight
 from meshtron.train.trainer import train
 
@@ -134,6 +143,32 @@ def test_explicit_byte_with_a_pretrained_model_warns_and_trains_on_bytes(folders
     assert "set data.tokenizer=DIR to the model's tokenizer folder" in bare.tokenizer_notice
     scratch = preflight(load_config(None, ["model.preset=tiny"], env={}), 1, "cpu")  # no pretrained model
     assert isinstance(scratch.tokenizer, ByteTokenizer) and scratch.tokenizer_notice is None
+
+
+def test_auto_refuses_bytes_for_a_model_made_for_another_tokenizer(folders, tmp_path):
+    """A pretrained model of more ids than a byte model's (a preset pads 257 to 320) and no tokenizer in its folder:
+    ``auto`` refuses in one line naming data.tokenizer and both fixes, before any process group (``train`` and
+    ``data prepare`` alike); ``data.tokenizer=byte`` trains it on bytes on purpose, with its warning."""
+    assert BYTE_MODEL_VOCAB == make_preset_config("tiny", ByteTokenizer.vocab_size).vocab_size == 320
+    big = tmp_path / "big"
+    shutil.copytree(folders / "bare", big)
+    config = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    refusal = (
+        f"meshtron: error: data.tokenizer=auto: {big} has no tokenizer and its model has 1,000 ids, not the byte "
+        "tokenizer's 257; point data.tokenizer at the model's tokenizer folder or hub id, or set data.tokenizer=byte "
+        "to train it on bytes on purpose"
+    )
+    text = f"--data.path={folders / 'text'}"
+    for command in (["train", "--nproc", "2", "--data.seq_len=16"], ["data", "prepare", "--out", str(tmp_path / "p")]):
+        proc = run_main([*command, f"--model.name_or_path={big}", text])
+        assert proc.returncode != 0 and proc.stderr.strip() == refusal, proc.stderr
+    on_purpose = preflight(run_config(big, tmp_path, text[2:], "data.tokenizer=byte"), 1, "cpu")
+    assert isinstance(on_purpose.tokenizer, ByteTokenizer) and on_purpose.hf_config.vocab_size == 1000
+    assert isinstance(load_tokenizer("auto", model_dir=big), ByteTokenizer)  # an older checkpoint's export reads it
+    assert on_purpose.tokenizer_notice.startswith(
+        f"meshtron: warning: data.tokenizer=byte with model.name_or_path={big}"
+    )
 
 
 def test_what_counts_as_a_tokenizer_folder(tmp_path):

@@ -60,7 +60,7 @@ def run_data(args, extra: list[str]) -> int:
     from meshtron.data.prepare import prepare_corpus
     from meshtron.data.shards import is_prepared
     from meshtron.data.sources import check_data_path
-    from meshtron.data.tokenizer import load_tokenizer, tokenizer_notice
+    from meshtron.data.tokenizer import check_byte_fallback, load_tokenizer, tokenizer_notice
 
     overrides = parse_overrides(extra, DATA_USAGE)
     if any(not item.startswith(("data.", "model.trust_remote_code", "model.name_or_path")) for item in overrides):
@@ -78,6 +78,7 @@ def run_data(args, extra: list[str]) -> int:
     check_data_path(cfg.data.path)
     # data.tokenizer=auto: model.name_or_path's tokenizer, when that folder has one, as training resolves it.
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+    check_byte_fallback(cfg.data.tokenizer, cfg.model.name_or_path)
     notice = tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path)
     if notice:
         print(notice, flush=True)

@@ -1,5 +1,6 @@
 """Tokenizers: the built-in byte-level one and local Hugging Face tokenizer directories, and ``data.tokenizer=auto``
-made concrete (the model folder's own tokenizer, else the byte tokenizer)."""
+made concrete (the model folder's own tokenizer, else the byte tokenizer, refused for a pretrained model made for
+another tokenizer)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,39 @@ def has_tokenizer(directory: str | os.PathLike | None) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
+BYTE_MODEL_VOCAB = -(-ByteTokenizer.vocab_size // 64) * 64
+"""The most ids a model made for the byte tokenizer has: a preset pads the vocabulary to a multiple of 64 (320), so
+a meshtron model trained on bytes and exported has that many; a pretrained model with more was made for a tokenizer
+of its own."""
+
+
+def model_vocab_size(model_dir: str | os.PathLike) -> int | None:
+    """``vocab_size`` in the model folder's config.json (or its ``text_config``), None where it has none."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the model's own loading says what is wrong with its folder
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
+def check_byte_fallback(spec: str, model_dir: str | os.PathLike | None) -> None:
+    """Refuse ``data.tokenizer=auto`` falling back to bytes for a pretrained model made for another tokenizer (more
+    than ``BYTE_MODEL_VOCAB`` ids): its embeddings would be trained on ids that mean something else. For the commands
+    that start training on new data (train, data prepare), not for those that read a checkpoint."""
+    if spec != AUTO or not model_dir or has_tokenizer(model_dir):
+        return
+    size = model_vocab_size(model_dir)
+    if size is not None and size > BYTE_MODEL_VOCAB:
+        raise ConfigError(
+            f"data.tokenizer=auto: {model_dir} has no tokenizer and its model has {size:,} ids, not the byte "
+            f"tokenizer's {ByteTokenizer.vocab_size}; point data.tokenizer at the model's tokenizer folder or hub id, "
+            "or set data.tokenizer=byte to train it on bytes on purpose"
+        )
+
+
 def resolve_tokenizer(spec: str, model_dir: str | os.PathLike | None) -> str:
     """``data.tokenizer`` as it is loaded: ``auto`` is ``model_dir`` (``model.name_or_path``) when that folder has a
     tokenizer, else ``byte``; any other value is itself."""
@@ -131,7 +165,8 @@ def load_tokenizer(
     spec: str, trust_remote_code: bool = False, model_dir: str | os.PathLike | None = None
 ) -> ByteTokenizer | HFTokenizer:
     """``"byte"`` gives the ByteTokenizer; ``"auto"`` the tokenizer of ``model_dir`` (``model.name_or_path``) when
-    it has one, else the ByteTokenizer; anything else must be a local tokenizer directory."""
+    it has one, else the ByteTokenizer (``check_byte_fallback`` refuses that for a model made for another tokenizer);
+    anything else must be a local tokenizer directory."""
     if spec == AUTO:
         if model_dir and not Path(model_dir).expanduser().is_dir():
             raise ConfigError(

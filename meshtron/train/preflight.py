@@ -27,7 +27,13 @@ from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
-from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_notice
+from meshtron.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    check_byte_fallback,
+    load_tokenizer,
+    tokenizer_notice,
+)
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
@@ -202,6 +208,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         check_data_path(cfg.eval.path, setting="eval.path")
     # data.tokenizer=auto is resolved here, once: every later use takes setup.tokenizer.
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+    check_byte_fallback(cfg.data.tokenizer, cfg.model.name_or_path)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
     if cfg.data.format == "chat":
