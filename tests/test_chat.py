@@ -14,7 +14,7 @@ from chat_fixture import CHAT_DATA, CHAT_MODEL, write_chat_fixture
 from conftest import run_main
 
 from meshtron.config import load_config
-from meshtron.data.chat import ChatDataset, choose_separator, pack, render
+from meshtron.data.chat import ChatDataset, build_chat_dataset, choose_separator, iter_conversations, pack, render
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.errors import ConfigError
 
@@ -215,3 +215,45 @@ def test_a_chat_fine_tune_exports_its_chat_template_and_generate_chat_replies(ch
     original.save_pretrained(tmp_path / "ends")
     ending = greedy_reply(model)
     assert len(ending) < new_tokens and generate_chat(tmp_path / "ends") == original.decode(ending) + "\n"
+
+
+def test_a_role_other_than_system_user_assistant_or_tool_is_refused_naming_the_line(chat_dir, tmp_path):
+    """A "bot" message would be rendered but never carry loss: one line naming the file, its line and the role."""
+    good = [{"role": r, "content": "hi"} for r in ("system", "user", "assistant", "tool", "assistant")]
+    bad = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]
+    path = tmp_path / "roles.jsonl"
+    path.write_text(f"{json.dumps({'messages': good})}\n\n{json.dumps({'messages': bad})}\n")
+    proc = run_main(["train", *(f"--{o}" for o in chat_overrides(chat_dir, tmp_path / "run", f"data.path={path}"))])
+    assert proc.returncode != 0 and proc.stderr.strip() == (
+        f"meshtron: error: data.path: {path}:3: message 2 has role 'bot', not one of system, user, assistant, tool; "
+        "rename it in the data"
+    ), proc.stderr[-2000:]
+    assert list(iter_conversations(str(path), "messages", max_documents=1)) == [good]
+
+
+def test_conversations_with_no_assistant_token_are_counted_in_the_start_up_line(chat_dir, tmp_path):
+    """No assistant message, or one cut away with the rest of a conversation longer than a sequence: nothing of it
+    carries loss, and the data's part of the start-up line says how many such conversations there are."""
+    from meshtron.train.run_messages import data_summary
+
+    def message(role, content):
+        return {"role": role, "content": content}
+
+    conversations = [
+        [message("user", "why?"), message("assistant", "yes")],
+        [message("system", "be brief"), message("user", "how?")],  # no assistant message
+        [message("user", "the cat " * 20), message("assistant", "no")],  # the assistant's turn is past seq_len
+        [message("user", "how?"), message("assistant", "red")],
+    ]
+    path = tmp_path / "untrained.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    cfg = load_config(None, chat_overrides(chat_dir, tmp_path / "run", f"data.path={path}", "data.seq_len=64"), env={})
+    dataset = build_chat_dataset(cfg.data, load_tokenizer(cfg.data.tokenizer))
+    assert dataset.untrained == 2 and dataset.cut == 1
+    summary = data_summary(dataset, cfg.data.seq_len)
+    assert "from 4 conversations, 1 cut to one sequence, 2 with no assistant token (nothing to train on), " in summary
+    every_token = load_config(
+        None, chat_overrides(chat_dir, tmp_path / "run", f"data.path={path}", "data.train_on=all"), env={}
+    )
+    dataset = build_chat_dataset(every_token.data, load_tokenizer(cfg.data.tokenizer))  # every token carries loss
+    assert dataset.untrained == 0 and "nothing to train on" not in data_summary(dataset, every_token.data.seq_len)

@@ -178,6 +178,31 @@ def test_jsonl_and_missing_field(tmp_path):
         list(iter_documents(str(f)))
 
 
+def test_chat_data_read_as_text_says_set_data_format_chat(tmp_path):
+    """Records with a ``messages`` (or ``conversations``) list, read as text documents: the error says it is chat
+    data and names data.format=chat (and data.messages_field where the field is not the default)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    for field, fix in [("messages", ""), ("conversations", " and data.messages_field=conversations")]:
+        f = tmp_path / f"{field}.jsonl"
+        f.write_text(json.dumps({"id": 1, field: turns}) + "\n")
+        with pytest.raises(ConfigError) as err:
+            list(iter_documents(str(f)))
+        assert str(err.value) == (
+            f"data.text_field: 'text' is not in {f}:1; it looks like chat data ({field}): set data.format=chat{fix}"
+        )
+        with pytest.raises(ConfigError, match=rf"'{field}' in {f}:1 is list, not text; it looks like chat data"):
+            list(iter_documents(str(f), text_field=field))
+    pq.write_table(pa.table({"messages": [turns]}), tmp_path / "chat.parquet")
+    with pytest.raises(ConfigError, match=r"it looks like chat data \(messages\): set data.format=chat$"):
+        list(iter_documents(str(tmp_path / "chat.parquet")))
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"messages": "not a list", "id": 1}) + "\n")
+    with pytest.raises(ConfigError, match=r"available fields: id, messages; set data.text_field$"):
+        list(iter_documents(str(tmp_path / "plain.jsonl")))
+
+
 def test_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

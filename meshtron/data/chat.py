@@ -1,11 +1,13 @@
 """Chat data for fine-tuning (``data.format=chat``): conversations rendered with the tokenizer's chat template, the
 loss on the assistant's tokens only (``data.train_on=assistant``) or on every token (``all``).
 
-A conversation is a list of ``{"role", "content"}`` messages: ``data.messages_field`` of each JSON line, or of each
-row of a saved ``datasets`` folder. Its assistant tokens are found from the template itself: for the i-th message,
-an assistant's, the text rendered for the messages before it with the generation prompt ends where its tokens
-start, and the text rendered through it ends where they stop (its end-of-turn token included). Tokens are mapped
-to those characters with the fast tokenizer's offsets.
+A conversation is a list of ``{"role", "content"}`` messages (roles: system, user, assistant, tool):
+``data.messages_field`` of each JSON line, or of each row of a saved ``datasets`` folder. Its assistant tokens are
+found from the template itself: for the i-th message, an assistant's, the text rendered for the messages before it
+with the generation prompt ends where its tokens start, and the text rendered through it ends where they stop (its
+end-of-turn token included). Tokens are mapped to those characters with the fast tokenizer's offsets. A
+conversation none of whose tokens carries loss (no assistant message, or cut before it) is counted in
+``ChatDataset.describe``, the data's part of the start-up line.
 
 Packing never cuts a conversation: conversations, each followed by a separator token, fill sequences of
 ``seq_len + 1`` tokens in order; one that does not fit in what is left of a sequence starts the next, and the rest of
@@ -65,9 +67,24 @@ def iter_conversations(path: str, field: str, max_documents: int | None = None) 
             for m in messages
         ):
             raise ConfigError(f'{where}: \'{field}\' must be a list of {{"role": ..., "content": ...}} messages')
+        check_roles(messages, where)
         if messages:
             count += 1
             yield messages
+
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a conversation's messages may have: chat templates know these, and only the assistant's carry loss."""
+
+
+def check_roles(messages: list[dict], where: str) -> None:
+    """Refuse a message whose role is not one of ``ROLES`` (a "bot" would silently get no loss)."""
+    for number, message in enumerate(messages, 1):
+        if message["role"] not in ROLES:
+            raise ConfigError(
+                f"data.path: {where}: message {number} has role '{message['role']}', not one of {', '.join(ROLES)}; "
+                "rename it in the data"
+            )
 
 
 def _json_rows(path: Path):
@@ -151,6 +168,11 @@ def pack(
     return np.stack(sequences), np.stack(masks), cut
 
 
+def untrained(conversations: list[tuple[np.ndarray, np.ndarray]], width: int) -> int:
+    """How many of ``conversations`` carry no loss in sequences of ``width`` tokens (pack cuts longer ones)."""
+    return sum(not trained[:width].any() for _, trained in conversations)
+
+
 class ChatDataset:
     """Packed conversations: ``rows`` gives the tokens, ``batch`` the inputs and the labels, IGNORE_INDEX where a
     token carries no loss (padding, and with ``train_on=assistant`` all but the assistant's tokens)."""
@@ -162,12 +184,15 @@ class ChatDataset:
         conversations: int = 0,
         cut: int = 0,
         separator: int | None = None,
+        untrained: int = 0,
     ):
         self.tokens, self.trained = tokens, trained
         self.separator = separator
         """The token after each conversation (and the padding): where document masks cut (see choose_separator)."""
         self.seq_len = tokens.shape[1] - 1
         self.conversations, self.cut = conversations, cut
+        self.untrained = untrained
+        """Conversations with no token that carries loss (no assistant message, or all of it cut away)."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -187,9 +212,11 @@ class ChatDataset:
 
     def describe(self) -> str:
         cut = f", {self.cut:,} cut to one sequence" if self.cut else ""
+        untrained = f", {self.untrained:,} with no assistant token (nothing to train on)" if self.untrained else ""
         return (
             f"{len(self):,} sequences of {self.seq_len} tokens packed from {self.conversations:,} conversations"
-            f"{cut}, separated by token {self.separator}; {int(self.trained[:, 1:].sum()):,} tokens carry loss"
+            f"{cut}{untrained}, separated by token {self.separator}; "
+            f"{int(self.trained[:, 1:].sum()):,} tokens carry loss"
         )
 
 
@@ -225,5 +252,5 @@ def build_chat_datasets(
     datasets = []
     for part in (kept, conversations[len(kept) :]) if held_out else (kept,):
         tokens, trained, cut = pack(part, data.seq_len + 1, separator)
-        datasets.append(ChatDataset(tokens, trained, len(part), cut, separator))
+        datasets.append(ChatDataset(tokens, trained, len(part), cut, separator, untrained(part, data.seq_len + 1)))
     return datasets[0], datasets[1] if held_out else None

@@ -82,7 +82,28 @@ def check_data_path(path: str, setting: str = "data.path") -> None:
         raise ConfigError(f"{setting}: '{path}' does not exist (nor is it a hub dataset name like org/name); {fix}")
 
 
-def _field_error(field: str, where: str, available: Iterable[str]) -> ConfigError:
+CHAT_FIELDS = ("messages", "conversations")
+"""Fields that hold a conversation in the usual chat formats: text records with one are chat data."""
+
+
+def _chat_hint(field: str) -> str:
+    """The fix for text settings on chat data whose conversations are in ``field``."""
+    fix = "set data.format=chat" + ("" if field == "messages" else f" and data.messages_field={field}")
+    return f"it looks like chat data ({field}): {fix}"
+
+
+def _chat_field(available: Iterable[str] | dict) -> str | None:
+    """The chat field of a record (a dict: only where it holds a list) or of a table's columns, else None."""
+    for name in CHAT_FIELDS:
+        if name in available and (not isinstance(available, dict) or isinstance(available[name], list)):
+            return name
+    return None
+
+
+def _field_error(field: str, where: str, available: Iterable[str] | dict) -> ConfigError:
+    chat = _chat_field(available)
+    if chat is not None:
+        return ConfigError(f"data.text_field: '{field}' is not in {where}; {_chat_hint(chat)}")
     names = ", ".join(sorted(str(a) for a in available)) or "none"
     return ConfigError(f"data.text_field: '{field}' is not in {where}; available fields: {names}; set data.text_field")
 
@@ -92,7 +113,8 @@ def _text_value(value: Any, field: str, where: str) -> str:
         return ""
     if not isinstance(value, str):
         kind = type(value).__name__
-        raise ConfigError(f"data.text_field: '{field}' in {where} is {kind}, not text; pick a text field")
+        fix = _chat_hint(field) if field in CHAT_FIELDS and isinstance(value, list) else "pick a text field"
+        raise ConfigError(f"data.text_field: '{field}' in {where} is {kind}, not text; {fix}")
     return value
 
 
