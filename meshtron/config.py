@@ -125,7 +125,8 @@ class DataConfig:
 
     path: str = BUILTIN_CORPUS
     """A directory made by ``meshtron data prepare``, or a text file, folder, .jsonl, .parquet, saved ``datasets``
-    dir, ``datasets`` hub name, or the built-in corpus (these are prepared into data.cache_dir first)."""
+    dir, ``datasets`` hub name, or the built-in corpus (these are prepared into data.cache_dir first). Parquet, saved
+    and hub datasets need ``pip install 'meshtron[data]'``."""
     text_field: str = "text"
     """The field (column) of structured data (.jsonl, .parquet, datasets) that holds each document's text."""
     tokenizer: str = "auto"

@@ -1,8 +1,10 @@
 """The one error type users see: a clear, one-line message naming the setting and the fix."""
 
 import contextlib
+import importlib
 import os
 from pathlib import Path
+from types import ModuleType
 
 REPORTED_ERRORS_ENV = "MESHTRON_REPORTED_ERRORS"
 """Set by ``meshtron train|eval --nproc`` (meshtron.launch) for its workers: a folder where a worker that said in its
@@ -32,3 +34,18 @@ def note_reported_end(code: int) -> None:
     if code and directory:
         with contextlib.suppress(OSError):
             Path(directory, str(os.getpid())).touch()
+
+
+def import_extra(module: str, *, needed_by: str, extra: str) -> ModuleType:
+    """``module`` imported, or a one-line ConfigError saying that ``needed_by`` (a setting or a command) needs it and
+    which meshtron extra installs it (``pip install 'meshtron[extra]'``)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        package = module.split(".")[0]
+        if err.name is None or err.name.split(".")[0] != package:
+            raise  # the package is there but something it imports is broken: torch's own message says what
+        raise ConfigError(
+            f"{needed_by} needs the {package} package, which meshtron installs only on request: "
+            f"pip install 'meshtron[{extra}]' (or pip install {package})"
+        ) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 
@@ -618,3 +619,50 @@ def test_a_resume_with_another_seq_len_trains_the_rest_of_the_epoch_once(tmp_pat
     assert len(np.setdiff1d(np.arange(corpus.num_tokens), np.concatenate([trained_before, recarried]))) < 8
     assert again.carry.next_epoch == 2
     assert replay_changes(second, shortest.stream_tokens, shuffle, 3).order.tolist() == again.carry.order.tolist()
+
+
+# ---------------------------------------------------------------- optional packages (pyproject.toml's extras)
+
+
+def block_imports(monkeypatch, *modules: str) -> None:
+    """As if ``modules`` were not installed: importing them raises ModuleNotFoundError."""
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+def test_sources_without_the_data_extra_name_it(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["x"]}), parquet)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    block_imports(monkeypatch, "datasets", "pyarrow", "pyarrow.parquet")
+    for source, what in ((parquet, "Parquet"), (saved, "saved dataset"), ("org/name", "hub dataset")):
+        with pytest.raises(ConfigError, match=rf"data.path: .*{what}.*pip install 'meshtron\[data\]'") as err:
+            list(iter_documents(str(source)))
+        assert "\n" not in str(err.value)
+
+
+def test_streaming_without_the_data_extra_names_it(monkeypatch):
+    from meshtron.data.streaming import open_stream
+
+    block_imports(monkeypatch, "datasets")
+    with pytest.raises(ConfigError, match=r"data.streaming needs the datasets package.*pip install 'meshtron\[data\]'"):
+        open_stream(BUILTIN_CORPUS, "text")
+
+
+def test_a_broken_package_is_not_called_missing(tmp_path, monkeypatch):
+    """An installed package that fails to import a package of its own keeps its own error; a missing one names
+    the extra."""
+    from meshtron.errors import import_extra
+
+    (tmp_path / "meshtron_test_needs_pyarrow.py").write_text("import pyarrow\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    block_imports(monkeypatch, "pyarrow")
+    with pytest.raises(ModuleNotFoundError, match="pyarrow"):
+        import_extra("meshtron_test_needs_pyarrow", needed_by="x", extra="y")
+    with pytest.raises(ConfigError, match=r"^x needs the meshtron_test_absent package.*'meshtron\[y\]'"):
+        import_extra("meshtron_test_absent", needed_by="x", extra="y")

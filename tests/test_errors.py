@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from conftest import run_cli, run_torchrun
@@ -207,6 +208,28 @@ def test_a_binary_data_file_is_one_line(capsys, tmp_path, setting, name):
     lines = error_lines(err)
     assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
     assert f"{setting}: {binary} is not UTF-8 text (a binary file?); point {setting} at" in lines[0], lines[0]
+
+
+def test_a_source_whose_extra_is_not_installed_is_one_line(capsys, tmp_path, monkeypatch):
+    """datasets (and pyarrow) come with `pip install 'meshtron[data]'`: a saved dataset without them is one line
+    naming that extra, exit 2, no traceback."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    code, err = run_main(capsys, [*FAST, f"--data.path={saved}", f"--data.cache_dir={tmp_path / 'cache'}"])
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "data.path: a saved dataset" in lines[0] and "pip install 'meshtron[data]'" in lines[0], lines[0]
+
+
+def test_generate_on_a_peft_adapter_without_peft_names_the_extra(tmp_path, monkeypatch):
+    from meshtron.checkpoint.generate import _merge_peft_adapter
+    from meshtron.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"meshtron generate: the peft adapter .* pip install 'meshtron\[peft\]'"):
+        _merge_peft_adapter(tmp_path / "adapter", tmp_path / "base", tmp_path / "out", trust_remote_code=False)
 
 
 def test_text_with_a_few_bytes_that_are_not_utf8_still_trains(tmp_path):

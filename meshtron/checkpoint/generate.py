@@ -20,7 +20,7 @@ import torch
 from meshtron.checkpoint.export import export_checkpoint, quiet_progress_bars
 from meshtron.checkpoint.integrity import META
 from meshtron.data.tokenizer import has_tokenizer
-from meshtron.errors import ConfigError
+from meshtron.errors import ConfigError, import_extra
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -41,17 +41,12 @@ def _base_of_adapter(adapter_dir: Path) -> Path:
 
 def _merge_peft_adapter(adapter_dir: Path, base: Path, out: Path, trust_remote_code: bool) -> Path:
     """The base model with the adapter merged (peft's ``merge_and_unload``), saved in ``out``."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        raise ConfigError(
-            f"meshtron generate: '{adapter_dir}' is a peft adapter and loading it needs peft; pip install peft"
-        ) from None
+    peft = import_extra("peft", needed_by=f"meshtron generate: the peft adapter '{adapter_dir}'", extra="peft")
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code)
-        PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().save_pretrained(out)
+        peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().save_pretrained(out)
     except (OSError, ValueError, RuntimeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(

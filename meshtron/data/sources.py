@@ -16,8 +16,11 @@ from typing import Any, Iterable, Iterator
 
 from meshtron.config import BUILTIN_CORPUS
 from meshtron.data.shards import is_prepared
-from meshtron.errors import ConfigError
+from meshtron.errors import ConfigError, import_extra
 
+DATA_EXTRA = "data"
+"""The meshtron extra (pyproject.toml) that installs ``datasets`` and ``pyarrow``: Parquet files, saved datasets, hub
+datasets and ``data.streaming`` need it; text files, JSON lines and prepared corpora do not."""
 TEXT_EXTENSIONS = (".txt", ".md", ".py", ".rst", ".text")
 FOLDER_EXTENSIONS = TEXT_EXTENSIONS + (".jsonl", ".parquet")
 JSON_EXTENSIONS = (".jsonl", ".json")
@@ -183,7 +186,7 @@ def _read_json_lines(path: Path, field: str) -> Iterator[str]:
 
 
 def _read_parquet(path: Path, field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    pq = import_extra("pyarrow.parquet", needed_by=f"data.path: reading Parquet ({path})", extra=DATA_EXTRA)
 
     try:
         pf = pq.ParquetFile(path)
@@ -214,7 +217,7 @@ def _read_dataset(ds: Any, field: str, where: str) -> Iterator[str]:
 
 
 def _load_saved(path: Path) -> Any:
-    import datasets
+    datasets = import_extra("datasets", needed_by=f"data.path: a saved dataset ({path})", extra=DATA_EXTRA)
 
     try:
         ds = datasets.load_from_disk(str(path))
@@ -232,7 +235,7 @@ def _load_saved(path: Path) -> Any:
 
 
 def _load_hub(name: str) -> Any:
-    import datasets
+    datasets = import_extra("datasets", needed_by=f"data.path: a hub dataset ('{name}')", extra=DATA_EXTRA)
 
     try:
         return datasets.load_dataset(name, split="train")

@@ -33,6 +33,7 @@ from meshtron.config import BUILTIN_CORPUS, DataConfig
 from meshtron.data.dataset import inputs_and_labels
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.data.sources import (
+    DATA_EXTRA,
     JSON_EXTENSIONS,
     _field_error,
     _folder_files,
@@ -40,7 +41,7 @@ from meshtron.data.sources import (
     _load_saved,
     _stdlib_files,
 )
-from meshtron.errors import ConfigError, MeshtronError
+from meshtron.errors import ConfigError, MeshtronError, import_extra
 
 SNAPSHOT_EVERY = 256
 """Documents between two reader snapshots: a resume re-reads at most this many more raw documents."""
@@ -53,7 +54,7 @@ STATE_VERSION = 1
 
 def open_stream(path: str, text_field: str):
     """(a ``datasets.IterableDataset`` over ``path`` in a fixed order, the name of its text column)."""
-    import datasets
+    datasets = import_extra("datasets", needed_by="data.streaming", extra=DATA_EXTRA)
 
     local = Path(path).expanduser()
     if path == BUILTIN_CORPUS:
