@@ -17,12 +17,14 @@ from conftest import run_main
 
 from meshtron.command import meshtron_command
 from meshtron.config import load_config, to_toml
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.runtime import Runtime
 from meshtron.metrics.plot import compare_runs
 from meshtron.metrics.runs import read_run
 from meshtron.metrics.step_log import Eta, MetricsLogger, format_duration
 from meshtron.train.optim.build import lr_at
-from meshtron.train.run_messages import saved_message
+from meshtron.train.run_messages import saved_message, settings_summary
 from meshtron.train.segments import schedule_change_warning, start_segment
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -306,3 +308,54 @@ def test_a_run_and_its_resume_say_what_they_did_and_their_commands_run_as_printe
     exported = printed_commands(resumed.stdout)["export it"]
     assert exported[:2] == ["export", str(out / "checkpoints" / "step-00000008")]
     assert run_main(exported).returncode == 0 and (Path(exported[2]) / "config.json").is_file()
+
+
+# Settings -> the words the start-up line must show for them (issue 57: hybrid CP showed as ``cp=4``, bf16 weights as
+# "no mixed precision", tiled MLPs, offloading, rope scaling, the objective and LoRA's rank not at all).
+SHOWN = [
+    ([], 1, ["layout: single process |", "float32 weights, no mixed precision", "causal LM", "document masks (sdpa)"]),
+    (
+        ["parallel.cp=4", "parallel.cp_method=hybrid", "parallel.cp_ulysses=2"],
+        4,
+        ["cp=4 (cp hybrid: ulysses 2 x ring 2)"],
+    ),
+    (["parallel.cp=2", "parallel.cp_method=ulysses"], 2, ["cp=2 (cp ulysses)"]),
+    (["parallel.tp=2", "parallel.sequence_parallel=false"], 2, ["tp=2 (no sequence parallel)"]),
+    (["parallel.ep=2"], 2, ["dp_shard=2 ep=2"]),
+    (["fsdp.cpu_offload=true"], 1, ["optimizer state in host memory (fsdp.cpu_offload)"]),
+    (["model.dtype=bfloat16"], 1, ["bfloat16 weights, no mixed precision"]),
+    (["precision.mixed_precision=bf16"], 1, ["float32 weights, bf16 compute, gradients reduced in float32"]),
+    (["precision.mixed_precision=fp16", "fsdp.reduce_dtype=none"], 1, ["fp16 compute with loss scaling", "in fp16"]),
+    (["precision.float8=true", "precision.float8_recipe=rowwise"], 1, ["float8 rowwise matmuls"]),
+    (["train.mlp_tiles=4"], 1, ["MLP in 4 tiles"]),
+    (["train.activation_offload=true"], 1, ["activations offloaded to host memory"]),
+    (["train.activation_checkpointing=selective"], 1, ["activation checkpointing selective"]),
+    (['model.rope_scaling={"rope_type": "yarn", "factor": 4.0}'], 1, ["rope scaling yarn x4"]),
+    (["model.max_position_embeddings=4096"], 1, ["4,096 positions"]),
+    (["lora.rank=8", "lora.targets=q_proj,v_proj"], 1, ["LoRA rank 8 alpha 16 on q_proj,v_proj"]),
+    (["optimizer.name=muon"], 1, ["muon optimizer"]),
+    (["data.format=chat"], 1, ["causal LM, chat: loss on the assistant's tokens"]),
+    (["data.mask_documents=false"], 1, ["no document masks"]),
+    (["train.loss_chunk_size=0"], 1, ["logits whole"]),
+    (["train.batch_rampup=2:10"], 1, ["batch rampup 2:10"]),
+    (["moe.router_balance=bias"], 1, ["router balance bias"]),
+]
+
+
+@pytest.mark.parametrize("overrides, world, words", SHOWN)
+def test_startup_line_shows_what_is_on(overrides, world, words):
+    cfg = load_config(None, overrides, env={})
+    setup = SimpleNamespace(dims=ParallelDims.from_config(cfg.parallel, world), compiled=False, attention_kernel="sdpa")
+    line = settings_summary(cfg, setup, precision_policy(cfg, "cpu"))
+    for word in words:
+        assert word in line, (overrides, line)
+    assert "\n" not in line
+
+
+def test_startup_line_shows_compiled_blocks():
+    cfg = load_config(None, [], env={})
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    compiled = SimpleNamespace(dims=dims, compiled=True, attention_kernel="flex")
+    assert "compiled blocks" in settings_summary(cfg, compiled, precision_policy(cfg, "cpu"))
+    eager = SimpleNamespace(dims=dims, compiled=False, attention_kernel="flex")
+    assert "compiled" not in settings_summary(cfg, eager, precision_policy(cfg, "cpu"))
