@@ -427,7 +427,8 @@ class RunConfig:
     """The run's outputs, device, logging, profiling and hang timeout."""
 
     output_dir: str | None = None
-    """Where config.toml and metrics.jsonl (and by default the checkpoints) go; unset: ``runs/<timestamp>``. A
+    """Where config.toml and metrics.jsonl (and by default the checkpoints) go; unset: ``runs/<timestamp>`` (after a
+    line naming an earlier run of the same settings there, docs/checkpointing.md#running-the-same-command-again). A
     directory holding a previous run is refused, unless the run resumes from its checkpoint. Under torchrun,
     checkpointing needs it (or checkpoint.dir) set."""
     device: str = "auto"

@@ -8,6 +8,7 @@ import io
 import json
 import re
 import shlex
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,8 +16,9 @@ import pytest
 import torch
 from conftest import run_main
 
+from meshtron.checkpoint.earlier_runs import earlier_run_notice, find_earlier_run
 from meshtron.command import meshtron_command
-from meshtron.config import load_config, to_toml
+from meshtron.config import load_config, save_config, to_toml
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.runtime import Runtime
@@ -359,3 +361,69 @@ def test_startup_line_shows_compiled_blocks():
     assert "compiled blocks" in settings_summary(cfg, compiled, precision_policy(cfg, "cpu"))
     eager = SimpleNamespace(dims=dims, compiled=False, attention_kernel="flex")
     assert "compiled" not in settings_summary(cfg, eager, precision_policy(cfg, "cpu"))
+
+
+def earlier_run(runs: Path, name: str, overrides: list[str], step: int | None) -> Path:
+    """A run folder as a run leaves it: its config.toml, and a ``latest`` marker naming the checkpoint of ``step``."""
+    folder = runs / name
+    (folder / "checkpoints").mkdir(parents=True)
+    save_config(load_config(None, [*overrides, f"run.output_dir={folder}"], env={}), folder / "config.toml")
+    if step is not None:
+        (folder / "checkpoints" / "latest").write_text(f"step-{step:08d}")
+    return folder
+
+
+SAME = ["train.steps=6", "optimizer.lr=1e-3", "checkpoint.interval=3"]
+
+
+def test_an_earlier_run_of_the_same_settings_is_named_with_its_resume(tmp_path):
+    runs = tmp_path / "runs"
+    folder = earlier_run(runs, "20260101-000000", SAME, 3)
+    earlier_run(runs, "other-lr", ["train.steps=6", "optimizer.lr=2e-3", "checkpoint.interval=3"], 3)
+    earlier_run(runs, "no-checkpoint", SAME, None)
+    notice = earlier_run_notice(load_config(None, SAME, env={}), runs)
+    assert notice == (
+        f"meshtron: note: {folder} holds an earlier run of the same settings with a checkpoint of step 3 of 6; this "
+        f"one starts over from step 1 in a new folder: to resume that one instead, run the same command with "
+        f"--run.output_dir={folder}"
+    )
+    # What does not change the model trained does not count: the layout, logging, checkpoint frequency, compile.
+    other_how = [*SAME, "parallel.tp=2", "run.loggers=jsonl,tensorboard", "checkpoint.interval=5", "train.compile=true"]
+    assert find_earlier_run(load_config(None, other_how, env={}), runs).output_dir == folder
+    done = tmp_path / "done"
+    assert earlier_run_notice(load_config(None, SAME, env={}), done) is None  # no runs folder yet
+    earlier_run(done, "a", SAME, 6)
+    assert "finished (checkpoint of step 6, train.steps=6)" in earlier_run_notice(load_config(None, SAME, env={}), done)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optimizer.lr=2e-3"],  # another model
+        ["data.seq_len=128"],
+        ["run.output_dir=elsewhere"],  # a folder chosen: nothing to tell
+        ["checkpoint.resume=none"],  # starting over on purpose
+        ["checkpoint.dir=/shared/ckpt"],  # resume=auto already resumes from there
+    ],
+)
+def test_no_earlier_run_is_named_for_other_settings_or_a_chosen_folder(tmp_path, overrides):
+    runs = tmp_path / "runs"
+    earlier_run(runs, "20260101-000000", SAME, 3)
+    assert earlier_run_notice(load_config(None, [*SAME, *overrides], env={}), runs) is None
+
+
+def test_running_the_same_command_again_names_the_earlier_run(tmp_path, monkeypatch, cache_dir):
+    """One process, in this process: the second start of the same command names the first's folder (its config.toml
+    as the run wrote it) and trains in a new one."""
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--model.preset=tiny", "--data.max_documents=5", "--data.seq_len=16", "--train.steps=2"]
+    args += ["--run.progress=false", "--checkpoint.interval=2", f"--data.cache_dir={cache_dir}"]
+    first = run_main(args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    [folder] = (tmp_path / "runs").iterdir()
+    assert "holds an earlier run" not in first.stdout
+    time.sleep(1.1)  # runs/<timestamp> has seconds
+    second = run_main([*args, "--run.loggers=jsonl"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"meshtron: note: runs/{folder.name} holds an earlier run of the same settings, finished" in second.stdout
+    assert len(list((tmp_path / "runs").iterdir())) == 2
