@@ -754,7 +754,10 @@ def parse_overrides(extra: list[str], usage: str) -> list[str]:
     while index < len(extra):
         item = extra[index]
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument '{item}'; settings look like --section.key=value ({usage})")
+            name = item.lstrip("-").split("=", 1)[0]
+            suggestion = suggest_key(Config(), name) if item.startswith("--") and name else ""
+            guess = f" did you mean --{suggestion}?" if suggestion else ""
+            raise ConfigError(f"unexpected argument '{item}';{guess} settings look like --section.key=value ({usage})")
         if "=" not in item and index + 1 < len(extra) and not extra[index + 1].startswith("--"):
             item = f"{item}={extra[index + 1]}"
             index += 1

@@ -15,6 +15,7 @@ from meshtron.config import (
     DEPRECATED_KEYS,
     Config,
     load_config,
+    parse_overrides,
     resolve_config,
     save_config,
     to_dict,
@@ -101,6 +102,15 @@ def test_unknown_key_on_the_command_line_suggests_the_nearest(override, suggesti
     key = override.partition("=")[0]
     assert str(err.value).startswith(f"unknown config key '{key}'; did you mean {suggestion}? ")
     assert "\n" not in str(err.value)
+
+
+def test_a_bare_key_on_the_command_line_suggests_its_section():
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["--steps=5"], "meshtron train ...")
+    assert str(err.value).startswith("unexpected argument '--steps=5'; did you mean --train.steps? settings look like")
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["--frobnicate"], "meshtron train ...")
+    assert "did you mean" not in str(err.value)
 
 
 def test_unknown_key_with_nothing_near_guesses_nothing():
