@@ -25,6 +25,7 @@ from meshtron.distributed.runtime import Runtime
 from meshtron.metrics.plot import compare_runs
 from meshtron.metrics.runs import read_run
 from meshtron.metrics.step_log import Eta, MetricsLogger, format_duration
+from meshtron.models.build import load_hf_config
 from meshtron.train.optim.build import lr_at
 from meshtron.train.run_messages import saved_message, settings_summary
 from meshtron.train.segments import schedule_change_warning, start_segment
@@ -319,9 +320,9 @@ SHOWN = [
     (
         ["parallel.cp=4", "parallel.cp_method=hybrid", "parallel.cp_ulysses=2"],
         4,
-        ["cp=4 (cp hybrid: ulysses 2 x ring 2)"],
+        ["cp=4 (hybrid: ulysses 2 x ring 2)"],
     ),
-    (["parallel.cp=2", "parallel.cp_method=ulysses"], 2, ["cp=2 (cp ulysses)"]),
+    (["parallel.cp=2", "parallel.cp_method=ulysses"], 2, ["cp=2 (ulysses)"]),
     (["parallel.tp=2", "parallel.sequence_parallel=false"], 2, ["tp=2 (no sequence parallel)"]),
     (["parallel.ep=2"], 2, ["dp_shard=2 ep=2"]),
     (["fsdp.cpu_offload=true"], 1, ["optimizer state in host memory (fsdp.cpu_offload)"]),
@@ -340,14 +341,19 @@ SHOWN = [
     (["data.mask_documents=false"], 1, ["no document masks"]),
     (["train.loss_chunk_size=0"], 1, ["logits whole"]),
     (["train.batch_rampup=2:10"], 1, ["batch rampup 2:10"]),
-    (["moe.router_balance=bias"], 1, ["router balance bias"]),
+    (["model.preset=deepseekv3-tiny"], 1, ["8 experts, router bias balancing"]),  # auto: DeepSeek-V3's own bias
+    (["model.preset=qwen3moe-tiny", "moe.router_aux_loss=true"], 1, ["4 experts, router aux loss"]),
+    (["model.preset=qwen3moe-tiny", "moe.router_balance=bias"], 1, ["4 experts, router bias balancing"]),
 ]
 
 
 @pytest.mark.parametrize("overrides, world, words", SHOWN)
 def test_startup_line_shows_what_is_on(overrides, world, words):
     cfg = load_config(None, overrides, env={})
-    setup = SimpleNamespace(dims=ParallelDims.from_config(cfg.parallel, world), compiled=False, attention_kernel="sdpa")
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    setup = SimpleNamespace(
+        dims=dims, compiled=False, attention_kernel="sdpa", hf_config=load_hf_config(cfg.model, 257)
+    )
     line = settings_summary(cfg, setup, precision_policy(cfg, "cpu"))
     for word in words:
         assert word in line, (overrides, line)
@@ -357,9 +363,11 @@ def test_startup_line_shows_what_is_on(overrides, world, words):
 def test_startup_line_shows_compiled_blocks():
     cfg = load_config(None, [], env={})
     dims = ParallelDims.from_config(cfg.parallel, 1)
-    compiled = SimpleNamespace(dims=dims, compiled=True, attention_kernel="flex")
+    compiled = SimpleNamespace(
+        dims=dims, compiled=True, attention_kernel="flex", hf_config=load_hf_config(cfg.model, 257)
+    )
     assert "compiled blocks" in settings_summary(cfg, compiled, precision_policy(cfg, "cpu"))
-    eager = SimpleNamespace(dims=dims, compiled=False, attention_kernel="flex")
+    eager = SimpleNamespace(dims=dims, compiled=False, attention_kernel="flex", hf_config=compiled.hf_config)
     assert "compiled" not in settings_summary(cfg, eager, precision_policy(cfg, "cpu"))
 
 

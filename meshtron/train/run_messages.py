@@ -14,6 +14,8 @@ from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.runtime import local_world_size
+from meshtron.models.moe import is_moe, num_experts
+from meshtron.train.moe.router_balance import resolve_router_balance
 
 
 def evaluated_message(result) -> str:
@@ -119,9 +121,9 @@ def layout_summary(cfg, dims) -> str:
     p, notes = cfg.parallel, []
     if dims.cp > 1:
         if p.cp_method == "hybrid":
-            notes.append(f"cp hybrid: ulysses {p.cp_ulysses} x ring {dims.cp // p.cp_ulysses}")
+            notes.append(f"hybrid: ulysses {p.cp_ulysses} x ring {dims.cp // p.cp_ulysses}")
         else:
-            notes.append(f"cp {p.cp_method}")
+            notes.append(p.cp_method)
     if dims.tp > 1:
         notes += [
             f"no {name.replace('_', ' ')}" for name in ("sequence_parallel", "loss_parallel") if not getattr(p, name)
@@ -166,7 +168,7 @@ def computed_summary(cfg, setup) -> str:
         parts.append(f"document masks ({setup.attention_kernel})")
     else:
         parts.append("document masks")
-    parts += _model_notes(cfg) + _optimization_notes(cfg)
+    parts += _model_notes(cfg) + _moe_notes(cfg, setup.hf_config) + _optimization_notes(cfg)
     if t.activation_checkpointing != "none":
         parts.append(f"activation checkpointing {t.activation_checkpointing}")
     if setup.compiled:
@@ -197,15 +199,24 @@ def _model_notes(cfg) -> list[str]:
     return notes
 
 
+def _moe_notes(cfg, hf_config) -> list[str]:
+    """A mixture of experts' experts and how its routers are balanced (``moe.router_balance`` resolved)."""
+    if not is_moe(hf_config):
+        return []
+    if resolve_router_balance(cfg.moe.router_balance, hf_config) == "bias":
+        balance = "router bias balancing"
+    else:
+        aux = cfg.moe.router_aux_loss
+        on = aux == "true" or (aux == "auto" and getattr(hf_config, "output_router_logits", False))
+        balance = "router aux loss" if on else "no router balancing"
+    return [f"{num_experts(hf_config)} experts, {balance}"]
+
+
 def _optimization_notes(cfg) -> list[str]:
-    """The optimizer when not AdamW, MoE balancing chosen by hand, the batch's changes over the run."""
+    """The optimizer when not AdamW, the batch's changes over the run."""
     notes = []
     if cfg.optimizer.name != "adamw":
         notes.append(f"{cfg.optimizer.name} optimizer")
-    if cfg.moe.router_balance != "auto":
-        notes.append(f"router balance {cfg.moe.router_balance}")
-    if cfg.moe.router_aux_loss != "auto":
-        notes.append(f"router aux loss {cfg.moe.router_aux_loss}")
     if cfg.train.batch_rampup.strip():
         notes.append(f"batch rampup {cfg.train.batch_rampup.strip()}")
     if cfg.data.skip_batches:
