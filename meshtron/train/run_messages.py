@@ -16,6 +16,7 @@ from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.runtime import local_world_size
 from meshtron.models.moe import is_moe, num_experts
 from meshtron.train.moe.router_balance import resolve_router_balance
+from meshtron.train.moe.router_loss import router_loss_enabled
 
 
 def evaluated_message(result) -> str:
@@ -206,9 +207,9 @@ def _moe_notes(cfg, hf_config) -> list[str]:
     if resolve_router_balance(cfg.moe.router_balance, hf_config) == "bias":
         balance = "router bias balancing"
     else:
-        aux = cfg.moe.router_aux_loss
-        on = aux == "true" or (aux == "auto" and getattr(hf_config, "output_router_logits", False))
-        balance = "router aux loss" if on else "no router balancing"
+        balance = (
+            "router aux loss" if router_loss_enabled(cfg.moe.router_aux_loss, hf_config) else "no router balancing"
+        )
     return [f"{num_experts(hf_config)} experts, {balance}"]
 
 
