@@ -165,7 +165,7 @@ def computed_summary(cfg, setup) -> str:
     parts = [objective]
     if not d.mask_documents:
         parts.append("no document masks")
-    elif cfg.parallel.cp == 1 and setup.dims.cp == 1:
+    elif setup.dims.cp == 1:  # under cp the context-parallel exchange computes them
         parts.append(f"document masks ({setup.attention_kernel})")
     else:
         parts.append("document masks")
