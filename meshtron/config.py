@@ -8,6 +8,7 @@ work, so a bad setting fails the same way on every rank.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -427,7 +428,8 @@ class RunConfig:
     """The run's outputs, device, logging, profiling and hang timeout."""
 
     output_dir: str | None = None
-    """Where config.toml and metrics.jsonl (and by default the checkpoints) go; unset: ``runs/<timestamp>``. A
+    """Where config.toml and metrics.jsonl (and by default the checkpoints) go; unset: ``runs/<timestamp>`` (after a
+    line naming an earlier run of the same settings there, docs/checkpointing.md#running-the-same-command-again). A
     directory holding a previous run is refused, unless the run resumes from its checkpoint. Under torchrun,
     checkpointing needs it (or checkpoint.dir) set."""
     device: str = "auto"
@@ -660,15 +662,67 @@ RETIRED_KEYS = {
 }
 
 
-def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
+def did_you_mean(given: str, known, prefix: str = "") -> str:
+    """`` did you mean PREFIX+X?`` for X the closest of ``known`` to ``given``, or "" when none is close."""
+    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.6)
+    return f" did you mean {prefix}{close[0]}?" if close else ""
+
+
+def all_keys(cfg: Config) -> list[str]:
+    """Every ``section.key`` setting (an optimizer's own settings, ``optimizer.NAME.KEY``, are the registry's)."""
+    return [
+        f"{name}.{key}"
+        for name, section in _sections(cfg).items()
+        for key in field_types(type(section))
+        if not (name == "optimizer" and key == "settings")
+    ]
+
+
+def suggest_key(cfg: Config, dotted: str) -> str:
+    """The setting an unknown ``dotted`` key most likely meant, or "": the same key in another section
+    (``train.seq_len``: ``data.seq_len``; a TOML key outside any table), a near miss in its own section or its
+    section's near miss (``train.stepz``, ``trian.steps``: ``train.steps``), a near miss of a key found in one section
+    only (``model.seqlen``: ``data.seq_len``; an old key: its new one), or the nearest of all keys."""
+    keys = all_keys(cfg)
+    section_name, _, key = dotted.partition(".")
+    key = key or section_name
+    by_name: dict[str, list[str]] = {}
+    for known in [*keys, *DEPRECATED_KEYS]:
+        by_name.setdefault(known.partition(".")[2], []).append(DEPRECATED_KEYS.get(known, known))
+    unique = {name: found[0] for name, found in by_name.items() if len(set(found)) == 1}
+    if key in unique:
+        return unique[key]
+    sections = list(_sections(cfg))
+    near = difflib.get_close_matches(section_name, sections, n=1, cutoff=0.6)
+    section_name = near[0] if near and section_name not in sections else section_name
+    own = [known.partition(".")[2] for known in keys if known.startswith(f"{section_name}.")]
+    close = difflib.get_close_matches(key, own, n=1, cutoff=0.7)
+    if close:
+        return f"{section_name}.{close[0]}"
+    close = difflib.get_close_matches(key, unique, n=1, cutoff=0.8)
+    if close:
+        return unique[close[0]]
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
+    return close[0] if close else ""
+
+
+def _did_you_mean_key(cfg: Config, dotted: str) -> str:
+    suggestion = suggest_key(cfg, dotted)
+    return f" did you mean {suggestion}?" if suggestion else ""
+
+
+def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool, source: str = "") -> None:
+    """Set one ``section.key`` (``source``: where it was given, named in the error for an unknown key)."""
     dotted = KEY_ALIASES.get(dotted, dotted)
     if dotted in RETIRED_KEYS:
         raise ConfigError(f"{dotted} is no longer a setting; use {RETIRED_KEYS[dotted]}")
     sections = _sections(cfg)
     section_name, _, key = dotted.partition(".")
+    where = f" in {source}" if source.startswith("config file") else ""
     if section_name not in sections or not key:
         raise ConfigError(
-            f"unknown config key '{dotted}'; keys look like section.key with section one of {', '.join(sections)}"
+            f"unknown config key '{dotted}'{where};{_did_you_mean_key(cfg, dotted)} keys look like section.key with "
+            f"section one of {', '.join(sections)}"
         )
     section = sections[section_name]
     types_ = field_types(type(section))
@@ -676,7 +730,7 @@ def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
         name, _, setting = key.partition(".")
         if name in types_ or not setting:
             raise ConfigError(
-                f"unknown config key '{dotted}'; an optimizer's own settings look like optimizer.muon.KEY"
+                f"unknown config key '{dotted}'{where}; an optimizer's own settings look like optimizer.muon.KEY"
             )
         if from_text:  # the command line's text read as TOML reads it (0.9 a float, 5 an int), else kept as text
             try:
@@ -686,7 +740,11 @@ def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool) -> None:
         cfg.optimizer.settings.setdefault(name, {})[setting] = value
         return
     if key not in types_ or key == "settings" and section_name == "optimizer":
-        raise ConfigError(f"unknown config key '{dotted}'; valid keys in [{section_name}]: {', '.join(types_)}")
+        valid = [name for name in types_ if not (section_name == "optimizer" and name == "settings")]
+        raise ConfigError(
+            f"unknown config key '{dotted}'{where};{_did_you_mean_key(cfg, dotted)} valid keys in [{section_name}]: "
+            f"{', '.join(valid)}"
+        )
     setattr(section, key, _coerce(dotted, value, types_[key], from_text))
 
 
@@ -697,7 +755,10 @@ def parse_overrides(extra: list[str], usage: str) -> list[str]:
     while index < len(extra):
         item = extra[index]
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument '{item}'; settings look like --section.key=value ({usage})")
+            name = item.lstrip("-").split("=", 1)[0]
+            suggestion = suggest_key(Config(), name) if item.startswith("--") and name else ""
+            guess = f" did you mean --{suggestion}?" if suggestion else ""
+            raise ConfigError(f"unexpected argument '{item}';{guess} settings look like --section.key=value ({usage})")
         if "=" not in item and index + 1 < len(extra) and not extra[index + 1].startswith("--"):
             item = f"{item}={extra[index + 1]}"
             index += 1
@@ -724,7 +785,10 @@ def load_config(
         items = []
         for section_name, values in data.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"unknown config key '{section_name}'; put settings under [section] tables")
+                raise ConfigError(
+                    f"unknown config key '{section_name}' in config file '{path}';"
+                    f"{_did_you_mean_key(cfg, section_name)} put settings under [section] tables"
+                )
             for key, value in values.items():
                 if section_name == "optimizer" and isinstance(value, dict):  # [optimizer.muon]: its own settings
                     items += [(f"optimizer.{key}.{setting}", inner) for setting, inner in value.items()]
@@ -766,7 +830,7 @@ def _set_all(cfg: Config, items: list[tuple[str, Any]], *, from_text: bool, sour
                     module=__name__,
                 )
             dotted = new
-        _set(cfg, dotted, value, from_text=from_text)
+        _set(cfg, dotted, value, from_text=from_text, source=source)
 
 
 _BOOL_WORDS = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}

@@ -62,6 +62,7 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
 
+    from meshtron.checkpoint.earlier_runs import earlier_run_notice
     from meshtron.distributed.devices import resolve_device_type
     from meshtron.resilience.faults import LAUNCHER_PID_ENV
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
@@ -76,6 +77,9 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
                 "a launch over several nodes needs run.output_dir: a folder every node shares (each "
                 "machine would pick its own runs/<timestamp>)"
             )
+        notice = earlier_run_notice(cfg) if nodes is None else None
+        if notice:
+            print(notice, flush=True)
         name = nodes.job_id if nodes is not None else datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.run.output_dir = str(Path("runs") / name)
         extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]

@@ -15,6 +15,7 @@ from meshtron.config import (
     DEPRECATED_KEYS,
     Config,
     load_config,
+    parse_overrides,
     resolve_config,
     save_config,
     to_dict,
@@ -81,6 +82,76 @@ def test_bad_toml_type_and_unknown_section(tmp_path):
         load_config(unknown, env={})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml", env={})
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("train.stepz=3", "train.steps"),  # a near miss in its section
+        ("trian.steps=3", "train.steps"),  # a near miss of the section
+        ("trainer.steps=3", "train.steps"),
+        ("train.seq_len=64", "data.seq_len"),  # a key of another section
+        ("model.seqlen=64", "data.seq_len"),  # a near miss of a key of another section
+        ("train.optimiser=muon", "optimizer.name"),  # an old key's near miss: its new key
+        ("run.outputdir=x", "run.output_dir"),
+    ],
+)
+def test_unknown_key_on_the_command_line_suggests_the_nearest(override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override], env={})
+    key = override.partition("=")[0]
+    assert str(err.value).startswith(f"unknown config key '{key}'; did you mean {suggestion}? ")
+    assert "\n" not in str(err.value)
+
+
+def test_a_bare_key_on_the_command_line_suggests_its_section():
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["--steps=5"], "meshtron train ...")
+    assert str(err.value).startswith("unexpected argument '--steps=5'; did you mean --train.steps? settings look like")
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["--frobnicate"], "meshtron train ...")
+    assert "did you mean" not in str(err.value)
+
+
+def test_unknown_key_with_nothing_near_guesses_nothing():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.xyz=1"], env={})
+    assert "did you mean" not in str(err.value) and "valid keys in [train]: steps, " in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, key, suggestion",
+    [
+        ("[train]\nstepz = 3\n", "train.stepz", "train.steps"),
+        ("[trian]\nsteps = 3\n", "trian.steps", "train.steps"),
+        ("steps = 3\n", "steps", "train.steps"),  # outside any table
+        ("[data]\ntokeniser = 'byte'\n", "data.tokeniser", "data.tokenizer"),
+    ],
+)
+def test_unknown_key_in_a_toml_file_names_the_file_and_suggests(tmp_path, text, key, suggestion):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert str(err.value).startswith(f"unknown config key '{key}' in config file '{path}'; did you mean {suggestion}? ")
+
+
+def test_unknown_optimizer_setting_suggests_the_nearest():
+    from meshtron.train.optim.registry import check_optimizer
+
+    for override, start in (
+        (
+            "optimizer.muon.momentun=0.9",
+            "unknown config key 'optimizer.muon.momentun'; did you mean optimizer.muon.momentum? muon's own settings: ",
+        ),
+        (
+            "optimizer.moun.momentum=0.9",
+            "unknown config key 'optimizer.moun': no optimizer 'moun'; did you mean muon? ",
+        ),
+    ):
+        with pytest.raises(ConfigError) as err:
+            check_optimizer(load_config(None, [override], env={}).optimizer)
+        assert str(err.value).startswith(start), str(err.value)
 
 
 def test_bool_and_optional_parsing():

@@ -37,7 +37,7 @@ def causal_lm_dir(tmp_path):
         (["--nproc", "3", "--parallel.dp_shard=2"], "world size 3 != product of the parallel degrees"),
         (["--nproc", "2", "--train.global_batch_size=3"], "train.global_batch_size 3 is not divisible"),
         (["--nproc", "2", "--train.global_batch_size=8", "--train.micro_batch_size=3"], "train.micro_batch_size 3"),
-        (["--train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["--train.stepz=3"], "unknown config key 'train.stepz'; did you mean train.steps?"),
         (["--train.steps=three"], "train.steps: expected int, got 'three'"),
         (
             ["--model.name_or_path=/no/such/model", "--model.preset=none"],

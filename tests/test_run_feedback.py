@@ -8,6 +8,7 @@ import io
 import json
 import re
 import shlex
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,14 +16,18 @@ import pytest
 import torch
 from conftest import run_main
 
+from meshtron.checkpoint.earlier_runs import earlier_run_notice, find_earlier_run
 from meshtron.command import meshtron_command
-from meshtron.config import load_config, to_toml
+from meshtron.config import load_config, save_config, to_toml
+from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.runtime import Runtime
 from meshtron.metrics.plot import compare_runs
 from meshtron.metrics.runs import read_run
 from meshtron.metrics.step_log import Eta, MetricsLogger, format_duration
+from meshtron.models.build import load_hf_config
 from meshtron.train.optim.build import lr_at
-from meshtron.train.run_messages import saved_message
+from meshtron.train.run_messages import saved_message, settings_summary
 from meshtron.train.segments import schedule_change_warning, start_segment
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -306,3 +311,127 @@ def test_a_run_and_its_resume_say_what_they_did_and_their_commands_run_as_printe
     exported = printed_commands(resumed.stdout)["export it"]
     assert exported[:2] == ["export", str(out / "checkpoints" / "step-00000008")]
     assert run_main(exported).returncode == 0 and (Path(exported[2]) / "config.json").is_file()
+
+
+# Settings -> the words the start-up line must show for them (issue 57: hybrid CP showed as ``cp=4``, bf16 weights as
+# "no mixed precision", tiled MLPs, offloading, rope scaling, the objective and LoRA's rank not at all).
+SHOWN = [
+    ([], 1, ["layout: single process |", "float32 weights, no mixed precision", "causal LM", "document masks (sdpa)"]),
+    (
+        ["parallel.cp=4", "parallel.cp_method=hybrid", "parallel.cp_ulysses=2"],
+        4,
+        ["cp=4 (hybrid: ulysses 2 x ring 2)"],
+    ),
+    (["parallel.cp=2", "parallel.cp_method=ulysses"], 2, ["cp=2 (ulysses)"]),
+    (["parallel.tp=2", "parallel.sequence_parallel=false"], 2, ["tp=2 (no sequence parallel)"]),
+    (["parallel.ep=2"], 2, ["dp_shard=2 ep=2"]),
+    (["fsdp.cpu_offload=true"], 1, ["optimizer state in host memory (fsdp.cpu_offload)"]),
+    (["model.dtype=bfloat16"], 1, ["bfloat16 weights, no mixed precision"]),
+    (["precision.mixed_precision=bf16"], 1, ["float32 weights, bf16 compute, gradients reduced in float32"]),
+    (["precision.mixed_precision=fp16", "fsdp.reduce_dtype=none"], 1, ["fp16 compute with loss scaling", "in fp16"]),
+    (["precision.float8=true", "precision.float8_recipe=rowwise"], 1, ["float8 rowwise matmuls"]),
+    (["train.mlp_tiles=4"], 1, ["MLP in 4 tiles"]),
+    (["train.activation_offload=true"], 1, ["activations offloaded to host memory"]),
+    (["train.activation_checkpointing=selective"], 1, ["activation checkpointing selective"]),
+    (['model.rope_scaling={"rope_type": "yarn", "factor": 4.0}'], 1, ["rope scaling yarn x4"]),
+    (["model.max_position_embeddings=4096"], 1, ["4,096 positions"]),
+    (["lora.rank=8", "lora.targets=q_proj,v_proj"], 1, ["LoRA rank 8 alpha 16 on q_proj,v_proj"]),
+    (["optimizer.name=muon"], 1, ["muon optimizer"]),
+    (["data.format=chat"], 1, ["causal LM, chat: loss on the assistant's tokens"]),
+    (["data.mask_documents=false"], 1, ["no document masks"]),
+    (["train.loss_chunk_size=0"], 1, ["logits whole"]),
+    (["train.batch_rampup=2:10"], 1, ["batch rampup 2:10"]),
+    (["model.preset=deepseekv3-tiny"], 1, ["8 experts, router bias balancing"]),  # auto: DeepSeek-V3's own bias
+    (["model.preset=qwen3moe-tiny", "moe.router_aux_loss=true"], 1, ["4 experts, router aux loss"]),
+    (["model.preset=qwen3moe-tiny", "moe.router_balance=bias"], 1, ["4 experts, router bias balancing"]),
+]
+
+
+@pytest.mark.parametrize("overrides, world, words", SHOWN)
+def test_startup_line_shows_what_is_on(overrides, world, words):
+    cfg = load_config(None, overrides, env={})
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    setup = SimpleNamespace(
+        dims=dims, compiled=False, attention_kernel="sdpa", hf_config=load_hf_config(cfg.model, 257)
+    )
+    line = settings_summary(cfg, setup, precision_policy(cfg, "cpu"))
+    for word in words:
+        assert word in line, (overrides, line)
+    assert "\n" not in line
+
+
+def test_startup_line_shows_compiled_blocks():
+    cfg = load_config(None, [], env={})
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    compiled = SimpleNamespace(
+        dims=dims, compiled=True, attention_kernel="flex", hf_config=load_hf_config(cfg.model, 257)
+    )
+    assert "compiled blocks" in settings_summary(cfg, compiled, precision_policy(cfg, "cpu"))
+    eager = SimpleNamespace(dims=dims, compiled=False, attention_kernel="flex", hf_config=compiled.hf_config)
+    assert "compiled" not in settings_summary(cfg, eager, precision_policy(cfg, "cpu"))
+
+
+def earlier_run(runs: Path, name: str, overrides: list[str], step: int | None) -> Path:
+    """A run folder as a run leaves it: its config.toml, and a ``latest`` marker naming the checkpoint of ``step``."""
+    folder = runs / name
+    (folder / "checkpoints").mkdir(parents=True)
+    save_config(load_config(None, [*overrides, f"run.output_dir={folder}"], env={}), folder / "config.toml")
+    if step is not None:
+        (folder / "checkpoints" / "latest").write_text(f"step-{step:08d}")
+    return folder
+
+
+SAME = ["train.steps=6", "optimizer.lr=1e-3", "checkpoint.interval=3"]
+
+
+def test_an_earlier_run_of_the_same_settings_is_named_with_its_resume(tmp_path):
+    runs = tmp_path / "runs"
+    folder = earlier_run(runs, "20260101-000000", SAME, 3)
+    earlier_run(runs, "other-lr", ["train.steps=6", "optimizer.lr=2e-3", "checkpoint.interval=3"], 3)
+    earlier_run(runs, "no-checkpoint", SAME, None)
+    notice = earlier_run_notice(load_config(None, SAME, env={}), runs)
+    assert notice == (
+        f"meshtron: note: {folder} holds an earlier run of the same settings with a checkpoint of step 3 of 6; this "
+        f"one starts over from step 1 in a new folder: to resume that one instead, run the same command with "
+        f"--run.output_dir={folder}"
+    )
+    # What does not change the model trained does not count: the layout, logging, checkpoint frequency, compile.
+    other_how = [*SAME, "parallel.tp=2", "run.loggers=jsonl,tensorboard", "checkpoint.interval=5", "train.compile=true"]
+    assert find_earlier_run(load_config(None, other_how, env={}), runs).output_dir == folder
+    done = tmp_path / "done"
+    assert earlier_run_notice(load_config(None, SAME, env={}), done) is None  # no runs folder yet
+    earlier_run(done, "a", SAME, 6)
+    assert "finished (checkpoint of step 6, train.steps=6)" in earlier_run_notice(load_config(None, SAME, env={}), done)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optimizer.lr=2e-3"],  # another model
+        ["data.seq_len=128"],
+        ["run.output_dir=elsewhere"],  # a folder chosen: nothing to tell
+        ["checkpoint.resume=none"],  # starting over on purpose
+        ["checkpoint.dir=/shared/ckpt"],  # resume=auto already resumes from there
+    ],
+)
+def test_no_earlier_run_is_named_for_other_settings_or_a_chosen_folder(tmp_path, overrides):
+    runs = tmp_path / "runs"
+    earlier_run(runs, "20260101-000000", SAME, 3)
+    assert earlier_run_notice(load_config(None, [*SAME, *overrides], env={}), runs) is None
+
+
+def test_running_the_same_command_again_names_the_earlier_run(tmp_path, monkeypatch, cache_dir):
+    """One process, in this process: the second start of the same command names the first's folder (its config.toml
+    as the run wrote it) and trains in a new one."""
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--model.preset=tiny", "--data.max_documents=5", "--data.seq_len=16", "--train.steps=2"]
+    args += ["--run.progress=false", "--checkpoint.interval=2", f"--data.cache_dir={cache_dir}"]
+    first = run_main(args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    [folder] = (tmp_path / "runs").iterdir()
+    assert "holds an earlier run" not in first.stdout
+    time.sleep(1.1)  # runs/<timestamp> has seconds
+    second = run_main([*args, "--run.loggers=jsonl"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"meshtron: note: runs/{folder.name} holds an earlier run of the same settings, finished" in second.stdout
+    assert len(list((tmp_path / "runs").iterdir())) == 2

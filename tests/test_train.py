@@ -14,7 +14,7 @@ import torch
 from conftest import run_cli, worker_env
 
 from meshtron.cli import main
-from meshtron.config import load_config
+from meshtron.config import load_config, save_config
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.grad_norm import clip_gradients, global_grad_norm
@@ -289,19 +289,27 @@ def test_collective_timeout_setting_reaches_the_process_group(capsys, monkeypatc
 
 @pytest.mark.slow
 def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
-    """Without run.output_dir the launcher fixes one (runs/<timestamp>) for its workers: they checkpoint there."""
+    """Without run.output_dir the launcher fixes one (runs/<timestamp>) for its workers: they checkpoint there. It
+    first names an earlier run of the same settings with a checkpoint (docs/checkpointing.md), as the launcher."""
+    settings = [
+        "--model.preset=tiny",
+        "--data.max_documents=30",
+        "--data.seq_len=32",
+        "--train.steps=6",
+        "--train.global_batch_size=4",
+        "--optimizer.lr=3e-3",
+    ]
+    earlier = tmp_path / "runs" / "earlier"
+    (earlier / "checkpoints").mkdir(parents=True)
+    save_config(load_config(None, [*settings, f"--run.output_dir={earlier}"], env={}), earlier / "config.toml")
+    (earlier / "checkpoints" / "latest").write_text("step-00000003")
     proc = run_cli(
         [
             "train",
             "--nproc",
             "2",
-            "--model.preset=tiny",
-            "--data.max_documents=30",
-            "--data.seq_len=32",
+            *settings,
             f"--data.cache_dir={cache_dir}",
-            "--train.steps=6",
-            "--train.global_batch_size=4",
-            "--optimizer.lr=3e-3",
             "--run.log_every=2",
             "--checkpoint.interval=3",
             "--run.profile_steps=2-3",  # docs/profiling.md: a trace per rank, FSDP's collectives in the summary
@@ -319,9 +327,11 @@ def test_cli_self_launch_trains_on_two_processes(tmp_path, cache_dir):
         ["/bin/sh", "-c", command], cwd=tmp_path, env={**worker_env(), "PATH": "/usr/bin:/bin"}, capture_output=True
     )
     assert shown.returncode == 0, (command, shown.stderr[-2000:])
-    [out] = (tmp_path / "runs").iterdir()
+    [out] = [folder for folder in (tmp_path / "runs").iterdir() if folder != earlier]
     assert (out / "metrics.png").is_file()
     assert "layout: dp_shard=2" in proc.stdout
+    assert "holds an earlier run of the same settings with a checkpoint of step 3 of 6; " in proc.stdout
+    assert "run the same command with --run.output_dir=runs/earlier" in proc.stdout
     assert "step 6/6" in proc.stdout and f"outputs in {out.relative_to(tmp_path)}" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 4, 6]  # run.log_every=2, and always the first step

@@ -14,6 +14,9 @@ from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.runtime import local_world_size
+from meshtron.models.moe import is_moe, num_experts
+from meshtron.train.moe.router_balance import resolve_router_balance
+from meshtron.train.moe.router_loss import router_loss_enabled
 
 
 def evaluated_message(result) -> str:
@@ -82,14 +85,12 @@ def saved_message(step: int, path: Path, seconds: float, paused: float | None = 
 
 
 def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_once: bool) -> str:
-    (
-        """The first log line: family, parameters, layout, precision, data and its tokenizer, how a step splits the
-    batch and when the run evaluates. ``built``: the trainer's built model (model, adapter, pipeline group);
-    ``evaluator``: its Evaluator or None; ``evaluates_once``: meshtron eval."""
-        ""
-    )
-    dims, batch = setup.dims, setup.batch
-    if dims.pp > 1:
+    """The first log line: family, parameters, layout, precision, what is computed (settings_summary), data and its
+    tokenizer, how a step splits the batch and when the run evaluates. ``built``: the trainer's built model (model,
+    adapter, pipeline group); ``policy``: its PrecisionPolicy; ``evaluator``: its Evaluator or None;
+    ``evaluates_once``: meshtron eval."""
+    batch = setup.batch
+    if setup.dims.pp > 1:
         batching = (
             f"{batch.rank_batch} sequences per rank in {batch.pp_microbatches} pipeline microbatches of "
             f"{batch.micro_batch_size} ({cfg.parallel.pp_schedule})"
@@ -100,12 +101,38 @@ def startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_onc
     if cfg.lora.enabled:
         counted += f" ({count_params(built.model, built.pp_group, trainable_only=True):,} trained: LoRA)"
     return (
-        f"meshtron: {built.adapter.family} model, {counted} | "
-        f"layout: {dims.describe()}{host_state_note(cfg)} | {policy.describe()} | "
+        f"meshtron: {built.adapter.family} model, {counted} | {settings_summary(cfg, setup, policy)} | "
         f"{data_summary(dataset, cfg.data.seq_len)} | "
         f"tokenizer: {setup.tokenizer.describe()} | {batching}"
         + (f" | {evaluator.describe(once=evaluates_once)}" if evaluator is not None else "")
     )
+
+
+def settings_summary(cfg, setup, policy) -> str:
+    """What the start-up line says is on: the layout, the precision, then what is computed and where it lives
+    (``setup``: the RunSetup, its resolved degrees, compile and attention kernel; ``policy``: the PrecisionPolicy)."""
+    return (
+        f"layout: {layout_summary(cfg, setup.dims)} | {precision_summary(cfg, policy)} | {computed_summary(cfg, setup)}"
+    )
+
+
+def layout_summary(cfg, dims) -> str:
+    """The degrees, and how the parallelisms that have variants run: the cp method, TP without sequence or loss
+    parallel, FSDP's unsharded accumulation, model state in host memory."""
+    p, notes = cfg.parallel, []
+    if dims.cp > 1:
+        if p.cp_method == "hybrid":
+            notes.append(f"hybrid: ulysses {p.cp_ulysses} x ring {dims.cp // p.cp_ulysses}")
+        else:
+            notes.append(p.cp_method)
+    if dims.tp > 1:
+        notes += [
+            f"no {name.replace('_', ' ')}" for name in ("sequence_parallel", "loss_parallel") if not getattr(p, name)
+        ]
+    if cfg.fsdp.accumulate_unsharded:
+        notes.append("gradients unsharded between micro-batches")
+    described = dims.describe() + (f" ({', '.join(notes)})" if notes else "")
+    return described + host_state_note(cfg)
 
 
 def host_state_note(cfg) -> str:
@@ -113,6 +140,89 @@ def host_state_note(cfg) -> str:
     if not cfg.fsdp.cpu_offload:
         return ""
     return ", parameters, gradients and optimizer state in host memory (fsdp.cpu_offload)"
+
+
+def precision_summary(cfg, policy) -> str:
+    """The weights' dtype and the compute's (``policy``: the run's PrecisionPolicy), fp16's loss scaling, the
+    gradients' reduction dtype under mixed precision, float8 matmuls."""
+    parts = [f"{cfg.model.dtype} weights", policy.describe()]
+    if policy.loss_scaling:
+        parts[-1] += " with loss scaling"
+    if policy.compute_dtype is not None:
+        reduce = cfg.fsdp.reduce_dtype or f"{policy.name} (the compute dtype)"
+        parts.append(f"gradients reduced in {reduce}")
+    if cfg.precision.float8:
+        parts.append(f"float8 {cfg.precision.float8_recipe} matmuls")
+    return ", ".join(parts)
+
+
+def computed_summary(cfg, setup) -> str:
+    """The objective and every setting that changes what a step computes or where its tensors live, briefly."""
+    d, t = cfg.data, cfg.train
+    objective = "causal LM"
+    if d.format == "chat":
+        objective += ", chat: loss on " + ("the assistant's tokens" if d.train_on == "assistant" else "all tokens")
+    parts = [objective]
+    if not d.mask_documents:
+        parts.append("no document masks")
+    elif setup.dims.cp == 1:  # under cp the context-parallel exchange computes them
+        parts.append(f"document masks ({setup.attention_kernel})")
+    else:
+        parts.append("document masks")
+    parts += _model_notes(cfg) + _moe_notes(cfg, setup.hf_config) + _optimization_notes(cfg)
+    if t.activation_checkpointing != "none":
+        parts.append(f"activation checkpointing {t.activation_checkpointing}")
+    if setup.compiled:
+        parts.append("compiled blocks")
+    if t.mlp_tiles > 1:
+        parts.append(f"MLP in {t.mlp_tiles} tiles")
+    if t.activation_offload:
+        parts.append("activations offloaded to host memory")
+    if t.loss_chunk_size == 0:
+        parts.append("logits whole (train.loss_chunk_size=0)")
+    return ", ".join(parts)
+
+
+def _model_notes(cfg) -> list[str]:
+    """Rope scaling, positions, LoRA."""
+    m, lora, notes = cfg.model, cfg.lora, []
+    if m.rope_scaling:
+        kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "rope"))
+        factor = m.rope_scaling.get("factor")
+        notes.append(f"rope scaling {kind}" + (f" x{factor:g}" if isinstance(factor, (int, float)) else ""))
+    if m.max_position_embeddings is not None:
+        notes.append(f"{m.max_position_embeddings:,} positions")
+    if lora.enabled:
+        on = ",".join(lora.targets) if lora.targets else "every projection"
+        extra = "".join(f" + {name}" for name in ("embeddings", "head") if getattr(lora, f"train_{name}"))
+        dropout = f", dropout {lora.dropout:g}" if lora.dropout else ""
+        notes.append(f"LoRA rank {lora.rank} alpha {lora.alpha:g} on {on}{extra}{dropout}")
+    return notes
+
+
+def _moe_notes(cfg, hf_config) -> list[str]:
+    """A mixture of experts' experts and how its routers are balanced (``moe.router_balance`` resolved)."""
+    if not is_moe(hf_config):
+        return []
+    if resolve_router_balance(cfg.moe.router_balance, hf_config) == "bias":
+        balance = "router bias balancing"
+    else:
+        balance = (
+            "router aux loss" if router_loss_enabled(cfg.moe.router_aux_loss, hf_config) else "no router balancing"
+        )
+    return [f"{num_experts(hf_config)} experts, {balance}"]
+
+
+def _optimization_notes(cfg) -> list[str]:
+    """The optimizer when not AdamW, the batch's changes over the run."""
+    notes = []
+    if cfg.optimizer.name != "adamw":
+        notes.append(f"{cfg.optimizer.name} optimizer")
+    if cfg.train.batch_rampup.strip():
+        notes.append(f"batch rampup {cfg.train.batch_rampup.strip()}")
+    if cfg.data.skip_batches:
+        notes.append(f"{len(cfg.data.skip_batches)} global batches skipped")
+    return notes
 
 
 def data_summary(dataset, seq_len: int) -> str:

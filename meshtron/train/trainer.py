@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.checkpoint.earlier_runs import earlier_run_notice
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config
@@ -104,6 +105,9 @@ def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
     """The run's output directory and an id of this start of the run, both chosen by rank 0 and shared."""
     chosen = [cfg.run.output_dir, uuid.uuid4().hex]
     if runtime.is_main and chosen[0] is None:
+        notice = earlier_run_notice(cfg) if not runtime.rehearsal else None
+        if notice:
+            print(notice, flush=True)
         chosen[0] = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     if runtime.distributed and not runtime.rehearsal:
         dist.broadcast_object_list(chosen, src=0)

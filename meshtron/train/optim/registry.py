@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from meshtron.config import OptimizerConfig, coerce_value, field_types
+from meshtron.config import OptimizerConfig, coerce_value, did_you_mean, field_types
 from meshtron.errors import ConfigError
 from meshtron.train.optim.adamw import AdamWSettings, build_adamw
 from meshtron.train.optim.muon import MuonSettings, build_muon, newton_schulz_flops
@@ -61,7 +61,10 @@ def optimizer_settings(cfg: OptimizerConfig, name: str | None = None) -> Any:
     for key in given:
         if key not in types_:
             known = ", ".join(sorted(types_)) or "none"
-            raise ConfigError(f"unknown config key 'optimizer.{name}.{key}'; {name}'s own settings: {known}")
+            raise ConfigError(
+                f"unknown config key 'optimizer.{name}.{key}';{did_you_mean(key, types_, prefix=f'optimizer.{name}.')} "
+                f"{name}'s own settings: {known}"
+            )
     values = {
         key: coerce_value(f"optimizer.{name}.{key}", value, types_[key], from_text=False)
         for key, value in given.items()
@@ -78,6 +81,7 @@ def check_optimizer(cfg: OptimizerConfig) -> None:
     for name in cfg.settings:
         if name not in OPTIMIZERS:
             raise ConfigError(
-                f"unknown config key 'optimizer.{name}': no optimizer '{name}'; the optimizers: {', '.join(OPTIMIZERS)}"
+                f"unknown config key 'optimizer.{name}': no optimizer '{name}';{did_you_mean(name, OPTIMIZERS)} the "
+                f"optimizers: {', '.join(OPTIMIZERS)}"
             )
         optimizer_settings(cfg, name)
