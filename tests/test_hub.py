@@ -112,30 +112,31 @@ def run_settings(root: Path, out: Path, *extra: str) -> list[str]:
 def test_a_hub_id_trains_from_the_cache_records_its_commit_and_a_resume_keeps_it(
     hub_cache, offline_cache, tmp_path, capsys
 ):
-    env = worker_env(HF_HUB_CACHE=str(offline_cache), HF_HUB_OFFLINE="1")
     out = tmp_path / "run"
-    proc = run_cli(["train", *run_settings(hub_cache, out, "--train.steps=1")], env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(
+        load_config(None, [item[2:] for item in run_settings(hub_cache, out, "--train.steps=1")], env={}), CPU_RUNTIME
+    )
     snapshot = offline_cache / "models--org--tiny" / "snapshots" / FIRST
-    assert f"tokenizer: {snapshot}" in proc.stdout, proc.stdout  # its own tokenizer, from the snapshot
+    assert f"tokenizer: {snapshot}" in capsys.readouterr().out  # its own tokenizer, from the snapshot
     saved = load_config(out / "config.toml", env={})
     assert (saved.model.name_or_path, saved.model.revision) == (REPO_ID, FIRST)
     meta = json.loads((out / "checkpoints" / "step-00000001" / META).read_text())
     assert meta["model.revision"] == FIRST
 
-    # main moves on to another commit (other weights): the resume keeps the checkpoint's commit, and says so.
+    # main moves on to another commit (other weights): a resume by the launcher on 2 processes (which resolves the id
+    # before the workers start and hands them the commit) keeps the checkpoint's commit, and says so once.
     save_tiny_llama(tmp_path / "second", seed=1)
     add_snapshot(offline_cache, REPO_ID, SECOND, tmp_path / "second")
+    env = worker_env(HF_HUB_CACHE=str(offline_cache), HF_HUB_OFFLINE="1")
     try:
-        overrides = [item[2:] for item in run_settings(hub_cache, out, "--train.steps=2")]
-        cfg = load_config(None, overrides, env={})
-        result = train(cfg, CPU_RUNTIME)
+        proc = run_cli(["train", "--nproc", "2", *run_settings(hub_cache, out, "--train.steps=2")], env=env)
     finally:
         (offline_cache / "models--org--tiny" / "refs" / "main").write_text(FIRST)
         shutil.rmtree(offline_cache / "models--org--tiny" / "snapshots" / SECOND)
-    assert result.start_step == 1 and cfg.model.revision == FIRST
-    out_lines = capsys.readouterr().out
-    assert f"resuming on commit {FIRST[:12]}" in out_lines and f"main is now {SECOND[:12]}" in out_lines, out_lines
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notice = f"resuming on commit {FIRST[:12]}, which the checkpoint records; the hub's main is now {SECOND[:12]}"
+    assert proc.stdout.count(notice) == 1 and "resumed from" in proc.stdout, proc.stdout
+    assert f"tokenizer: {snapshot}" in proc.stdout, proc.stdout
     assert load_config(out / "config.toml", env={}).model.revision == FIRST
 
 
