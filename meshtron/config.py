@@ -83,8 +83,12 @@ class ModelConfig:
     """The model: a local Hugging Face directory to fine-tune, or a from-scratch preset (docs/models.md)."""
 
     name_or_path: str | None = None
-    """Local Hugging Face model directory (config.json + safetensors) to fine-tune; nothing is downloaded. Set only
-    one of it and preset."""
+    """The model to fine-tune: a local Hugging Face model directory (config.json + safetensors), or a hub id
+    (``org/name``) fetched once into the Hugging Face cache (``HF_HUB_OFFLINE=1``: from the cache only;
+    docs/models.md#hub-ids). Set only one of it and preset."""
+    revision: str | None = None
+    """With a hub id in ``name_or_path``: its branch, tag or commit; unset: ``main``, or on a resume the commit the
+    checkpoint records. The run records the commit it resolved (config.toml, checkpoints)."""
     preset: str | None = None
     """Named from-scratch architecture (docs/models.md#from-scratch-presets); unset: ``tiny`` when name_or_path is
     unset too."""
@@ -114,6 +118,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.name_or_path and self.preset:
             raise ConfigError("set only one of model.name_or_path and model.preset")
+        if self.revision is not None and not self.name_or_path:
+            raise ConfigError("model.revision is set without model.name_or_path; set model.name_or_path=ORG/NAME")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ConfigError(
                 f"model.max_position_embeddings: must be a positive integer, got {self.max_position_embeddings}"
@@ -132,7 +138,8 @@ class DataConfig:
     """The field (column) of structured data (.jsonl, .parquet, datasets) that holds each document's text."""
     tokenizer: str = "auto"
     """``auto``: the tokenizer in ``model.name_or_path``'s folder when it has one, else the byte tokenizer; ``byte``:
-    the built-in byte-level tokenizer (257 ids); or a local Hugging Face tokenizer directory."""
+    the built-in byte-level tokenizer (257 ids); or a local Hugging Face tokenizer directory, or a hub id (``org/name``,
+    its ``main``)."""
     seq_len: int = 256
     """Tokens per training sequence: documents are packed into sequences of this length (docs/data.md#packing)."""
     shuffle: bool = True

@@ -63,6 +63,7 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
     from torch.distributed.run import get_args_parser
 
     from meshtron.checkpoint.earlier_runs import earlier_run_notice
+    from meshtron.data.hub import is_hub_id
     from meshtron.distributed.devices import resolve_device_type
     from meshtron.resilience.faults import LAUNCHER_PID_ENV
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
@@ -70,7 +71,11 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
     from meshtron.train.preflight import preflight
 
     device_type = resolve_device_type(cfg.run.device, world_size)
-    preflight(cfg, world_size, device_type)
+    setup = preflight(cfg, world_size, device_type)
+    if is_hub_id(cfg.model.name_or_path):  # the commit preflight fetched: every worker loads that snapshot
+        extra = [*extra, f"--model.revision={cfg.model.revision}"]
+        if setup.revision_notice:  # the workers, given the commit, do not know it was the checkpoint's
+            print(setup.revision_notice, flush=True)
     if cfg.run.output_dir is None:
         if nodes is not None and not nodes.job_id.startswith("slurm-"):
             raise ConfigError(

@@ -153,6 +153,35 @@ def test_a_lora_checkpoint_resumes_only_on_its_base_and_with_lora():
         check_lora_checkpoint({}, path, lora)
 
 
+def test_an_adapter_exported_from_a_relative_base_path_loads_from_any_folder(tmp_path, cache_dir, monkeypatch):
+    """A run given its base as a relative path (``model.name_or_path=base``), exported with ``export --adapter`` from
+    that folder: peft's AutoPeftModelForCausalLM and ``meshtron generate`` load the adapter from another folder."""
+    from conftest import run_main
+    from peft import AutoPeftModelForCausalLM
+
+    from meshtron.checkpoint.generate import generate_text
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tiny_llama().save_pretrained(work / "base")
+    monkeypatch.chdir(work)
+    settings = ["--model.name_or_path=base", "--data.max_documents=8", "--data.seq_len=16", "--lora.rank=2"]
+    settings += [f"--data.cache_dir={cache_dir}", "--train.steps=1", "--train.global_batch_size=2"]
+    settings += ["--checkpoint.interval=1", "--run.progress=false", "--run.output_dir=run"]
+    proc = run_main(["train", *settings])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_main(["export", "run/checkpoints/step-00000001", "adapter", "--adapter"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((work / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(work / "base")
+    assert load_config(work / "run" / "config.toml", env={}).model.name_or_path == str(work / "base")
+
+    monkeypatch.chdir(elsewhere)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(work / "adapter"))
+    assert model.peft_config["default"].r == 2
+    assert generate_text(str(work / "adapter"), "ab", max_new_tokens=2)
+
+
 def test_the_peft_adapter_of_a_run_that_trains_the_embeddings_holds_them(tmp_path):
     """lora.train_embeddings: the embeddings go into the adapter as peft's modules_to_save, and peft loads them."""
     from peft import PeftModel

@@ -8,6 +8,7 @@ from pathlib import Path
 from meshtron.checkpoint.integrity import META, damage
 from meshtron.checkpoint.manager import read_meta
 from meshtron.config import Config, load_config
+from meshtron.data.hub import is_hub_id
 from meshtron.data.tokenizer import has_tokenizer
 from meshtron.errors import ConfigError
 
@@ -23,7 +24,7 @@ def is_checkpoint(path: Path) -> bool:
 def eval_config(model: str, config_file: str | None, overrides: list[str]) -> Config:
     """The Config that evaluates ``model``: a step-N checkpoint folder (its config.toml, unless ``config_file``, and
     ``checkpoint.resume`` pointing at it) or a model directory with config.json (``model.name_or_path``, and its
-    tokenizer when it has one). ``overrides`` (``section.key=value``) come last; nothing is saved."""
+    tokenizer when it has one), or a hub id. ``overrides`` (``section.key=value``) come last; nothing is saved."""
     path = Path(model).expanduser()
     if is_checkpoint(path):
         reason = damage(path)
@@ -37,10 +38,13 @@ def eval_config(model: str, config_file: str | None, overrides: list[str]) -> Co
         fixed = [f"model.name_or_path={path}", "model.preset=none", "checkpoint.resume=none", "checkpoint.interval=0"]
         if has_tokenizer(path):  # its own, whatever the config file says (without one: data.tokenizer as set)
             fixed.append(f"data.tokenizer={path}")
+    elif is_hub_id(model):  # its tokenizer too: data.tokenizer=auto finds it in the snapshot
+        base = config_file
+        fixed = [f"model.name_or_path={model}", "model.preset=none", "checkpoint.resume=none", "checkpoint.interval=0"]
     else:
         raise ConfigError(
-            f"meshtron eval: '{path}' is neither a checkpoint (a step-N folder with {META}) nor a Hugging Face model "
-            "directory (with config.json); give one of them"
+            f"meshtron eval: '{path}' is neither a checkpoint (a step-N folder with {META}), a Hugging Face model "
+            "directory (with config.json) nor a hub id (org/name); give one of them"
         )
     cfg = load_config(base, fixed + list(overrides))
     if not cfg.eval.enabled:

@@ -59,8 +59,21 @@ def export_checkpoint(
         return _export(Path(checkpoint), Path(out_dir), max_shard_size, trust_remote_code, adapter_only)
 
 
+def peft_base(model) -> tuple[str | None, str | None]:
+    """(``base_model_name_or_path``, ``revision``) for a peft adapter of a run on ``model`` (its ModelConfig): a hub
+    id with its commit, or the folder's absolute path (peft resolves a relative one against its own cwd)."""
+    from meshtron.data.hub import is_hub_id
+
+    if not model.name_or_path:
+        return None, None
+    if is_hub_id(model.name_or_path):
+        return model.name_or_path, model.revision
+    return os.path.abspath(os.path.expanduser(model.name_or_path)), None
+
+
 def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: bool, adapter_only: bool) -> Path:
     from meshtron.config import load_config
+    from meshtron.data.hub import model_folder
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.models.lora import add_lora
@@ -77,7 +90,7 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
     read_meta(source)
     cfg = load_config(source / "config.toml", env={})
     cfg.model.trust_remote_code = trust_remote_code
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, model_folder(cfg.model))
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     model, adapter = build_meta_model(hf_config, cfg.model)
     if adapter_only and not cfg.lora.enabled:
@@ -87,7 +100,7 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
         )
     targets = add_lora(model, adapter, cfg.lora) if cfg.lora.enabled else []
     if cfg.lora.enabled:  # the checkpoint holds what trained: the frozen base is made as the run made it
-        materialize(model, adapter, torch.device("cpu"), seed=cfg.train.seed, pretrained_dir=cfg.model.name_or_path)
+        materialize(model, adapter, torch.device("cpu"), seed=cfg.train.seed, pretrained_dir=model_folder(cfg.model))
     else:
         model.to_empty(device=torch.device("cpu"))
         adapter.tie_weights(model)
@@ -108,7 +121,8 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
         raise ConfigError(f"checkpoint '{source}' lacks model weights {sorted(missing)[:3]}; it is incomplete")
     adapter.tie_weights(model)
     if adapter_only:
-        write_peft_adapter(model, adapter, cfg.lora, targets, cfg.model.name_or_path, target)
+        base, revision = peft_base(cfg.model)
+        write_peft_adapter(model, adapter, cfg.lora, targets, base, target, revision)
         _save_tokenizer(tokenizer, target)
         return target
     merge_adapters(model)

@@ -26,17 +26,22 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _base_of_adapter(adapter_dir: Path) -> Path:
-    """The local base model folder a peft adapter names (``base_model_name_or_path``)."""
+    """The local base model folder a peft adapter names (``base_model_name_or_path``: a folder, or a hub id at its
+    ``revision``, from the Hugging Face cache or fetched)."""
     import json
 
-    base = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base or not (Path(base) / "config.json").is_file():
+    from meshtron.data.hub import local_folder
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    folder = local_folder(base, config.get("revision"), setting=f"{ADAPTER_CONFIG}'s base_model_name_or_path")
+    if not base or not (Path(folder) / "config.json").is_file():
         raise ConfigError(
             f"meshtron generate: adapter '{adapter_dir}' names base model {base!r} (base_model_name_or_path in "
             f"{ADAPTER_CONFIG}), which is no local Hugging Face model folder; set it to the base model's folder, "
             "or generate from the merged export (meshtron export CKPT OUT)"
         )
-    return Path(base)
+    return Path(folder)
 
 
 def _merge_peft_adapter(adapter_dir: Path, base: Path, out: Path, trust_remote_code: bool) -> Path:
@@ -106,6 +111,7 @@ def _generate_text(
     source, prompt, max_new_tokens, temperature, top_p, seed, tokenizer, trust_remote_code, device, chat
 ) -> str:
     from meshtron.config import load_config
+    from meshtron.data.hub import model_folder
     from meshtron.data.tokenizer import resolve_tokenizer
 
     path = Path(source)
@@ -124,7 +130,7 @@ def _generate_text(
     if checkpoint:  # its run's tokenizer unless told otherwise
         if tokenizer is None:
             run = load_config(path / "config.toml", env={})
-            tokenizer = resolve_tokenizer(run.data.tokenizer, run.model.name_or_path)
+            tokenizer = resolve_tokenizer(run.data.tokenizer, model_folder(run.model))
     elif adapter and not has_tokenizer(path):  # an adapter without a tokenizer of its own: its base's
         tokenizer_dir = _base_of_adapter(path)
     tok = _tokenizer_for(tokenizer_dir, tokenizer, trust_remote_code)

@@ -54,10 +54,17 @@ def merge_adapters(model: nn.Module) -> None:
 
 
 def write_peft_adapter(
-    model: nn.Module, adapter, lora: LoraConfig, targets: list[str], base: str | None, target: Path
+    model: nn.Module,
+    adapter,
+    lora: LoraConfig,
+    targets: list[str],
+    base: str | None,
+    target: Path,
+    revision: str | None = None,
 ) -> None:
     """Write the adapters (and the trained embeddings / head) of ``model`` as a peft LoRA adapter in ``target``.
-    ``base``: the base model's path or hub name for ``base_model_name_or_path`` (None when trained from scratch)."""
+    ``base``: the base model's absolute path or hub id for ``base_model_name_or_path`` (None when trained from
+    scratch); ``revision``: a hub id's commit, peft's ``revision``."""
     from safetensors.torch import save_file
 
     if adapter.fuses_projections:
@@ -82,6 +89,7 @@ def write_peft_adapter(
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
+        "revision": revision,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0 if experts else lora.dropout,  # peft's expert adapters take none (at inference: moot)

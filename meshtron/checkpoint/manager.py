@@ -50,6 +50,7 @@ from meshtron.checkpoint.integrity import (
 from meshtron.checkpoint.shared_directory import _gather, check_shared_directory, on_every_rank, on_main
 from meshtron.checkpoint.state import TrainingState
 from meshtron.data.carry import SEQ_LEN_CHANGES
+from meshtron.data.hub import is_hub_id
 from meshtron.errors import ConfigError, MeshtronError
 
 if TYPE_CHECKING:
@@ -434,6 +435,28 @@ def resume_point(
     return path
 
 
+MODEL_REVISION = "model.revision"
+"""meshtron.json's record of the hub commit the run's model (a hub id) was resolved to, so a resume trains on it."""
+
+
+def hub_revision(cfg) -> dict:
+    """``{"model.revision": commit}`` for a model named by hub id (preflight pinned the commit), else nothing."""
+    return {MODEL_REVISION: cfg.model.revision} if is_hub_id(cfg.model.name_or_path) else {}
+
+
+def recorded_revision(cfg) -> str | None:
+    """The hub commit that the checkpoint a resume would continue from records, or None; a quick look, before the
+    model is loaded (``resume_point`` checks that checkpoint properly afterwards)."""
+    directory = checkpoint_directory(cfg)
+    if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and directory is None):
+        return None
+    try:
+        path = find_checkpoint(directory, cfg.checkpoint.resume)
+        return read_meta(path).get(MODEL_REVISION) if path is not None else None
+    except (MeshtronError, OSError, ValueError):
+        return None
+
+
 LORA_BASE = "lora.base"
 """meshtron.json's record, in a LoRA run's checkpoints (which hold only what trains), of the frozen base."""
 
@@ -441,8 +464,16 @@ LORA_BASE = "lora.base"
 def lora_base(cfg) -> dict:
     """Where a LoRA run's frozen base weights come from: a model directory, or a preset initialized from a seed."""
     if cfg.model.name_or_path:
-        return {"model.name_or_path": cfg.model.name_or_path}
+        return {"model.name_or_path": cfg.model.name_or_path, **hub_revision(cfg)}
     return {"model.preset": cfg.model.preset, "train.seed": cfg.train.seed}
+
+
+def _absolute_base(base: dict) -> dict:
+    """``lora_base``'s record with a local folder made absolute (a checkpoint of an older run may hold it as given)."""
+    name = base.get("model.name_or_path")
+    if name and not is_hub_id(name):
+        return {**base, "model.name_or_path": os.path.abspath(os.path.expanduser(name))}
+    return base
 
 
 def check_lora_checkpoint(meta: dict, path: Path, cfg) -> None:
@@ -458,7 +489,7 @@ def check_lora_checkpoint(meta: dict, path: Path, cfg) -> None:
             f"checkpoint '{path}' holds only LoRA adapters (and what else trained); resume it with its [lora] "
             "settings, or export it merged (meshtron export) and train the export"
         )
-    if saved is not None and saved != lora_base(cfg):
+    if saved is not None and _absolute_base(saved) != _absolute_base(lora_base(cfg)):
         differs = ", ".join(f"{key}={value}" for key, value in saved.items())
         raise ConfigError(f"checkpoint '{path}' holds LoRA adapters of another base ({differs}); resume with that base")
 
@@ -467,6 +498,7 @@ def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime: Runtime, layo
     """What meshtron.json records besides the tensors."""
     return {
         **({LORA_BASE: lora_base(cfg)} if cfg.lora.enabled else {}),
+        **hub_revision(cfg),
         "step": step,
         "scheduler": scheduler.state_dict(),
         "model": model_signature(hf_config),

@@ -57,16 +57,20 @@ def _own_peak_mb() -> float:
 
 def run_data(args, extra: list[str]) -> int:
     from meshtron.config import load_config, parse_overrides
+    from meshtron.data.hub import model_folder
     from meshtron.data.prepare import prepare_corpus
     from meshtron.data.shards import is_prepared
     from meshtron.data.sources import check_data_path
     from meshtron.data.tokenizer import check_byte_fallback, load_tokenizer, tokenizer_notice
 
     overrides = parse_overrides(extra, DATA_USAGE)
-    if any(not item.startswith(("data.", "model.trust_remote_code", "model.name_or_path")) for item in overrides):
+    if any(
+        not item.startswith(("data.", "model.trust_remote_code", "model.name_or_path", "model.revision"))
+        for item in overrides
+    ):
         raise ConfigError(
-            f"data prepare takes data.* settings (and model.name_or_path, model.trust_remote_code) only, got "
-            f"{overrides}; usage: {DATA_USAGE}"
+            "data prepare takes data.* settings (and model.name_or_path, model.revision, model.trust_remote_code) "
+            f"only, got {overrides}; usage: {DATA_USAGE}"
         )
     if not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         raise ConfigError(f"--shard-mb must be positive, got {args.shard_mb}")
@@ -77,9 +81,10 @@ def run_data(args, extra: list[str]) -> int:
         )
     check_data_path(cfg.data.path)
     # data.tokenizer=auto: model.name_or_path's tokenizer, when that folder has one, as training resolves it.
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
-    check_byte_fallback(cfg.data.tokenizer, cfg.model.name_or_path)
-    notice = tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path)
+    model_dir = model_folder(cfg.model)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, model_dir)
+    check_byte_fallback(cfg.data.tokenizer, model_dir)
+    notice = tokenizer_notice(cfg.data.tokenizer, model_dir)
     if notice:
         print(notice, flush=True)
     manifest = prepare_corpus(

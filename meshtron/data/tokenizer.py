@@ -10,6 +10,7 @@ from typing import Iterable
 
 import numpy as np
 
+from meshtron.data.hub import is_hub_id, local_folder
 from meshtron.errors import ConfigError
 
 
@@ -164,9 +165,10 @@ def tokenizer_notice(spec: str, model_dir: str | os.PathLike | None) -> str | No
 def load_tokenizer(
     spec: str, trust_remote_code: bool = False, model_dir: str | os.PathLike | None = None
 ) -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` gives the ByteTokenizer; ``"auto"`` the tokenizer of ``model_dir`` (``model.name_or_path``) when
-    it has one, else the ByteTokenizer (``check_byte_fallback`` refuses that for a model made for another tokenizer);
-    anything else must be a local tokenizer directory."""
+    """``"byte"`` gives the ByteTokenizer; ``"auto"`` the tokenizer of ``model_dir`` (``model.name_or_path`` as a local
+    folder: ``meshtron.data.hub.model_folder``) when it has one, else the ByteTokenizer (``check_byte_fallback`` refuses
+    that for a model made for another tokenizer); anything else must be a local tokenizer directory or a hub id (its
+    ``main``, from the Hugging Face cache or fetched)."""
     if spec == AUTO:
         if model_dir and not Path(model_dir).expanduser().is_dir():
             raise ConfigError(
@@ -180,9 +182,11 @@ def load_tokenizer(
         return HFTokenizer(resolved, trust_remote_code=trust_remote_code, setting=setting)
     if spec == "byte":
         return ByteTokenizer()
+    if is_hub_id(spec):
+        return HFTokenizer(local_folder(spec, None, trust_remote_code, "data.tokenizer"), trust_remote_code)
     if not os.path.isdir(os.path.expanduser(spec)):
         raise ConfigError(
-            f"data.tokenizer: '{spec}' is not 'auto', 'byte' nor an existing tokenizer directory; "
-            "set data.tokenizer=auto, byte or a local Hugging Face tokenizer folder (download it first)"
+            f"data.tokenizer: '{spec}' is not 'auto', 'byte', an existing tokenizer directory nor a hub id (org/name); "
+            "set data.tokenizer=auto, byte, a local Hugging Face tokenizer folder or a hub id"
         )
     return HFTokenizer(spec, trust_remote_code=trust_remote_code)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import ModelConfig
+from meshtron.data.hub import is_hub_id, model_folder
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.adapter import DecoderAdapter, adapter_for, canonical_name
 from meshtron.models.context_extension import extend_context
@@ -40,11 +41,16 @@ def check_model_path(model_cfg: ModelConfig, setting: str = "model.name_or_path"
     the user gave the folder by, for the message)."""
     if not model_cfg.name_or_path:
         return
-    path = Path(model_cfg.name_or_path).expanduser()
+    if model_cfg.revision is not None and not is_hub_id(model_cfg.name_or_path):
+        raise ConfigError(
+            f"model.revision: '{model_cfg.name_or_path}' is a local folder, which has no revisions; leave "
+            "model.revision out, or give a hub id (org/name)"
+        )
+    path = Path(model_folder(model_cfg)).expanduser()
     if not path.is_dir():
         raise ConfigError(
-            f"{setting}: '{model_cfg.name_or_path}' is not an existing directory; "
-            "give a local Hugging Face model directory or use model.preset"
+            f"{setting}: '{model_cfg.name_or_path}' is not an existing directory nor a hub id (org/name); "
+            "give a local Hugging Face model directory, a hub id, or use model.preset"
         )
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -87,13 +93,13 @@ def check_causal_lm_config(config_file: Path, setting: str = "model.name_or_path
 
 
 def load_hf_config(model_cfg: ModelConfig, tokenizer_vocab_size: int):
-    """The Hugging Face config of the model to train, from a preset or a local directory."""
+    """The Hugging Face config of the model to train, from a preset, a local directory or a hub id's snapshot."""
     if model_cfg.name_or_path:
         check_model_path(model_cfg)
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(
-            model_cfg.name_or_path, local_files_only=True, trust_remote_code=model_cfg.trust_remote_code
+            model_folder(model_cfg), local_files_only=True, trust_remote_code=model_cfg.trust_remote_code
         )
     else:
         config = make_preset_config(model_cfg.preset or DEFAULT_PRESET, tokenizer_vocab_size)

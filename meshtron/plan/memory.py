@@ -690,10 +690,11 @@ def config_view(cfg, world_size: int, device: str = "cuda", hf_config=None) -> t
     """The planner's inputs for a meshtron config run on ``world_size`` processes on ``device``; ``hf_config``: the
     run's model config where the caller has it (else loaded from ``cfg``)."""
     if hf_config is None:
+        from meshtron.data.hub import model_folder
         from meshtron.data.tokenizer import load_tokenizer
         from meshtron.models.build import load_hf_config
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, model_folder(cfg.model))
         hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     return (
         ModelShape.from_hf_config(hf_config, cfg.model, cfg.lora),

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.config import Config
+from meshtron.data.hub import model_folder
 from meshtron.distributed.context_parallel import hybrid_groups
 from meshtron.distributed.data_parallel import parameter_device
 from meshtron.distributed.mesh import Meshes
@@ -85,7 +86,7 @@ def build_model(
             adapter,
             parameter_device(cfg.fsdp, runtime.device),
             seed=cfg.train.seed,
-            pretrained_dir=cfg.model.name_or_path,
+            pretrained_dir=model_folder(cfg.model),
             buffer_device=runtime.device,
         )
         stage.train()

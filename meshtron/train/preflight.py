@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from meshtron.checkpoint.integrity import content_damage
-from meshtron.checkpoint.manager import check_fixed_directory, damaged_error, resume_point
+from meshtron.checkpoint.manager import check_fixed_directory, damaged_error, recorded_revision, resume_point
 from meshtron.config import BUILTIN_CORPUS, Config, parse_batch_rampup
 from meshtron.data.chat import check_chat_tokenizer
+from meshtron.data.hub import is_hub_id, main_commit, model_folder, snapshot_commit
 from meshtron.data.mixture import parse_sources
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
@@ -102,6 +103,8 @@ class RunSetup:
     """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
     tokenizer_notice: str | None = None
     """A line for rank 0 when a pretrained model trains on the byte tokenizer (meshtron.data.tokenizer)."""
+    revision_notice: str | None = None
+    """A line for rank 0 when a resume keeps the hub commit its checkpoint records while the hub's main moved on."""
     resume_agreed: bool = True
     """False in the workers of a multi-process run until ``agree_resume_point`` gave them rank 0's resume point."""
     resume_error: MeshtronError | None = None
@@ -192,6 +195,31 @@ def check_data_sources(data) -> list[str]:
     return paths
 
 
+def revision_notice(repo_id: str, recorded: str, main: str | None) -> str | None:
+    """The line saying that a resume trains on the commit its checkpoint records, not where main is now."""
+    if main is None or main == recorded:
+        return None
+    return (
+        f"meshtron: model.name_or_path={repo_id}: resuming on commit {recorded[:12]}, which the checkpoint records; "
+        f"the hub's main is now {main[:12]} (set model.revision=main to train on it)"
+    )
+
+
+def pin_model_revision(cfg: Config) -> str | None:
+    """For a model named by hub id: fetch it (once per machine) and set ``model.revision`` to the commit it resolved
+    to, so every later load, the saved config.toml and the checkpoints agree; a resume without ``model.revision``
+    keeps the commit its checkpoint records. Returns ``revision_notice``'s line. A local folder becomes absolute."""
+    if not is_hub_id(cfg.model.name_or_path):
+        if cfg.model.name_or_path:  # recorded absolute: an export or resume from another folder finds it
+            cfg.model.name_or_path = os.path.abspath(os.path.expanduser(cfg.model.name_or_path))
+        return None
+    recorded = recorded_revision(cfg) if cfg.model.revision is None else None
+    if recorded:
+        cfg.model.revision = recorded
+    cfg.model.revision = snapshot_commit(model_folder(cfg.model))
+    return revision_notice(cfg.model.name_or_path, recorded, main_commit(cfg.model.name_or_path)) if recorded else None
+
+
 def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     """All checks that need no process group, run identically on every rank (and by the launcher)."""
     check_optimizer(cfg.optimizer)
@@ -201,14 +229,16 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     precision = precision_policy(cfg, device_type)
     check_float8(cfg, device_type, precision)
     check_attention_kernel(cfg, device_type, precision.name)
+    notice = pin_model_revision(cfg)
     check_model_path(cfg.model)
     check_trackers(cfg)
     data_paths = check_data_sources(cfg.data)
     if cfg.eval.path:
         check_data_path(cfg.eval.path, setting="eval.path")
     # data.tokenizer=auto is resolved here, once: every later use takes setup.tokenizer.
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
-    check_byte_fallback(cfg.data.tokenizer, cfg.model.name_or_path)
+    model_dir = model_folder(cfg.model)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, model_dir)
+    check_byte_fallback(cfg.data.tokenizer, model_dir)
     for path in data_paths:
         check_prepared_tokenizer(path, tokenizer)
     if cfg.data.format == "chat":
@@ -253,7 +283,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         attention_kernel=resolve_kernel(cfg.model.attention_kernel, device_type),
         resume_from=resume_from,
         resume_skipped=tuple(skipped),
-        tokenizer_notice=tokenizer_notice(cfg.data.tokenizer, cfg.model.name_or_path),
+        tokenizer_notice=tokenizer_notice(cfg.data.tokenizer, model_folder(cfg.model)),
+        revision_notice=notice,
         resume_agreed=not by_rank_0,
         resume_error=error,
     )

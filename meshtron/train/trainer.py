@@ -151,6 +151,8 @@ def run_session(
     setup = verified_resume_point(setup, runtime, cfg)  # its bytes as saved (checksums, each rank a share)
     if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
         print(setup.tokenizer_notice, flush=True)
+    if runtime.is_main and setup.revision_notice:
+        print(setup.revision_notice, flush=True)
     dims = setup.dims
     output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, setup)
     torch.manual_seed(cfg.train.seed)
