@@ -116,8 +116,8 @@ def test_a_hub_id_trains_from_the_cache_records_its_commit_and_a_resume_keeps_it
     train(
         load_config(None, [item[2:] for item in run_settings(hub_cache, out, "--train.steps=1")], env={}), CPU_RUNTIME
     )
-    snapshot = offline_cache / "models--org--tiny" / "snapshots" / FIRST
-    assert f"tokenizer: {snapshot}" in capsys.readouterr().out  # its own tokenizer, from the snapshot
+    # its own tokenizer, from the snapshot, named as the user named the model
+    assert f"tokenizer: {REPO_ID}@{FIRST[:12]} (" in capsys.readouterr().out
     saved = load_config(out / "config.toml", env={})
     assert (saved.model.name_or_path, saved.model.revision) == (REPO_ID, FIRST)
     meta = json.loads((out / "checkpoints" / "step-00000001" / META).read_text())
@@ -136,7 +136,7 @@ def test_a_hub_id_trains_from_the_cache_records_its_commit_and_a_resume_keeps_it
     assert proc.returncode == 0, proc.stderr[-3000:]
     notice = f"resuming on commit {FIRST[:12]}, which the checkpoint records; the hub's main is now {SECOND[:12]}"
     assert proc.stdout.count(notice) == 1 and "resumed from" in proc.stdout, proc.stdout
-    assert f"tokenizer: {snapshot}" in proc.stdout, proc.stdout
+    assert f"tokenizer: {REPO_ID}@{FIRST[:12]} (" in proc.stdout, proc.stdout
     assert load_config(out / "config.toml", env={}).model.revision == FIRST
 
 

@@ -142,6 +142,16 @@ def model_folder(model) -> str | None:
     return local_folder(model.name_or_path, model.revision, model.trust_remote_code, "model.name_or_path")
 
 
+SNAPSHOT_FOLDER = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{7,64})/?$")
+
+
+def shown_name(folder: str | Path) -> str:
+    """``folder`` as a user named it: ``org/name@commit`` (12 characters of it) for a hub cache's snapshot folder,
+    else the folder itself."""
+    match = SNAPSHOT_FOLDER.search(str(folder))
+    return f"{match['org']}/{match['name']}@{match['commit'][:12]}" if match else str(folder)
+
+
 def snapshot_commit(folder: str | Path) -> str:
     """The commit of a hub snapshot folder (the cache names it so)."""
     return Path(folder).name

@@ -10,7 +10,7 @@ from typing import Iterable
 
 import numpy as np
 
-from meshtron.data.hub import is_hub_id, local_folder
+from meshtron.data.hub import is_hub_id, local_folder, shown_name
 from meshtron.errors import ConfigError
 
 
@@ -67,8 +67,8 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
 
     def describe(self) -> str:
-        """The folder and its vocabulary size, for the start-up line."""
-        return f"{self.name} ({self.vocab_size:,})"
+        """The folder (a hub id's as ``org/name@commit``) and its vocabulary size, for the start-up line."""
+        return f"{shown_name(self.name)} ({self.vocab_size:,})"
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False), dtype=np.int32)
