@@ -25,11 +25,13 @@ demo: $(STAMP)
 	@echo "meshtron is installed in $(VENV): 'source $(VENV)/bin/activate' puts it on PATH (or run $(VENV)/bin/meshtron)"
 
 # ruff (lint, import order, format; [tool.ruff] in pyproject.toml) and the layer contract of CONTRIBUTING.md
-# ([tool.importlinter]). `$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .` repairs most of what ruff finds.
+# ([tool.importlinter]), and no import cycle between modules (tools/check_import_cycles.py, which prints each one).
+# `$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .` repairs most of what ruff finds.
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) tools/check_import_cycles.py
 
 # Two pytest workers (tests/conftest.py says how the modules are spread); `$(PY) -m pytest tests/...` runs in one.
 test: $(TEST_STAMP)

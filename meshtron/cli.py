@@ -248,7 +248,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     # fsdp.cpu_offload in one process shards over a one-rank mesh, which needs a process group: one worker
     if world_size == 1 and launched_world_size() == 1 and not args.max_restarts and not cfg.fsdp.cpu_offload:
         return _run_worker(cfg)
-    return self_launch(args, extra, cfg, world_size, nodes)
+    return self_launch(args, extra, cfg, world_size, main, nodes)
 
 
 def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -273,7 +273,7 @@ def _evaluate(args: argparse.Namespace, extra: list[str]) -> int:
     check_enough_processes(cfg, world_size, explicit=args.nproc is not None)
     if world_size == 1:
         return _run_worker(cfg, command="eval")
-    return self_launch(args, extra, cfg, world_size, command=["eval", args.model])
+    return self_launch(args, extra, cfg, world_size, main, command=["eval", args.model])
 
 
 def _rehearse(args: argparse.Namespace, cfg) -> int:

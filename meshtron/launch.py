@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -51,9 +52,18 @@ def check_enough_processes(cfg, world_size: int, explicit: bool) -> None:
         )
 
 
-def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, command=("train",)) -> int:
+def self_launch(
+    args,
+    extra: list[str],
+    cfg,
+    world_size: int,
+    worker_main: Callable[[list[str]], int],
+    nodes=None,
+    command=("train",),
+) -> int:
     """Check everything once here, then start ``world_size`` workers with torch's elastic launcher, each running
-    ``meshtron <command> ...`` with the same settings.
+    ``meshtron <command> ...`` with the same settings (``worker_main``: meshtron.cli's ``main``, which a forked
+    worker calls with that command line).
 
     Exit status: 0, the first failed worker's (e.g. 124 after a hang), or 75 when a signal stopped the
     run after its checkpoint was saved (docs/faults.md)."""
@@ -105,7 +115,7 @@ def self_launch(args, extra: list[str], cfg, world_size: int, nodes=None, comman
     with forward_stop_signals(parser, launcher_args, cfg.run.collective_timeout_s) as stopped, reported_errors_kept():
         try:
             launcher = parser.parse_args(launcher_args + ["-m", "meshtron", *worker])
-            start_workers(launcher, worker, args.rank_start or RANK_STARTS[0], device_type)
+            start_workers(launcher, worker, args.rank_start or RANK_STARTS[0], worker_main, device_type)
         except ChildFailedError as err:
             _, failure = err.get_first_failure()
             return failure.exitcode if failure.exitcode > 0 else 1
@@ -144,11 +154,15 @@ FORKSERVER_PRELOAD = ["meshtron.launch_preload"]
 
 
 def start_workers(
-    launcher: argparse.Namespace, worker_argv: list[str], rank_start: str, device_type: str = "cpu"
+    launcher: argparse.Namespace,
+    worker_argv: list[str],
+    rank_start: str,
+    worker_main: Callable[[list[str]], int],
+    device_type: str = "cpu",
 ) -> None:
     """Run torch's elastic agent with ``launcher`` (torchrun's parsed arguments, which name ``meshtron`` as the module
-    to run) until the workers end; each worker runs ``meshtron WORKER_ARGV``. Raises ChildFailedError as torchrun's
-    ``run`` does."""
+    to run) until the workers end; each worker runs ``meshtron WORKER_ARGV`` (a forked one calls
+    ``worker_main(WORKER_ARGV)``). Raises ChildFailedError as torchrun's ``run`` does."""
     from torch.distributed.run import config_from_args, run
 
     if rank_start_for(rank_start, device_type) == "fresh":
@@ -160,7 +174,7 @@ def start_workers(
     _log_worker_failures_without_traceback()
     config, _, _ = config_from_args(launcher)
     config.start_method = "forkserver"
-    elastic_launch(config, entrypoint=run_forked_rank)(worker_argv, device_type)
+    elastic_launch(config, entrypoint=run_forked_rank)(worker_main, worker_argv, device_type)
 
 
 def rank_start_for(rank_start: str, device_type: str, context=None) -> str:
@@ -266,14 +280,13 @@ def _rendezvous_as_torchrun(launcher: argparse.Namespace) -> None:
         launcher.master_port = 29500
 
 
-def run_forked_rank(argv: list[str], device_type: str = "cpu") -> None:
-    """A worker of ``start_workers``, in a process forked from the forkserver: ``meshtron ARGV`` as ``python -u -m
-    meshtron ARGV`` runs it under torchrun. Returns on success (torch's agent waits for the return value); any other
-    end leaves with its exit status, a traceback first where one was raised (none for a Ctrl-C)."""
+def run_forked_rank(main: Callable[[list[str]], int], argv: list[str], device_type: str = "cpu") -> None:
+    """A worker of ``start_workers``, in a process forked from the forkserver: ``main(ARGV)`` (meshtron.cli's, passed
+    in by the command that launched, which imports this module) as ``python -u -m meshtron ARGV`` runs it under
+    torchrun. Returns on success (torch's agent waits for the return value); any other end leaves with its exit
+    status, a traceback first where one was raised (none for a Ctrl-C)."""
     import signal
     import traceback
-
-    from meshtron.cli import main
 
     for name in FORKSERVER_IGNORED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_DFL)

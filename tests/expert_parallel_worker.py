@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from meshtron.distributed.expert_parallel import all_to_all_traffic, apply_expert_parallel, expert_meshes, shard_experts
+from meshtron.distributed.expert_parallel import all_to_all_traffic, apply_expert_parallel, shard_experts
 from meshtron.distributed.grad_norm import global_grad_norm
-from meshtron.distributed.mesh import Meshes, ParallelDims
+from meshtron.distributed.mesh import Meshes, ParallelDims, expert_meshes
 from meshtron.errors import ConfigError
 from meshtron.tensors import local_tensor
 

@@ -96,6 +96,7 @@ rank_imports.capability_from_nvml = lambda index: (9, 0)
 rank_imports.import_rank_modules()  # transformers -> torchao, which asks the capability at import time
 print("after the preload imports: initialized", torch.cuda._initialized, flush=True)
 
+from meshtron.cli import main
 from meshtron.launch import rank_start_for, run_forked_rank
 
 fork = multiprocessing.get_context("fork")  # forks this process, as the forkserver forks itself
@@ -104,7 +105,7 @@ torch.cuda._initialized = True  # as an import that initialized CUDA anyway woul
 print("initialized, cpu run:", rank_start_for("forkserver", "cpu", fork), flush=True)
 print("initialized, gpu run:", rank_start_for("forkserver", "cuda", fork), flush=True)
 os.environ["RANK"] = "0"
-rank = fork.Process(target=run_forked_rank, args=(["train", "--model.preset=tiny"], "cuda"))
+rank = fork.Process(target=run_forked_rank, args=(main, ["train", "--model.preset=tiny"], "cuda"))
 rank.start()
 rank.join()
 print("a rank forked anyway exits", rank.exitcode, flush=True)

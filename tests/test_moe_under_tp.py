@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
-from meshtron.distributed.expert_parallel import apply_expert_parallel, expert_meshes, shard_experts
-from meshtron.distributed.mesh import ParallelDims
+from meshtron.distributed.expert_parallel import apply_expert_parallel, shard_experts
+from meshtron.distributed.mesh import ParallelDims, expert_meshes
 from meshtron.distributed.tp_styles import ReplicatedBlockParallel
 from meshtron.tensors import local_tensor
 

@@ -21,7 +21,8 @@ Dropless (no capacity factor: every routed pair is computed) and exact under aut
 the local tokens, the routing weights (hence the router) and the local expert shard. The routing is the
 model's own, unchanged. An expert's gradient on its owner already sums the tokens of every EP rank, so
 data parallelism must reduce it only over the ranks holding the same experts (the ``efsdp`` mesh and
-``dp_replicate``), never over ``ep``: see :func:`expert_meshes` and docs/moe.md, "Expert parallelism".
+``dp_replicate``), never over ``ep``: see :func:`meshtron.distributed.mesh.expert_meshes` and docs/moe.md,
+"Expert parallelism".
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from meshtron.distributed.mesh import Meshes
 from meshtron.errors import ConfigError
 from meshtron.models.experts import (
     combine,
@@ -52,48 +52,10 @@ from meshtron.tensors import compile_disabled, local_tensor
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
-# ---------------------------------------------------------------------------------------------- meshes
-
-
-def expert_meshes(meshes: Meshes, ep: int) -> Meshes:
-    """``meshes`` with the expert-parallel meshes, borrowed from ``dp_shard x cp``.
-
-    ``meshes``: what ``ParallelDims.build_mesh`` returns (its ``world`` and ``dp_shard_cp`` are used). The
-    flattened ``dp_shard_cp`` dim (size ``dp_shard * cp``) is split into ``(efsdp, ep)``, ``ep``
-    innermost, so an EP group is ``ep`` consecutive ranks of ``dp_shard_cp`` (on GPUs: inside a node
-    when ``ep`` <= GPUs per node and tp == 1). Sets:
-
-    - ``ep``: the 1-D mesh the experts are sharded over (:func:`apply_expert_parallel`);
-    - ``efsdp``: the 1-D mesh of the ranks that hold the *same* experts within ``dp_shard x cp``;
-    - ``expert_fsdp``: the mesh FSDP shards the expert parameters over: ``efsdp``, or
-      ``(dp_replicate, efsdp)`` for HSDP (as ``fsdp`` is for the dense parameters).
-
-    Every tp rank of a group sees the same tokens, so ``ep`` is not borrowed from ``tp``.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-
-    world = meshes.world
-    names = world.mesh_dim_names
-    dp_shard_cp = meshes.dp_shard_cp
-    size = dp_shard_cp.size()
-    if ep < 1 or size % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} must divide parallel.dp_shard*cp = {size} (expert parallelism borrows its ranks "
-            "from the data-parallel shard and context-parallel ranks); change parallel.ep or parallel.dp_shard"
-        )
-    sparse = dp_shard_cp._unflatten(0, (size // ep, ep), ("efsdp", "ep"))
-    efsdp = sparse["efsdp"]
-    if "dp_replicate" in names and world.size(names.index("dp_replicate")) > 1:
-        expert_fsdp = DeviceMesh._concatenate([world["dp_replicate"], efsdp])
-    else:
-        expert_fsdp = efsdp
-    return dataclasses.replace(meshes, ep=sparse["ep"], efsdp=efsdp, expert_fsdp=expert_fsdp)
-
-
 def shard_experts(experts: nn.Module, expert_fsdp_mesh, gradient_divide_factor: float, **fully_shard_kwargs) -> None:
-    """FSDP of expert-parallel experts: ``fully_shard`` over ``expert_fsdp_mesh`` (:func:`expert_meshes`),
-    dividing the reduced gradients by the *dense* parameters' factor (``dp_replicate * dp_shard * cp``,
-    what FSDP divides the other gradients by), not by this mesh's size.
+    """FSDP of expert-parallel experts: ``fully_shard`` over ``expert_fsdp_mesh``
+    (:func:`meshtron.distributed.mesh.expert_meshes`), dividing the reduced gradients by the *dense* parameters'
+    factor (``dp_replicate * dp_shard * cp``, what FSDP divides the other gradients by), not by this mesh's size.
 
     Each rank's expert gradient already sums its EP group's tokens, so summing over ``expert_fsdp_mesh``
     covers every token once, and dividing by the dense factor gives the gradient of meshtron's loss
@@ -110,7 +72,6 @@ def shard_experts(experts: nn.Module, expert_fsdp_mesh, gradient_divide_factor: 
     setting is not used: torch 2.13 then divides by the factor twice (its no-reduce-scatter branch and the
     post-divide), whereas the default divides once without any reduce-scatter.
     """
-    import dataclasses
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from meshtron.config import ParallelConfig
@@ -25,8 +25,8 @@ def is_fake_group(group) -> bool:
 @dataclass(frozen=True)
 class Meshes:
     """The meshes of a run (``ParallelDims.build_mesh``): the 5-D ``world`` mesh, its flattened groupings, the mesh
-    FSDP shards over and, under expert parallelism, the expert meshes (:func:`meshtron.distributed.expert_parallel.
-    expert_meshes`; None without EP)."""
+    FSDP shards over and, under expert parallelism, the expert meshes (:func:`expert_meshes`; None
+    without EP)."""
 
     world: DeviceMesh
     """The 5-D mesh, dims ``MESH_DIMS``; ``pp``, ``tp``, ``cp`` below are its 1-D slices."""
@@ -165,11 +165,44 @@ class ParallelDims:
             fsdp=DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp]) if self.dp_replicate > 1 else dp_shard_cp,
         )
         if self.ep > 1:  # ep, efsdp and expert_fsdp, split from dp_shard_cp
-            from meshtron.distributed.expert_parallel import expert_meshes
-
             meshes = expert_meshes(meshes, self.ep)
         return meshes
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in (*MESH_DIMS, "ep") if getattr(self, name) > 1]
         return " ".join(parts) or "single process"
+
+
+def expert_meshes(meshes: Meshes, ep: int) -> Meshes:
+    """``meshes`` with the expert-parallel meshes, borrowed from ``dp_shard x cp``.
+
+    ``meshes``: what ``ParallelDims.build_mesh`` returns (its ``world`` and ``dp_shard_cp`` are used). The
+    flattened ``dp_shard_cp`` dim (size ``dp_shard * cp``) is split into ``(efsdp, ep)``, ``ep``
+    innermost, so an EP group is ``ep`` consecutive ranks of ``dp_shard_cp`` (on GPUs: inside a node
+    when ``ep`` <= GPUs per node and tp == 1). Sets:
+
+    - ``ep``: the 1-D mesh the experts are sharded over (:func:`apply_expert_parallel`);
+    - ``efsdp``: the 1-D mesh of the ranks that hold the *same* experts within ``dp_shard x cp``;
+    - ``expert_fsdp``: the mesh FSDP shards the expert parameters over: ``efsdp``, or
+      ``(dp_replicate, efsdp)`` for HSDP (as ``fsdp`` is for the dense parameters).
+
+    Every tp rank of a group sees the same tokens, so ``ep`` is not borrowed from ``tp``.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = meshes.world
+    names = world.mesh_dim_names
+    dp_shard_cp = meshes.dp_shard_cp
+    size = dp_shard_cp.size()
+    if ep < 1 or size % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} must divide parallel.dp_shard*cp = {size} (expert parallelism borrows its ranks "
+            "from the data-parallel shard and context-parallel ranks); change parallel.ep or parallel.dp_shard"
+        )
+    sparse = dp_shard_cp._unflatten(0, (size // ep, ep), ("efsdp", "ep"))
+    efsdp = sparse["efsdp"]
+    if "dp_replicate" in names and world.size(names.index("dp_replicate")) > 1:
+        expert_fsdp = DeviceMesh._concatenate([world["dp_replicate"], efsdp])
+    else:
+        expert_fsdp = efsdp
+    return replace(meshes, ep=sparse["ep"], efsdp=efsdp, expert_fsdp=expert_fsdp)

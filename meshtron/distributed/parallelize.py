@@ -183,7 +183,7 @@ def parallelize_model(
 ) -> nn.Module:
     """Apply float8 -> TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
     ``precision`` and ``compiled``: ``precision.mixed_precision`` and ``train.compile`` as preflight resolved them
-    (meshtron.train.preflight.RunSetup).
+    (meshtron.train.run_setup.RunSetup).
 
     Float8 goes first: the TP styles and FSDP's float8 all-gather need the float8 linears in place; float8
     matmuls are emulated unless ``device_type`` (default: the mesh's) is ``cuda``.

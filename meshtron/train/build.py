@@ -25,7 +25,7 @@ from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
-from meshtron.train.preflight import RunSetup
+from meshtron.train.run_setup import RunSetup
 
 
 @dataclass

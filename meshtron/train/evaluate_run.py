@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from meshtron.config import Config
 from meshtron.distributed.runtime import Runtime
-from meshtron.train.preflight import RunSetup
 from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import evaluated_message
+from meshtron.train.run_setup import RunSetup
 from meshtron.train.trainer import TrainResult, evaluate_model, run_session
 
 

@@ -13,9 +13,8 @@ Preflight checks a checkpoint's file sizes only; its checksums, which read every
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -29,8 +28,6 @@ from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
     check_byte_fallback,
     load_tokenizer,
     tokenizer_notice,
@@ -40,7 +37,7 @@ from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import compile_enabled
-from meshtron.distributed.precision import PrecisionPolicy, precision_policy
+from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.runtime import launched_by_torchrun
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
@@ -53,63 +50,9 @@ from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
 from meshtron.train.optim.registry import check_optimizer
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+from meshtron.train.run_setup import BatchSplit, RunSetup
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
-
-
-@dataclass(frozen=True)
-class BatchSplit:
-    """How one data-parallel rank's share of the global batch is cut for an optimizer step, computed once by
-    preflight (the words as in docs/pipeline-parallel.md): a *micro-batch* is what one forward and backward runs
-    on. Without pipeline parallelism the rank accumulates the gradients of ``accumulation_steps`` micro-batches;
-    under pipeline parallelism the schedule runs the rank's whole batch in one step as ``pp_microbatches``
-    *pipeline microbatches*, each a micro-batch, without accumulation."""
-
-    micro_batch_size: int
-    """Sequences per forward and backward on a rank (``train.micro_batch_size`` resolved); under pipeline
-    parallelism the size of a pipeline microbatch."""
-    accumulation_steps: int = 1
-    """Micro-batches whose gradients make one optimizer step (1 under pipeline parallelism)."""
-    pp_microbatches: int = 1
-    """Pipeline microbatches the schedule runs per step (1 without pipeline parallelism)."""
-
-    @property
-    def rank_batch(self) -> int:
-        """Sequences each data-parallel rank trains per step (at the full global batch size)."""
-        return self.micro_batch_size * self.accumulation_steps * self.pp_microbatches
-
-
-@dataclass(kw_only=True)
-class RunSetup:
-    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config, and the
-    settings resolved for the run's device (``auto`` and the like), once, for every later use."""
-
-    dims: ParallelDims
-    batch: BatchSplit
-    tokenizer: ByteTokenizer | HFTokenizer
-    hf_config: PretrainedConfig
-    precision: PrecisionPolicy
-    """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
-    compiled: bool
-    """``train.compile`` resolved: the decoder blocks and the fused loss's chunks are compiled."""
-    attention_kernel: str
-    """``model.attention_kernel`` resolved (``auto``: the device's), for whole-sequence document attention."""
-    resume_from: Path | None = None
-    """The checkpoint this run continues from."""
-    resume_skipped: tuple[str, ...] = ()
-    """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
-    tokenizer_notice: str | None = None
-    """A line for rank 0 when a pretrained model trains on the byte tokenizer (meshtron.data.tokenizer)."""
-    revision_notice: str | None = None
-    """A line for rank 0 when a resume keeps the hub commit its checkpoint records while the hub's main moved on."""
-    resume_agreed: bool = True
-    """False in the workers of a multi-process run until ``agree_resume_point`` gave them rank 0's resume point."""
-    resume_error: MeshtronError | None = None
-    """Rank 0 of a multi-process run: the error its resolution of the resume point met, which
-    ``agree_resume_point`` raises on every rank."""
 
 
 def micro_batch_split(cfg: Config, dims: ParallelDims) -> tuple[int, int]:

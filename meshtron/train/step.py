@@ -45,7 +45,7 @@ from meshtron.train.step_stats import global_step_sums, global_target_count, hos
 if TYPE_CHECKING:
     from meshtron.models.adapter import DecoderAdapter
     from meshtron.train.pipeline.runner import PipelineRunner
-    from meshtron.train.preflight import RunSetup
+    from meshtron.train.run_setup import RunSetup
 
 
 @dataclass(frozen=True, kw_only=True)

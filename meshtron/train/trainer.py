@@ -39,9 +39,10 @@ from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
 from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import RunSetup, agree_resume_point, preflight, verified_resume_point
+from meshtron.train.preflight import agree_resume_point, preflight, verified_resume_point
 from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import done_message, startup_message
+from meshtron.train.run_setup import RunSetup
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from meshtron.config import Config
     from meshtron.distributed.mesh import Meshes
     from meshtron.models.adapter import DecoderAdapter
-    from meshtron.train.preflight import RunSetup
+    from meshtron.train.run_setup import RunSetup
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""What preflight resolves for a run (``RunSetup``, with its ``BatchSplit``): the types every later stage reads, kept
+apart from the checks that make them (meshtron.train.preflight) so that the stages preflight calls can name them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer
+    from meshtron.distributed.mesh import ParallelDims
+    from meshtron.distributed.precision import PrecisionPolicy
+    from meshtron.errors import MeshtronError
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one data-parallel rank's share of the global batch is cut for an optimizer step, computed once by
+    preflight (the words as in docs/pipeline-parallel.md): a *micro-batch* is what one forward and backward runs
+    on. Without pipeline parallelism the rank accumulates the gradients of ``accumulation_steps`` micro-batches;
+    under pipeline parallelism the schedule runs the rank's whole batch in one step as ``pp_microbatches``
+    *pipeline microbatches*, each a micro-batch, without accumulation."""
+
+    micro_batch_size: int
+    """Sequences per forward and backward on a rank (``train.micro_batch_size`` resolved); under pipeline
+    parallelism the size of a pipeline microbatch."""
+    accumulation_steps: int = 1
+    """Micro-batches whose gradients make one optimizer step (1 under pipeline parallelism)."""
+    pp_microbatches: int = 1
+    """Pipeline microbatches the schedule runs per step (1 without pipeline parallelism)."""
+
+    @property
+    def rank_batch(self) -> int:
+        """Sequences each data-parallel rank trains per step (at the full global batch size)."""
+        return self.micro_batch_size * self.accumulation_steps * self.pp_microbatches
+
+
+@dataclass(kw_only=True)
+class RunSetup:
+    """Everything checked before any collective: resolved degrees, batch split, tokenizer and model config, and the
+    settings resolved for the run's device (``auto`` and the like), once, for every later use."""
+
+    dims: ParallelDims
+    batch: BatchSplit
+    tokenizer: ByteTokenizer | HFTokenizer
+    hf_config: PretrainedConfig
+    precision: PrecisionPolicy
+    """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
+    compiled: bool
+    """``train.compile`` resolved: the decoder blocks and the fused loss's chunks are compiled."""
+    attention_kernel: str
+    """``model.attention_kernel`` resolved (``auto``: the device's), for whole-sequence document attention."""
+    resume_from: Path | None = None
+    """The checkpoint this run continues from."""
+    resume_skipped: tuple[str, ...] = ()
+    """Newer checkpoints ``checkpoint.resume=auto`` passed over as damaged, one line each."""
+    tokenizer_notice: str | None = None
+    """A line for rank 0 when a pretrained model trains on the byte tokenizer (meshtron.data.tokenizer)."""
+    revision_notice: str | None = None
+    """A line for rank 0 when a resume keeps the hub commit its checkpoint records while the hub's main moved on."""
+    resume_agreed: bool = True
+    """False in the workers of a multi-process run until ``agree_resume_point`` gave them rank 0's resume point."""
+    resume_error: MeshtronError | None = None
+    """Rank 0 of a multi-process run: the error its resolution of the resume point met, which
+    ``agree_resume_point`` raises on every rank."""
