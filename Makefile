@@ -25,13 +25,15 @@ demo: $(STAMP)
 	@echo "meshtron is installed in $(VENV): 'source $(VENV)/bin/activate' puts it on PATH (or run $(VENV)/bin/meshtron)"
 
 # ruff (lint, import order, format; [tool.ruff] in pyproject.toml) and the layer contract of CONTRIBUTING.md
-# ([tool.importlinter]), and no import cycle between modules (tools/check_import_cycles.py, which prints each one).
+# ([tool.importlinter]), no import cycle between modules (tools/check_import_cycles.py, which prints each one), and
+# mypy over meshtron/ ([tool.mypy]: its level and what comes next; its cache is .mypy_cache).
 # `$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .` repairs most of what ruff finds.
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_import_cycles.py
+	$(PY) -m mypy
 
 # Two pytest workers (tests/conftest.py says how the modules are spread); `$(PY) -m pytest tests/...` runs in one.
 test: $(TEST_STAMP)

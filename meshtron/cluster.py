@@ -45,7 +45,7 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
-    values = []
+    values: list[str] = []
     for part in ranges.split(","):
         low, _, high = part.partition("-")
         if not low.isdigit() or (high and not high.isdigit()):

@@ -680,7 +680,7 @@ def all_keys(cfg: Config) -> list[str]:
     return [
         f"{name}.{key}"
         for name, section in _sections(cfg).items()
-        for key in field_types(type(section))
+        for key in field_types(section.__class__)
         if not (name == "optimizer" and key == "settings")
     ]
 
@@ -732,7 +732,7 @@ def _set(cfg: Config, dotted: str, value: Any, *, from_text: bool, source: str =
             f"section one of {', '.join(sections)}"
         )
     section = sections[section_name]
-    types_ = field_types(type(section))
+    types_ = field_types(section.__class__)
     if section_name == "optimizer" and "." in key:  # an optimizer's own setting, checked by its registry entry
         name, _, setting = key.partition(".")
         if name in types_ or not setting:
@@ -855,7 +855,7 @@ def _check_choices(cfg: Config) -> None:
         section_name, _, key = dotted.partition(".")
         section = sections[section_name]
         value = getattr(section, key)
-        if value is None and _split_optional(field_types(type(section))[key])[1]:
+        if value is None and _split_optional(field_types(section.__class__)[key])[1]:
             continue
         for item in value if isinstance(value, list) else [value]:
             _choice(dotted, item, choices)
@@ -1013,7 +1013,7 @@ def _validate_eval(cfg: Config) -> None:
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """The config as nested dicts. TOML has no null: an unset (None) value is left out where unset is the default,
     else written ``"none"`` (e.g. ``fsdp.reduce_dtype``), which loads back as unset."""
-    result = {}
+    result: dict[str, dict[str, Any]] = {}
     for name, section in _sections(cfg).items():
         unset_default = {f.name for f in dataclasses.fields(section) if f.default is None}
         values = dataclasses.asdict(section).items()

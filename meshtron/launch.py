@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import logging
 import os
 import sys
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import cast
 
 from meshtron.errors import REPORTED_ERRORS_ENV, ConfigError, note_reported_end
 
@@ -290,8 +292,8 @@ def run_forked_rank(main: Callable[[list[str]], int], argv: list[str], device_ty
 
     for name in FORKSERVER_IGNORED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)  # as python -u: lines out as they are written
+    for stream in (sys.stdout, sys.stderr):  # as python -u: lines out as they are written
+        cast(io.TextIOWrapper, stream).reconfigure(line_buffering=True, write_through=True)
     if device_type == "cuda":
         _leave_if_cuda_unusable()
     reported = True  # main returns an error's status after its line; SystemExit comes after its message

@@ -20,7 +20,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from meshtron.config import (
     CHOICES,
@@ -69,7 +69,7 @@ def sections() -> dict[str, tuple[str, list[Setting]]]:
     env_of = {f"parallel.{key}": var for var, key in ENV_DEGREES.items()}
     result = {}
     for section_field in dataclasses.fields(Config):
-        cls = section_field.default_factory
+        cls: Any = section_field.default_factory  # each section of Config is a field defaulting to its class
         section_doc, docs = _docstrings(cls)
         types_ = field_types(cls)
         settings = []
@@ -78,7 +78,7 @@ def sections() -> dict[str, tuple[str, list[Setting]]]:
             if key == "optimizer.settings":  # a row per registered optimizer's own setting instead
                 settings += optimizer_settings_rows()
                 continue
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             settings.append(
                 Setting(
                     key=key,
@@ -210,7 +210,7 @@ def help_epilog(width: int | None = None) -> str:
     )
     lines = textwrap.wrap(header, width)
     for section in dataclasses.fields(Config):
-        keys = " ".join(f.name for f in dataclasses.fields(section.default_factory) if f.name != "settings")
+        keys = " ".join(f.name for f in dataclasses.fields(cast(Any, section.default_factory)) if f.name != "settings")
         if section.name == "optimizer":
             from meshtron.train.optim.registry import OPTIMIZERS
 

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
+from multiprocessing.context import BaseContext
 from pathlib import Path
 
 from meshtron.check.compare import CPU, CUDA, compare
@@ -87,7 +88,7 @@ class _Launcher:
 
     def __init__(self, out: Path, base: list[str], broken: str | None, timeout_s: float):
         self.out, self.base, self.broken, self.timeout_s = out, base, broken, timeout_s
-        self.context = multiprocessing.get_context("forkserver")
+        self.context: BaseContext = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["meshtron.check.preload"])
         self.cuda_checked = False
         self.done: dict[str, tuple[list[dict] | None, str | None, float]] = {}

@@ -113,10 +113,11 @@ def altered(path: Path, expected: dict[str, int]) -> str | None:
     with ThreadPoolExecutor(min(len(names), READERS)) as pool:
         found = dict(zip(names, pool.map(lambda name: _checksum_or_reason(Path(path) / name), names)))
     for name in names:
-        if isinstance(found[name], str):
-            return found[name]
-        if found[name] != expected[name]:
-            return f"{name} was changed after the save (crc32 {found[name]:08x}, {expected[name]:08x} when saved)"
+        checksum = found[name]
+        if isinstance(checksum, str):
+            return checksum
+        if checksum != expected[name]:
+            return f"{name} was changed after the save (crc32 {checksum:08x}, {expected[name]:08x} when saved)"
     return None
 
 

@@ -31,7 +31,7 @@ import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -133,7 +133,7 @@ def find_checkpoint(
         candidates.insert(0, latest)
     if visible_up_to is not None:
         candidates = [path for path in candidates if int(path.name.removeprefix("step-")) <= visible_up_to]
-    reasons = []
+    reasons: list[str] = []
     for path in candidates:
         reason = (altered or {}).get(path) or damage(path)
         if reason is None:
@@ -214,10 +214,12 @@ class CheckpointManager:
     def __init__(self, directory: Path, interval: int, keep_last: int, async_save: bool, runtime: Runtime):
         self.directory, self.interval, self.keep_last, self.async_save = directory, interval, keep_last, async_save
         self.runtime = runtime
-        self.pending = None  # (future, step, partial dir, meta, timing) of an async save not yet committed
-        self._checksummer = None  # the thread that checksums an async save's files once they are written
-        self._asked = None  # the pending save that ``unfinished`` last looked at
-        self.on_commit = None
+        # (future, step, partial dir, meta, timing) of an async save not yet committed
+        self.pending: tuple | None = None
+        # the thread that checksums an async save's files once they are written
+        self._checksummer: ThreadPoolExecutor | None = None
+        self._asked: tuple | None = None  # the pending save that ``unfinished`` last looked at
+        self.on_commit: Callable[[int, Path, float, float | None], None] | None = None
         """Called on every rank once a save is complete: ``on_commit(step, path, seconds, paused)``, ``seconds``
         from the start of the save, ``paused`` (async saves; None for others) how long training waited for it."""
         # Async saves run collectives from a background thread: give them a group of their own.

@@ -8,7 +8,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
@@ -38,7 +38,7 @@ def _gather(runtime: Runtime, value) -> list:
 def on_main(runtime: Runtime, action: Callable, fail: Callable[[str], MeshtronError]):
     """Run ``action`` on rank 0 and return its result on every rank; if it fails, raise ``fail(reason)``
     on every rank (the others would otherwise wait for rank 0 in the next collective until the timeout)."""
-    outcome = (None, None)
+    outcome: tuple[Any, MeshtronError | None] = (None, None)
     if runtime.is_main:
         try:
             outcome = (action(), None)

@@ -94,7 +94,7 @@ def stream_ranges(intervals: np.ndarray, virtual: np.ndarray) -> np.ndarray:
 
 def _untrained_sequences(trained: np.ndarray, count: int, width: int) -> np.ndarray:
     """Ranges of ``width``-token sequences ``0 .. count - 1`` that are not in ``trained`` (sequence numbers)."""
-    free = np.ones(count, dtype=bool)
+    free: np.ndarray = np.ones(count, dtype=bool)
     free[trained] = False
     edges = np.diff(np.concatenate([[0], free.astype(np.int8), [0]]))
     return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1).astype(np.int64) * width

@@ -150,19 +150,22 @@ def pack(
     """(tokens, trained) packed sequences of ``width`` tokens, each conversation followed by ``eos`` (the separator,
     with no loss) and never split (see the module docstring), and how many conversations were cut to one sequence."""
     sequences, masks, cut = [], [], 0
-    tokens, trained = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool)
+    tokens: np.ndarray = np.full(width, eos, dtype=np.int64)
+    trained: np.ndarray = np.zeros(width, dtype=bool)
     used = 0
     for ids, mask in conversations:
         ids, mask = np.append(ids, eos), np.append(mask, False)
         if ids.size > width:
             ids, mask, cut = ids[:width], mask[:width], cut + 1
         if used + ids.size > width:
-            sequences.append(tokens), masks.append(trained)
+            sequences.append(tokens)
+            masks.append(trained)
             tokens, trained, used = np.full(width, eos, dtype=np.int64), np.zeros(width, dtype=bool), 0
         tokens[used : used + ids.size], trained[used : used + ids.size] = ids, mask
         used += ids.size
     if used:
-        sequences.append(tokens), masks.append(trained)
+        sequences.append(tokens)
+        masks.append(trained)
     if not sequences:
         return np.zeros((0, width), dtype=np.int64), np.zeros((0, width), dtype=bool), cut
     return np.stack(sequences), np.stack(masks), cut

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from meshtron.config import DataConfig
+from meshtron.data.carry import Carry
 from meshtron.data.prepare import prepare_corpus
 from meshtron.data.shards import MANIFEST, TokenCorpus, is_prepared, write_json_atomically
 from meshtron.data.sources import source_fingerprint
@@ -40,12 +41,14 @@ class PackedDataset:
     def __init__(self, sequences: np.ndarray, path: Path | None = None):
         if sequences.ndim != 2 or sequences.shape[1] < 2:
             raise ValueError(f"sequences must have shape (num_sequences, seq_len + 1), got {sequences.shape}")
-        self._sequences, self._corpus, self._start = sequences, None, 0
+        self._sequences: np.ndarray | None = sequences
+        self._corpus: TokenCorpus | None = None
+        self._start = 0
         self._len = sequences.shape[0]
         self.path = path
         self.seq_len = sequences.shape[1] - 1
         self.stream_tokens = self._len * (self.seq_len + 1)
-        self.carry = None
+        self.carry: Carry | None = None
         """meshtron.data.carry.Carry of a run resumed with another data.seq_len: sequences ``len(self) + j``."""
 
     @classmethod

@@ -90,7 +90,7 @@ class MixtureSchedule(GlobalBatchSchedule):
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be >= 0, got {start}, {count}")
         source, ks = self._next(self.counts_before(start), count)
-        sequences = np.empty(count, dtype=np.int64)
+        sequences: np.ndarray = np.empty(count, dtype=np.int64)
         for s in np.unique(source):
             chosen = source == s
             run = ks[chosen]  # consecutive sample numbers of source s

@@ -55,7 +55,7 @@ def _folder_files(root: Path) -> list[Path]:
 def _stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files (tests, IDLE, lib2to3 and site-packages skipped), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
+    found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
         found.extend(Path(dirpath) / name for name in filenames if name.endswith(".py"))

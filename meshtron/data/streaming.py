@@ -25,7 +25,7 @@ import json
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -103,6 +103,8 @@ class DocumentReader:
     ``open`` makes a fresh ``datasets.IterableDataset`` (read again from the start each epoch); ``max_documents``
     ends an epoch after that many non-empty documents."""
 
+    _dataset: Any  # the open datasets.IterableDataset, None before ``open`` and after ``seek``
+
     def __init__(self, open: Callable, field: str, lanes: int, max_documents: int | None = None, where: str = ""):
         self.open, self.field, self.max_documents, self.where = open, field, max_documents, where
         self.seek({"document": 0, "epoch": 0, "in_epoch": 0, "stream": None, "chars": [0] * lanes})
@@ -177,7 +179,8 @@ class Lane:
         self.queue: deque = deque()  # (index, text) dealt to it and not yet tokenized
         self.ready: deque = deque()  # (index, tokens) tokenized and not yet cut
         self.current: int | None = None  # the index of the document in ``tokens``
-        self.tokens, self.position = np.zeros(0, dtype=np.int64), 0
+        self.tokens: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.position = 0
         self.history: dict[int, tuple[int, int]] = {}  # sequence -> state before it
 
     def state(self) -> tuple[int, int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshtron.config import DataConfig, EvalConfig, parse_batch_rampup
-from meshtron.data.chat import build_chat_datasets
-from meshtron.data.dataset import build_packed_dataset
+from meshtron.data.chat import ChatDataset, build_chat_datasets
+from meshtron.data.dataset import PackedDataset, build_packed_dataset
 from meshtron.data.mixture import MixedDataset, MixtureSchedule, parse_sources
 from meshtron.data.sampler import BatchSizes, GlobalBatchSchedule
 from meshtron.data.streaming import StreamingDataset, StreamSchedule
@@ -43,7 +43,8 @@ def build_training_data(
     evaluation = evaluation or EvalConfig()
     held_out = evaluation.holdout_documents
     sizes = BatchSizes(global_batch_size, parse_batch_rampup(batch_rampup, global_batch_size))
-    eval_dataset = None
+    dataset: ChatDataset | StreamingDataset | PackedDataset | MixedDataset
+    eval_dataset: ChatDataset | PackedDataset | None = None
     if data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
         dataset, eval_dataset = build_chat_datasets(data, tokenizer, held_out)
         schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed, sizes)

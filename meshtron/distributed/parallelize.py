@@ -8,6 +8,7 @@ parallel (MoE models), tensor parallel, context parallel, activation checkpointi
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,12 +61,12 @@ def _selective_contexts():
     """Selective checkpointing's (forward, recomputation) dispatch modes, with profiler annotations passed through."""
     modes = create_selective_checkpoint_contexts(_selective_policy)
     for mode in modes:
-        mode.__class__ = _without_profiler_ops(type(mode))
+        mode.__class__ = _without_profiler_ops(mode.__class__)
     return modes
 
 
 @functools.cache
-def _without_profiler_ops(mode_class: type) -> type:
+def _without_profiler_ops(mode_class: Any) -> type:
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _PROFILER_OPS:
             return func(*args, **(kwargs or {}))

@@ -262,7 +262,7 @@ def set_stage_forward(
         def run():
             return adapter.run_stage(self, hidden, inputs_for(input_ids), first, last)
 
-        extra = ()
+        extra: tuple = ()
         if routing is None:
             out = run()
         else:

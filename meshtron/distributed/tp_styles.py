@@ -88,8 +88,7 @@ class ReplicateParallel(ParallelStyle):
             for x in inputs
         )
 
-    @staticmethod
-    def _output_fn(module, output, mesh):
+    def _output_fn(self, module, output, mesh):  # a method: LatentRopeParallel's reads its own settings
         return local_tensor(output)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:

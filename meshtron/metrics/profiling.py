@@ -266,7 +266,7 @@ class StepProfiler:
         self.profile = parse_step_range("run.profile_steps", run.profile_steps)
         self.memory = parse_step_range("run.memory_snapshot_steps", run.memory_snapshot_steps)
         self.output_dir, self.rank, self.device = Path(output_dir), rank, device
-        self._profiler = None
+        self._profiler: torch.profiler.profile | None = None
         self._recording_memory = False
         self.summary: ProfileSummary | None = None
 

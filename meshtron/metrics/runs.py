@@ -32,7 +32,7 @@ class Run:
     def label(self) -> str:
         """The run's folder name with its layout, or its layouts and the steps they start from after a resume under
         another layout: ``a (dp_shard=4; from step 4: dp_shard=2 tp=2)``."""
-        shown = []
+        shown: list[tuple[int, str]] = []
         for segment in self.segments:
             layout = segment.get("layout")
             if layout and (not shown or layout != shown[-1][1]):

@@ -12,6 +12,7 @@ import netrc
 import numbers
 import os
 from pathlib import Path
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from meshtron.config import Config, to_dict, to_toml
@@ -88,7 +89,7 @@ class WandbTracker:
         try:
             self.run = wandb.init(
                 project=cfg.run.wandb_project,
-                mode=cfg.run.wandb_mode,
+                mode=cast(Any, cfg.run.wandb_mode),  # one of wandb's modes: config's CHOICES checked it
                 dir=str(output_dir),
                 name=Path(output_dir).name,
                 config={**to_dict(cfg), "layout": layout},

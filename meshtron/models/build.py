@@ -222,9 +222,8 @@ def init_region(
                 generator = torch.Generator().manual_seed(_tile_seed(seed, name, number))
                 tile = torch.normal(0.0, std, (bottom - top, right - left), generator=generator)
                 r0, r1, c0, c1 = max(row0, top), min(row1, bottom), max(col0, left), min(col1, right)
-                out[(*where, slice(r0 - row0, r1 - row0), slice(c0 - col0, c1 - col0))] = tile[
-                    r0 - top : r1 - top, c0 - left : c1 - left
-                ]
+                placed = (*where, slice(r0 - row0, r1 - row0), slice(c0 - col0, c1 - col0))
+                out[placed] = tile[r0 - top : r1 - top, c0 - left : c1 - left]
     return out
 
 
@@ -323,8 +322,8 @@ def _weight_for(
         if first_row is None:
             return reader.get(candidate, region)
         region = region or tuple(slice(0, size) for size in wanted)
-        rows = slice(region[0].start + first_row, region[0].stop + first_row)
-        return reader.get(candidate, (rows, *region[1:]))
+        row_range = slice(region[0].start + first_row, region[0].stop + first_row)
+        return reader.get(candidate, (row_range, *region[1:]))
     experts = read_experts(name, wanted, reader, region, adapter.family)  # MoE experts saved one by one
     if experts is not None:
         return experts

@@ -50,6 +50,7 @@ def expert_math(experts: nn.Module, local=lambda t: t) -> ExpertMath:
     """The ``ExpertMath`` of a transformers experts module, by its family's anatomy; ``local`` turns its bias
     parameters into the tensors to use (expert parallelism: this rank's shards)."""
     anatomy = experts_anatomy(experts)
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     if anatomy.activation == "clamped_swiglu":
         activation = functools.partial(clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
     else:

@@ -84,8 +84,8 @@ def add_lora(model: nn.Module, adapter, cfg: LoraConfig) -> list[str]:
     available = {name for _, block in blocks for name in _projections(block)}
     if any(_routed_experts(block) for _, block in blocks):
         available.add(EXPERTS)
-    available = sorted(available)
-    targets = list(cfg.targets) or available
+    names = sorted(available)
+    targets = list(cfg.targets) or names
     unknown = sorted(set(targets) - set(available))
     if unknown:
         raise ConfigError(

@@ -134,12 +134,12 @@ class Phi3Adapter(DecoderAdapter):
             for name, piece in zip(_ATTENTION_SECTIONS, _split(attention.qkv_proj, rows)):
                 setattr(attention, name, piece)
             del attention.qkv_proj
-            attention.__class__ = _with_forward(SplitPhi3Attention, type(attention))
+            attention.__class__ = _with_forward(SplitPhi3Attention, attention.__class__)
             rows = [sections[f"mlp.{name}"][2] for name in _MLP_SECTIONS]
             for name, piece in zip(_MLP_SECTIONS, _split(mlp.gate_up_proj, rows)):
                 setattr(mlp, name, piece)
             del mlp.gate_up_proj
-            mlp.__class__ = _with_forward(SplitPhi3MLP, type(mlp))
+            mlp.__class__ = _with_forward(SplitPhi3MLP, mlp.__class__)
 
     def fuse_projections(self, model: nn.Module) -> None:
         for _, block in self.named_blocks(model):

@@ -110,5 +110,5 @@ def apply_tiled_mlp(blocks: list[tuple[str, nn.Module]], roles_of, tiles: int) -
                 f"train.mlp_tiles={tiles} recomputes the MLP in backward, which would draw other dropout masks than "
                 f"its forward (block {name}'s MLP has dropout); set train.mlp_tiles=0"
             )
-        mlp.__class__ = _tiled_class(type(mlp))
+        mlp.__class__ = _tiled_class(mlp.__class__)
         mlp.mlp_tiles = tiles

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -41,7 +41,7 @@ class VarlenOp:
             return None
         params = inspect.signature(attend).parameters
         if "window_size" in params:
-            causal = ("window_size", (-1, 0))
+            causal: tuple[str, Any] = ("window_size", (-1, 0))
         elif "is_causal" in params:
             causal = ("is_causal", True)
         else:

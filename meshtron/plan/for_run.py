@@ -41,7 +41,7 @@ def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.devi
     memory = memory_per_pipeline_rank(shape, layout, workload)[pp_rank]
     # state as measured after the first update: gradients sharded like their parameters (memory.grads is the
     # larger of that and what is held between micro-batches, which is measured apart)
-    planned = {
+    planned: dict[str, float | None] = {
         "state_bytes": 2 * memory.params + memory.optimizer,
         "activation_bytes": memory.activations,
         "host_activation_bytes": memory.host_activations,

@@ -247,7 +247,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     frozen = shape.frozen_norms
     norms = shape.residual_norms * _norm(h, e, frozen) / stream_split
     gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
-    attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
+    attention: float = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
     if layout.cp > 1 and layout.cp_method in ("ulysses", "hybrid"):
         # After the all-to-all: heads / degree for degree times the tokens (Ulysses: the whole sequence; hybrid: its
         # group's, which its ring keeps), as many q / out bytes.
@@ -290,10 +290,10 @@ def _compiled_block_per_token(shape: ModelShape, layout: Layout, workload: Workl
     linear_in = 0 if workload.float8 else e
     norms = shape.residual_norms * (e * h + FP32) / stream_split  # each norm's input and 1/rms
     gathered_inputs = 2 * linear_in * h  # q/k/v's and gate/up's inputs, whole sequence on every tp rank
-    attention = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
+    attention: float = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
     if dense_document_mask(layout, workload):
         attention += e * workload.seq_len
-    mlp = (2 * e + linear_in) * inter // tp  # gate, up, and down's input SiLU(gate) * up
+    mlp: float = (2 * e + linear_in) * inter // tp  # gate, up, and down's input SiLU(gate) * up
     if tiled_mlp(workload):  # only the MLP's input (this rank's part), instead of gate and up's gathered input
         mlp = e * h / stream_split - linear_in * h
     adapters = e * shape.adapter_ranks  # LoRA: each adapter's A x

@@ -179,7 +179,7 @@ class ModelShape:
         # every parameter whole; FSDP still splits dim 0 (the experts of [E, ...] parameters).
         replicated = tuple(path + "." for path, role in roles.items() if role == "replicated_block")
         block_specs = _block_specs(blocks[0][1], roles, replicated)
-        dense_specs = ()
+        dense_specs: tuple[ParamSpec, ...] = ()
         if dense_layers:
             dense_specs = _block_specs(all_blocks[0][1], adapter.block_tp_roles(all_blocks[0][1]), ())
         shapes = {tuple(sorted((n, tuple(p.shape)) for n, p in block.named_parameters())) for _, block in blocks}
@@ -188,7 +188,8 @@ class ModelShape:
                 f"model family '{adapter.family}': decoder blocks differ in shape; the planner needs alike blocks"
             )
         top_roles = adapter.top_tp_roles(model)
-        embedding, final = [], []
+        embedding: list[ParamSpec] = []
+        final: list[ParamSpec] = []
         for raw_name, param in model.named_parameters():  # tied parameters are listed once
             name = canonical_name(raw_name)
             if ".layers." in name:

@@ -172,7 +172,7 @@ def inject_save_faults(manager: CheckpointManager, faults: Faults) -> None:
             lambda reason: manager._failed(partial, reason),
         )
 
-    manager._write_state = write_then_fault
+    manager._write_state = write_then_fault  # type: ignore[method-assign]  # the injected fault wraps this save
 
 
 _NONFINITE_STEP: ContextVar[bool] = ContextVar("meshtron_nonfinite_step", default=False)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from contextvars import Token
 from typing import TYPE_CHECKING
 
 from meshtron.checkpoint.manager import step_dir_name
@@ -19,7 +20,7 @@ from meshtron.resilience.faults import faults_from_env, inject_save_faults, mark
 from meshtron.resilience.preemption import STOP_SIGNALS, Preempted, StopSignals, stop_message
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 from meshtron.resilience.rollback import NonfiniteRollback
-from meshtron.resilience.watchdog import start_watchdog
+from meshtron.resilience.watchdog import HangWatchdog, start_watchdog
 
 if TYPE_CHECKING:
     from meshtron.config import Config
@@ -43,8 +44,8 @@ class RunGuard:
         if self.faults is not None and resumable.checkpoints is not None:
             inject_save_faults(resumable.checkpoints, self.faults)
         self.signals = StopSignals()
-        self.watchdog = None
-        self._nonfinite_mark = None
+        self.watchdog: HangWatchdog | None = None
+        self._nonfinite_mark: Token | None = None
 
     def resumed(self, resumed_from, start_step: int) -> None:
         """Say what a restarted run resumed (call once the checkpoint is loaded) and which partial saves went."""

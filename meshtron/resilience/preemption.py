@@ -35,7 +35,7 @@ class StopSignals:
     after). Once one came, SIGINT takes its default action back: a second Ctrl-C ends the process at once, even in
     the middle of a collective or a save, where a Python handler would wait for the call to return."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: int = 0
         self.repeated: int = 0
         self._previous: dict = {}

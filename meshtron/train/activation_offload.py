@@ -54,8 +54,22 @@ def _local_part(tensor: torch.Tensor) -> torch.Tensor:
 class _HostCopy:
     """The host copy of one device storage (every saved view of it shares it), and its way back."""
 
-    __slots__ = ("host", "device", "copied", "fetched", "fetched_ready", "index", "used", "nbytes", "owner", "source")
-    __slots__ += ("version", "ahead", "forward_call", "__weakref__")
+    __slots__ = (
+        "host",
+        "device",
+        "copied",
+        "fetched",
+        "fetched_ready",
+        "index",
+        "used",
+        "nbytes",
+        "owner",
+        "source",
+        "version",
+        "ahead",
+        "forward_call",
+        "__weakref__",
+    )
 
     def __init__(self, host, nbytes: int, device: torch.device, copied, index: int, owner, source, version: int):
         self.host, self.device, self.copied, self.index, self.owner = host, device, copied, index, owner

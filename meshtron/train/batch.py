@@ -130,7 +130,7 @@ class StageInputs:
 
     def __init__(self, split: SequenceSplit):
         self.split = split
-        self.document_bounds = None
+        self.document_bounds: tuple | torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor) -> dict:
         return sequence_inputs(input_ids, self.split, self.document_bounds)

@@ -206,7 +206,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     check_fixed_directory(cfg, launched=launched_by_torchrun())
     rank = int(os.environ.get("RANK", "0"))
     by_rank_0 = world_size > 1 and launched_by_torchrun()  # the other ranks learn it from rank 0 (agree_resume_point)
-    resume_from, skipped, error = None, [], None
+    resume_from, error = None, None
+    skipped: list[str] = []
     if rank == 0 or not by_rank_0:
         try:
             resume_from, skipped = _resume_point(cfg, hf_config, rank)
@@ -269,7 +270,8 @@ def verified_resume_point(setup: RunSetup, runtime, cfg: Config) -> RunSetup:
 def _choose_again(setup: RunSetup, runtime, cfg: Config, altered: dict[Path, str]) -> RunSetup:
     """``setup`` with rank 0's resume point (``checkpoint.resume=auto``) once ``altered`` are left out, for
     ``agree_resume_point`` to share."""
-    path, skipped, error = None, [], None
+    path, error = None, None
+    skipped: list[str] = []
     if runtime.is_main or _alone(runtime):
         try:
             path, skipped = _resume_point(cfg, setup.hf_config, runtime.rank, altered)

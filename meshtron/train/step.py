@@ -242,7 +242,7 @@ def train_step(
             with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
                 local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale, bounds)
         else:
-            held_grads = [] if measure_state else None
+            held_grads: list | None = [] if measure_state else None
             local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)
             if held_grads:
                 measured["accumulation_grad_bytes"] = max(held_grads)

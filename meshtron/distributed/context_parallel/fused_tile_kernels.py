@@ -114,7 +114,7 @@ def flex_forward(q, k, v, block_mask, scale: float):
 
 
 def flex_backward(q, k, v, block_mask, scale: float, out, lse, grad_out):
-    return recomputed_backward(lambda *qkv: flex_forward(*qkv, block_mask, scale), q, k, v, out, lse, grad_out)
+    return recomputed_backward(lambda q, k, v: flex_forward(q, k, v, block_mask, scale), q, k, v, out, lse, grad_out)
 
 
 def recomputed_backward(forward, q, k, v, out, lse, grad_out):

@@ -73,7 +73,8 @@ def _forward_tiles(q_halves, kv, source: int, layout, scale, state, window=None)
     k_halves, v_halves = _halves(kv[0], layout.chunk), _halves(kv[1], layout.chunk)
     for qi, ki, mask in planned_tiles(layout, q_halves[0].device, window)[source]:
         out, lse = tile_forward(q_halves[qi], k_halves[ki], v_halves[ki], mask, scale, layout.kernel)
-        state[qi] = merge_partial(*state[qi], out, lse)
+        out_acc, lse_acc = state[qi]
+        state[qi] = merge_partial(out_acc, lse_acc, out, lse)
 
 
 def _backward_tiles(

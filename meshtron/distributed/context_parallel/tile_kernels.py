@@ -17,13 +17,15 @@ tensor broadcastable to ``(B, Lq, Lk)`` (True where a query may attend a key) or
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from meshtron.distributed.context_parallel import fused_tile_kernels as fused
 from meshtron.distributed.context_parallel.fused_tile_kernels import expand_kv, fold_kv
 
-Mask = torch.Tensor | BlockMask | str | None
+Mask: TypeAlias = torch.Tensor | BlockMask | str | None
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -3,6 +3,7 @@ Its parameter groups and arguments are also the AdamW half of other optimizers (
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,10 @@ class AdamWSettings:
         pass
 
 
-def adamw_groups(model: nn.Module, cfg: OptimizerConfig, taken: set[int] = frozenset()) -> list[dict]:
+def adamw_groups(model: nn.Module, cfg: OptimizerConfig, taken: Set[int] = frozenset()) -> list[dict]:
     """The trained parameters of ``model`` not in ``taken`` (ids): weight decay on 2-D+ ones, none on the rest."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad and id(param) not in taken:
             (decay if param.ndim >= 2 else no_decay).append(param)

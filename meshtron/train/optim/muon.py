@@ -142,8 +142,8 @@ def _plan_exchange(param: torch.Tensor) -> _Exchange | None:
     slot = 0
     for mesh_dim in order:
         slot = slot * mesh.size(mesh_dim) + coordinate[mesh_dim]
-    stages = tuple(_Stage(m, dim, extent, order.index(m)) for m, dim, extent in stages)
-    return _Exchange(mesh, tuple(order), sizes, stages, slot)
+    placed = tuple(_Stage(m, dim, extent, order.index(m)) for m, dim, extent in stages)
+    return _Exchange(mesh, tuple(order), sizes, placed, slot)
 
 
 class _Unmodelled(Exception):
@@ -287,6 +287,8 @@ class MuonAdamW(torch.optim.AdamW):
     ``exp_avg`` / ``exp_avg_sq``) and everything else that takes "the optimizer" work unchanged.
     """
 
+    param_groups: list[dict]  # torch.optim.Optimizer's; ``step`` hides the muon group from AdamW's step
+
     def __init__(
         self,
         muon_params: list,
@@ -343,7 +345,8 @@ def muon_parameters(parts: list[nn.Module], adapter) -> list[nn.Parameter]:
     a rank's pipeline stages) except MoE routers."""
     from meshtron.models.moe import moe_blocks, router_of
 
-    chosen, routers = [], set()
+    chosen: list = []
+    routers: set = set()
     for part in parts:
         for _, block in adapter.named_blocks(part):
             routers.update(id(p) for _, moe in moe_blocks(block) for p in router_of(moe).parameters())
