@@ -107,7 +107,10 @@ def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tm
         r"command again to resume \(exit status 75\)",
         stopped.stdout,
     )
-    assert said and said[1] == said[2] and said[1] in "23", stopped.stdout[-2000:]
+    # The launcher sends the signal on to the workers; on a loaded machine it may reach them a step or two later
+    # (every rank still stops after the same step, the one they agree on in a step's all-reduce).
+    assert said and said[1] == said[2] and said[1] in "2345", stopped.stdout[-2000:]
+    stop = int(said[1])
     assert "sends a second SIGTERM during the save" in stopped.stderr
     meta = json.loads((out / "checkpoints" / f"step-0000000{said[1]}" / "meshtron.json").read_text())
     assert meta["stopped_by"] == "SIGTERM"
@@ -120,7 +123,8 @@ def test_sigterm_saves_and_exits_75_and_the_rerun_continues_exactly(straight, tm
     )
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints'}/step-0000000{said[1]}" in rerun.stdout
-    assert "restart 1 of this run after a failure: resumed from step-00000003 (step 3)" in rerun.stdout
+    newest = max(stop, 3)  # the newest complete checkpoint when step 6's save is killed (interval 3)
+    assert f"restart 1 of this run after a failure: resumed from step-{newest:08d} (step {newest})" in rerun.stdout
     assert "removed step-00000006.partial" in rerun.stdout
     assert last_losses(out) == last_losses(straight)
     assert_same_tensors(out / FINAL, straight / FINAL, tmp_path)
@@ -152,7 +156,9 @@ def test_ctrl_c_saves_and_exits_75_and_a_second_one_stops_at_once(tmp_path, cach
     stopped = run_in_a_terminal_job(command(cache_dir, out), worker_env(MESHTRON_FAULT="ctrlc:step=2:rank=1"), 300)
     assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-3000:]
     said = re.search(r"stopped by SIGINT after step (\d) of 8: checkpoint step-0000000(\d) saved", stopped.stdout)
-    assert said and said[1] == said[2] and said[1] in "23", stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    # sent on by the launcher: on a loaded machine it may reach the workers a step or two later (the second Ctrl-C
+    # below comes two steps after the resumed step, at most step 7 of 8)
+    assert said and said[1] == said[2] and said[1] in "2345", stopped.stdout[-2000:] + stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr, stopped.stderr[-3000:]
     assert [line for line in stopped.stderr.splitlines() if "fault" not in line] == [], stopped.stderr[-3000:]
     meta = json.loads((out / "checkpoints" / f"step-0000000{said[1]}" / "meshtron.json").read_text())
