@@ -152,7 +152,8 @@ def _parameter_ops(model, run) -> Counter:
 @pytest.mark.parametrize("compile_setting", ["false", "true"])
 def test_a_step_of_one_micro_batch_adds_nothing_over_a_parameter(compile_setting):
     """bf16 compute, fp32 master weights, tied embeddings, the fused loss in one chunk: a step of one micro-batch
-    converts each parameter's gradient to float32 once and adds nothing over any parameter (the previous path:
+    converts each parameter's gradient to float32 once (by ``torch._foreach_copy_``) and adds nothing over any
+    parameter (the previous path:
     a zero-filled head buffer, its addition, and the tied weight's two float32 gradients added); a step of three
     adds each later micro-batch's bf16 gradient into the float32 one, one mixed-dtype addition per parameter and
     micro-batch, with no float32 conversion of its own. Compiled blocks (train.compile=true) change nothing here:
@@ -173,10 +174,31 @@ def test_a_step_of_one_micro_batch_adds_nothing_over_a_parameter(compile_setting
     # (the tied weight's two bf16 gradients are summed in bf16, as under FSDP).
     one = step(1)
     assert [key for key in one if "float32" in key[1] and key[0] in ("add", "add_", "zeros", "zero_", "fill_")] == []
-    assert one[("_to_copy", ("bfloat16",))] == matrices + 1, one
+    # Each parameter's conversion is written by _foreach_copy_ (its CUDA kernel reads and writes vectors; counted
+    # here by the copy it makes on CPU), the loss's head gradient by a cast.
+    assert one[("copy_", ("float32", "bfloat16"))] == matrices, one
+    assert one[("_to_copy", ("bfloat16",))] == 1, one
     assert one[("_to_copy", ("float32",))] == matrices, one  # the forward's casts
     # Three: each later micro-batch's bf16 gradient added into the float32 one (one mixed-dtype add, no conversion).
     three = step(3)
     assert three[("add_", ("float32", "bfloat16"))] == 2 * matrices, three
-    assert three[("_to_copy", ("bfloat16",))] == matrices + 3, three
+    assert three[("copy_", ("float32", "bfloat16"))] == matrices, three
+    assert three[("_to_copy", ("bfloat16",))] == 3, three
     assert [key for key in three if key[0].startswith("add") and key[1] == ("float32", "float32")] == [], three
+
+
+def test_widened_gives_the_cast_values_bit_for_bit():
+    """``precision.widened`` (the master gradient written by ``torch._foreach_copy_``) equals ``.to(float32)`` for
+    every bf16 / fp16 value, infinities and NaN included; a non-contiguous gradient or a same-dtype one takes ``.to``
+    and keeps its strides."""
+    from meshtron.distributed.precision import widened
+
+    for dtype in (torch.bfloat16, torch.float16):
+        every_value = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+        got = widened(every_value, torch.float32)
+        assert got.dtype == torch.float32 and got.shape == every_value.shape
+        assert torch.equal(got.view(torch.int32), every_value.to(torch.float32).view(torch.int32)), dtype
+        transposed = every_value.t()
+        assert torch.equal(widened(transposed, torch.float32).view(torch.int32), transposed.float().view(torch.int32))
+    same = torch.randn(3, 4)
+    assert widened(same, torch.float32) is same

@@ -1,8 +1,10 @@
 """The planner against measured GPU runs: ``tests/fixtures/h100-2026-11-26.json``, a copy of
 ``shared/gpu-measurements/h100-2026-11-26.json`` (one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, transformers 5.17,
-measured 2026-11-26 with ``bench/throughput.py`` and ``meshtron train --rehearse``).
+measured 2026-11-26 with ``bench/throughput.py`` and ``meshtron train --rehearse``), and
+``tests/fixtures/h200-2026-11-28.json`` (one NVIDIA H200, the same software, measured 2026-11-28 with
+``bench/one_gpu_checks/issue61.sh``).
 
-Every meshtron run of that file is planned from its own settings (meshtron CLI overrides, read through
+Every meshtron run of those files is planned from its own settings (meshtron CLI overrides, read through
 ``load_config`` and ``config_view``, the path ``meshtron train`` and ``--rehearse`` take): the planner must be
 within 10% of its activations (where measured) and peak memory and within 15% of its step time (the rehearsal:
 its compute-only step against the planner's compute time). meshtron.plan.calibration says which of these runs
@@ -18,6 +20,8 @@ from pathlib import Path
 import pytest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "h100-2026-11-26.json"
+FIXTURES = {FIXTURE: "h100", FIXTURE.with_name("h200-2026-11-28.json"): "h200"}
+"""Each recorded file and the planner's GPU (meshtron.plan.hardware.GPUS) it was measured on."""
 MEMORY_RTOL = 0.10
 STEP_RTOL = 0.15
 GIB = 2**30
@@ -31,10 +35,14 @@ def _recorded() -> dict:
     return data
 
 
-def _throughput_runs() -> list[dict]:
-    """The meshtron runs (the peers' have no meshtron settings)."""
-    runs = _recorded()["runs"]
+def _throughput_runs(fixture: Path = FIXTURE) -> list[dict]:
+    """The meshtron runs of ``fixture`` (the peers' have no meshtron settings)."""
+    runs = json.loads(fixture.read_text())["runs"]
     return [run for run in runs if any(item.startswith("model.preset=") for item in run.get("settings", []))]
+
+
+def _every_throughput_run() -> list[tuple[Path, dict]]:
+    return [(fixture, run) for fixture in FIXTURES for run in _throughput_runs(fixture)]
 
 
 def _rehearsal() -> dict:
@@ -42,8 +50,8 @@ def _rehearsal() -> dict:
     return run
 
 
-def _plan(settings: list[str], world_size: int):
-    """The planner's memory and step for a run of ``settings`` on ``world_size`` H100s (rank 0)."""
+def _plan(settings: list[str], world_size: int, gpu: str = "h100"):
+    """The planner's memory and step for a run of ``settings`` on ``world_size`` of ``gpu`` (rank 0)."""
     from meshtron.config import load_config
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.build import load_hf_config
@@ -56,7 +64,7 @@ def _plan(settings: list[str], world_size: int):
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, cfg.model.name_or_path)
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     memory = memory_per_pipeline_rank(shape, layout, workload)[0]
-    return memory, estimate_step(shape, layout, workload, GPUS["h100"], hf_config), workload
+    return memory, estimate_step(shape, layout, workload, GPUS[gpu], hf_config), workload
 
 
 def _within(name: str, planned: float, measured: float, rtol: float, failures: list[str], lines: list[str]) -> None:
@@ -66,10 +74,14 @@ def _within(name: str, planned: float, measured: float, rtol: float, failures: l
         failures.append(f"{name}: planned {planned:.4f} vs measured {measured:.4f} ({error:+.1%}, bound {rtol:.0%})")
 
 
-@pytest.mark.parametrize("run", _throughput_runs(), ids=lambda run: run["what"].split(",", 1)[-1].strip())
-def test_planner_is_within_bounds_of_a_measured_h100_run(run):
-    memory, step, workload = _plan(run["settings"], 1)
-    failures, lines = [], [f"{run['what']} ({FIXTURE.name})"]
+@pytest.mark.parametrize(
+    "fixture, run",
+    _every_throughput_run(),
+    ids=lambda value: value.stem[:4] if isinstance(value, Path) else value["what"].split(",", 1)[-1].strip(),
+)
+def test_planner_is_within_bounds_of_a_measured_gpu_run(fixture, run):
+    memory, step, workload = _plan(run["settings"], 1, FIXTURES[fixture])
+    failures, lines = [], [f"{run['what']} ({fixture.name})"]
     if "activations_kept_gb" in run:
         _within("activations", memory.activations / 1e9, run["activations_kept_gb"], MEMORY_RTOL, failures, lines)
     _within("peak", memory.total / GIB, run["peak_memory_gb"], MEMORY_RTOL, failures, lines)

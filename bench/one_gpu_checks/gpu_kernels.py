@@ -180,6 +180,49 @@ def fused_loss(out) -> dict:
     return figures
 
 
+def gradient_widening(out) -> dict:
+    """The master gradient's bf16 -> float32 conversion (``precision.widened``, ``torch._foreach_copy_``) against
+    ``.to(float32)`` (torch's unrolled copy: 4.1 ms a step for llama-1b on an H200) and an inductor kernel, on
+    llama-1b's 1.24 B gradients as its 16 blocks' shapes and the embedding: equal bits, time of each (CUDA events).
+    And the next change it points at, the fused loss's head gradient per 4,096-token chunk: a bf16 product added
+    into the float32 sum (today, 4 chunks: 3.8 ms a step) against ``torch.addmm(..., out_dtype=torch.float32)``,
+    which adds in the GEMM's epilogue (CUDA only)."""
+    import torch
+
+    from meshtron.distributed.precision import widened
+
+    device = cuda_device()
+    hidden, inter, vocab, kv = 2048, 8192, 128256, 512
+    shapes = [(vocab, hidden)] + 16 * [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]
+    shapes += 16 * [(inter, hidden), (inter, hidden), (hidden, inter)]
+    grads = [torch.randn(shape, device=device, dtype=torch.bfloat16) for shape in shapes]
+    compiled = torch.compile(lambda t: t.to(torch.float32), dynamic=True)
+    ways = {"to": lambda t: t.to(torch.float32), "foreach_copy": lambda t: widened(t, torch.float32)}
+    ways["inductor"] = compiled
+    figures = {}
+    for name, convert in ways.items():
+        for grad in grads[:3]:
+            assert torch.equal(convert(grad).view(torch.int32), grad.float().view(torch.int32)), name
+        figures[f"{name}_ms"] = _timed_ms(torch, lambda convert=convert: [convert(g) for g in grads], iters=5)
+    grads.clear()  # their memory, for the head's chunk below
+    chunk = torch.randn(4096, vocab, device=device, dtype=torch.bfloat16)
+    h = torch.randn(4096, hidden, device=device, dtype=torch.bfloat16)
+    total = torch.zeros(vocab, hidden, device=device)
+
+    def add_after_product():
+        total.add_(chunk.t() @ h)
+
+    def add_in_epilogue():
+        torch.addmm(total, chunk.t(), h, out_dtype=torch.float32, out=total)
+
+    figures["head_chunk_add_after_ms"] = _timed_ms(torch, add_after_product)
+    try:
+        figures["head_chunk_addmm_out_dtype_ms"] = _timed_ms(torch, add_in_epilogue)
+    except (RuntimeError, TypeError) as err:  # an older torch: no out_dtype
+        figures["head_chunk_addmm_out_dtype"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    return figures
+
+
 def rope_scaling_long(out) -> dict:
     """A YaRN-extended llama (``model.rope_scaling``, 4x its positions) at 8,192 tokens: the GPU's fp32 logits
     against float64 on the CPU; then two training steps at 16,384 tokens on the GPU with finite losses."""

@@ -101,6 +101,14 @@ CHECKS = (
         ("`meshtron plan`: per-rank memory", "Mixed precision", "Profiling"),
     ),  # fmt: skip
     Check("fused_loss", "gpu_kernels:fused_loss", 15, 60, ("Mixed precision",), cuda=False),
+    Check(
+        "gradient_widening",
+        "gpu_kernels:gradient_widening",
+        25,
+        90,
+        ("Mixed precision",),
+        finding="issue 61: the gradients' bf16 -> float32 copy",
+    ),  # fmt: skip
     Check("muon", "gpu_training:muon", 20, 90, ("Muon",)),
     Check("lora", "gpu_training:lora", 20, 90, ("LoRA fine-tuning",)),
     Check("validation", "gpu_training:validation", 20, 90, ("Validation",)),

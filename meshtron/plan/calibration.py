@@ -1,7 +1,7 @@
 """The planner's measured constants: what a compiled training step's kernels cost on a GPU, and where each
 figure comes from.
 
-Source: ``tests/fixtures/h100-2026-11-26.json`` (a copy of ``shared/gpu-measurements/h100-2026-11-26.json``:
+Sources: ``tests/fixtures/h100-2026-11-26.json`` (a copy of ``shared/gpu-measurements/h100-2026-11-26.json``:
 one H100 80GB HBM3, torch 2.11, 2026-11-26; meshtron with fp32 master weights, bf16 compute, compiled blocks,
 document masks) and the kernel trace of its llama-1b batch-8 run (seq 2048, one micro-batch of 8), whose
 264 ms of kernels a step split into cuBLAS matmuls 156.8 ms, FlexAttention 35.9 ms, fused AdamW 18.8 ms,
@@ -14,7 +14,14 @@ ones alike):
 * llama-1b b8 (the trace): ``Hardware.compiled_matmul_efficiency``, ``Hardware.hbm_efficiency``,
   ``ELEMENTWISE_PASSES``, ``ATTENTION_EFFICIENCY``, ``GPU_BUSY``;
 * llama-1b seq 8192 b2 (its step time, with the trace's attention at seq 2048): ``ATTENTION_HALF_SPAN``;
-* llama-8b tp=8 rehearsal (its compute-only step): ``TP_HOST_S_PER_BLOCK_PASS``.
+* llama-8b tp=8 rehearsal (its compute-only step): ``TP_HOST_S_PER_BLOCK_PASS``;
+* the H100 and H200 traces' gradient cast: ``GRADIENT_CAST_BYTES_PER_PARAM``;
+* llama-1b b8 rowwise float8 on the H200: ``FLOAT8_MATMUL_RATE``'s rowwise share.
+
+``tests/fixtures/h200-2026-11-28.json`` (one H200, the same software, 2026-11-28, ``bench/one_gpu_checks/issue61.sh``:
+llama-1b b8 with flex and varlen attention, float8 tensorwise and rowwise, seq 8192 b2, eager) and its b8 trace
+(cuBLAS 157.2 ms a step, FlexAttention 35.5, AdamW 14.2, copies 7.6, other 31.5 of 246.1 ms; GPU busy 94%) were
+met by the H100's constants within 11% (step) and 5% (memory) except rowwise float8 (-23%, then fitted).
 
 Predicted, not fitted: llama-1b b16, ``train.loss_chunk_size=0``, ``precision.float8=true`` and every activation
 and peak-memory figure (the memory model is derived from what the compiled block keeps, not fitted).
@@ -59,10 +66,17 @@ UNFUSED_LOSS_BYTES_PER_LOGIT = 24
 log-softmax (written, read in backward), the fp32 gradient (written, read by its cast), beyond the compute
 dtype's three passes."""
 
-GRADIENT_PASS_BYTES_PER_PARAM = 18
-"""Bytes per trained parameter every micro-batch moves to bring its gradient to the fp32 master: the
-compute-dtype gradient cast to fp32 (read 2, write 4) and added into ``.grad`` (read 4 + 4, write 4; the
-trace's ``CUDAFunctor_add<float>``, 5.6 ms at llama-1b)."""
+GRADIENT_CAST_BYTES_PER_PARAM = 8
+"""Bytes per trained parameter, at the planner's bandwidth, of the first micro-batch's gradient: the compute-dtype
+gradient written to the fp32 master's ``.grad`` (moves 6: read 2, write 4; meshtron.distributed.precision
+``_ComputeCast``). Fitted on both traces, whose cast kernel (torch's unrolled elementwise copy, which does not
+speed up with the HBM) took 4.49 ms on the H100 (6.9 bytes at its planner bandwidth) and 4.12 ms on the H200
+(9.1). Since 2026-11-28 the cast is ``torch._foreach_copy_``'s vector kernel (``precision.widened``), not yet
+measured: re-fit from the next trace."""
+
+GRADIENT_ACCUMULATE_BYTES_PER_PARAM = 13
+"""Each later micro-batch's gradient added into the fp32 ``.grad`` in one mixed-dtype kernel (moves 10: read 4 + 2,
+write 4), with the cast's slowdown (8 / 6): derived, not measured (no traced run had several micro-batches)."""
 
 WEIGHT_CAST_BYTES_PER_PARAM = 6
 """The once-per-step compute-dtype copies of fp32 master weights (read 4, write 2)."""
@@ -75,6 +89,15 @@ ADAMW_BYTES_PER_PARAM = 28
 FLOAT8_CAST_BYTES_PER_ELEMENT = 5
 """``precision.float8`` (torchao, tensorwise): each float8 matmul operand is scanned for its max (read 2) and
 cast (read 2, write 1): every block linear's input in forward and its output gradient in backward."""
+
+FLOAT8_MATMUL_RATE = {"tensorwise": 1.0, "rowwise": 0.5, "rowwise_with_gw_hp": 0.5}
+"""Share of the GPU's float8 peak each ``precision.float8_recipe``'s block matmuls reach, relative to
+``compiled_matmul_efficiency``; the block matmuls never plan slower than in the compute dtype. Tensorwise: one
+scale per tensor, cuBLAS's float8 GEMM at full rate (predicted, then met within 11% on the H100 and H200 runs).
+Rowwise (a scale per row, torch's ``_scaled_mm`` with row scales, torchao 0.18) ran no faster than bf16 on one H200
+(llama-1b b8: 0.265 s a step vs 0.261 in bf16 and 0.230 tensorwise, 2026-11-28): at half the float8 peak, i.e.
+the bf16 rate, the planner meets it; ``rowwise_with_gw_hp`` (weight gradients in bf16) is costed the same, not
+measured."""
 
 TP_HOST_S_PER_BLOCK_PASS = 0.88e-3
 """Time a tensor-parallel block adds per pass (forward or backward) on top of its kernels: DTensor's dispatch

@@ -61,6 +61,8 @@ class Workload:
     float8: bool = False
     """``precision.float8``: the blocks' linears multiply in float8 (the GPU's float8 rate; compiled blocks keep
     the linears' inputs as their float8 casts)."""
+    float8_recipe: str = "tensorwise"
+    """``precision.float8_recipe``: how fast the float8 matmuls run (``calibration.FLOAT8_MATMUL_RATE``)."""
     mlp_tiles: int = 0
     """``train.mlp_tiles``: each dense MLP keeps only its input for backward (meshtron.models.tiled_mlp)."""
     activation_offload: bool = False
@@ -106,6 +108,7 @@ class Workload:
             optimizer=cfg.optimizer.name,
             optimizer_settings=optimizer_settings(cfg.optimizer),
             float8=cfg.precision.float8,
+            float8_recipe=cfg.precision.float8_recipe,
             mlp_tiles=cfg.train.mlp_tiles,
             activation_offload=cfg.train.activation_offload,
             cpu_offload=cfg.fsdp.cpu_offload,

@@ -153,6 +153,7 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lor
     cfg.train.loss_chunk_size = workload.loss_chunk_size
     cfg.train.compile = "auto" if workload.compiled else "false"
     cfg.precision.float8 = workload.float8
+    cfg.precision.float8_recipe = workload.float8_recipe
     cfg.train.mlp_tiles = workload.mlp_tiles
     cfg.train.activation_offload = workload.activation_offload
     cfg.fsdp.cpu_offload = workload.cpu_offload

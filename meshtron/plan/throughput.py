@@ -311,7 +311,9 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
     head_flops = 6 * shape.hidden * shape.vocab * rank_tokens
     matmul_flops = (flops_per_token(hf_config, 0) + shape.lora_flops_per_token) * rank_tokens
     block_flops = matmul_flops - head_flops
-    float8_rate = hw.fp8_tflops * 1e12 * hw.compiled_matmul_efficiency * matmul_size_factor(layout, workload)
+    float8_rate = (
+        hw.fp8_tflops * 1e12 * calibration.FLOAT8_MATMUL_RATE[workload.float8_recipe] * hw.compiled_matmul_efficiency
+    ) * matmul_size_factor(layout, workload)
     block_rate = float8_rate if workload.float8 and float8_rate > rate else rate
     matmul = block_flops / block_rate + head_flops / rate
 
@@ -336,7 +338,12 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
     per_step = calibration.ADAMW_BYTES_PER_PARAM if optimizer_entry(workload.optimizer).adamw_pass else 0
     if casts_weights(layout, workload):
         per_step += calibration.WEIGHT_CAST_BYTES_PER_PARAM
-    passes = layout.microbatches(workload) * calibration.GRADIENT_PASS_BYTES_PER_PARAM + per_step
+    later_microbatches = layout.microbatches(workload) - 1
+    passes = (
+        calibration.GRADIENT_CAST_BYTES_PER_PARAM
+        + later_microbatches * calibration.GRADIENT_ACCUMULATE_BYTES_PER_PARAM
+        + per_step
+    )
     host = 0.0
     if layout.tp > 1:
         host = calibration.TP_HOST_S_PER_BLOCK_PASS * 2 * layers * layout.microbatches(workload)
