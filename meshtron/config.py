@@ -345,6 +345,24 @@ class MoeConfig:
             raise ConfigError(f"moe.router_bias_rate: must be > 0, got {self.router_bias_rate}")
 
 
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How a layout runs its degrees: ``[parallel]``'s settings other than the degrees, which
+    ``meshtron.distributed.mesh.ParallelDims`` describes (``ParallelConfig`` is both, as the user writes them; each
+    setting's meaning is documented there). The planner's ``Layout`` holds one beside its ``ParallelDims``."""
+
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    cp_method: str = "ring"
+    cp_ulysses: int = 0
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
+    pp_stage_layers: str | None = None
+
+
 @dataclass
 class ParallelConfig:
     """The layout: pp x dp_replicate x dp_shard x cp x tp must equal the number of processes; ep borrows its ranks
@@ -391,6 +409,10 @@ class ParallelConfig:
     """Decoder layers on the last stage (it also holds the final norm, head and loss)."""
     pp_stage_layers: str | None = None
     """Explicit layer count per stage, comma-separated (e.g. "3,4,4,3"); overrides the two settings above."""
+
+    def options(self) -> ParallelOptions:
+        """These settings less the degrees (``ParallelDims.from_config`` resolves those)."""
+        return ParallelOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelOptions)})
 
 
 @dataclass

@@ -11,14 +11,17 @@ import pytest
 import torch
 from conftest import run_main
 
+import meshtron.check.layouts as check_layouts
 from meshtron.check.compare import CPU, compare
-from meshtron.check.layouts import base_overrides, candidate_degrees, layouts_for
+from meshtron.check.layouts import CheckCase, base_overrides, candidate_degrees, layouts_for
 from meshtron.check.worker import BREAK_ENV
 
 TWO_PROCESS_LAYOUTS = ["ddp2", "fsdp2", "tp2", "cp2_ring", "cp2_ulysses", "pp2", "ep2"]
 
 
 def test_two_processes_run_each_parallelism_alone():
+    assert all(isinstance(row, CheckCase) for row in layouts_for(2, "cpu"))
+    assert not hasattr(check_layouts, "Layout")  # the planner's Layout is the only one (issue 58)
     assert [layout.name for layout in layouts_for(2, "cpu")] == TWO_PROCESS_LAYOUTS
     assert {layout.reference.key for layout in layouts_for(2, "cpu")} == {
         "1proc-llama-tiny-cpu",

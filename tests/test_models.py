@@ -284,6 +284,7 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
     import json
 
     from meshtron.cli import main
+    from meshtron.config import ParallelOptions
     from meshtron.distributed.mesh import ParallelDims
     from meshtron.plan.layout import Layout
     from meshtron.plan.memory import loss_vocab
@@ -312,8 +313,10 @@ def test_plan_offers_tensor_parallel_layouts_for_gpt2s_vocabulary(tmp_path, caps
     candidates = json.loads(out[: out.rindex("}") + 1])["candidates"]
     assert {c["layout"]["tp"] for c in candidates} >= {2, 4, 8}
     shape = ModelShape.from_hf_config(config)
-    assert loss_vocab(shape, Layout(ParallelDims(tp=8), loss_parallel=True)) == 6283  # ceil(50,257 / 8)
-    assert loss_vocab(shape, Layout(ParallelDims(tp=8), loss_parallel=False)) == 50257
+    assert (
+        loss_vocab(shape, Layout(ParallelDims(tp=8), parallel=ParallelOptions(loss_parallel=True))) == 6283
+    )  # ceil(50,257 / 8)
+    assert loss_vocab(shape, Layout(ParallelDims(tp=8), parallel=ParallelOptions(loss_parallel=False))) == 50257
 
 
 # More decoder families (meshtron.models.families): the tiny presets built from each family's config class.
@@ -561,7 +564,7 @@ def test_planner_maps_each_family_and_offers_only_the_parallelisms_it_supports(p
         4,
         hardware(next(iter(GPUS))),
     )
-    tps = {layout.tp for layout in layouts}
+    tps = {layout.dims.tp for layout in layouts}
     assert tps == {"olmo2-tiny": {1, 2}}.get(preset, {1, 2, 4}), tps
 
 

@@ -1114,7 +1114,7 @@ def test_planner_memory_matches_every_measured_layout(parity_runs, references, c
         if abs(state_ratio - 1) > STATE_RTOL:
             failures.append(f"{name}: planned state {planned_state:,} B vs measured {state:,} B")
         # (Measured in the first step, which under a batch size rampup holds one micro-batch: nothing is held.)
-        if world > 1 and layout.pp == 1 and layout.microbatches(workload) > 1 and not cfg.train.batch_rampup:
+        if world > 1 and layout.dims.pp == 1 and layout.microbatches(workload) > 1 and not cfg.train.batch_rampup:
             held, planned_held = got["accumulation_grad_bytes"], max(held_gradient_bytes(shape, layout, workload))
             lines.append(
                 f"{'':32s} gradients held between micro-batches {held:>10,} B planned x{planned_held / held:.4f}"

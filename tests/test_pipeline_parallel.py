@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.config import ParallelConfig, load_config
+from meshtron.config import ParallelConfig, ParallelOptions, load_config
 from meshtron.distributed.pipeline_parallel import local_stage_ids, split_layers, split_pipeline
 from meshtron.errors import ConfigError
 
@@ -167,11 +167,15 @@ def test_planner_pipeline_layouts_round_trip_through_train_micro_batch_size():
     workload = Workload(seq_len=256, global_batch=32)
     for layout in (
         Layout(ParallelDims(dp_shard=2, pp=2), micro_batch=2),
-        Layout(ParallelDims(pp=4), micro_batch=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
+        Layout(
+            ParallelDims(pp=4),
+            micro_batch=4,
+            parallel=ParallelOptions(pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
+        ),
     ):
         cfg = train_config(layout, workload, ModelConfig(preset="llama-deep"))
         assert cfg.train.micro_batch_size == layout.micro_batch and cfg.parallel.pp_microbatches is None
-        assert Layout.from_config(cfg, layout.world_size, hf_config) == layout
+        assert Layout.from_config(cfg, layout.dims.world_size, hf_config) == layout
 
 
 def test_pipeline_x_tensor_parallel_dropout_makes_the_dtensor_rng_tracker_at_start_up_without_a_broadcast(

@@ -208,15 +208,15 @@ def test_every_proposed_layout_passes_meshtron_preflight(preset):
     shape = ModelShape.from_hf_config(hf_config)
     workload = Workload(seq_len=1024, global_batch=32)
     layouts = candidate_layouts(shape, hf_config, workload, 16, hardware("h100"))
-    assert {layout.cp for layout in layouts} >= {1, 2, 4}
-    schedules = {layout.pp_schedule for layout in layouts if layout.pp > 1}
+    assert {layout.dims.cp for layout in layouts} >= {1, 2, 4}
+    schedules = {layout.parallel.pp_schedule for layout in layouts if layout.dims.pp > 1}
     assert schedules == {"1F1B", "Interleaved1F1B"}
     for layout in layouts:
         setup = preflight(train_config(layout, workload, ModelConfig(preset=preset)), 16, "cuda")
         assert setup.dims.product == 16 and (setup.dims.tp, setup.dims.cp, setup.dims.pp) == (
-            layout.tp,
-            layout.cp,
-            layout.pp,
+            layout.dims.tp,
+            layout.dims.cp,
+            layout.dims.pp,
         )
 
 
@@ -250,7 +250,7 @@ def test_layouts_without_fsdp_compute_in_the_mixed_precision_dtype():
     # change, so the whole step is 5-15x slower
     assert mfu_bf16 > 0.25 and mfu_bf16 > 5 * mfu_fp32
     for layout in (single, Layout(ParallelDims(tp=2)), Layout(ParallelDims(pp=2), micro_batch=1)):
-        assert not layout.fsdp_enabled
+        assert not layout.dims.fsdp_enabled
         ratio = block_activation_per_token(shape, layout, bf16) / block_activation_per_token(shape, layout, fp32)
         assert 0.5 <= ratio < 0.6, layout  # bf16 elements; only the norms' fp32 upcasts and the log-sum-exp stay
 
@@ -313,6 +313,75 @@ def test_workload_from_config_resolves_mixed_precision_per_device():
     assert (cpu.compute_dtype, cpu.mixed_precision, cpu.loss_chunk_size, cpu.device) == ("float16", "fp16", 0, "cpu")
     half = load_config(None, ["model.dtype=bfloat16"], env={})
     assert Workload.from_config(half).mixed_precision == "none"  # auto keeps half-precision weights' own dtype
+
+
+NON_DEFAULT_SETTINGS = {
+    "data.seq_len": 1234,
+    "train.global_batch_size": 48,
+    "model.dtype": "bfloat16",
+    "precision.mixed_precision": "fp16",
+    "data.mask_documents": False,
+    "train.loss_chunk_size": 1024,
+    "fsdp.accumulate_unsharded": True,
+    "train.compile": "false",
+    "model.attn_implementation": "eager",
+    "optimizer.name": "muon",
+    "optimizer.settings": {"muon": {"ns_steps": 3}},
+    "precision.float8": True,
+    "precision.float8_recipe": "rowwise",
+    "train.mlp_tiles": 4,
+    "train.activation_offload": True,
+    "fsdp.cpu_offload": True,
+}
+"""A value other than the default for every setting the planner's Workload holds."""
+
+
+def test_config_and_workload_map_each_other_through_one_table():
+    """Config -> Workload -> Config gives back every setting WORKLOAD_SETTINGS maps, each set to a non-default
+    value, and the table maps every Workload field but the device (issue 58: one table used both ways)."""
+    import dataclasses
+
+    from meshtron.config import Config, ModelConfig
+    from meshtron.plan.layout import WORKLOAD_SETTINGS, Layout, Workload
+    from meshtron.plan.report import train_config
+
+    assert {s.field_name for s in WORKLOAD_SETTINGS} == {f.name for f in dataclasses.fields(Workload)} - {"device"}
+    assert [s.key for s in WORKLOAD_SETTINGS] == list(NON_DEFAULT_SETTINGS)
+    cfg, defaults = Config(), Config()
+    for setting in WORKLOAD_SETTINGS:
+        setting.write(cfg, NON_DEFAULT_SETTINGS[setting.key])
+        assert setting.read(cfg) != setting.read(defaults), setting.key
+    for device in ("cuda", "cpu"):
+        workload = Workload.from_config(cfg, device)
+        back = train_config(Layout(), workload, ModelConfig())
+        assert {s.key: s.read(back) for s in WORKLOAD_SETTINGS} == NON_DEFAULT_SETTINGS
+        assert Workload.from_config(back, device) == workload
+
+
+def test_the_planners_layout_is_degrees_and_options_without_copies():
+    """One description of the degrees (ParallelDims) and one of the other [parallel] settings (ParallelOptions):
+    ParallelConfig is exactly both, the planner's Layout holds both and repeats none of their fields or properties
+    (issue 58: PARALLEL_CHOICES and the pass-through properties gone)."""
+    import dataclasses
+
+    import meshtron.plan.layout as plan_layout
+    from meshtron.config import ParallelConfig, ParallelOptions
+    from meshtron.distributed.mesh import ParallelDims
+    from meshtron.plan.layout import Layout
+
+    names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (ParallelConfig, ParallelDims, ParallelOptions)}
+    assert names[ParallelConfig] == names[ParallelDims] | names[ParallelOptions]
+    assert not names[ParallelDims] & names[ParallelOptions]
+    given = ParallelConfig()
+    assert all(getattr(ParallelOptions(), name) == getattr(given, name) for name in names[ParallelOptions])
+    assert not hasattr(plan_layout, "PARALLEL_CHOICES")
+    layout_fields = {f.name for f in dataclasses.fields(Layout)}
+    assert layout_fields == {"dims", "parallel", "micro_batch", "activation_checkpointing"}
+    degree_names = names[ParallelDims] | {name for name, v in vars(ParallelDims).items() if isinstance(v, property)}
+    repeated = [name for name in degree_names | names[ParallelConfig] if hasattr(Layout, name)]
+    assert repeated == [], f"the planner's Layout repeats {repeated}"
+    resolved = ParallelConfig(dp_shard=2, tp=2, cp_method="allgather", pp_schedule="GPipe")
+    assert ParallelDims.from_config(resolved, 4).to_config(resolved.options()) == resolved
 
 
 def test_fused_loss_memory_at_llama_1b():
@@ -490,14 +559,14 @@ def test_planner_proposes_expert_parallelism_for_big_experts(big_experts):
         f"{best.step.tokens_per_s / 64:,.0f} tokens/s/GPU, all-to-all {best.step.all_to_all_s * 1e3:.1f} ms of "
         f"{best.step.seconds * 1e3:.0f} ms"
     )
-    assert best.fits and best.layout.ep > 1
+    assert best.fits and best.layout.dims.ep > 1
     assert best.step.all_to_all_s > 0
-    fastest_without = max(c.step.tokens_per_s for c in candidates if c.fits and c.layout.ep == 1)
+    fastest_without = max(c.step.tokens_per_s for c in candidates if c.fits and c.layout.dims.ep == 1)
     assert best.step.tokens_per_s > 1.02 * fastest_without  # faster, not a tie-break
-    assert {c.layout.ep for c in candidates} >= {1, 2, 4, 8, 16, 32, 64}
+    assert {c.layout.dims.ep for c in candidates} >= {1, 2, 4, 8, 16, 32, 64}
 
     dense_config, dense = _llama_1b()
-    assert {layout.ep for layout in candidate_layouts(dense, dense_config, workload, 64, hw)} == {1}
+    assert {layout.dims.ep for layout in candidate_layouts(dense, dense_config, workload, 64, hw)} == {1}
 
 
 def test_expert_degrees_follow_meshtrons_rules():
@@ -513,8 +582,11 @@ def test_expert_degrees_follow_meshtrons_rules():
     hf_config = _moe_config(num_experts=6)
     shape = ModelShape.from_hf_config(hf_config)
     layouts = candidate_layouts(shape, hf_config, Workload(seq_len=256, global_batch=16), 8, hardware("h100"))
-    assert {layout.ep for layout in layouts} == {1, 2}  # 3 and 6 divide the experts, not dp_shard x cp (powers of 2)
-    assert all(6 % layout.ep == 0 and layout.fsdp_size % layout.ep == 0 for layout in layouts)
+    assert {layout.dims.ep for layout in layouts} == {
+        1,
+        2,
+    }  # 3 and 6 divide the experts, not dp_shard x cp (powers of 2)
+    assert all(6 % layout.dims.ep == 0 and layout.fsdp_size % layout.dims.ep == 0 for layout in layouts)
     workload = Workload(seq_len=256, global_batch=16)
     with pytest.raises(ConfigError, match="must divide the model's 6 experts"):
         Layout(ParallelDims(dp_shard=8, ep=4)).check(hf_config, workload)
@@ -547,20 +619,20 @@ def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
         for layout in candidate_layouts(shape, hf_config, workload, 8, hardware("h100"))
         if layout.activation_checkpointing == "none"
     ]
-    assert {layout.ep for layout in layouts} == {1, 2, 4}
-    with_pp = any(layout.ep > 1 and layout.pp > 1 for layout in layouts)
+    assert {layout.dims.ep for layout in layouts} == {1, 2, 4}
+    with_pp = any(layout.dims.ep > 1 and layout.dims.pp > 1 for layout in layouts)
     seen = set()
     for layout in layouts:
         cfg = train_config(layout, workload, model_cfg)
         setup = preflight(cfg, 8, "cuda")
-        assert setup.dims.ep == layout.ep and setup.dims.product == 8
-        key = (layout.pp, layout.ep)
+        assert setup.dims.ep == layout.dims.ep and setup.dims.product == 8
+        key = (layout.dims.pp, layout.dims.ep)
         if key not in seen:  # the written TOML loads back to the same layout
             seen.add(key)
-            path = tmp_path / f"pp{layout.pp}_ep{layout.ep}.toml"
+            path = tmp_path / f"pp{layout.dims.pp}_ep{layout.dims.ep}.toml"
             path.write_text(to_toml(cfg))
             loaded = load_config(path, env={})
-            assert loaded.parallel.ep == layout.ep
+            assert loaded.parallel.ep == layout.dims.ep
             assert Layout.from_config(loaded, 8, hf_config) == layout
     # ep with pp: proposed iff meshtron's preflight takes it.
     try:
@@ -707,7 +779,7 @@ def _agreement(preset, degrees, settings):
     micro = {k: v for k, v in degrees.items() if k == "micro_batch"}
     layout = Layout(ParallelDims(**{k: v for k, v in degrees.items() if k != "micro_batch"}), **micro)
     try:
-        preflight(train_config(layout, workload, model_cfg), layout.world_size, workload.device)
+        preflight(train_config(layout, workload, model_cfg), layout.dims.world_size, workload.device)
         refusal = None
     except ConfigError as err:
         refusal = str(err)
@@ -739,9 +811,9 @@ def test_the_planner_refuses_eager_attention_with_document_masks_or_cp_as_prefli
     shape = ModelShape.from_hf_config(hf_config, model_cfg)
     eager = Workload(seq_len=256, global_batch=16, mask_documents=False, attn_implementation="eager")
     layouts = candidate_layouts(shape, hf_config, eager, 4, hardware("h100"))
-    assert layouts and {layout.cp for layout in layouts} == {1}
+    assert layouts and {layout.dims.cp for layout in layouts} == {1}
     sdpa = candidate_layouts(shape, hf_config, Workload(seq_len=256, global_batch=16), 4, hardware("h100"))
-    assert {layout.cp for layout in sdpa} > {1}
+    assert {layout.dims.cp for layout in sdpa} > {1}
     with pytest.raises(
         ConfigError, match="model.attn_implementation=eager cannot be combined with data.mask_documents"
     ):
@@ -840,6 +912,7 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
     """Context-parallel candidates come with ring and Ulysses (parallel.cp_method) where the heads split over cp
     (llama-small's 6 heads: cp 2 only); Ulysses' four all-to-alls per pass are on the critical path, ring's K/V
     steps hide behind attention: at 128k tokens ring wins, at 8k over 16 GPUs (two nodes) Ulysses does."""
+    from meshtron.config import ParallelOptions
     from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.hardware import hardware
@@ -852,9 +925,9 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
     small = make_preset_config("llama-small", 259)
     workload = Workload(seq_len=8192, global_batch=8)
     methods = {
-        (layout.cp, layout.cp_method)
+        (layout.dims.cp, layout.parallel.cp_method)
         for layout in candidate_layouts(ModelShape.from_hf_config(small), small, workload, 8, hw)
-        if layout.cp > 1
+        if layout.dims.cp > 1
     }
     assert {(2, "ring"), (2, "ulysses"), (4, "ring")} <= methods and (4, "ulysses") not in methods
 
@@ -862,7 +935,7 @@ def test_the_planner_weighs_ulysses_against_ring_where_the_heads_allow_it():
     shape = ModelShape.from_hf_config(big)
 
     def seconds(seq_len: int, method: str) -> float:
-        layout = Layout(ParallelDims(cp=16), micro_batch=1, cp_method=method)
+        layout = Layout(ParallelDims(cp=16), micro_batch=1, parallel=ParallelOptions(cp_method=method))
         return estimate_step(shape, layout, Workload(seq_len=seq_len, global_batch=8), hw, big).seconds
 
     assert seconds(8192, "ulysses") < seconds(8192, "ring")
@@ -874,6 +947,7 @@ def test_the_planner_proposes_hybrid_where_cp_spans_nodes():
     (gpus_per_node / tp) as its Ulysses groups, and passes the layout checks; its ends cost what ring (cp_ulysses 1)
     and Ulysses (cp_ulysses = cp) cost; over 4 nodes (cp 32) its all-to-all inside the node and ring of 4 across
     nodes beat Ulysses' all-to-all and ring's 31 steps across nodes at 32k tokens; the table says hybrid:8."""
+    from meshtron.config import ParallelOptions
     from meshtron.distributed.mesh import ParallelDims
     from meshtron.models.presets import make_preset_config
     from meshtron.plan.hardware import hardware
@@ -888,22 +962,24 @@ def test_the_planner_proposes_hybrid_where_cp_spans_nodes():
     shape = ModelShape.from_hf_config(big)
     workload = Workload(seq_len=32768, global_batch=8)
     hybrid = {
-        (layout.cp, layout.tp, layout.cp_ulysses)
+        (layout.dims.cp, layout.dims.tp, layout.parallel.cp_ulysses)
         for layout in candidate_layouts(shape, big, workload, 32, hw)
-        if layout.cp_method == "hybrid"
+        if layout.parallel.cp_method == "hybrid"
     }
     assert {(16, 1, 8), (16, 2, 4), (8, 4, 2)} <= hybrid
     assert all(cp > ulysses == hw.gpus_per_node // tp for cp, tp, ulysses in hybrid)
 
     def step(method: str, ulysses: int = 0, cp: int = 32, seq_len: int = 32768):
-        layout = Layout(ParallelDims(cp=cp), micro_batch=1, cp_method=method, cp_ulysses=ulysses)
+        layout = Layout(
+            ParallelDims(cp=cp), micro_batch=1, parallel=ParallelOptions(cp_method=method, cp_ulysses=ulysses)
+        )
         layout.check(big, Workload(seq_len=seq_len, global_batch=8))
         return estimate_step(shape, layout, Workload(seq_len=seq_len, global_batch=8), hw, big)
 
     assert step("hybrid", 1).seconds == pytest.approx(step("ring").seconds)
     assert step("hybrid", 32).seconds == pytest.approx(step("ulysses").seconds)
     assert step("hybrid", 8).exposed_comm_s < min(step("ring").exposed_comm_s, step("ulysses").exposed_comm_s)
-    layout = Layout(ParallelDims(cp=32), micro_batch=1, cp_method="hybrid", cp_ulysses=8)
+    layout = Layout(ParallelDims(cp=32), micro_batch=1, parallel=ParallelOptions(cp_method="hybrid", cp_ulysses=8))
     assert describe_layout(layout).startswith("cp=32 (hybrid:8)")
     assert layout.parallel_config().cp_ulysses == 8
 

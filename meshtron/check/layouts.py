@@ -40,8 +40,8 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A row of the table: ``run`` compared with ``reference`` (a one-process run)."""
+class CheckCase:
+    """One case of ``meshtron check``, a row of its table: ``run`` compared with ``reference`` (a one-process run)."""
 
     name: str
     run: Run
@@ -165,7 +165,7 @@ def batch_size(n: int) -> int:
     return math.lcm(BATCH, n)
 
 
-def layouts_for(n: int, device: str) -> list[Layout]:
+def layouts_for(n: int, device: str) -> list[CheckCase]:
     """The rows of ``meshtron check --nproc n`` on ``device`` (cpu or cuda).
 
     One process: on a GPU, that GPU's run against the CPU's (the device's kernels); on CPU, a second process against
@@ -174,15 +174,15 @@ def layouts_for(n: int, device: str) -> list[Layout]:
     references = {model: Run(f"1proc-{model}-{device}", 1, model, device) for model in (DENSE, DEEP, MOE)}
     on_cpu = Run(f"1proc-{DENSE}-cpu", 1, DENSE, "cpu")
     device_row = (
-        Layout("1gpu_vs_cpu", Run("1gpu", 1, DENSE, "cuda"), on_cpu, "this GPU's kernels differ from the CPU's")
+        CheckCase("1gpu_vs_cpu", Run("1gpu", 1, DENSE, "cuda"), on_cpu, "this GPU's kernels differ from the CPU's")
         if device == "cuda"
-        else Layout("1proc", Run("1proc-again", 1, DENSE, "cpu"), on_cpu, "one process differs from run to run")
+        else CheckCase("1proc", Run("1proc-again", 1, DENSE, "cpu"), on_cpu, "one process differs from run to run")
     )
     rows = [device_row] if n == 1 or device == "cuda" else []
     if n > 1:
         for degrees in candidate_degrees(n):
             run = Run(degrees.name(), n, degrees.model, device, degrees.overrides())
-            rows.append(Layout(degrees.name(), run, references[degrees.model]))
+            rows.append(CheckCase(degrees.name(), run, references[degrees.model]))
     return rows
 
 

@@ -22,7 +22,7 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 
 from meshtron.check.compare import CPU, CUDA, compare
-from meshtron.check.layouts import DEFAULT_STEPS, Layout, Run, base_overrides, layouts_for
+from meshtron.check.layouts import DEFAULT_STEPS, CheckCase, Run, base_overrides, layouts_for
 from meshtron.check.report import COLUMNS, LEGEND, Row, environment_lines, verdict
 from meshtron.check.worker import BREAK_ENV, COLLECTIVE_TIMEOUT_S, run_rank
 from meshtron.errors import ConfigError
@@ -59,7 +59,7 @@ def resolve_nproc(nproc: int | None, device: str) -> int:
     return nproc
 
 
-def select(layouts: list[Layout], only: str | None) -> list[Layout]:
+def select(layouts: list[CheckCase], only: str | None) -> list[CheckCase]:
     """The layouts ``--only a,b`` names (all without it); an unknown name is an error listing the known ones."""
     if not only:
         return layouts

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from meshtron.config import ParallelConfig
+from meshtron.config import ParallelConfig, ParallelOptions
 from meshtron.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,9 +68,9 @@ class Meshes:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees, the one layout type: ``ParallelConfig`` (what the user writes, ``dp_shard`` may be -1)
-    becomes one through ``from_config`` and goes back through ``to_config``; the planner's ``Layout`` and
-    ``meshtron check``'s rows hold one. Their product is the world size."""
+    """Resolved degrees, the one description of them: ``ParallelConfig`` (what the user writes, ``dp_shard`` may be
+    -1) becomes one through ``from_config`` and, with its ``ParallelOptions``, goes back through ``to_config``; the
+    planner's ``Layout`` and ``meshtron check``'s catalogue hold one. Their product is the world size."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -107,18 +107,10 @@ class ParallelDims:
             )
         return dims
 
-    def to_config(self, **choices) -> ParallelConfig:
-        """These degrees as the ``[parallel]`` section a run uses; ``choices``: its other settings
-        (``sequence_parallel``, ``cp_method``, ``pp_schedule`` ...)."""
-        return ParallelConfig(
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            cp=self.cp,
-            tp=self.tp,
-            pp=self.pp,
-            ep=self.ep,
-            **choices,
-        )
+    def to_config(self, options: ParallelOptions = ParallelOptions()) -> ParallelConfig:
+        """These degrees and ``options`` (``sequence_parallel``, ``cp_method``, ``pp_schedule`` ...) as the
+        ``[parallel]`` section a run uses."""
+        return ParallelConfig(**asdict(self), **asdict(options))
 
     @property
     def product(self) -> int:

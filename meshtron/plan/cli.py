@@ -392,12 +392,12 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         "positions": "the model's max_position_embeddings; extend it with --rope-scaling (docs/models.md)",
         "search": "the search's limit",
     }[found.bound]
-    settings = [f"parallel.{name}={value}" for name, value in zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"),
-                (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)) if value > 1]  # fmt: skip
-    if layout.cp > 1:
-        settings.append(f"parallel.cp_method={layout.cp_method}")
-    if layout.cp > 1 and layout.cp_method == "hybrid":
-        settings.append(f"parallel.cp_ulysses={layout.cp_ulysses}")
+    degrees = {name: getattr(layout.dims, name) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    settings = [f"parallel.{name}={value}" for name, value in degrees.items() if value > 1]
+    if layout.dims.cp > 1:
+        settings.append(f"parallel.cp_method={layout.parallel.cp_method}")
+    if layout.dims.cp > 1 and layout.parallel.cp_method == "hybrid":
+        settings.append(f"parallel.cp_ulysses={layout.parallel.cp_ulysses}")
     settings += [f"train.activation_checkpointing={layout.activation_checkpointing}"]
     settings += [f"train.activation_offload={str(workload.activation_offload).lower()}"]
     settings += [f"train.mlp_tiles={workload.mlp_tiles}", f"fsdp.cpu_offload={str(workload.cpu_offload).lower()}"]

@@ -37,7 +37,7 @@ def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.devi
     from meshtron.plan.throughput import estimate_step
 
     shape, layout, workload = config_view(cfg, world_size, device.type, hf_config)
-    pp_rank = rank // (world_size // layout.pp)
+    pp_rank = rank // (world_size // layout.dims.pp)
     memory = memory_per_pipeline_rank(shape, layout, workload)[pp_rank]
     # state as measured after the first update: gradients sharded like their parameters (memory.grads is the
     # larger of that and what is held between micro-batches, which is measured apart)

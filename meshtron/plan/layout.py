@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from meshtron.config import Config, ParallelConfig
+from meshtron.config import Config, ParallelConfig, ParallelOptions
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
 
@@ -89,48 +90,101 @@ class Workload:
     @classmethod
     def from_config(cls, cfg: Config, device: str = "cuda") -> "Workload":
         """The workload of ``cfg`` run on ``device`` (``cpu`` to compare with the test suite's CPU runs)."""
-        from meshtron.distributed.parallelize import compile_enabled
+        fields = {s.field_name: s.to_field(s.read(cfg), cfg, device) for s in WORKLOAD_SETTINGS}
+        return cls(device=device, **fields)
 
-        # Here, not at the top: the registry imports torch, which `meshtron --help` and `meshtron data` never need.
-        from meshtron.train.optim.registry import optimizer_settings
-
-        return cls(
-            seq_len=cfg.data.seq_len,
-            global_batch=cfg.train.global_batch_size,
-            model_dtype=cfg.model.dtype,
-            compute_dtype=config_compute_dtype(cfg, device),
-            mask_documents=cfg.data.mask_documents,
-            loss_chunk_size=cfg.train.loss_chunk_size,
-            device=device,
-            accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
-            compiled=compile_enabled(cfg.train.compile, device),
-            attn_implementation=cfg.model.attn_implementation,
-            optimizer=cfg.optimizer.name,
-            optimizer_settings=optimizer_settings(cfg.optimizer),
-            float8=cfg.precision.float8,
-            float8_recipe=cfg.precision.float8_recipe,
-            mlp_tiles=cfg.train.mlp_tiles,
-            activation_offload=cfg.train.activation_offload,
-            cpu_offload=cfg.fsdp.cpu_offload,
-        )
+    def write_to(self, cfg: Config) -> None:
+        """Set ``cfg``'s settings that this workload holds (``WORKLOAD_SETTINGS``), as a run of it needs them."""
+        for setting in WORKLOAD_SETTINGS:
+            setting.write(cfg, setting.to_setting(getattr(self, setting.field_name), self))
 
 
-PARALLEL_CHOICES = (
-    "sequence_parallel",
-    "loss_parallel",
-    "cp_method",
-    "cp_ulysses",
-    "pp_schedule",
-    "pp_first_stage_layers",
-    "pp_last_stage_layers",
-    "pp_stage_layers",
+def _same(value: Any, *_) -> Any:
+    return value
+
+
+def _compute_dtype(_mixed_precision: str, cfg: Config, device: str) -> str:
+    return config_compute_dtype(cfg, device)
+
+
+def _mixed_precision(_compute_dtype: str, workload: Workload) -> str:
+    return workload.mixed_precision
+
+
+def _compiled(setting: str, _cfg: Config, device: str) -> bool:
+    from meshtron.distributed.parallelize import compile_enabled
+
+    return compile_enabled(setting, device)
+
+
+def _compile_setting(compiled: bool, _workload: Workload) -> str:
+    return "auto" if compiled else "false"
+
+
+def _optimizer_settings(_given: dict, cfg: Config, _device: str) -> Any:
+    # Here, not at the top: the registry imports torch, which `meshtron --help` and `meshtron data` never need.
+    from meshtron.train.optim.registry import optimizer_settings
+
+    return optimizer_settings(cfg.optimizer)
+
+
+def _given_settings(settings: Any, workload: Workload) -> dict[str, dict[str, Any]]:
+    """``[optimizer.<name>]`` as a user would write it: the settings that differ from their defaults."""
+    if settings is None:
+        return {}
+    default = type(settings)()
+    changed = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    changed = {name: value for name, value in changed.items() if value != getattr(default, name)}
+    return {workload.optimizer: changed} if changed else {}
+
+
+@dataclass(frozen=True)
+class WorkloadSetting:
+    """A config setting a Workload holds: its key (``section.name``), the Workload field, and the conversion each
+    way (as is, unless the field is a resolved form of the setting)."""
+
+    key: str
+    field_name: str
+    to_field: Callable[[Any, Config, str], Any] = _same
+    """(the setting's value, the whole config, the device) -> the field's value."""
+    to_setting: Callable[[Any, Workload], Any] = _same
+    """(the field's value, the workload) -> the setting's value."""
+
+    def read(self, cfg: Config) -> Any:
+        section, name = self.key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    def write(self, cfg: Config, value: Any) -> None:
+        section, name = self.key.split(".")
+        setattr(getattr(cfg, section), name, value)
+
+
+WORKLOAD_SETTINGS = (
+    WorkloadSetting("data.seq_len", "seq_len"),
+    WorkloadSetting("train.global_batch_size", "global_batch"),
+    WorkloadSetting("model.dtype", "model_dtype"),
+    WorkloadSetting("precision.mixed_precision", "compute_dtype", _compute_dtype, _mixed_precision),
+    WorkloadSetting("data.mask_documents", "mask_documents"),
+    WorkloadSetting("train.loss_chunk_size", "loss_chunk_size"),
+    WorkloadSetting("fsdp.accumulate_unsharded", "accumulate_unsharded"),
+    WorkloadSetting("train.compile", "compiled", _compiled, _compile_setting),
+    WorkloadSetting("model.attn_implementation", "attn_implementation"),
+    WorkloadSetting("optimizer.name", "optimizer"),
+    WorkloadSetting("optimizer.settings", "optimizer_settings", _optimizer_settings, _given_settings),
+    WorkloadSetting("precision.float8", "float8"),
+    WorkloadSetting("precision.float8_recipe", "float8_recipe"),
+    WorkloadSetting("train.mlp_tiles", "mlp_tiles"),
+    WorkloadSetting("train.activation_offload", "activation_offload"),
+    WorkloadSetting("fsdp.cpu_offload", "cpu_offload"),
 )
-"""The ``[parallel]`` settings a Layout holds under the same name (besides its degrees, ``dims``)."""
+"""The one map between a Config and a Workload, read by ``Workload.from_config`` and written by
+``Workload.write_to``: every Workload field but ``device`` (where the run is planned, not a setting)."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run a workload: the degrees (``dims``), the per-forward batch and the memory policies."""
+    """One way to run a workload: the degrees (``dims``), how they run (``parallel``), the per-forward batch and
+    activation checkpointing."""
 
     dims: ParallelDims = ParallelDims()
     """The degrees, as meshtron resolves them; ``dims.ep`` is the expert-parallel degree (``parallel.ep``, mixtures
@@ -140,78 +194,42 @@ class Layout:
     micro_batch: int = 1
     """Sequences per forward on each data-parallel rank (a pipeline microbatch under pp > 1)."""
     activation_checkpointing: str = "none"
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    cp_method: str = "ring"
-    cp_ulysses: int = 0
-    """``parallel.cp_ulysses``: under ``cp_method=hybrid`` the all-to-all degree inside each group of consecutive cp
-    ranks (the ring runs across the ``cp / cp_ulysses`` groups); 0 otherwise."""
-    pp_schedule: str = "1F1B"
-    pp_stages_per_rank: int = 1
-    pp_first_stage_layers: int | None = None
-    pp_last_stage_layers: int | None = None
-    pp_stage_layers: str | None = None
+    parallel: ParallelOptions = ParallelOptions()
+    """The ``[parallel]`` settings besides the degrees. ``pp_stages_per_rank`` None: one stage per rank;
+    ``pp_microbatches`` stays None (``micro_batch`` and the workload say it)."""
 
     @property
-    def dp_replicate(self) -> int:
-        return self.dims.dp_replicate
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dims.dp_shard
-
-    @property
-    def cp(self) -> int:
-        return self.dims.cp
-
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
-
-    @property
-    def pp(self) -> int:
-        return self.dims.pp
-
-    @property
-    def ep(self) -> int:
-        return self.dims.ep
-
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pipeline rank holds."""
+        return self.parallel.pp_stages_per_rank or 1
 
     @property
     def fsdp_size(self) -> int:
         """Ranks each parameter is sharded over (dp_shard x cp); 1 means whole parameters."""
-        return self.dp_shard * self.cp
+        return self.dims.dp_shard * self.dims.cp
 
     @property
     def efsdp_size(self) -> int:
         """Ranks each expert parameter is sharded over under expert parallelism: ``dp_shard x cp / ep``
         (the ``efsdp`` mesh; ``fsdp_size`` without EP)."""
-        return max(1, self.fsdp_size // self.ep)
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dims.fsdp_enabled
+        return max(1, self.fsdp_size // self.dims.ep)
 
     def local_batch(self, workload: Workload) -> int:
-        return workload.global_batch // self.dp
+        return workload.global_batch // self.dims.dp
 
     def microbatches(self, workload: Workload) -> int:
         """Forwards per optimizer step on one rank: accumulation steps, or pipeline microbatches."""
         return self.local_batch(workload) // self.micro_batch
 
     def parallel_config(self, workload: Workload | None = None) -> ParallelConfig:
-        return self.dims.to_config(
-            **{name: getattr(self, name) for name in PARALLEL_CHOICES},
-            pp_stages_per_rank=self.pp_stages_per_rank if self.pp > 1 else None,
-            pp_microbatches=self.microbatches(workload) if workload is not None and self.pp > 1 else None,
+        """The ``[parallel]`` section that runs this layout (``pp_microbatches`` only given ``workload``)."""
+        pipelined = self.dims.pp > 1
+        options = dataclasses.replace(
+            self.parallel,
+            pp_stages_per_rank=self.stages_per_rank if pipelined else None,
+            pp_microbatches=self.microbatches(workload) if workload is not None and pipelined else None,
         )
+        return self.dims.to_config(options)
 
     def check(self, hf_config, workload: Workload) -> None:
         """Raise ConfigError where ``meshtron train``'s preflight would refuse this layout for ``hf_config`` and
@@ -226,7 +244,7 @@ class Layout:
         check_layout(
             hf_config,
             parallel,
-            ParallelDims.from_config(parallel, self.world_size),
+            ParallelDims.from_config(parallel, self.dims.world_size),
             seq_len=workload.seq_len,
             mask_documents=workload.mask_documents,
             attn_implementation=workload.attn_implementation,
@@ -234,6 +252,13 @@ class Layout:
             micro_batch_size=None,  # the planner's micro_batch is the pipeline microbatch: pp_microbatches says it
             device_type=workload.device,
         )
+
+    def write_to(self, cfg: Config) -> None:
+        """Set ``cfg``'s ``[parallel]``, ``train.micro_batch_size`` and ``train.activation_checkpointing`` to run this
+        layout (no ``parallel.pp_microbatches``: ``train.micro_batch_size`` says it)."""
+        cfg.parallel = self.parallel_config()
+        cfg.train.micro_batch_size = self.micro_batch
+        cfg.train.activation_checkpointing = self.activation_checkpointing
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":
@@ -243,14 +268,12 @@ class Layout:
 
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         micro, _ = micro_batch_split(cfg, dims)
-        p = cfg.parallel
+        per_rank = 1
         if dims.pp > 1:
-            microbatches = check_pipeline(p, hf_config, micro, cfg.train.micro_batch_size)
+            microbatches = check_pipeline(cfg.parallel, hf_config, micro, cfg.train.micro_batch_size)
             micro = micro // microbatches
-        return cls(
-            dims,
-            micro_batch=micro,
-            activation_checkpointing=cfg.train.activation_checkpointing,
-            pp_stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
-            **{name: getattr(p, name) for name in PARALLEL_CHOICES},
+            per_rank = stages_per_rank(cfg.parallel)
+        options = dataclasses.replace(
+            cfg.parallel.options(), pp_microbatches=None, pp_stages_per_rank=per_rank if per_rank > 1 else None
         )
+        return cls(dims, micro, cfg.train.activation_checkpointing, options)

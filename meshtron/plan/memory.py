@@ -85,18 +85,18 @@ def stage_layout(
     shape: ModelShape, layout: Layout, workload: Workload | None = None
 ) -> list[list[tuple[int, bool, bool]]]:
     """Per pipeline rank: (layers, holds embeddings, holds head) of each stage it holds."""
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return [[(shape.layers, True, True)]]
     from meshtron.distributed.pipeline_parallel import local_stage_ids, split_layers
 
     cfg = layout.parallel_config(workload)
     ranges = split_layers(shape.layers, cfg)
     last = len(ranges) - 1
-    return [[(len(ranges[s]), s == 0, s == last) for s in local_stage_ids(r, cfg)] for r in range(layout.pp)]
+    return [[(len(ranges[s]), s == 0, s == last) for s in local_stage_ids(r, cfg)] for r in range(layout.dims.pp)]
 
 
 def _numel(specs, layout: Layout, shape: ModelShape) -> int:
-    return sum(p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) for p in specs)
+    return sum(p.local_numel(layout.dims.tp, layout.fsdp_size, shape.kv_heads, layout.dims.ep) for p in specs)
 
 
 def _final_specs(shape: ModelShape, first: bool, last: bool) -> tuple:
@@ -152,7 +152,7 @@ def muon_numel(shape: ModelShape, layout: Layout, workload: Workload | None = No
     (its registry entry's ``matrix_state_copies``: Muon's, one momentum buffer each instead of AdamW's two moments);
     0 under an optimizer that steps none apart (AdamW)."""
     if workload is None or optimizer_entry(workload.optimizer).matrix_state_copies is None:
-        return [0] * layout.pp
+        return [0] * layout.dims.pp
 
     def numel(specs):
         return _numel([p for p in specs if p.muon], layout, shape)
@@ -176,7 +176,7 @@ def casts_weights(layout: Layout, workload: Workload) -> bool:
 
 def head_tokens(layout: Layout, workload: Workload) -> int:
     """Tokens of one micro-batch on a rank (the loss sees this rank's sequence chunk)."""
-    return layout.micro_batch * workload.seq_len // layout.cp
+    return layout.micro_batch * workload.seq_len // layout.dims.cp
 
 
 def loss_chunked(layout: Layout, workload: Workload) -> bool:
@@ -193,7 +193,7 @@ def fused_loss(workload: Workload) -> bool:
 def fused_loss_vocab(shape: ModelShape, layout: Layout) -> int:
     """Vocabulary entries of the fused loss's logits on the busiest rank: the head's own tensor-parallel slice
     (the fused loss reduces its statistics over the split, with or without loss parallel)."""
-    return -(-shape.vocab // layout.tp)
+    return -(-shape.vocab // layout.dims.tp)
 
 
 def fused_loss_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> int:
@@ -204,7 +204,7 @@ def fused_loss_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workl
 def _local_numel(specs, layout: Layout, shape: ModelShape) -> int:
     """Elements of ``specs`` on one rank before FSDP sharding (what a compute-dtype copy or a gather holds):
     under expert parallelism only this rank's ``E / ep`` experts."""
-    return sum(p.local_numel(layout.tp, 1, shape.kv_heads, layout.ep) for p in specs)
+    return sum(p.local_numel(layout.dims.tp, 1, shape.kv_heads, layout.dims.ep) for p in specs)
 
 
 def head_numel(shape: ModelShape, layout: Layout) -> int:
@@ -238,27 +238,27 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
     rehearsal: 10.43 GB; meshtron.plan.calibration); eager blocks keep what Hugging Face's code saves."""
     if compiled_elementwise(shape, workload):
         return _compiled_block_per_token(shape, layout, workload)
-    e, tp = compute_bytes(workload), layout.tp
+    e, tp = compute_bytes(workload), layout.dims.tp
     h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
     heads = shape.heads // tp
     kv_local = max(shape.kv_heads // tp, 1)
     kv_stored = shape.kv_heads // tp if shape.kv_heads >= tp else shape.kv_heads  # replicated KV: v is a view
-    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    stream_split = tp if tp > 1 and layout.parallel.sequence_parallel else 1
     frozen = shape.frozen_norms
     norms = shape.residual_norms * _norm(h, e, frozen) / stream_split
     gathered_inputs = 2 * e * h  # attention and MLP inputs, whole sequence on every tp rank
     attention: float = e * (2 * heads * d + kv_local * d + kv_stored * d) + FP32 * heads  # q, k, v, out, log-sum-exp
-    if layout.cp > 1 and layout.cp_method in ("ulysses", "hybrid"):
+    if layout.dims.cp > 1 and layout.parallel.cp_method in ("ulysses", "hybrid"):
         # After the all-to-all: heads / degree for degree times the tokens (Ulysses: the whole sequence; hybrid: its
         # group's, which its ring keeps), as many q / out bytes.
-        degree = layout.cp_ulysses if layout.cp_method == "hybrid" else layout.cp
+        degree = layout.parallel.cp_ulysses if layout.parallel.cp_method == "hybrid" else layout.dims.cp
         kv_received = max(kv_local, degree)  # KV heads repeated up to the all-to-all's degree when fewer
         attention = e * (2 * heads * d + 2 * kv_received * d) + FP32 * heads
     if meshtron_attention(layout, workload):
         attention += e * heads * d  # the output made contiguous for o_proj
         if dense_document_mask(layout, workload):
             # The mask, which SDPA turns into a float bias in every block: (S, S) per sequence, over S / cp tokens.
-            attention += e * workload.seq_len * (layout.cp if layout.cp_method == "ulysses" else 1)
+            attention += e * workload.seq_len * (layout.dims.cp if layout.parallel.cp_method == "ulysses" else 1)
     if shape.kv_latent:  # DeepSeek-V3's latent attention (meshtron.models.deepseek)
         attention += _latent_attention_extra(shape, layout, workload)
     if shape.head_norms:
@@ -267,7 +267,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         attention += e * (2 * heads - kv_local - kv_stored) * d - FP32 * heads
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
     if shape.experts and not dense:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
-        mlp = moe_activation_per_token(shape, e, layout.ep)
+        mlp = moe_activation_per_token(shape, e, layout.dims.ep)
     elif tiled_mlp(workload):  # only the MLP's input, this rank's part of the sequence (meshtron.models.tiled_mlp)
         mlp = e * h / stream_split - e * h  # instead of the gathered input that gate and up keep
     else:
@@ -278,12 +278,12 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
 
 def _compiled_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """block_activation_per_token of a compiled Llama-family block."""
-    e, tp = compute_bytes(workload), layout.tp
+    e, tp = compute_bytes(workload), layout.dims.tp
     h, d, inter = shape.hidden, shape.head_dim, shape.intermediate
     heads = shape.heads // tp
     kv_local = max(shape.kv_heads // tp, 1)
     kv_stored = shape.kv_heads // tp if shape.kv_heads >= tp else shape.kv_heads
-    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    stream_split = tp if tp > 1 and layout.parallel.sequence_parallel else 1
     # A linear's input, kept in the compute dtype for its weight gradient; under float8 not at all: the backward
     # casts its operands afresh anyway, and recomputes the float8 cast from what the block keeps (a norm's input
     # and 1/rms, gate and up) and the per-tensor scale.
@@ -305,7 +305,7 @@ def _latent_attention_extra(shape: ModelShape, layout: Layout, workload: Workloa
     wide heads: its values are ``value_head_dim`` wide and views of the up-projection's whole output (no-rope keys
     and values), the output too; the latents (whole on every tp rank) keep their down-projections' outputs, their
     norms and the up-projections' inputs."""
-    e, heads = compute_bytes(workload), shape.heads // layout.tp
+    e, heads = compute_bytes(workload), shape.heads // layout.dims.tp
     d, v_dim = shape.head_dim, shape.value_head_dim or shape.head_dim
     outputs = 2 if meshtron_attention(layout, workload) else 1  # out, and its contiguous copy for o_proj
     heads_change = heads * ((shape.nope_dim + v_dim) - d) + outputs * heads * (v_dim - d)
@@ -318,22 +318,22 @@ def _latent_attention_extra(shape: ModelShape, layout: Layout, workload: Workloa
 def meshtron_attention(layout: Layout, workload: Workload) -> bool:
     from meshtron.models.attention import uses_meshtron_attention
 
-    return uses_meshtron_attention(layout.cp, workload.mask_documents)
+    return uses_meshtron_attention(layout.dims.cp, workload.mask_documents)
 
 
 def dense_document_mask(layout: Layout, workload: Workload) -> bool:
     """Whether whole-sequence attention takes a (B, 1, S, S) document mask: SDPA off CUDA (on CUDA,
     FlexAttention's block mask is negligible; ring / all-gather context parallelism builds per-tile masks, Ulysses
     attends whole sequences)."""
-    whole_sequences = layout.cp == 1 or layout.cp_method == "ulysses"
+    whole_sequences = layout.dims.cp == 1 or layout.parallel.cp_method == "ulysses"
     return whole_sequences and workload.mask_documents and workload.device != "cuda"
 
 
 def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Workload, first: bool, last: bool) -> float:
     """Bytes per token kept outside the blocks: token ids; the final norm, the head's input (the fused loss's
     hidden-state gradient instead, the same size) and labels; without the fused loss the fp32 log-softmax too."""
-    e, tp = compute_bytes(workload), layout.tp
-    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    e, tp = compute_bytes(workload), layout.dims.tp
+    stream_split = tp if tp > 1 and layout.parallel.sequence_parallel else 1
     total = 0.0
     if first:
         total += INDEX  # token ids for the embedding's backward
@@ -349,7 +349,7 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
 def loss_vocab(shape: ModelShape, layout: Layout) -> int:
     """Vocabulary entries of the logits on the busiest rank (split over tp under loss parallel; a vocabulary
     tp does not divide is split unevenly, the first ranks holding the ceiling)."""
-    return -(-shape.vocab // layout.tp) if layout.tp > 1 and layout.loss_parallel else shape.vocab
+    return -(-shape.vocab // layout.dims.tp) if layout.dims.tp > 1 and layout.parallel.loss_parallel else shape.vocab
 
 
 def weight_copy_bytes(shape: ModelShape, layout: Layout, workload: Workload, layers: int, last: bool) -> int:
@@ -371,8 +371,8 @@ def tiled_mlp(workload: Workload) -> bool:
 def checkpointed_block_per_token(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """Bytes per token a checkpointed block keeps: its input (full) or its input and matmul/attention outputs
     (selective)."""
-    e, tp = compute_bytes(workload), layout.tp
-    stream_split = tp if tp > 1 and layout.sequence_parallel else 1
+    e, tp = compute_bytes(workload), layout.dims.tp
+    stream_split = tp if tp > 1 and layout.parallel.sequence_parallel else 1
     block_input = e * shape.hidden / stream_split
     if layout.activation_checkpointing == "full":
         return block_input
@@ -383,12 +383,12 @@ def checkpointed_block_per_token(shape: ModelShape, layout: Layout, workload: Wo
 
 def chunks_in_flight(layout: Layout, workload: Workload, pp_rank: int) -> int:
     """Stage-microbatches whose activations a pipeline rank holds at its peak (1 without pipelining)."""
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return 1
-    m, pp, v = layout.microbatches(workload), layout.pp, layout.pp_stages_per_rank
-    if layout.pp_schedule == "GPipe":
+    m, pp, v = layout.microbatches(workload), layout.dims.pp, layout.stages_per_rank
+    if layout.parallel.pp_schedule == "GPipe":
         return m
-    if layout.pp_schedule == "1F1B":
+    if layout.parallel.pp_schedule == "1F1B":
         return min(m, pp - pp_rank)
     # Interleaved and zero-bubble schedules: the warm-up forwards of torch.distributed.pipelining.
     return min(m * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
@@ -407,7 +407,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> l
 def host_activation_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
     """Peak bytes each pipeline rank holds in host memory under ``train.activation_offload`` (else none)."""
     if not workload.activation_offload:
-        return [0.0] * layout.pp
+        return [0.0] * layout.dims.pp
     saved = saved_activation_bytes(shape, layout, workload)
     return [s - w for s, w in zip(saved, _weight_copies_per_rank(shape, layout, workload))]
 
@@ -443,7 +443,7 @@ def pinned_rounding_bytes(shape: ModelShape, layout: Layout, workload: Workload)
     under ``fsdp.cpu_offload`` FSDP2 pins each parameter shard and each gradient shard in a request of its own, which
     torch's caching host allocator rounds up to a power of two (``pinned_state_rounding``)."""
     if workload.device != "cuda":
-        return [0.0] * layout.pp
+        return [0.0] * layout.dims.pp
     return [
         a + s
         for a, s in zip(offload_pinning_bytes(shape, layout, workload), pinned_state_rounding(shape, layout, workload))
@@ -454,7 +454,7 @@ def offload_pinning_bytes(shape: ModelShape, layout: Layout, workload: Workload)
     """Per pipeline rank, under ``train.activation_offload``: what rounding each host copy up to ``PINNED_TAIL_BYTES``
     adds, at most, for the copies in flight at the peak (as ``saved_activation_bytes`` counts micro-batches)."""
     if not workload.activation_offload:
-        return [0.0] * layout.pp
+        return [0.0] * layout.dims.pp
     from meshtron.train.activation_offload import PINNED_TAIL_BYTES
 
     per_block = 1 if layout.activation_checkpointing == "full" else OFFLOADED_TENSORS_PER_BLOCK
@@ -471,13 +471,13 @@ def pinned_state_rounding(shape: ModelShape, layout: Layout, workload: Workload)
     pinning each parameter shard, and each gradient shard it copies to the host, in a request of its own: torch's
     caching host allocator rounds each up to a power of two (the optimizer state is not pinned)."""
     if not workload.cpu_offload:
-        return [0.0] * layout.pp
+        return [0.0] * layout.dims.pp
     element = DTYPE_BYTES[workload.model_dtype]
 
     def rounding(specs) -> int:
         added = 0
         for p in specs:
-            nbytes = p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) * element
+            nbytes = p.local_numel(layout.dims.tp, layout.fsdp_size, shape.kv_heads, layout.dims.ep) * element
             added += (_power_of_two_ceil(nbytes) - nbytes) * (1 + p.trained)
         return added
 
@@ -551,8 +551,8 @@ def ddp_replication(layout: Layout, workload: Workload) -> bool:
     return (
         not workload.cpu_offload
         and layout.fsdp_size == 1
-        and layout.tp == 1
-        and layout.pp == 1
+        and layout.dims.tp == 1
+        and layout.dims.pp == 1
         and workload.compute_dtype == workload.model_dtype == "float32"
     )
 
@@ -564,7 +564,7 @@ def defers_gradient_reduction(layout: Layout, workload: Workload) -> bool:
     sharded = layout.dims.fsdp_applied(workload.cpu_offload)
     if not sharded or ddp_replication(layout, workload) or layout.microbatches(workload) <= 1:
         return False
-    return layout.pp > 1 or workload.accumulate_unsharded
+    return layout.dims.pp > 1 or workload.accumulate_unsharded
 
 
 def held_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
@@ -595,7 +595,7 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
         return 0.0
     e = compute_bytes(workload)
     block = _local_numel(shape.block, layout, shape)
-    layers = sum(n for n, _, _ in stages) if layout.pp > 1 else 2
+    layers = sum(n for n, _, _ in stages) if layout.dims.pp > 1 else 2
     outer = sum(
         _local_numel(shape.embedding, layout, shape) * first
         + _local_numel(_final_specs(shape, first, last), layout, shape)
@@ -635,12 +635,14 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
     casts_per_step = casts_weights(layout, workload) and layout.activation_checkpointing != "none"
     # Without FSDP the compute-dtype weight copies are made once per optimizer step and held through it
     # (meshtron.distributed.precision.ComputeWeights); autograd keeps them anyway unless blocks are checkpointed.
-    if layout.ep > 1:  # one MoE layer's dispatch: the rows sent and the rows received before regrouping
+    if layout.dims.ep > 1:  # one MoE layer's dispatch: the rows sent and the rows received before regrouping
         temporaries += 2 * tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
-    if layout.cp > 1:
-        ring, heads = layout.cp, shape.heads // layout.tp
-        if layout.cp_method == "hybrid":  # the ring across the groups: chunks cp_ulysses times longer, fewer heads
-            ring, heads = layout.cp // layout.cp_ulysses, heads // layout.cp_ulysses
+    if layout.dims.cp > 1:
+        ring, heads = layout.dims.cp, shape.heads // layout.dims.tp
+        if (
+            layout.parallel.cp_method == "hybrid"
+        ):  # the ring across the groups: chunks cp_ulysses times longer, fewer heads
+            ring, heads = layout.dims.cp // layout.parallel.cp_ulysses, heads // layout.parallel.cp_ulysses
         chunk = workload.seq_len / (2 * ring)
         query_rows = layout.micro_batch * heads * chunk
         if workload.device == "cuda":
@@ -705,7 +707,7 @@ def config_view(cfg, world_size: int, device: str = "cuda", hf_config=None) -> t
 
 def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> int:
     """Parameter bytes the planner expects global rank ``rank`` to hold (pp is the outermost mesh dim)."""
-    pp_rank = rank // (layout.world_size // layout.pp)
+    pp_rank = rank // (layout.dims.world_size // layout.dims.pp)
     return state_numel(shape, layout, workload)[pp_rank] * DTYPE_BYTES[workload.model_dtype]
 
 

@@ -16,10 +16,18 @@ GB = 1e9
 
 
 def layout_record(layout: Layout) -> dict:
-    """The layout as ``meshtron plan --json`` writes it: its degrees and its other fields in one flat record."""
-    fields = dataclasses.asdict(layout)
-    dims = fields.pop("dims")
-    return {**{k: v for k, v in dims.items() if k != "ep"}, **fields, "ep": dims["ep"]}
+    """The layout as ``meshtron plan --json`` writes it: its degrees and its other settings in one flat record."""
+    dims = dataclasses.asdict(layout.dims)
+    options = dataclasses.asdict(layout.parallel)
+    del options["pp_microbatches"]  # the micro-batch says it
+    options["pp_stages_per_rank"] = layout.stages_per_rank
+    return {
+        **{k: v for k, v in dims.items() if k != "ep"},
+        "micro_batch": layout.micro_batch,
+        "activation_checkpointing": layout.activation_checkpointing,
+        **options,
+        "ep": dims["ep"],
+    }
 
 
 def candidate_record(c: Candidate, gpus: int) -> dict:
@@ -46,25 +54,28 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
         "tokens_per_s": s.tokens_per_s,
         "tokens_per_s_per_gpu": s.tokens_per_s / gpus,
         "mfu": s.mfu,
-        "cp_method": c.layout.cp_method if c.layout.cp > 1 else None,
+        "cp_method": c.layout.parallel.cp_method if c.layout.dims.cp > 1 else None,
     }
 
 
 def cp_method_label(layout: Layout) -> str:
     """The layout's ``parallel.cp_method`` as the table shows it: ``hybrid:U`` with its ``parallel.cp_ulysses``, "-"
     without context parallelism."""
-    if layout.cp == 1:
+    if layout.dims.cp == 1:
         return "-"
-    return f"hybrid:{layout.cp_ulysses}" if layout.cp_method == "hybrid" else layout.cp_method
+    return (
+        f"hybrid:{layout.parallel.cp_ulysses}" if layout.parallel.cp_method == "hybrid" else layout.parallel.cp_method
+    )
 
 
 def _layout_cell(layout: Layout) -> str:
-    return f"{layout.pp:>2} {layout.dp_replicate:>4} {layout.dp_shard:>5} {layout.cp:>2} {layout.tp:>2} {layout.ep:>3}"
+    d = layout.dims
+    return f"{d.pp:>2} {d.dp_replicate:>4} {d.dp_shard:>5} {d.cp:>2} {d.tp:>2} {d.ep:>3}"
 
 
 def describe_layout(layout: Layout, checkpointing: bool = True) -> str:
     """A layout in a few words: its degrees above 1 (with the CP method), micro batch and checkpointing."""
-    method = f" ({cp_method_label(layout)})" if layout.cp > 1 else ""
+    method = f" ({cp_method_label(layout)})" if layout.dims.cp > 1 else ""
     mode = f", {layout.activation_checkpointing} checkpointing" if checkpointing else ""
     return f"{layout.dims.describe()}{method}, micro batch {layout.micro_batch}{mode}"
 
@@ -107,7 +118,7 @@ def format_table(candidates: list[Candidate], gpus: int, hw: Hardware, top: int)
     lines = [header, "-" * len(header)]
     for index, c in enumerate(fitting[:top]):
         m, s, layout = c.memory, c.step, c.layout
-        schedule = layout.pp_schedule if layout.pp > 1 else "-"
+        schedule = layout.parallel.pp_schedule if layout.dims.pp > 1 else "-"
         method = cp_method_label(layout)
         lines.append(
             f"{'*' if index == 0 else ' '} {_layout_cell(layout)} | {layout.micro_batch:>5}  "
@@ -141,24 +152,9 @@ def train_config(layout: Layout, workload: Workload, model_cfg: ModelConfig, lor
     cfg = Config()
     if lora is not None:
         cfg.lora = lora
-    cfg.model = dataclasses.replace(
-        model_cfg, dtype=workload.model_dtype, attn_implementation=workload.attn_implementation
-    )
-    cfg.data.seq_len = workload.seq_len
-    cfg.data.mask_documents = workload.mask_documents
-    cfg.train.global_batch_size = workload.global_batch
-    cfg.train.activation_checkpointing = layout.activation_checkpointing
-    cfg.train.micro_batch_size = layout.micro_batch
-    cfg.precision.mixed_precision = workload.mixed_precision
-    cfg.train.loss_chunk_size = workload.loss_chunk_size
-    cfg.train.compile = "auto" if workload.compiled else "false"
-    cfg.precision.float8 = workload.float8
-    cfg.precision.float8_recipe = workload.float8_recipe
-    cfg.train.mlp_tiles = workload.mlp_tiles
-    cfg.train.activation_offload = workload.activation_offload
-    cfg.fsdp.cpu_offload = workload.cpu_offload
-    cfg.fsdp.accumulate_unsharded = workload.accumulate_unsharded
-    cfg.parallel = layout.parallel_config()  # no parallel.pp_microbatches: train.micro_batch_size says it
+    cfg.model = dataclasses.replace(model_cfg)
+    workload.write_to(cfg)
+    layout.write_to(cfg)
     return cfg
 
 

@@ -6,6 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from meshtron.config import ParallelOptions
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import Hardware
@@ -100,10 +101,12 @@ def candidate_layouts(
                                     ParallelDims(dp_replicate, dp_shard, cp, tp, pp, ep),
                                     micro,
                                     ac,
-                                    cp_method=method,
-                                    cp_ulysses=ulysses,
-                                    pp_schedule=schedule,
-                                    pp_stages_per_rank=per_rank,
+                                    ParallelOptions(
+                                        cp_method=method,
+                                        cp_ulysses=ulysses,
+                                        pp_schedule=schedule,
+                                        pp_stages_per_rank=per_rank if per_rank > 1 else None,
+                                    ),
                                 )
                                 if _valid(hf_config, layout, workload):
                                     layouts.append(layout)
@@ -123,9 +126,9 @@ def check_cluster(gpus: int, hw: Hardware) -> None:
 def complexity(layout: Layout) -> int:
     """How many mechanisms a layout adds to plain FSDP: the tie-breaker between equally fast layouts."""
     return (
-        sum(d > 1 for d in (layout.pp, layout.dp_replicate, layout.cp, layout.tp, layout.ep))
+        sum(d > 1 for d in (layout.dims.pp, layout.dims.dp_replicate, layout.dims.cp, layout.dims.tp, layout.dims.ep))
         + (layout.activation_checkpointing != "none")
-        + (layout.pp_stages_per_rank > 1)
+        + (layout.stages_per_rank > 1)
     )
 
 

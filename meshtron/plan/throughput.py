@@ -77,13 +77,13 @@ def expert_all_to_all_s(
     ``ep x tp`` ranks. Nothing overlaps them (meshtron waits for each before computing). One all-to-all costs
     what ``_collective_s`` charges a ring collective: each rank sends the ``(ep - 1) / ep`` of its buffer owned by
     the others, ``ep - 1`` latencies, all of it over the network once the group leaves a node."""
-    if layout.ep <= 1 or not shape.experts:
+    if layout.dims.ep <= 1 or not shape.experts:
         return 0.0
     rows = _dispatched_bytes(shape, layout, workload)
-    span = layout.ep * layout.tp
+    span = layout.dims.ep * layout.dims.tp
     forward_passes = passes - 1
-    one_layer = 2 * passes * _collective_s(rows, layout.ep, span, hw)
-    one_layer += forward_passes * _collective_s(shape.experts * INDEX, layout.ep, span, hw)
+    one_layer = 2 * passes * _collective_s(rows, layout.dims.ep, span, hw)
+    one_layer += forward_passes * _collective_s(shape.experts * INDEX, layout.dims.ep, span, hw)
     return one_layer * layers * forwards
 
 
@@ -102,11 +102,11 @@ def ulysses_all_to_all_s(
     the other way in backward: four all-to-alls per pass, on the critical path (attention waits for them). k and v
     carry the rank's KV heads, repeated up to ``degree`` heads when fewer. ``degree``: the all-to-all's ranks, ``cp``
     (or ``cp_ulysses`` under ``cp_method=hybrid``: consecutive cp ranks); the group spans ``degree x tp`` ranks."""
-    degree = degree or layout.cp
+    degree = degree or layout.dims.cp
     e = compute_bytes(workload)
-    tokens = layout.micro_batch * workload.seq_len / layout.cp
-    heads, kv = shape.heads // layout.tp, max(max(shape.kv_heads // layout.tp, 1), degree)
-    span = degree * layout.tp
+    tokens = layout.micro_batch * workload.seq_len / layout.dims.cp
+    heads, kv = shape.heads // layout.dims.tp, max(max(shape.kv_heads // layout.dims.tp, 1), degree)
+    span = degree * layout.dims.tp
     q_bytes, kv_bytes = tokens * heads * shape.head_dim * e, tokens * kv * shape.head_dim * e
     one_pass = 2 * _collective_s(q_bytes, degree, span, hw) + 2 * _collective_s(kv_bytes, degree, span, hw)
     return one_pass * passes * layers * forwards
@@ -114,33 +114,33 @@ def ulysses_all_to_all_s(
 
 def _dispatched_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """The hidden rows one rank dispatches per MoE layer and micro-batch (each token once per routed expert)."""
-    tokens = layout.micro_batch * workload.seq_len / layout.cp
+    tokens = layout.micro_batch * workload.seq_len / layout.dims.cp
     return tokens * ep_rows_per_token(shape) * shape.hidden * compute_bytes(workload)
 
 
 def expert_all_to_all_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """Bytes one rank sends to the other EP ranks per MoE layer and micro-batch, forward and backward (dispatch and
     combine in each; no recomputation), under uniform routing; 0 without EP."""
-    if layout.ep <= 1 or not shape.experts:
+    if layout.dims.ep <= 1 or not shape.experts:
         return 0.0
-    return 4 * _dispatched_bytes(shape, layout, workload) * (layout.ep - 1) / layout.ep
+    return 4 * _dispatched_bytes(shape, layout, workload) * (layout.dims.ep - 1) / layout.dims.ep
 
 
 def bubble_fraction(layout: Layout, workload: Workload) -> float:
     """Idle fraction added to a pipeline rank's compute: (pp - 1) / (microbatches x stages per rank),
     a third of that for the zero-bubble schedules (their weight-gradient work fills most of it)."""
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return 0.0
-    bubble = (layout.pp - 1) / (layout.microbatches(workload) * layout.pp_stages_per_rank)
-    if "ZeroBubble" in layout.pp_schedule:
+    bubble = (layout.dims.pp - 1) / (layout.microbatches(workload) * layout.stages_per_rank)
+    if "ZeroBubble" in layout.parallel.pp_schedule:
         bubble /= 3
-    if layout.pp_schedule == "GPipe":
-        bubble = (layout.pp - 1) / layout.microbatches(workload)
+    if layout.parallel.pp_schedule == "GPipe":
+        bubble = (layout.dims.pp - 1) / layout.microbatches(workload)
     return bubble
 
 
 def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardware, hf_config) -> StepEstimate:
-    world = layout.world_size
+    world = layout.dims.world_size
     tokens = workload.global_batch * workload.seq_len
     # Under LoRA: what the run computes (frozen weights take no weight gradient; the adapters add theirs).
     model_flops = (flops_per_token(hf_config, workload.seq_len) + shape.lora_flops_per_token) * tokens / world
@@ -159,19 +159,21 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     width = (shape.head_dim + (shape.value_head_dim or shape.head_dim)) / 2  # scores by q / k, outputs by v width
     attention_flops = 3 * 2 * 2 * workload.seq_len * shape.heads * width / 2 * shape.layers * tokens / world
     attention_peak = peak if workload.device == "cuda" else hw.fp32_tflops * 1e12
-    ulysses = layout.cp > 1 and layout.cp_method == "ulysses"  # whole sequences by the device's kernel, as cp = 1
+    ulysses = (
+        layout.dims.cp > 1 and layout.parallel.cp_method == "ulysses"
+    )  # whole sequences by the device's kernel, as cp = 1
     if workload.compiled and workload.device == "cuda":
         kernels = compiled_kernels(shape, layout, workload, hw, hf_config)
         compute = kernels.seconds * recompute
     else:  # eager (or off CUDA): the whole step's FLOPs at one measured fraction of peak
         kernels = None
         compute = model_flops * recompute / (peak * efficiency)
-        if layout.cp > 1 and not ulysses:
+        if layout.dims.cp > 1 and not ulysses:
             compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
     compute *= 1 + bubble_fraction(layout, workload)
 
     forwards = layout.microbatches(workload)
-    local_tokens = layout.micro_batch * workload.seq_len / layout.cp
+    local_tokens = layout.micro_batch * workload.seq_len / layout.dims.cp
     layers_per_rank = max(sum(layers for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload))
     passes = 3 if layout.activation_checkpointing == "full" else 2  # forward, backward (+ recomputed forward)
     h = shape.hidden
@@ -179,25 +181,29 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # Tensor parallel: per block and pass, two all-gathers and two reduce-scatters (or two all-reduces)
     # of the block's activations; nothing overlaps them.
     tp_bytes = local_tokens * h * e
-    tp_one = _collective_s(tp_bytes, layout.tp, layout.tp, hw, 1.0 if layout.sequence_parallel else 2.0)
-    tp_s = tp_one * (4 if layout.sequence_parallel else 2) * passes * layers_per_rank * forwards
+    tp_one = _collective_s(
+        tp_bytes, layout.dims.tp, layout.dims.tp, hw, 1.0 if layout.parallel.sequence_parallel else 2.0
+    )
+    tp_s = tp_one * (4 if layout.parallel.sequence_parallel else 2) * passes * layers_per_rank * forwards
 
     # Context parallel: every block's keys and values go round the ring forward (and their gradients
     # backward); it overlaps the attention computation of the blocks already received. Hybrid: the ring runs across
     # the cp / cp_ulysses groups (still spanning cp x tp ranks) on the K/V heads its all-to-all gathered (the group's
     # tokens of heads / cp_ulysses: cp_ulysses times a rank's K/V, KV heads repeated when fewer), and the
     # all-to-alls inside each group are on the critical path, as Ulysses'.
-    ring, kv_heads = layout.cp, max(shape.kv_heads // layout.tp, 1)
-    if layout.cp_method == "hybrid":
-        ring, kv_heads = layout.cp // layout.cp_ulysses, max(kv_heads, layout.cp_ulysses)
+    ring, kv_heads = layout.dims.cp, max(shape.kv_heads // layout.dims.tp, 1)
+    if layout.parallel.cp_method == "hybrid":
+        ring, kv_heads = layout.dims.cp // layout.parallel.cp_ulysses, max(kv_heads, layout.parallel.cp_ulysses)
     kv_bytes = local_tokens * 2 * kv_heads * shape.head_dim * e
-    cp_span = layout.cp * layout.tp
+    cp_span = layout.dims.cp * layout.dims.tp
     cp_comm = _collective_s(kv_bytes * ring, ring, cp_span, hw) * (passes + 1) * layers_per_rank * forwards
     cp_s = max(0.0, cp_comm - attention_flops / (attention_peak * efficiency))
     if ulysses:
         cp_s = ulysses_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)
-    elif layout.cp > 1 and layout.cp_method == "hybrid":
-        cp_s += ulysses_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards, layout.cp_ulysses)
+    elif layout.dims.cp > 1 and layout.parallel.cp_method == "hybrid":
+        cp_s += ulysses_all_to_all_s(
+            shape, layout, workload, hw, passes, layers_per_rank, forwards, layout.parallel.cp_ulysses
+        )
 
     # Expert parallel: the all-to-alls of the token dispatch and combine, on the critical path.
     a2a_s = expert_all_to_all_s(shape, layout, workload, hw, passes, layers_per_rank, forwards)
@@ -209,19 +215,19 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # experts' E / ep are gathered and reduced over efsdp = dp_shard x cp / ep (whose ranks are ep x tp apart:
     # the same span), the other parameters over dp_shard x cp.
     shard = max(state_numel(shape, layout, workload))  # a rank's shard of its stages
-    expert = expert_shard_numel(shape, layout, workload) if layout.ep > 1 else 0
+    expert = expert_shard_numel(shape, layout, workload) if layout.dims.ep > 1 else 0
     groups = [(shard - expert, layout.fsdp_size), (expert, layout.efsdp_size)]
-    fsdp_span = layout.fsdp_size * layout.tp
-    gathers = forwards * (2 if layout.pp == 1 else 1)
-    reduce_scatters = 1 if layout.pp > 1 or workload.accumulate_unsharded else forwards
+    fsdp_span = layout.fsdp_size * layout.dims.tp
+    gathers = forwards * (2 if layout.dims.pp == 1 else 1)
+    reduce_scatters = 1 if layout.dims.pp > 1 or workload.accumulate_unsharded else forwards
     fsdp_s = 0.0
     for numel, group in groups:
         if not numel:
             continue
         fsdp_s += gathers * _collective_s(numel * group * e, group, fsdp_span, hw)
         fsdp_s += reduce_scatters * _collective_s(numel * group * FP32, group, fsdp_span, hw)
-    replicate_span = layout.dp_replicate * fsdp_span
-    fsdp_s += _collective_s(shard * FP32, layout.dp_replicate, replicate_span, hw, 2.0)
+    replicate_span = layout.dims.dp_replicate * fsdp_span
+    fsdp_s += _collective_s(shard * FP32, layout.dims.dp_replicate, replicate_span, hw, 2.0)
     if workload.cpu_offload:  # shards cross PCIe: to the GPU for each gather, gradients back once reduced
         pcie = hw.pcie_gbps * 1e9 * hw.pcie_efficiency
         fsdp_s += (gathers * shard * DTYPE_BYTES[workload.model_dtype] + reduce_scatters * shard * FP32) / pcie
@@ -229,10 +235,10 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
 
     # Pipeline: each microbatch's activations cross each stage boundary forward and backward.
     pp_s = 0.0
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         span = world  # pp is outermost: neighbours are world / pp ranks apart
         send = _collective_s(local_tokens * h * e * 2, 2, span, hw)
-        pp_s = 2 * send * forwards * layout.pp_stages_per_rank
+        pp_s = 2 * send * forwards * layout.stages_per_rank
 
     offload_s = activation_offload_s(shape, layout, workload, hw, compute)
 
@@ -266,7 +272,7 @@ def activation_offload_s(shape: ModelShape, layout: Layout, workload: Workload, 
 def matmul_size_factor(layout: Layout, workload: Workload) -> float:
     """The fraction of the large-matmul rate a rank's matmuls reach at ``micro x seq_len / cp`` rows
     (``calibration.MATMUL_HALF_ROWS``)."""
-    rows = layout.micro_batch * workload.seq_len / layout.cp
+    rows = layout.micro_batch * workload.seq_len / layout.dims.cp
     return rows / (rows + calibration.MATMUL_HALF_ROWS)
 
 
@@ -303,9 +309,9 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
         loss_vocab,
     )
 
-    world, e = layout.world_size, compute_bytes(workload)
+    world, e = layout.dims.world_size, compute_bytes(workload)
     rank_tokens = workload.global_batch * workload.seq_len / world  # FLOPs of a rank: its share of the step's
-    local_tokens = layout.local_batch(workload) * workload.seq_len / layout.cp  # tokens a rank's blocks see
+    local_tokens = layout.local_batch(workload) * workload.seq_len / layout.dims.cp  # tokens a rank's blocks see
     peak = (hw.peak_tflops if e == 2 else hw.fp32_tflops) * 1e12
     rate = peak * hw.compiled_matmul_efficiency * matmul_size_factor(layout, workload)
     head_flops = 6 * shape.hidden * shape.vocab * rank_tokens
@@ -327,7 +333,7 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
     unconverted = dataclasses.replace(workload, float8=False)  # float8 changes what is kept, not what is computed
     kept = block_activation_per_token(shape, layout, unconverted) * layers * local_tokens
     elementwise = calibration.ELEMENTWISE_PASSES * kept
-    holds_head = layout.pp == 1  # the busiest pipeline rank is costed as if it held the head too
+    holds_head = layout.dims.pp == 1  # the busiest pipeline rank is costed as if it held the head too
     if holds_head and fused_loss(workload):
         elementwise += local_tokens * fused_loss_vocab(shape, layout) * (3 * e + calibration.FUSED_LOSS_BYTES_PER_LOGIT)
     elif holds_head:
@@ -345,7 +351,7 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
         + per_step
     )
     host = 0.0
-    if layout.tp > 1:
+    if layout.dims.tp > 1:
         host = calibration.TP_HOST_S_PER_BLOCK_PASS * 2 * layers * layout.microbatches(workload)
     return KernelTimes(
         matmul=matmul,
@@ -359,7 +365,7 @@ def compiled_kernels(shape: ModelShape, layout: Layout, workload: Workload, hw: 
 def _linear_width(shape: ModelShape, layout: Layout) -> int:
     """Elements per token a block's float8 casts scan: every linear's input in forward (q/k/v's and gate/up's
     inputs, o_proj's and down's) and every linear's output gradient in backward, on one tp rank."""
-    tp = layout.tp
+    tp = layout.dims.tp
     q, kv = shape.heads // tp * shape.head_dim, max(shape.kv_heads // tp, 1) * shape.head_dim
     inputs = 2 * shape.hidden + q + shape.intermediate // tp
     output_gradients = q + 2 * kv + 2 * shape.hidden + 2 * shape.intermediate // tp
@@ -377,7 +383,7 @@ def matrix_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         return 0.0
     settings = workload.optimizer_settings or entry.settings()
     rate = (hw.peak_tflops if compute_bytes(workload) == 2 else hw.fp32_tflops) * 1e12 * hw.matmul_efficiency
-    group = layout.fsdp_size * layout.tp
+    group = layout.fsdp_size * layout.dims.tp
     one_block = 0.0
     for spec in shape.block:
         if not spec.muon:
@@ -385,7 +391,7 @@ def matrix_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         rows, cols = spec.shape[-2:]
         matrix_flops = entry.matrix_step_flops(settings, rows, cols)
         if spec.expert:
-            local = spec.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep)
+            local = spec.local_numel(layout.dims.tp, layout.fsdp_size, shape.kv_heads, layout.dims.ep)
             one_block += local // (rows * cols) * matrix_flops / rate
             continue
         one_block += matrix_flops / rate
@@ -398,6 +404,6 @@ def matrix_step_s(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
 def expert_shard_numel(shape: ModelShape, layout: Layout, workload: Workload) -> int:
     """Expert-parameter elements in the busiest pipeline rank's FSDP shard (its share of ``state_numel``)."""
     experts = sum(
-        p.local_numel(layout.tp, layout.fsdp_size, shape.kv_heads, layout.ep) for p in shape.block if p.expert
+        p.local_numel(layout.dims.tp, layout.fsdp_size, shape.kv_heads, layout.dims.ep) for p in shape.block if p.expert
     )
     return experts * max(sum(layers for layers, _, _ in stages) for stages in stage_layout(shape, layout, workload))
