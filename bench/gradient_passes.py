@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path)
     parser.add_argument("--steps", type=int, default=1, help="steps the trace holds (for per-step figures)")
-    parser.add_argument("--kernels", default=r"CUDAFunctor_add<float>|direct_copy|bfloat16_copy|fill")
+    parser.add_argument("--kernels", default=r"CUDAFunctor_add<float>|direct_copy|bfloat16_copy|CopyFunctor|fill")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
     times = attribute(load_events(args.trace), args.kernels)

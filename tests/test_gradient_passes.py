@@ -150,7 +150,7 @@ def _parameter_ops(model, run) -> Counter:
 
 
 @pytest.mark.parametrize("compile_setting", ["false", "true"])
-def test_a_step_of_one_micro_batch_adds_nothing_over_a_parameter(compile_setting):
+def test_a_step_of_one_micro_batch_adds_nothing_over_a_parameter(compile_setting, monkeypatch):
     """bf16 compute, fp32 master weights, tied embeddings, the fused loss in one chunk: a step of one micro-batch
     converts each parameter's gradient to float32 once (by ``torch._foreach_copy_``) and adds nothing over any
     parameter (the previous path:
@@ -159,6 +159,7 @@ def test_a_step_of_one_micro_batch_adds_nothing_over_a_parameter(compile_setting
     micro-batch, with no float32 conversion of its own. Compiled blocks (train.compile=true) change nothing here:
     the casts and their backward run outside the compiled code."""
     torch._dynamo.reset()
+    monkeypatch.setattr(precision, "WIDEN_MIN_NUMEL", 0)  # the tiny model's matrices widened as a big model's are
     model, ctx = _setup("qwen3-tiny", "bf16", TOKENS, compile_setting)
     matrices = sum(p.dim() == 2 for p in model.parameters())
     batches = _batches(3)
@@ -187,12 +188,13 @@ def test_a_step_of_one_micro_batch_adds_nothing_over_a_parameter(compile_setting
     assert [key for key in three if key[0].startswith("add") and key[1] == ("float32", "float32")] == [], three
 
 
-def test_widened_gives_the_cast_values_bit_for_bit():
+def test_widened_gives_the_cast_values_bit_for_bit(monkeypatch):
     """``precision.widened`` (the master gradient written by ``torch._foreach_copy_``) equals ``.to(float32)`` for
     every bf16 / fp16 value, infinities and NaN included; a non-contiguous gradient or a same-dtype one takes ``.to``
     and keeps its strides."""
     from meshtron.distributed.precision import widened
 
+    monkeypatch.setattr(precision, "WIDEN_MIN_NUMEL", 0)
     for dtype in (torch.bfloat16, torch.float16):
         every_value = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
         got = widened(every_value, torch.float32)
@@ -202,3 +204,24 @@ def test_widened_gives_the_cast_values_bit_for_bit():
         assert torch.equal(widened(transposed, torch.float32).view(torch.int32), transposed.float().view(torch.int32))
     same = torch.randn(3, 4)
     assert widened(same, torch.float32) is same
+
+
+def test_widened_leaves_small_and_differentiable_gradients_to_the_cast(monkeypatch):
+    """Below ``WIDEN_MIN_NUMEL`` elements a gradient takes ``.to`` (``_foreach_copy_``'s kernel would leave SMs idle);
+    under double backward (``create_graph=True``) too, since ``_foreach_copy_`` has no derivative: the second backward
+    through a compute cast works."""
+    from meshtron.distributed import precision
+
+    small = torch.randn(4, 4, dtype=torch.bfloat16)
+    assert precision.widened(small, torch.float32).grad_fn is None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        precision.widened(small, torch.float32)
+    assert "aten::_foreach_copy_" not in {event.name for event in profile.events()}
+
+    monkeypatch.setattr(precision, "WIDEN_MIN_NUMEL", 0)
+    weight = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.bfloat16)
+    out = (x @ precision._ComputeCast.apply(weight, torch.bfloat16).t()).float().pow(2).sum()
+    (grad,) = torch.autograd.grad(out, weight, create_graph=True)
+    grad.sum().backward()  # raised "derivative for _foreach_copy_ is not implemented" before
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()

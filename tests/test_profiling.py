@@ -42,6 +42,7 @@ from meshtron.train.trainer import train
         ("c10d::allgather_", "communication"),
         ("Optimizer.step#AdamW.step", "optimizer"),
         ("aten::_foreach_mul_", "optimizer"),
+        ("aten::_foreach_copy_", "copies"),  # the master gradients' widening, FSDP2's copy-in
         ("aten::copy_", "copies"),
         ("Memcpy HtoD (Pageable -> Device)", "copies"),
         ("aten::cat", "copies"),
@@ -98,6 +99,11 @@ def test_summary_counts_each_operator_once_in_its_outermost_enclosing_category()
             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
             "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4>>",
             "optimizer",
+        ),
+        (
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "TensorListMetadata<2>, at::native::(anonymous namespace)::CopyFunctor<float, c10::BFloat16, 2, 1, 1>>",
+            "copies",
         ),
         ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
         ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "communication"),

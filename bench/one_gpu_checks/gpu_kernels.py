@@ -180,31 +180,60 @@ def fused_loss(out) -> dict:
     return figures
 
 
+def _kernel_ms(torch, run, iters: int = 5) -> float:
+    """Median milliseconds of ``run()`` by CUDA events, the host let run ahead (``torch.cuda._sleep`` holds the GPU
+    while the launches queue), so that launch overhead is not timed: the kernels' own time."""
+    run()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(statistics.median(times), 3)
+
+
 def gradient_widening(out) -> dict:
-    """The master gradient's bf16 -> float32 conversion (``precision.widened``, ``torch._foreach_copy_``) against
-    ``.to(float32)`` (torch's unrolled copy: 4.1 ms a step for llama-1b on an H200) and an inductor kernel, on
-    llama-1b's 1.24 B gradients as its 16 blocks' shapes and the embedding: equal bits, time of each (CUDA events).
-    And the next change it points at, the fused loss's head gradient per 4,096-token chunk: a bf16 product added
-    into the float32 sum (today, 4 chunks: 3.8 ms a step) against ``torch.addmm(..., out_dtype=torch.float32)``,
-    which adds in the GEMM's epilogue (CUDA only)."""
+    """The master gradient's bf16 -> float32 conversion (``precision.widened``: ``torch._foreach_copy_`` from
+    ``WIDEN_MIN_NUMEL`` elements, ``.to`` below) against ``.to(float32)`` (torch's unrolled copy: 4.1 ms a step for
+    llama-1b on an H200) and an inductor kernel, per shape of llama-1b's gradients (16 of each block matrix, the
+    embedding once): equal bits, the kernels' time of each (CUDA events, launches queued ahead). And the next change
+    it points at, the fused loss's head gradient per 4,096-token chunk: a bf16 product added into the float32 sum
+    (today, 4 chunks: 3.8 ms a step) against ``torch.addmm(..., out_dtype=torch.float32)``, which adds in the GEMM's
+    epilogue (CUDA only). On a CPU (``GPU_QUEUE_ON_CPU``) it skips: the shapes are a GPU's."""
     import torch
 
-    from meshtron.distributed.precision import widened
+    from meshtron.distributed import precision
 
     device = cuda_device()
+    if device.type != "cuda":
+        raise Skip("times CUDA kernels over a 1B model's gradients: a GPU's shapes")
     hidden, inter, vocab, kv = 2048, 8192, 128256, 512
-    shapes = [(vocab, hidden)] + 16 * [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]
-    shapes += 16 * [(inter, hidden), (inter, hidden), (hidden, inter)]
-    grads = [torch.randn(shape, device=device, dtype=torch.bfloat16) for shape in shapes]
+    groups = {"embedding": [(vocab, hidden)], "mlp": 48 * [(inter, hidden)], "q_o": 32 * [(hidden, hidden)]}
+    groups["k_v"] = 32 * [(kv, hidden)]
     compiled = torch.compile(lambda t: t.to(torch.float32), dynamic=True)
-    ways = {"to": lambda t: t.to(torch.float32), "foreach_copy": lambda t: widened(t, torch.float32)}
-    ways["inductor"] = compiled
-    figures = {}
-    for name, convert in ways.items():
-        for grad in grads[:3]:
-            assert torch.equal(convert(grad).view(torch.int32), grad.float().view(torch.int32)), name
-        figures[f"{name}_ms"] = _timed_ms(torch, lambda convert=convert: [convert(g) for g in grads], iters=5)
-    grads.clear()  # their memory, for the head's chunk below
+
+    def foreach(t):
+        out = torch.empty_like(t, dtype=torch.float32)
+        torch._foreach_copy_([out], [t])
+        return out
+
+    ways = {"to": lambda t: t.to(torch.float32), "foreach_copy": foreach, "inductor": compiled}
+    ways["widened"] = lambda t: precision.widened(t, torch.float32)
+    figures = {"widen_min_numel": precision.WIDEN_MIN_NUMEL}
+    for group, shapes in groups.items():
+        grads = [torch.randn(shape, device=device, dtype=torch.bfloat16) for shape in shapes]
+        for name, convert in ways.items():
+            assert torch.equal(convert(grads[0]).view(torch.int32), grads[0].float().view(torch.int32)), name
+            figures[f"{group}_{name}_ms"] = _kernel_ms(
+                torch, lambda convert=convert, grads=grads: [convert(g) for g in grads]
+            )
+        grads.clear()
+    for name in ways:
+        figures[f"all_{name}_ms"] = round(sum(figures[f"{group}_{name}_ms"] for group in groups), 3)
     chunk = torch.randn(4096, vocab, device=device, dtype=torch.bfloat16)
     h = torch.randn(4096, hidden, device=device, dtype=torch.bfloat16)
     total = torch.zeros(vocab, hidden, device=device)
@@ -215,9 +244,9 @@ def gradient_widening(out) -> dict:
     def add_in_epilogue():
         torch.addmm(total, chunk.t(), h, out_dtype=torch.float32, out=total)
 
-    figures["head_chunk_add_after_ms"] = _timed_ms(torch, add_after_product)
+    figures["head_chunk_add_after_ms"] = _kernel_ms(torch, add_after_product)
     try:
-        figures["head_chunk_addmm_out_dtype_ms"] = _timed_ms(torch, add_in_epilogue)
+        figures["head_chunk_addmm_out_dtype_ms"] = _kernel_ms(torch, add_in_epilogue)
     except (RuntimeError, TypeError) as err:  # an older torch: no out_dtype
         figures["head_chunk_addmm_out_dtype"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     return figures

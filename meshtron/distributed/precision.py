@@ -105,13 +105,21 @@ def _accumulation_runs(ctx) -> bool:
         return False
 
 
+WIDEN_MIN_NUMEL = 132 * 65536
+"""Gradients of at least this many elements are widened by ``torch._foreach_copy_`` (``widened``): its CUDA kernel
+gives each 65,536-element chunk one block, so a smaller tensor leaves some of an H100's 132 SMs idle, where
+``.to`` spreads over all of them."""
+
+
 def widened(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``grad.to(dtype)``, the same values, written by ``torch._foreach_copy_``: its CUDA kernel (multi_tensor_apply)
-    reads and writes whole vectors, where ``grad.to`` from bf16 to float32 runs torch's unrolled elementwise copy
-    (one load and store per element: 4.1 ms a step for llama-1b's 1.24 B gradients on an H200, 1.8 TB/s; the
-    faster kernel is **not yet measured on a GPU**: ``bench/one_gpu_checks`` ``gradient_widening``). Plain
-    contiguous tensors only (a DTensor, or strides ``empty_like`` would not keep, take ``grad.to``)."""
-    if type(grad) is not torch.Tensor or not grad.is_contiguous() or grad.dtype == dtype:
+    """``grad.to(dtype)``, the same values; a big gradient written by ``torch._foreach_copy_``, whose CUDA kernel
+    (multi_tensor_apply) loads and stores vectors of 4 elements, where ``grad.to`` from bf16 to float32 runs torch's
+    unrolled elementwise copy (4.1 ms a step for llama-1b's 1.24 B gradients on an H200, 1.8 TB/s). Whether it is
+    faster is **not yet measured on a GPU** (``bench/one_gpu_checks`` ``gradient_widening``, per shape). Plain
+    contiguous tensors of ``WIDEN_MIN_NUMEL`` elements or more, outside a differentiable backward only
+    (``_foreach_copy_`` has no derivative); the others take ``grad.to``."""
+    plain = type(grad) is torch.Tensor and grad.is_contiguous() and not grad.requires_grad
+    if not plain or grad.dtype == dtype or grad.numel() < WIDEN_MIN_NUMEL:
         return grad.to(dtype)
     out = torch.empty_like(grad, dtype=dtype)
     torch._foreach_copy_([out], [grad])

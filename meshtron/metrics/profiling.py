@@ -50,6 +50,7 @@ _OPERATOR_PATTERNS = (
     ),
     ("attention", r"attention|flash|fmha|flex"),
     ("matmul", r"gemm|cutlass|xmma|cublas|\b(aten::)?(mm|addmm|bmm|baddbmm|matmul|linear|_grouped_mm|_scaled_mm)\b"),
+    ("copies", r"_foreach_copy_"),  # a list of copies (the master gradients', FSDP's copy-in), before _foreach
     ("optimizer", r"optimizer|adam|_foreach|zero_grad"),
     ("copies", r"copy|memcpy|memset|\baten::(cat|clone|contiguous|to|_to_copy|index_select|gather|scatter)\b"),
 )
@@ -66,6 +67,7 @@ _KERNEL_PATTERNS = (
         r"nvjet|gemm|gemv|cutlass|xmma|wgmma|cublas|splitkreduce|scaled_mm|grouped_mm"
         r"|^triton_tem_.*_(addmm|baddbmm|bmm|mm)(_|$)",
     ),
+    ("copies", r"multi_tensor_apply_kernel.*CopyFunctor"),  # _foreach_copy_'s kernel, before the optimizer's
     ("optimizer", r"multi_tensor_apply|adam|_foreach_|lpnorm_cleanup|optimizer|fused_sgd"),
     ("copies", r"^(?!triton_)(.*(memcpy|memset|copy_kernel|catarraybatchedcopy))"),
 )

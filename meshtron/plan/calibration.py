@@ -71,8 +71,8 @@ GRADIENT_CAST_BYTES_PER_PARAM = 8
 gradient written to the fp32 master's ``.grad`` (moves 6: read 2, write 4; meshtron.distributed.precision
 ``_ComputeCast``). Fitted on both traces, whose cast kernel (torch's unrolled elementwise copy, which does not
 speed up with the HBM) took 4.49 ms on the H100 (6.9 bytes at its planner bandwidth) and 4.12 ms on the H200
-(9.1). Since 2026-11-28 the cast is ``torch._foreach_copy_``'s vector kernel (``precision.widened``), not yet
-measured: re-fit from the next trace."""
+(9.1). Since 2026-11-28 the big gradients' cast is ``torch._foreach_copy_``'s kernel (``precision.widened``),
+whose speed is not yet measured: re-fit from the next trace."""
 
 GRADIENT_ACCUMULATE_BYTES_PER_PARAM = 13
 """Each later micro-batch's gradient added into the fp32 ``.grad`` in one mixed-dtype kernel (moves 10: read 4 + 2,
