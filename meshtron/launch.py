@@ -27,9 +27,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import cast
 
-from meshtron import worker
 from meshtron.errors import REPORTED_ERRORS_ENV, ConfigError
 from meshtron.exits import leave
+from meshtron.worker import main as worker_main
 
 
 def processes_needed(p) -> int:
@@ -296,7 +296,7 @@ def run_forked_rank(argv: list[str], device_type: str = "cpu") -> None:
         _leave_if_cuda_unusable()
     reported = True  # main returns an error's status after its line; SystemExit comes after its message
     try:
-        code = worker.main(argv)
+        code = worker_main(argv)
     except SystemExit as stop:
         if stop.code is not None and not isinstance(stop.code, int):
             print(stop.code, file=sys.stderr)
