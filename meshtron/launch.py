@@ -2,8 +2,8 @@
 process, on this machine or on each node of a multi-node job (``meshtron.cluster`` says which nodes).
 
 Everything is checked once here, before any worker starts: enough processes for the parallel degrees, the config
-(preflight), a run directory every worker shares. Under ``torchrun`` (or with one process) ``meshtron.cli`` trains
-without coming here.
+(preflight), a run directory every worker shares. Under ``torchrun`` (or with one process) the train and eval commands
+(meshtron.commands) run their rank without coming here. Each worker runs meshtron.worker.
 
 The workers are forked from a forkserver (multiprocessing's: a process started once, before any worker, that
 imports torch, transformers and the training loop; meshtron.launch_preload): a worker starts without ~5 s of CPU of
@@ -23,12 +23,13 @@ import io
 import logging
 import os
 import sys
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import cast
 
-from meshtron.errors import REPORTED_ERRORS_ENV, ConfigError, note_reported_end
+from meshtron.errors import REPORTED_ERRORS_ENV, ConfigError
+from meshtron.exits import leave
+from meshtron.worker import main as worker_main
 
 
 def processes_needed(p) -> int:
@@ -59,13 +60,12 @@ def self_launch(
     extra: list[str],
     cfg,
     world_size: int,
-    worker_main: Callable[[list[str]], int],
     nodes=None,
     command=("train",),
 ) -> int:
     """Check everything once here, then start ``world_size`` workers with torch's elastic launcher, each running
-    ``meshtron <command> ...`` with the same settings (``worker_main``: meshtron.cli's ``main``, which a forked
-    worker calls with that command line).
+    ``meshtron <command> ...`` with the same settings (a forked worker: ``meshtron.worker.main`` of that command
+    line).
 
     Exit status: 0, the first failed worker's (e.g. 124 after a hang), or 75 when a signal stopped the
     run after its checkpoint was saved (docs/faults.md)."""
@@ -117,7 +117,7 @@ def self_launch(
     with forward_stop_signals(parser, launcher_args, cfg.run.collective_timeout_s) as stopped, reported_errors_kept():
         try:
             launcher = parser.parse_args(launcher_args + ["-m", "meshtron", *worker])
-            start_workers(launcher, worker, args.rank_start or RANK_STARTS[0], worker_main, device_type)
+            start_workers(launcher, worker, args.rank_start or RANK_STARTS[0], device_type)
         except ChildFailedError as err:
             _, failure = err.get_first_failure()
             return failure.exitcode if failure.exitcode > 0 else 1
@@ -159,12 +159,11 @@ def start_workers(
     launcher: argparse.Namespace,
     worker_argv: list[str],
     rank_start: str,
-    worker_main: Callable[[list[str]], int],
     device_type: str = "cpu",
 ) -> None:
     """Run torch's elastic agent with ``launcher`` (torchrun's parsed arguments, which name ``meshtron`` as the module
     to run) until the workers end; each worker runs ``meshtron WORKER_ARGV`` (a forked one calls
-    ``worker_main(WORKER_ARGV)``). Raises ChildFailedError as torchrun's ``run`` does."""
+    ``meshtron.worker.main(WORKER_ARGV)``). Raises ChildFailedError as torchrun's ``run`` does."""
     from torch.distributed.run import config_from_args, run
 
     if rank_start_for(rank_start, device_type) == "fresh":
@@ -176,7 +175,7 @@ def start_workers(
     _log_worker_failures_without_traceback()
     config, _, _ = config_from_args(launcher)
     config.start_method = "forkserver"
-    elastic_launch(config, entrypoint=run_forked_rank)(worker_main, worker_argv, device_type)
+    elastic_launch(config, entrypoint=run_forked_rank)(worker_argv, device_type)
 
 
 def rank_start_for(rank_start: str, device_type: str, context=None) -> str:
@@ -282,11 +281,10 @@ def _rendezvous_as_torchrun(launcher: argparse.Namespace) -> None:
         launcher.master_port = 29500
 
 
-def run_forked_rank(main: Callable[[list[str]], int], argv: list[str], device_type: str = "cpu") -> None:
-    """A worker of ``start_workers``, in a process forked from the forkserver: ``main(ARGV)`` (meshtron.cli's, passed
-    in by the command that launched, which imports this module) as ``python -u -m meshtron ARGV`` runs it under
-    torchrun. Returns on success (torch's agent waits for the return value); any other end leaves with its exit
-    status, a traceback first where one was raised (none for a Ctrl-C)."""
+def run_forked_rank(argv: list[str], device_type: str = "cpu") -> None:
+    """A worker of ``start_workers``, in a process forked from the forkserver: ``meshtron.worker.main(ARGV)``, as
+    ``python -u -m meshtron ARGV`` runs it under torchrun. Returns on success (torch's agent waits for the return
+    value); any other end leaves with its exit status, a traceback first where one was raised (none for a Ctrl-C)."""
     import signal
     import traceback
 
@@ -298,7 +296,7 @@ def run_forked_rank(main: Callable[[list[str]], int], argv: list[str], device_ty
         _leave_if_cuda_unusable()
     reported = True  # main returns an error's status after its line; SystemExit comes after its message
     try:
-        code = main(argv)
+        code = worker_main(argv)
     except SystemExit as stop:
         if stop.code is not None and not isinstance(stop.code, int):
             print(stop.code, file=sys.stderr)
@@ -309,7 +307,7 @@ def run_forked_rank(main: Callable[[list[str]], int], argv: list[str], device_ty
         traceback.print_exc()
         code, reported = 1, False
     if code:
-        _leave(code, reported)
+        leave(code, reported)
 
 
 def _leave_if_cuda_unusable() -> None:
@@ -324,13 +322,4 @@ def _leave_if_cuda_unusable() -> None:
                 "cannot use it; run with --rank-start fresh",
                 file=sys.stderr,
             )
-        _leave(1, reported=True)
-
-
-def _leave(code: int, reported: bool) -> None:
-    if reported:
-        note_reported_end(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        leave(1, reported=True)

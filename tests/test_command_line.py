@@ -30,9 +30,9 @@ def test_meshtron_command_is_plain_only_where_path_finds_this_installation(tmp_p
 
 
 def test_known_third_party_noise_is_dropped_and_nothing_else():
-    from meshtron.cli import _KnownNoise
+    from meshtron.known_noise import KnownNoise
 
-    noise = _KnownNoise()
+    noise = KnownNoise()
 
     def record(message: str) -> logging.LogRecord:
         return logging.LogRecord("torch.utils._pytree", logging.WARNING, __file__, 1, message, None, None)
@@ -66,7 +66,8 @@ def test_the_command_line_imports_no_torch_until_a_command_needs_it():
     import subprocess
 
     probe = (
-        "import sys, meshtron.cli; meshtron.cli._parser(); print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+        "import sys, meshtron.cli; meshtron.cli.build_parser(); "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -96,7 +97,6 @@ rank_imports.capability_from_nvml = lambda index: (9, 0)
 rank_imports.import_rank_modules()  # transformers -> torchao, which asks the capability at import time
 print("after the preload imports: initialized", torch.cuda._initialized, flush=True)
 
-from meshtron.cli import main
 from meshtron.launch import rank_start_for, run_forked_rank
 
 fork = multiprocessing.get_context("fork")  # forks this process, as the forkserver forks itself
@@ -105,7 +105,7 @@ torch.cuda._initialized = True  # as an import that initialized CUDA anyway woul
 print("initialized, cpu run:", rank_start_for("forkserver", "cpu", fork), flush=True)
 print("initialized, gpu run:", rank_start_for("forkserver", "cuda", fork), flush=True)
 os.environ["RANK"] = "0"
-rank = fork.Process(target=run_forked_rank, args=(main, ["train", "--model.preset=tiny"], "cuda"))
+rank = fork.Process(target=run_forked_rank, args=(["train", "--model.preset=tiny"], "cuda"))
 rank.start()
 rank.join()
 print("a rank forked anyway exits", rank.exitcode, flush=True)

@@ -112,13 +112,13 @@ def test_a_gpu_run_gets_the_planners_figures_for_its_own_pipeline_position(monke
 
 
 def test_a_run_the_planner_cannot_model_still_trains(monkeypatch, capsys):
-    from meshtron import cli
+    from meshtron import worker
 
     def refuse(*args):
         raise ValueError("an anatomy the planner does not know")
 
     monkeypatch.setattr(for_run, "planned_figures", refuse)
     runtime = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cuda", 0))
-    assert cli._planned_figures(None, runtime, setup=type("RunSetup", (), {"hf_config": None})()) is None
+    assert worker._planned_figures(None, runtime, setup=type("RunSetup", (), {"hf_config": None})()) is None
     said = capsys.readouterr().out
     assert "no planned figures for this run (ValueError: an anatomy the planner does not know)" in said

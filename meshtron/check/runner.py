@@ -25,6 +25,7 @@ from meshtron.check.compare import CPU, CUDA, compare
 from meshtron.check.layouts import DEFAULT_STEPS, CheckCase, Run, base_overrides, layouts_for
 from meshtron.check.report import COLUMNS, LEGEND, Row, environment_lines, verdict
 from meshtron.check.worker import BREAK_ENV, COLLECTIVE_TIMEOUT_S, run_rank
+from meshtron.distributed.torchrun_env import launched_by_torchrun
 from meshtron.errors import ConfigError
 from meshtron.train.rank_imports import initialized_cuda_before_forking
 
@@ -193,7 +194,7 @@ def run_check(
     """Run the check and print it (to ``out``, default stdout); 0 when every layout matches one process, 1
     otherwise."""
     out = out or sys.stdout
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched_by_torchrun():
         raise ConfigError("meshtron check starts its own processes; run it without torchrun")
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")

@@ -48,7 +48,7 @@ def run_rank(job: dict) -> None:
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip the interpreter's teardown of torch.distributed's C++ objects (see meshtron.cli.run)
+    os._exit(0)  # skip the interpreter's teardown of torch.distributed's C++ objects (see meshtron.exits.exit_after)
 
 
 def _train_rank(job: dict, out: Path, rank: int) -> None:

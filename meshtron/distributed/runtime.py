@@ -1,9 +1,9 @@
-"""What a process knows of its run: rank, world size, device (``Runtime``), what torchrun's environment says, and
-the backend (NCCL on GPUs, gloo on CPU). Joining the group: meshtron.resilience.process_group."""
+"""What a process knows of its run: rank, world size, device (``Runtime``), and the backend (NCCL on GPUs, gloo on
+CPU). What torchrun's environment says: meshtron.distributed.torchrun_env; joining the group:
+meshtron.resilience.process_group."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,21 +45,6 @@ def check_torch_version(version: str | None = None) -> None:
     if torch_release(version) < MIN_TORCH:
         minimum = ".".join(map(str, MIN_TORCH))
         raise ConfigError(f"meshtron needs torch >= {minimum}, found {version}; install torch>={minimum}")
-
-
-def launched_world_size() -> int:
-    """World size given by torchrun's environment, 1 when started as a plain process."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launched_by_torchrun() -> bool:
-    """Whether a launcher (torchrun, or ``meshtron train --nproc`` through it) started this process as one rank."""
-    return "RANK" in os.environ
-
-
-def local_world_size(default: int = 1) -> int:
-    """Processes on this machine (torchrun's LOCAL_WORLD_SIZE), ``default`` outside torchrun."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
 def process_group_backend(device_type: str, host_collectives: bool = False) -> str:

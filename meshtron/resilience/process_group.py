@@ -10,13 +10,8 @@ import torch
 import torch.distributed as dist
 
 from meshtron.distributed.devices import resolve_device_type
-from meshtron.distributed.runtime import (
-    Runtime,
-    launched_by_torchrun,
-    launched_world_size,
-    local_world_size,
-    process_group_backend,
-)
+from meshtron.distributed.runtime import Runtime, process_group_backend
+from meshtron.distributed.torchrun_env import launched_by_torchrun, launched_world_size, local_world_size
 from meshtron.resilience.restart import attempt_store, restart_count
 from meshtron.resilience.watchdog import enable_flight_recorder
 

@@ -38,7 +38,7 @@ from meshtron.distributed.layout_checks import check_layout
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.parallelize import compile_enabled
 from meshtron.distributed.precision import precision_policy
-from meshtron.distributed.runtime import launched_by_torchrun
+from meshtron.distributed.torchrun_env import launched_by_torchrun
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
@@ -307,7 +307,7 @@ def agree_resume_point(setup: RunSetup, runtime) -> RunSetup:
         choice = [(path, list(setup.resume_skipped), said)]
     dist.broadcast_object_list(choice, src=0)
     path, skipped, error = choice[0]
-    if error is not None:  # every rank has it: rank 0 prints it (meshtron.cli)
+    if error is not None:  # every rank has it: rank 0 prints it (meshtron.exits)
         config_error, message = error
         raise (ConfigError if config_error else MeshtronError)(message)
     return replace(

@@ -26,8 +26,8 @@ def import_rank_modules() -> None:
     # the forked ranks unable to use it.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-    # As meshtron.cli quiets them: torchao (imported by transformers' quantizers) logs its unloadable CUDA kernels on
-    # CPU builds, and torch 2.13 warns about its Enums registered as pytree constants.
+    # As meshtron.known_noise quiets them: torchao (imported by transformers' quantizers) logs its unloadable CUDA
+    # kernels on CPU builds, and torch 2.13 warns about its Enums registered as pytree constants.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").addFilter(
         lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage()

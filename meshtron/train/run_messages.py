@@ -13,7 +13,7 @@ from torch import nn
 from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
-from meshtron.distributed.runtime import local_world_size
+from meshtron.distributed.torchrun_env import local_world_size
 from meshtron.models.moe import is_moe, num_experts
 from meshtron.train.moe.router_balance import resolve_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
