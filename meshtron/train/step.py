@@ -32,7 +32,6 @@ from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
-from meshtron.resilience.faults import faulted_loss
 from meshtron.tensors import local_tensor
 from meshtron.train.activation_offload import ActivationOffloader, saved_activation_hooks
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
@@ -66,6 +65,9 @@ class StepContext:
     """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
     """The routers' auxiliary-loss-free balancing biases, under ``moe.router_balance=bias``."""
+    global_sums: Callable[..., tuple] = global_step_sums
+    """The step's one all-reduce: (global loss, gradient norm, summed flags) (step_stats.global_step_sums, which the
+    run's set-up may wrap)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -256,10 +258,9 @@ def train_step(
     # One all-reduce for both: loss shares (only last pipeline stages hold one; tp ranks hold copies)
     # and squared gradient norms, with the run's flags; one device-to-host transfer.
     flags = list(shared_flags()) if shared_flags is not None else []
-    loss, grad_norm, flag_sums = global_step_sums(
+    loss, grad_norm, flag_sums = ctx.global_sums(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp, flags=flags
     )
-    loss = faulted_loss(loss)  # tests only: a ``nan`` fault's step (meshtron.resilience.faults); else loss itself
     router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
     loss_value, norm_value, *values = host_values(loss, grad_norm / loss_scale, *router_tensors, *flag_sums)
     routed, summed = values[: len(router_tensors)], values[len(router_tensors) :]
