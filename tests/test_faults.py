@@ -18,12 +18,13 @@ from meshtron.checkpoint.integrity import (
     share_of_files,
 )
 from meshtron.errors import ConfigError
-from meshtron.resilience.faults import Fault, Faults, faults_from_env
+from meshtron.resilience.faults import Fault, Faults, fault_plan, faults_from_env
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 
 
 def test_fault_spec_parses_and_bad_ones_name_the_format():
-    assert faults_from_env({}) is None
+    assert faults_from_env({}) is None and fault_plan({}) == Faults()  # a normal run's plan: empty
+    assert fault_plan({"MESHTRON_FAULT": "kill:step=6:rank=2"}).faults == (Fault("kill", 6, 2),)
     assert faults_from_env({"MESHTRON_FAULT": "kill:step=6:rank=2"}).faults == (Fault("kill", 6, 2),)
     several = faults_from_env({"MESHTRON_FAULT": "kill:step=3:rank=1, hang:step=5:rank=0:attempt=1,nan:step=2"})
     assert several.faults == (Fault("kill", 3, 1), Fault("hang", 5, 0, 1), Fault("nan", 2, 0))
@@ -46,9 +47,10 @@ def test_a_fault_fires_only_in_its_attempt_and_once(monkeypatch):
 
 
 def test_save_faults_fire_between_a_rank_writing_its_part_and_the_commit(tmp_path):
-    """inject_save_faults (what RunGuard installs when MESHTRON_FAULT is set) wraps a CheckpointManager's write:
-    a ``failsave`` fails its step's save with the manager's one-line error, after the part is written and before
-    the commit, so ``latest`` still names the step before; a manager without it saves as usual."""
+    """inject_save_faults (what the fault plan installs through RunGuard when MESHTRON_FAULT is set) wraps a
+    CheckpointManager's write: a ``failsave`` fails its step's save with the manager's one-line error, after the part
+    is written and before the commit, so ``latest`` still names the step before; a manager without it saves as
+    usual."""
     import torch
 
     from meshtron.checkpoint.manager import CheckpointManager
@@ -72,22 +74,27 @@ def test_save_faults_fire_between_a_rank_writing_its_part_and_the_commit(tmp_pat
     assert (tmp_path / "plain" / "latest").read_text() == "step-00000002"
 
 
-def test_a_nan_fault_marks_only_its_step_and_the_mark_ends_with_the_guard():
-    """faulted_loss, the training step's one line of fault code, makes the loss NaN only while a ``nan`` fault's
-    step is marked (RunGuard.before_step); unmarking restores the unmarked state."""
+def test_a_nan_fault_makes_only_its_steps_global_loss_nan():
+    """The fault plan wraps the step's global sums (what the run's set-up gives StepContext): the loss is NaN in the
+    step a ``nan`` fault marked (at the step's start), the gradient norm and flags as summed; a plan without ``nan``
+    faults, as a normal run's empty one, returns the sums unchanged."""
     import math
 
     import torch
 
-    from meshtron.resilience.faults import faulted_loss, mark_nonfinite_step, unmark_nonfinite_step
+    def sums(loss, *args, **kwargs):
+        return loss, torch.tensor(1.5), [2]
 
-    loss = torch.tensor(2.5)
-    assert faulted_loss(loss) is loss
-    outer = mark_nonfinite_step(False)
-    mark_nonfinite_step(True)
-    assert math.isnan(faulted_loss(loss).item())
-    unmark_nonfinite_step(outer)
-    assert faulted_loss(loss) is loss
+    assert Faults().wrap_step_sums(sums) is sums and Faults((Fault("kill", 3, 0),)).wrap_step_sums(sums) is sums
+    faults = Faults((Fault("nan", 4, 0),))
+    faulted = faults.wrap_step_sums(sums)
+    faults.before_step(3, 0)
+    assert faulted(torch.tensor(2.5))[0].item() == 2.5
+    faults.before_step(4, 1)
+    loss, grad_norm, flags = faulted(torch.tensor(2.5))
+    assert math.isnan(loss.item()) and grad_norm.item() == 1.5 and flags == [2]
+    faults.before_step(5, 0)
+    assert faulted(torch.tensor(2.5))[0].item() == 2.5
 
 
 def test_restart_bookkeeping(tmp_path):
@@ -102,7 +109,11 @@ def test_restart_bookkeeping(tmp_path):
 
 
 def test_a_stale_view_sees_no_checkpoint_newer_than_its_step(tmp_path):
+    """A ``stale`` fault's rank chooses (with checkpoint.resume=auto) the newest whole checkpoint at or before the
+    fault's step, as a rank whose cached listing predates the later saves; other ranks, and a checkpoint given by
+    path, keep their start-up's choice."""
     from meshtron.checkpoint.manager import find_checkpoint, step_dir_name
+    from meshtron.train.run_setup import RunSetup
 
     for step in (3, 6):
         folder = tmp_path / step_dir_name(step)
@@ -110,9 +121,16 @@ def test_a_stale_view_sees_no_checkpoint_newer_than_its_step(tmp_path):
         (folder / ".metadata").write_bytes(b"x")
         (folder / "meshtron.json").write_text(json.dumps({"step": step, "files": file_manifest(folder)}))
     (tmp_path / "latest").write_text(step_dir_name(6))
-    assert find_checkpoint(tmp_path, "auto") == tmp_path / step_dir_name(6)
-    assert find_checkpoint(tmp_path, "auto", visible_up_to=5) == tmp_path / step_dir_name(3)
-    assert find_checkpoint(tmp_path, "auto", visible_up_to=0) is None
+    newest = find_checkpoint(tmp_path, "auto")
+    assert newest == tmp_path / step_dir_name(6)
+    unused = dict(dims=None, batch=None, tokenizer=None, hf_config=None, precision=None, compiled=False)
+    setup = RunSetup(**unused, attention_kernel="sdpa", resume_from=newest)
+    faults = faults_from_env({"MESHTRON_FAULT": "stale:step=5:rank=1,stale:step=0:rank=2"})
+    assert faults.start_up_choice(setup, 1, tmp_path, "auto").resume_from == tmp_path / step_dir_name(3)
+    assert faults.start_up_choice(setup, 2, tmp_path, "auto").resume_from is None
+    assert faults.start_up_choice(setup, 0, tmp_path, "auto") is setup
+    assert faults.start_up_choice(setup, 1, tmp_path, str(newest)) is setup
+    assert Faults().start_up_choice(setup, 1, tmp_path, "auto") is setup
 
 
 def test_file_list_finds_missing_and_truncated_files(tmp_path):
@@ -172,12 +190,15 @@ def test_the_files_of_a_checkpoint_are_split_over_the_ranks_each_read_once(world
 def _watchdog(rank, world, store, lines, codes, **kwargs):
     import io
 
-    from meshtron.resilience.watchdog import HangWatchdog
+    from meshtron.resilience.watchdog import HangWatchdog, WatchdogIO, flight_recorder_trace, main_thread_location
 
     stream = io.StringIO()
-    watchdog = HangWatchdog(
-        rank, world, 0.3, store, poll_s=0.05, report_wait_s=0.5, exit=codes.append, stream=stream, **kwargs
+    locate = kwargs.pop("locate", main_thread_location)
+    dump_trace = kwargs.pop("dump_trace", flight_recorder_trace)
+    io = WatchdogIO(
+        poll_s=0.05, report_wait_s=0.5, locate=locate, exit=codes.append, stream=stream, dump_trace=dump_trace
     )
+    watchdog = HangWatchdog(rank, world, 0.3, store, io=io, **kwargs)
     lines.append(stream)
     return watchdog
 

@@ -47,10 +47,3 @@ def test_without_ep_or_replicas_fsdp_is_dp_shard_cp_and_no_expert_mesh(fake_worl
     assert meshes.fsdp is meshes.dp_shard_cp and meshes.fsdp.mesh.tolist() == [0, 2, 4, 6]
     assert meshes.tp.mesh.tolist() == [0, 1]
     assert (meshes.ep, meshes.efsdp, meshes.expert_fsdp) == (None, None, None)
-
-
-def test_an_unknown_mesh_name_is_one_line_naming_the_meshes(fake_world):
-    meshes = ParallelDims(dp_shard=8).build_mesh("cpu")
-    assert meshes.get("dp_shard_cp") is meshes.dp_shard_cp and meshes.get("tp") is not None
-    with pytest.raises(KeyError, match=r"no mesh named 'dp_shard'; the meshes are world, dp, dp_shard_cp"):
-        meshes.get("dp_shard")

@@ -106,13 +106,11 @@ def find_checkpoint(
     directory: Path,
     resume: str,
     skipped: list[str] | None = None,
-    visible_up_to: int | None = None,
     altered: dict[Path, str] | None = None,
 ) -> Path | None:
     """The checkpoint ``checkpoint.resume`` asks for: None, a given path, or (``auto``) the newest whole one in
     ``directory``; ``skipped`` gets a line for each newer one passed over as damaged (meshtron.checkpoint.integrity).
-    ``altered``: checkpoints already found changed in place ({path: reason}: integrity.content_damage).
-    ``visible_up_to``: tests only (meshtron.resilience.faults' ``stale``), checkpoints of later steps are not seen."""
+    ``altered``: checkpoints already found changed in place ({path: reason}: integrity.content_damage)."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -121,6 +119,11 @@ def find_checkpoint(
         if altered and path in altered:
             raise damaged_error(path, "is damaged", altered[path])
         return path
+    return first_whole_checkpoint(directory, checkpoint_candidates(directory), skipped, altered)
+
+
+def checkpoint_candidates(directory: Path) -> list[Path]:
+    """The complete checkpoint folders in ``directory``, newest first (``latest``'s first)."""
     # Newest first; a complete folder newer than `latest` is a run killed between the rename and the marker.
     candidates = (
         sorted((p for p in directory.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL)), reverse=True)
@@ -131,8 +134,17 @@ def find_checkpoint(
     latest = directory / marker.read_text().strip() if marker.is_file() else None
     if latest is not None and latest not in candidates:
         candidates.insert(0, latest)
-    if visible_up_to is not None:
-        candidates = [path for path in candidates if int(path.name.removeprefix("step-")) <= visible_up_to]
+    return candidates
+
+
+def first_whole_checkpoint(
+    directory: Path,
+    candidates: list[Path],
+    skipped: list[str] | None = None,
+    altered: dict[Path, str] | None = None,
+) -> Path | None:
+    """The first of ``candidates`` (in ``directory``) that is whole; ``skipped`` and ``altered`` as for
+    ``find_checkpoint``. A MeshtronError when every one is damaged."""
     reasons: list[str] = []
     for path in candidates:
         reason = (altered or {}).get(path) or damage(path)
@@ -307,7 +319,7 @@ class CheckpointManager:
 
     def _write_state(self, step: int, state: TrainingState, partial: Path, meta: dict, started: float) -> None:
         """Write this rank's part of ``state`` into ``partial``; an async save starts writing it and is ``pending``
-        until its commit. (meshtron.resilience.faults wraps this in tests: faults fire once it returns.)"""
+        until its commit. (A test's fault plan wraps this: its save faults fire once it returns.)"""
         try:
             with quiet_single_process():
                 if self.async_save:
@@ -421,15 +433,14 @@ def resume_point(
     cfg,
     hf_config,
     skipped: list[str] | None = None,
-    visible_up_to: int | None = None,
     altered: dict[Path, str] | None = None,
 ) -> Path | None:
     """The checkpoint this run continues from (checked against the model and data settings), or None;
-    ``skipped``, ``visible_up_to``, ``altered``: as for ``find_checkpoint``."""
+    ``skipped``, ``altered``: as for ``find_checkpoint``."""
     directory = checkpoint_directory(cfg)
     if cfg.checkpoint.resume == "auto" and directory is None:
         return None
-    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, visible_up_to, altered)
+    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, altered)
     if path is not None:
         meta = read_meta(path)
         check_compatible(meta, path, hf_config, cfg.data, cfg.train.global_batch_size)

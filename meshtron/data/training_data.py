@@ -4,6 +4,10 @@ the evaluation dataset (``eval.path``, or the documents ``eval.holdout_documents
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import torch
 
 from meshtron.config import DataConfig, EvalConfig, parse_batch_rampup
 from meshtron.data.chat import ChatDataset, build_chat_datasets
@@ -14,13 +18,27 @@ from meshtron.data.streaming import StreamingDataset, StreamSchedule
 from meshtron.errors import ConfigError, MeshtronError
 
 
+class TrainingDataset(Protocol):
+    """What training and evaluation read of a dataset (packed, mixed, chat or streamed): sequences by index. One
+    whose labels are not every next token of its rows (chat, streams) also counts them, ``target_count(indices)``
+    (meshtron.train.step_stats.global_target_count)."""
+
+    def rows(self, indices) -> np.ndarray:
+        """The packed sequences ``indices``, one row each (``data.seq_len + 1`` tokens)."""
+        ...
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, labels) of the sequences ``indices``."""
+        ...
+
+
 @dataclass
 class RunData:
     """What a run reads: the training dataset, its global batch order, and the evaluation dataset."""
 
-    dataset: object
+    dataset: TrainingDataset
     schedule: GlobalBatchSchedule
-    eval_dataset: object = None
+    eval_dataset: TrainingDataset | None = None
     """Sequences to evaluate on, in order (None without ``[eval]``); see meshtron.train.evaluate."""
 
 

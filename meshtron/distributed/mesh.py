@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshtron.config import ParallelConfig, ParallelOptions
@@ -56,14 +56,6 @@ class Meshes:
     @property
     def cp(self) -> DeviceMesh:
         return self.world["cp"]
-
-    def get(self, name: str) -> DeviceMesh | None:
-        """The mesh called ``name`` (a field or ``pp``, ``tp``, ``cp``)."""
-        if name not in {f.name for f in fields(self)} | {"pp", "tp", "cp"}:
-            raise KeyError(
-                f"no mesh named {name!r}; the meshes are {', '.join(f.name for f in fields(self))}, pp, tp, cp"
-            )
-        return getattr(self, name)
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@
   checkpoint newer than step S there (0: none), as a node whose cached directory listing predates the later
   saves would.
 
-Unset, nothing happens. Not a user setting. Training meets the faults only through this module: RunGuard reads
-``MESHTRON_FAULT`` and calls the step hooks; ``inject_save_faults`` wraps a CheckpointManager's writes; a ``nan``
-step is marked here (``mark_nonfinite_step``) and ``faulted_loss`` is the one line of the training step that reads
-the mark.
+Unset, nothing happens. Not a user setting. Training meets the faults only through the run's one fault plan
+(``fault_plan``, read once by the run's set-up, meshtron.train.trainer.run_session, and empty in a normal run), which
+wraps the components it faults: the start-up's resume point (``stale``), the step's global sums (``nan``: the loss
+made NaN after the all-reduce), the CheckpointManager's writes (``inject_save_faults``) and RunGuard's step start
+(the rest). No production module reads ``MESHTRON_FAULT`` or asks whether a fault is due.
 """
 
 from __future__ import annotations
@@ -33,18 +34,17 @@ import os
 import signal
 import sys
 import time
-from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshtron.checkpoint.manager import checkpoint_candidates, first_whole_checkpoint
 from meshtron.checkpoint.shared_directory import on_every_rank
 from meshtron.errors import ConfigError
 from meshtron.resilience.restart import restart_count
 
 if TYPE_CHECKING:
-    import torch
-
     from meshtron.checkpoint.manager import CheckpointManager
 
 ENV = "MESHTRON_FAULT"
@@ -94,14 +94,17 @@ def _ctrl_c() -> None:
 
 @dataclass
 class Faults:
-    """The faults ``MESHTRON_FAULT`` asks for, with the hooks training calls."""
+    """The run's fault plan: the faults ``MESHTRON_FAULT`` asks for, and the wrappers that inject them into the
+    components they fault. Empty (a normal run), every wrapper returns its component unchanged."""
 
-    faults: tuple[Fault, ...]
+    faults: tuple[Fault, ...] = ()
     fired: set = field(default_factory=set)
     second_term: bool = False
     """A ``term`` fault fired: send the second SIGTERM in the save that follows."""
     second_ctrlc: bool = False
     """A ``ctrlc2`` fault fired: send the second Ctrl-C in the save that follows."""
+    nonfinite_now: bool = False
+    """The step that started last is a ``nan`` fault's: its global loss is made NaN (``wrap_step_sums``)."""
 
     def _due(self, kind: str, step: int, rank: int) -> bool:
         for fault in self.faults:
@@ -128,6 +131,7 @@ class Faults:
             _announce(f"rank {rank} hangs at the start of step {step}")
             while True:
                 time.sleep(3600)
+        self.nonfinite_now = self.nonfinite(step)
 
     def nonfinite(self, step: int) -> bool:
         """Whether step ``step``'s loss is to be made non-finite."""
@@ -139,6 +143,34 @@ class Faults:
             if fault.kind == "stale" and fault.rank == rank and restart_count() == fault.attempt:
                 return fault.step
         return None
+
+    def start_up_choice(self, setup, rank: int, directory: Path | None, resume: str):
+        """``setup`` (meshtron.train.run_setup.RunSetup) with the resume point that rank ``rank`` chooses with
+        ``checkpoint.resume=auto`` (``resume``) from a stale view of the checkpoint ``directory`` (a ``stale`` fault:
+        no checkpoint newer than its step seen), else ``setup``. Where rank 0 chooses for every rank
+        (``agree_resume_point``), its choice replaces this one."""
+        newest = self.stale_view(rank)
+        if newest is None or directory is None or resume != "auto":
+            return setup
+        seen = [path for path in checkpoint_candidates(directory) if int(path.name.removeprefix("step-")) <= newest]
+        return replace(setup, resume_from=first_whole_checkpoint(directory, seen), resume_skipped=())
+
+    def wrap_step_sums(self, sums: Callable) -> Callable:
+        """The step's global sums (meshtron.train.step_stats.global_step_sums) with a ``nan`` fault's step's loss
+        made NaN on every rank (the gradient norm as summed); ``sums`` itself without ``nan`` faults."""
+        if not any(fault.kind == "nan" for fault in self.faults):
+            return sums
+
+        def faulted(*args, **kwargs):
+            loss, grad_norm, flag_sums = sums(*args, **kwargs)
+            return (loss * float("nan") if self.nonfinite_now else loss), grad_norm, flag_sums
+
+        return faulted
+
+    def wrap_checkpoints(self, manager: CheckpointManager | None) -> None:
+        """Make ``manager``'s saves meet this plan's save faults (``inject_save_faults``); nothing without faults."""
+        if self.faults and manager is not None:
+            inject_save_faults(manager, self)
 
     def during_save(self, step: int, rank: int) -> None:
         """Called by every rank in the save of ``step``, after writing its part and before the commit."""
@@ -175,24 +207,6 @@ def inject_save_faults(manager: CheckpointManager, faults: Faults) -> None:
     manager._write_state = write_then_fault  # type: ignore[method-assign]  # the injected fault wraps this save
 
 
-_NONFINITE_STEP: ContextVar[bool] = ContextVar("meshtron_nonfinite_step", default=False)
-"""Whether the step about to run is a ``nan`` fault's."""
-
-
-def mark_nonfinite_step(nonfinite: bool) -> Token:
-    """Mark the step about to run as a ``nan`` fault's (or not); the token restores the mark before it."""
-    return _NONFINITE_STEP.set(nonfinite)
-
-
-def unmark_nonfinite_step(token: Token) -> None:
-    _NONFINITE_STEP.reset(token)
-
-
-def faulted_loss(loss: torch.Tensor) -> torch.Tensor:
-    """A step's global loss: NaN in a step marked by a ``nan`` fault (every rank), else ``loss`` itself."""
-    return loss * float("nan") if _NONFINITE_STEP.get() else loss
-
-
 def faults_from_env(environ=os.environ) -> Faults | None:
     """The faults ``MESHTRON_FAULT`` asks for, or None."""
     spec = environ.get(ENV, "")
@@ -212,3 +226,8 @@ def faults_from_env(environ=os.environ) -> Faults | None:
             )
         faults.append(fault)
     return Faults(tuple(faults))
+
+
+def fault_plan(environ=os.environ) -> Faults:
+    """The run's fault plan: the faults ``MESHTRON_FAULT`` asks for; empty (every wrapper a no-op) when unset."""
+    return faults_from_env(environ) or Faults()

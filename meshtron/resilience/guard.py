@@ -7,16 +7,15 @@
 - saves at the interval, and an async save committed as soon as every rank has written it,
 - the flags that the ranks agree on in every step (stop signals, an async save still being written), which
   ride in the step's own all-reduce (``step_flags``, then ``after_step``): no collective of their own,
-- test-only faults from ``MESHTRON_FAULT`` (faults), which do nothing in a normal run.
+- the run's fault plan (faults: tests only, empty in a normal run), whose step hooks and save faults it installs.
 """
 
 from __future__ import annotations
 
-from contextvars import Token
 from typing import TYPE_CHECKING
 
 from meshtron.checkpoint.manager import step_dir_name
-from meshtron.resilience.faults import faults_from_env, inject_save_faults, mark_nonfinite_step, unmark_nonfinite_step
+from meshtron.resilience.faults import Faults
 from meshtron.resilience.preemption import STOP_SIGNALS, Preempted, StopSignals, stop_message
 from meshtron.resilience.restart import last_logged_step, restart_count, restart_message
 from meshtron.resilience.rollback import NonfiniteRollback
@@ -31,21 +30,20 @@ class RunGuard:
     """``with RunGuard(...) as guard:`` around the loop; ``before_step``, ``rolled_back``, ``after_step`` in it.
 
     ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its MetricsLogger and
-    ``result`` its TrainResult (a rollback rewinds its per-step lists)."""
+    ``result`` its TrainResult (a rollback rewinds its per-step lists); ``faults`` the run's fault plan
+    (meshtron.resilience.faults; empty in a normal run)."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, resumable, logger, result):
+    def __init__(self, cfg: Config, runtime: Runtime, resumable, logger, result, faults: Faults | None = None):
         self.cfg, self.runtime, self.resumable, self.logger, self.result = cfg, runtime, resumable, logger, result
         self.restarts = restart_count()  # > 0: torchrun restarted the workers after a failure
         self.logged_before = last_logged_step(result.output_dir) if self.restarts and runtime.is_main else 0
         self.rollback = NonfiniteRollback(cfg.train.max_rollbacks) if cfg.train.on_nonfinite == "rollback" else None
         if self.rollback is not None:
             resumable.on_save = self.rollback.checkpoint_saved
-        self.faults = faults_from_env()  # tests only; None in a normal run
-        if self.faults is not None and resumable.checkpoints is not None:
-            inject_save_faults(resumable.checkpoints, self.faults)
+        self.faults = faults or Faults()
+        self.faults.wrap_checkpoints(resumable.checkpoints)
         self.signals = StopSignals()
         self.watchdog: HangWatchdog | None = None
-        self._nonfinite_mark: Token | None = None
 
     def resumed(self, resumed_from, start_step: int) -> None:
         """Say what a restarted run resumed (call once the checkpoint is loaded) and which partial saves went."""
@@ -58,7 +56,6 @@ class RunGuard:
                 )
 
     def __enter__(self) -> RunGuard:
-        self._nonfinite_mark = mark_nonfinite_step(False)
         self.signals.__enter__()
         # None in one process; a hang under NCCL leaves each rank's flight recorder in the run's output directory
         self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s, self.result.output_dir)
@@ -68,19 +65,15 @@ class RunGuard:
         if self.watchdog is not None:
             self.watchdog.close()
         self.signals.__exit__(*exc)
-        unmark_nonfinite_step(self._nonfinite_mark)
 
     def _progress(self, step: int, phase: str = "step") -> None:
         if self.watchdog is not None:
             self.watchdog.progress(step, phase)
 
     def before_step(self, step: int) -> None:
-        """At the start of 0-based ``step`` (test faults: may mark its loss to be made NaN, never in a normal run)."""
+        """At the start of 0-based ``step`` (and of the fault plan's, which does nothing in a normal run)."""
         self._progress(step + 1)
-        if self.faults is None:
-            return
         self.faults.before_step(step + 1, self.runtime.rank)
-        mark_nonfinite_step(self.faults.nonfinite(step + 1))  # undone on leaving the guard
 
     def evaluating(self, step: int) -> None:
         """Before the evaluation after ``step`` steps (the hang watchdog names it if a rank does not arrive)."""

@@ -27,8 +27,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from meshtron.errors import note_reported_end
 
@@ -114,13 +115,31 @@ def _waits_for_ranks(entry: traceback.FrameSummary) -> bool:
     return ("torch/distributed" in path and "torch/distributed/elastic" not in path) or entry.name in WAITING_FUNCTIONS
 
 
+@dataclass(frozen=True)
+class WatchdogIO:
+    """How a HangWatchdog watches, looks and leaves: its clock, where it looks and what it writes, how it exits.
+    The defaults are a run's; tests give shorter waits, a fixed location, a list for the exit status."""
+
+    poll_s: float = 1.0
+    """How often the watching thread looks at the progress marks."""
+    report_wait_s: float = REPORT_WAIT_S
+    """How long a rank that gives up waits for the others' reports."""
+    locate: Callable[[], tuple[bool, str]] = main_thread_location
+    """(waiting for other ranks, where) of this rank's main thread."""
+    exit: Callable[[int], object] = os._exit
+    stream: TextIO | None = None
+    """Where the line goes (None: ``sys.stderr`` when the watchdog is made)."""
+    dump_trace: Callable[[], bytes | None] = flight_recorder_trace
+    """This rank's NCCL flight recorder."""
+
+
 class HangWatchdog:
     """Stops this process (``EXIT_HUNG``) when no progress mark comes for ``timeout_s`` seconds.
 
     ``store`` (a torch.distributed Store shared by the ranks, with keys of this attempt) is where the ranks
     tell each other where they are; ``stream_pending`` (``device_stream_pending``) whether this rank's device
-    still works on what the host queued; ``trace_dir`` where the flight recorder (``dump_trace``) goes when
-    giving up; ``locate``, ``exit``, ``stream`` and ``dump_trace`` are for tests.
+    still works on what the host queued; ``trace_dir`` where the flight recorder goes when giving up; ``io`` its
+    clock, I/O and exit (WatchdogIO).
     """
 
     def __init__(
@@ -130,19 +149,13 @@ class HangWatchdog:
         timeout_s: float,
         store,
         *,
-        poll_s: float = 1.0,
-        report_wait_s: float = REPORT_WAIT_S,
-        locate=main_thread_location,
-        exit=os._exit,
-        stream=None,
         stream_pending: Callable[[], bool] = lambda: False,
         trace_dir: Path | None = None,
-        dump_trace: Callable[[], bytes | None] = flight_recorder_trace,
+        io: WatchdogIO = WatchdogIO(),
     ):
-        self.locate, self.stream_pending = locate, stream_pending
-        self.trace_dir, self.dump_trace = trace_dir, dump_trace
+        self.stream_pending, self.trace_dir, self.io = stream_pending, trace_dir, io
         self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
-        self.poll_s, self.report_wait_s, self.exit, self.stream = poll_s, report_wait_s, exit, stream or sys.stderr
+        self.stream = io.stream or sys.stderr
         self.step, self.phase, self.last = 0, "start-up", time.monotonic()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshtron-hang-watchdog", daemon=True)
@@ -162,10 +175,10 @@ class HangWatchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             # Not a few polls: on a loaded machine the woken thread may wait that long for a core. Giving up takes
             # at most two bounded store waits (``_in_time``) before it ends the process.
-            self._thread.join(timeout=self.poll_s + 2 * self._store_wait_s + STORE_GRACE_S)
+            self._thread.join(timeout=self.io.poll_s + 2 * self._store_wait_s + STORE_GRACE_S)
 
     def _watch(self) -> None:
-        while not self._stopped.wait(self.poll_s):
+        while not self._stopped.wait(self.io.poll_s):
             idle = time.monotonic() - self.last
             if idle >= self.timeout_s:
                 self.give_up(idle)
@@ -174,7 +187,7 @@ class HangWatchdog:
     def give_up(self, idle: float) -> None:
         """Tell the others where this rank is, learn where they are, print one line and exit."""
         step, phase = self.step, self.phase
-        waiting, where = self.locate()
+        waiting, where = self.io.locate()
         if not waiting and self.stream_pending():  # the host runs ahead; its device waits for a collective
             waiting, where = True, f"{where} (its device stream still has work queued)"
         traces = self._write_trace(step)
@@ -213,7 +226,7 @@ class HangWatchdog:
             )
             self._in_time(lambda: self.store.set(announced, "1"))
         note_reported_end(EXIT_HUNG)  # the line above says it for every rank
-        self.exit(EXIT_HUNG)
+        self.io.exit(EXIT_HUNG)
 
     def _write_trace(self, step: int) -> Path | None:
         """Write this rank's flight recorder into ``trace_dir``; the folder of every rank's, or None when this
@@ -224,7 +237,7 @@ class HangWatchdog:
 
         def write() -> None:
             path.unlink(missing_ok=True)  # an earlier attempt's, hung at the same step
-            trace = self.dump_trace()
+            trace = self.io.dump_trace()
             if trace:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(trace)
@@ -248,10 +261,10 @@ class HangWatchdog:
     @property
     def _store_wait_s(self) -> float:
         """The longest one store operation of ``give_up`` may hold it (``_in_time``)."""
-        return self.report_wait_s + STORE_GRACE_S
+        return self.io.report_wait_s + STORE_GRACE_S
 
     def _wait_for(self, key: str) -> None:
-        deadline = time.monotonic() + self.report_wait_s
+        deadline = time.monotonic() + self.io.report_wait_s
         while not self.store.check([key]) and time.monotonic() < deadline:
             time.sleep(0.1)
 
@@ -260,7 +273,7 @@ class HangWatchdog:
         self.store.set(f"step-{step}/rank-{self.rank}", json.dumps({"waiting": waiting, "where": where}))
         reports[self.rank] = {"waiting": waiting, "where": where}
         keys = {r: f"step-{step}/rank-{r}" for r in range(self.world_size) if r != self.rank}
-        deadline = time.monotonic() + self.report_wait_s
+        deadline = time.monotonic() + self.io.report_wait_s
         while keys and time.monotonic() < deadline:
             for r, key in list(keys.items()):
                 if self.store.check([key]):

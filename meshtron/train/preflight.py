@@ -45,7 +45,6 @@ from meshtron.models.attention_kernels import check_attention_kernel, resolve_ke
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
 from meshtron.models.tiled_mlp import check_mlp_tiles
-from meshtron.resilience.faults import faults_from_env
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
@@ -210,7 +209,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     skipped: list[str] = []
     if rank == 0 or not by_rank_0:
         try:
-            resume_from, skipped = _resume_point(cfg, hf_config, rank)
+            resume_from, skipped = _resume_point(cfg, hf_config)
         except MeshtronError as err:
             if not by_rank_0:
                 raise
@@ -234,16 +233,12 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     )
 
 
-def _resume_point(
-    cfg: Config, hf_config, rank: int, altered: dict[Path, str] | None = None
-) -> tuple[Path | None, list[str]]:
+def _resume_point(cfg: Config, hf_config, altered: dict[Path, str] | None = None) -> tuple[Path | None, list[str]]:
     """(the checkpoint the run continues from, the newer ones skipped as damaged), checked with the output
     directory; a MeshtronError for a checkpoint or directory that cannot be used. ``altered``: checkpoints found
     changed in place (``agree_resume_point``)."""
     skipped: list[str] = []
-    faults = faults_from_env()  # tests only: a rank with a stale view of the checkpoint directory
-    stale = faults.stale_view(rank) if faults is not None else None
-    resume_from = resume_point(cfg, hf_config, skipped, stale, altered)
+    resume_from = resume_point(cfg, hf_config, skipped, altered)
     check_stream_checkpoint(resume_from, cfg.data.streaming)
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)
@@ -274,7 +269,7 @@ def _choose_again(setup: RunSetup, runtime, cfg: Config, altered: dict[Path, str
     skipped: list[str] = []
     if runtime.is_main or _alone(runtime):
         try:
-            path, skipped = _resume_point(cfg, setup.hf_config, runtime.rank, altered)
+            path, skipped = _resume_point(cfg, setup.hf_config, altered)
         except MeshtronError as err:
             error = err
         except Exception as err:  # raised on rank 0 alone, it would leave the others waiting in the broadcast

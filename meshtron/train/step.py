@@ -5,6 +5,10 @@ Loss is the sum of token losses over the whole global batch divided by the globa
 tokens, so it is the same number whatever the layout, micro-batch size or accumulation. Mixture-of-experts
 models with the router loss on add ``coef`` times the mean over the accumulation micro-batches of each
 global micro-batch's load-balancing loss (meshtron.train.moe.router_loss).
+
+``train_step`` reads as its phases: the batches to the device, the step's scales, forward and backward (the
+pipeline schedule's, or the accumulated micro-batches'), the global figures (one all-reduce, one transfer to the
+host), fp16's overflow, a non-finite step, the update (clip, optimizer step, router biases, float8 scales).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,7 +36,6 @@ from meshtron.errors import MeshtronError
 from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
-from meshtron.resilience.faults import faulted_loss
 from meshtron.tensors import local_tensor
 from meshtron.train.activation_offload import ActivationOffloader, saved_activation_hooks
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
@@ -44,6 +47,7 @@ from meshtron.train.step_stats import global_step_sums, global_target_count, hos
 
 if TYPE_CHECKING:
     from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss
     from meshtron.train.pipeline.runner import PipelineRunner
     from meshtron.train.run_setup import RunSetup
 
@@ -66,6 +70,9 @@ class StepContext:
     """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
     """The routers' auxiliary-loss-free balancing biases, under ``moe.router_balance=bias``."""
+    global_sums: Callable[..., tuple] = global_step_sums
+    """The step's one all-reduce: (global loss, gradient norm, summed flags) (step_stats.global_step_sums, which the
+    run's set-up may wrap)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -211,99 +218,198 @@ def train_step(
     (meshtron.resilience.guard.RunGuard.step_flags) just before the step's all-reduce, which sums them over the
     ranks into ``StepResult.flag_sums``: no collective or host sync of their own.
     """
-    dims, device, cfg = ctx.dims, ctx.device, ctx.cfg
     step_inputs = inputs.get(step)
-    batches = [  # the tile plan's document bounds from the host copy: no device sync in the forwards
+    batches = _device_batches(step_inputs.micro_batches, ctx)
+    scales = _step_scales(ctx, step_inputs.global_targets, len(batches))
+    routing = StepRouting() if ctx.router is not None else None
+    local_loss_sum, measured = _forward_backward_step(
+        model, batches, ctx, scales, routing, measure_state=measure_state, measure_activations=measure_activations
+    )
+    figures = _global_figures(model, local_loss_sum, step_inputs.global_targets, ctx, routing, scales, shared_flags)
+    result = StepResult(
+        loss=figures.loss,
+        grad_norm=figures.grad_norm,
+        tokens=float(step_inputs.global_targets),
+        metrics=figures.metrics,
+        flag_sums=figures.flag_sums,
+        **measured,
+    )
+    if _loss_scale_overflowed(optimizer, ctx, figures, scales):  # fp16: the step skipped, the scale halved
+        return result
+    if _nonfinite(step, figures, ctx.cfg.train.on_nonfinite):
+        _discard_step(optimizer, ctx)
+        return replace(result, nonfinite=True)
+    metrics = _update(model, optimizer, ctx, figures, scales)
+    state_bytes = model_state_bytes(model, optimizer) if measure_state else None
+    optimizer.zero_grad(set_to_none=True)
+    return replace(result, metrics=metrics, state_bytes=state_bytes)
+
+
+def _device_batches(micro_batches, ctx: StepContext) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+    """(token ids, this rank's labels, their document bounds) of each micro-batch, moved to the device; the tile
+    plan's document bounds come from the host copy: no device sync in the forwards."""
+    device = ctx.device
+    return [
         (
             input_ids.to(device, non_blocking=True),
             shard_labels(labels.to(device, non_blocking=True), ctx.split),
             host_document_bounds(input_ids, ctx.split),
         )
-        for input_ids, labels in step_inputs.micro_batches
+        for input_ids, labels in micro_batches
     ]
-    global_targets = step_inputs.global_targets
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """What a step's backward multiplies its losses by."""
+
+    loss: float
+    """The LM loss's: FSDP's mean over the dp x cp ranks made a sum, over the global targets, times ``loss_scale``."""
+    loss_scale: float
+    """fp16's loss scale (1.0 without loss scaling)."""
+    aux: float
+    """The router loss's share (0.0 without the router loss)."""
+
+
+def _step_router(ctx: StepContext) -> RouterLoss | PipelineRouterLoss | None:
+    """The router loss, when on: the model's, or under pipeline parallelism the one its stages compute in the runner
+    (meshtron.train.moe.pipeline_router_loss)."""
+    return ctx.router or (ctx.runner.router if ctx.runner is not None else None)
+
+
+def _step_scales(ctx: StepContext, global_targets: int, micro_batches: int) -> _Scales:
+    """The step's scales. The router loss: the mean over the accumulation (or pipeline) micro-batches, scaled for
+    FSDP's mean like the LM loss."""
+    dims = ctx.dims
+    loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
     # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
     scale = dims.dp * dims.cp / global_targets
-    loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
-    # The router loss: the mean over the accumulation (or pipeline) micro-batches, scaled for FSDP's mean like
-    # the LM loss. Pipeline stages compute it in the runner (meshtron.train.moe.pipeline_router_loss).
-    pipeline_router = ctx.runner.router if ctx.runner is not None else None
-    router = ctx.router or pipeline_router
-    routing = StepRouting() if ctx.router is not None else None
-    accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else len(batches)
+    router = _step_router(ctx)
+    accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else micro_batches
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
-    resident = ResidentStorages(model) if measure_activations or cfg.train.activation_offload else None
+    return _Scales(scale * loss_scale, loss_scale, aux_scale)
+
+
+def _forward_backward_step(
+    model, batches, ctx: StepContext, scales: _Scales, routing, *, measure_state: bool, measure_activations: bool
+) -> tuple[torch.Tensor, dict]:
+    """Forward and backward of the step's batches (the pipeline schedule's, or the accumulated micro-batches'),
+    activations offloaded or measured on request; (the summed token loss, what was measured: StepResult fields)."""
+    offload = ctx.cfg.train.activation_offload
+    resident = ResidentStorages(model) if measure_activations or offload else None
     tracker = SavedActivationTracker(resident) if measure_activations else None
-    offloader = ActivationOffloader(device, tracker, resident=resident) if cfg.train.activation_offload else None
+    offloader = ActivationOffloader(ctx.device, tracker, resident=resident) if offload else None
     measured: dict = {}
     with saved_activation_hooks(offloader, tracker, ctx.runner.modules if ctx.runner is not None else [model]):
-        if ctx.runner is not None:  # the pipeline schedule splits the batch into microbatches itself
-            ((input_ids, labels, bounds),) = batches
-            with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
-                local_loss_sum = ctx.runner.run(input_ids, labels, scale * loss_scale, aux_scale, bounds)
+        if ctx.runner is not None:
+            local_loss_sum = _pipeline_forward_backward(batches, ctx, scales)
         else:
             held_grads: list | None = [] if measure_state else None
-            local_loss_sum = _forward_backward(model, batches, ctx, scale * loss_scale, held_grads, routing, aux_scale)
+            local_loss_sum = _forward_backward(model, batches, ctx, scales.loss, held_grads, routing, scales.aux)
             if held_grads:
                 measured["accumulation_grad_bytes"] = max(held_grads)
     if tracker is not None:
         measured["activation_bytes"] = tracker.peak_bytes
         if offloader is not None:
             measured["offloaded_bytes"] = offloader.peak_offloaded_bytes
+    return local_loss_sum, measured
+
+
+def _pipeline_forward_backward(batches, ctx: StepContext, scales: _Scales) -> torch.Tensor:
+    """The pipeline schedule over this rank's whole batch, which it splits into microbatches itself; the summed
+    token loss."""
+    ((input_ids, labels, bounds),) = batches
+    with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
+        return ctx.runner.run(input_ids, labels, scales.loss, scales.aux, bounds)
+
+
+@dataclass(frozen=True)
+class _GlobalFigures:
+    """A step's figures over every rank, from its one all-reduce and one device-to-host transfer."""
+
+    parameters: list
+    """This rank's parameters with a gradient."""
+    scaled_norm: torch.Tensor
+    """The global gradient norm, times the loss scale (on the device)."""
+    loss: float
+    """The global loss (the router loss's share included when it is on)."""
+    grad_norm: float
+    metrics: dict
+    flag_sums: tuple[int, ...]
+
+
+def _global_figures(
+    model, local_loss_sum: torch.Tensor, global_targets: int, ctx: StepContext, routing, scales: _Scales, shared_flags
+) -> _GlobalFigures:
+    """Loss shares (only last pipeline stages hold one; tp ranks hold copies), squared gradient norms and the run's
+    flags summed in one all-reduce, read with the router's figures in one device-to-host transfer."""
+    dims = ctx.dims
     parameters = [p for p in model.parameters() if p.grad is not None]
-    if not dims.fsdp_applied(cfg.fsdp.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
+    if not dims.fsdp_applied(ctx.cfg.fsdp.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
-    # One all-reduce for both: loss shares (only last pipeline stages hold one; tp ranks hold copies)
-    # and squared gradient norms, with the run's flags; one device-to-host transfer.
     flags = list(shared_flags()) if shared_flags is not None else []
-    loss, grad_norm, flag_sums = global_step_sums(
+    loss, grad_norm, flag_sums = ctx.global_sums(
         local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp, flags=flags
     )
-    loss = faulted_loss(loss)  # tests only: a ``nan`` fault's step (meshtron.resilience.faults); else loss itself
-    router_tensors = routing.tensors() if routing else ctx.runner.router_values(device) if pipeline_router else []
-    loss_value, norm_value, *values = host_values(loss, grad_norm / loss_scale, *router_tensors, *flag_sums)
+    pipeline_router = ctx.runner.router if ctx.runner is not None else None
+    router_tensors = (
+        routing.tensors() if routing is not None else ctx.runner.router_values(ctx.device) if pipeline_router else []
+    )
+    loss_value, norm_value, *values = host_values(loss, grad_norm / scales.loss_scale, *router_tensors, *flag_sums)
     routed, summed = values[: len(router_tensors)], values[len(router_tensors) :]
     metrics = {}
+    router = _step_router(ctx)
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
         metrics = router_metrics(routed)
         loss_value += router.coef * metrics["aux_loss"]
-    result = dict(
-        loss=loss_value,
-        grad_norm=norm_value,
-        tokens=float(global_targets),
-        metrics=metrics,
-        flag_sums=tuple(round(value) for value in summed),
-        **measured,
+    return _GlobalFigures(
+        parameters, grad_norm, loss_value, norm_value, metrics, tuple(round(value) for value in summed)
     )
-    if ctx.scaler is not None and math.isfinite(loss_value):
-        overflowed = not math.isfinite(norm_value)
-        ctx.scaler.update(overflowed)
-        if overflowed:  # fp16 gradients overflowed at this loss scale: skip the step, the scale was halved
-            optimizer.zero_grad(set_to_none=True)
-            if ctx.balance is not None:
-                ctx.balance.discard()
-            return StepResult(**result)
-        if loss_scale != 1.0:
-            unscale_gradients(parameters, loss_scale)
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        if cfg.train.on_nonfinite == "error":
-            raise MeshtronError(
-                f"step {step + 1}: loss is {loss_value} and gradient norm is {norm_value}; training diverged. "
-                "Lower optimizer.lr, raise schedule.warmup_steps, check the data, or set train.on_nonfinite=skip or "
-                "rollback"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        if ctx.balance is not None:
-            ctx.balance.discard()
-        return StepResult(**result, nonfinite=True)
-    clip_gradients(parameters, cfg.optimizer.max_grad_norm, grad_norm / loss_scale)
-    optimizer.step()
-    if ctx.balance is not None:  # the step's global expert load moves the routers' biases (and is reported)
-        load_max, load_min = ctx.balance.spread(ctx.balance.update())
-        result["metrics"] = {**metrics, "expert_load_max": load_max, "expert_load_min": load_min}
-    if cfg.precision.float8:
-        refresh_float8_scales(model)
-    if measure_state:
-        result["state_bytes"] = model_state_bytes(model, optimizer)
+
+
+def _discard_step(optimizer, ctx: StepContext) -> None:
+    """Drop the step's gradients (and the routers' load of it): the step does not update."""
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(**result)
+    if ctx.balance is not None:
+        ctx.balance.discard()
+
+
+def _loss_scale_overflowed(optimizer, ctx: StepContext, figures: _GlobalFigures, scales: _Scales) -> bool:
+    """fp16's loss scaling after a step with a finite loss: whether its gradients overflowed at this scale (the step
+    is discarded, the scale halved); otherwise the gradients are unscaled."""
+    if ctx.scaler is None or not math.isfinite(figures.loss):
+        return False
+    overflowed = not math.isfinite(figures.grad_norm)
+    ctx.scaler.update(overflowed)
+    if overflowed:
+        _discard_step(optimizer, ctx)
+    elif scales.loss_scale != 1.0:
+        unscale_gradients(figures.parameters, scales.loss_scale)
+    return overflowed
+
+
+def _nonfinite(step: int, figures: _GlobalFigures, on_nonfinite: str) -> bool:
+    """Whether the step's loss or gradient norm is NaN/Inf: a MeshtronError under ``train.on_nonfinite=error``."""
+    if math.isfinite(figures.loss) and math.isfinite(figures.grad_norm):
+        return False
+    if on_nonfinite == "error":
+        raise MeshtronError(
+            f"step {step + 1}: loss is {figures.loss} and gradient norm is {figures.grad_norm}; training diverged. "
+            "Lower optimizer.lr, raise schedule.warmup_steps, check the data, or set train.on_nonfinite=skip or "
+            "rollback"
+        )
+    return True
+
+
+def _update(model, optimizer, ctx: StepContext, figures: _GlobalFigures, scales: _Scales) -> dict:
+    """Clip the gradients, step the optimizer, move the routers' biases by the step's global expert load (reported
+    in the metrics it returns) and refresh float8's scales."""
+    clip_gradients(figures.parameters, ctx.cfg.optimizer.max_grad_norm, figures.scaled_norm / scales.loss_scale)
+    optimizer.step()
+    metrics = figures.metrics
+    if ctx.balance is not None:
+        load_max, load_min = ctx.balance.spread(ctx.balance.update())
+        metrics = {**metrics, "expert_load_max": load_max, "expert_load_min": load_min}
+    if ctx.cfg.precision.float8:
+        refresh_float8_scales(model)
+    return metrics

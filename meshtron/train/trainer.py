@@ -31,6 +31,7 @@ from meshtron.metrics.profiling import StepProfiler
 from meshtron.metrics.step_log import MetricsLogger
 from meshtron.metrics.step_row import StepRow
 from meshtron.metrics.trackers import build_trackers
+from meshtron.resilience.faults import fault_plan
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.build import build_model, sequence_split
 from meshtron.train.evaluate import Evaluator, build_evaluator
@@ -45,6 +46,7 @@ from meshtron.train.run_messages import done_message, startup_message
 from meshtron.train.run_setup import RunSetup
 from meshtron.train.segments import resume_run, start_segment
 from meshtron.train.step import StepContext, step_reader, train_step
+from meshtron.train.step_stats import global_step_sums
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -147,7 +149,9 @@ def run_session(
 ) -> TrainResult:
     """Set this rank's run up (data, model, optimizer, checkpoint restored, guard), do ``work``, close what it opened.
     ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
+    faults = fault_plan()  # tests only (MESHTRON_FAULT): wraps the components it faults; empty in a normal run
     setup = setup or preflight(cfg, runtime.world_size, runtime.device.type)
+    setup = faults.start_up_choice(setup, runtime.rank, checkpoint_directory(cfg), cfg.checkpoint.resume)
     setup = agree_resume_point(setup, runtime)  # every rank resumes rank 0's choice (one broadcast)
     setup = verified_resume_point(setup, runtime, cfg)  # its bytes as saved (checksums, each rank a share)
     if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
@@ -181,6 +185,7 @@ def run_session(
         scaler=loss_scaler(policy, cfg),
         router=build_router_loss(model, setup, cfg, meshes),
         balance=build_router_balance(built.parts, setup, cfg, meshes, runtime.device),
+        global_sums=faults.wrap_step_sums(global_step_sums),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
@@ -205,7 +210,7 @@ def run_session(
         dataset=dataset,
         announce=logger.message,  # a line per complete save
     )
-    guard = RunGuard(cfg, runtime, resumable, logger, result)  # restarts, stop signals, hangs, rollback
+    guard = RunGuard(cfg, runtime, resumable, logger, result, faults)  # restarts, stop signals, hangs, rollback
     result.start_step = resume_run(resumable, setup, logger)  # and the warning of a learning rate that jumps
     guard.resumed(setup.resume_from, result.start_step)
     try:
