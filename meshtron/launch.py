@@ -75,6 +75,7 @@ def self_launch(
     from torch.distributed.run import get_args_parser
 
     from meshtron.checkpoint.earlier_runs import earlier_run_notice
+    from meshtron.checkpoint.manager import checkpoint_directory
     from meshtron.data.hub import is_hub_id
     from meshtron.distributed.devices import resolve_device_type
     from meshtron.resilience.faults import LAUNCHER_PID_ENV
@@ -122,7 +123,7 @@ def self_launch(
             _, failure = err.get_first_failure()
             return failure.exitcode if failure.exitcode > 0 else 1
         except stopped.exception as err:
-            code = stopped_with_checkpoint(cfg, started, err.sigval)
+            code = stopped_with_checkpoint(checkpoint_directory(cfg), started, err.sigval)
             if code != EXIT_PREEMPTED:  # else rank 0 said which checkpoint it saved
                 print(unsaved_stop_line(err.sigval, stopped.at_once, code, command[0]), file=sys.stderr, flush=True)
             return code

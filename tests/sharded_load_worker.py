@@ -20,6 +20,7 @@ from meshtron.distributed.parallelize import parallelize_model
 from meshtron.models import build
 from meshtron.resilience.process_group import init_runtime, shutdown_runtime
 from meshtron.train.preflight import preflight
+from meshtron.train.run_setup import parallelize_options
 
 
 def main() -> None:
@@ -47,9 +48,7 @@ def check_load(model_dir: str, out_json: str, overrides: list[str], runtime) -> 
     build.CheckpointReader.get = counting_get
     meshes = setup.dims.build_mesh(runtime.device.type)
     model, adapter = build.build_meta_model(setup.hf_config, cfg.model)
-    model = parallelize_model(
-        model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
-    )
+    model = parallelize_model(model, adapter, setup.dims, meshes, parallelize_options(cfg, setup))
     build.materialize(model, adapter, runtime.device, seed=0, pretrained_dir=model_dir)
     build.CheckpointReader.get = original_get
 

@@ -394,6 +394,7 @@ def test_stop_signals_are_recorded_once_and_handlers_come_back():
 def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):
     from torch.distributed.run import get_args_parser
 
+    from meshtron.checkpoint.manager import checkpoint_directory
     from meshtron.config import load_config
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
 
@@ -403,12 +404,14 @@ def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in launcher_args
     assert "--shutdown-timeout=660" in launcher_args
     cfg = load_config(None, [f"run.output_dir={tmp_path}"], env={})
-    assert stopped_with_checkpoint(cfg, 0.0, 15) == 143  # no checkpoint: as a shell reports SIGTERM
+    assert (
+        stopped_with_checkpoint(checkpoint_directory(cfg), 0.0, 15) == 143
+    )  # no checkpoint: as a shell reports SIGTERM
     step = tmp_path / "checkpoints" / "step-00000003"
     step.mkdir(parents=True)
     (step / "meshtron.json").write_text(json.dumps({"step": 3, "stopped_by": "SIGTERM"}))
     (tmp_path / "checkpoints" / "latest").write_text(step.name)
-    assert stopped_with_checkpoint(cfg, 0.0, 15) == 75
+    assert stopped_with_checkpoint(checkpoint_directory(cfg), 0.0, 15) == 75
 
 
 def test_launcher_ends_the_workers_at_a_second_ctrl_c_and_ignores_a_second_sigterm():

@@ -26,7 +26,8 @@ BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 def _check_float8(cfg, device_type: str) -> None:
     """check_float8 as preflight calls it, with the run's precision policy."""
-    check_float8(cfg, device_type, precision_policy(cfg, device_type))
+    policy = precision_policy(cfg.precision, cfg.model.dtype, cfg.fsdp.reduce_dtype, device_type)
+    check_float8(cfg.precision, cfg.model.dtype, device_type, policy)
 
 
 def float8_config(tmp_path, cache_dir, *extra: str):

@@ -18,6 +18,7 @@ from meshtron.distributed.parallelize import parallelize_model
 from meshtron.models.build import build_meta_model, load_hf_config, materialize
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.preflight import preflight
+from meshtron.train.run_setup import parallelize_options
 from meshtron.train.step import StepContext, _forward_backward
 
 TOKENS = 2 * 32  # per micro-batch: two sequences of 32
@@ -39,7 +40,7 @@ def _setup(preset: str, mixed_precision: str, chunk: int, compile_setting: str =
     model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
     adapter.return_hidden_states(model)
     setup = preflight(cfg, 1, "cpu")
-    parallelize_model(model, adapter, setup.dims, None, cfg, "cpu", precision=setup.precision, compiled=setup.compiled)
+    parallelize_model(model, adapter, setup.dims, None, parallelize_options(cfg, setup), "cpu")
     materialize(model, adapter, torch.device("cpu"), seed=0)
     ctx = StepContext(
         dp_rank=0,

@@ -55,18 +55,16 @@ def test_mixed_precision_resolution_and_errors():
     assert resolve_mixed_precision("auto", "cuda", bf16_supported=True) == "bf16"
     assert resolve_mixed_precision("auto", "cuda", bf16_supported=False) == "fp16"
     assert resolve_mixed_precision("fp16", "cpu") == "fp16"
-    policy = precision_policy(load_config(None, ["precision.mixed_precision=bf16"], env={}), "cpu")
+    policy = _policy(load_config(None, ["precision.mixed_precision=bf16"], env={}), "cpu")
     assert policy.compute_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert policy.fsdp_policy().param_dtype == torch.bfloat16
     # bf16 weights: nothing to cast, explicitly or by auto.
-    same = precision_policy(
-        load_config(None, ["precision.mixed_precision=bf16", "model.dtype=bfloat16"], env={}), "cpu"
-    )
+    same = _policy(load_config(None, ["precision.mixed_precision=bf16", "model.dtype=bfloat16"], env={}), "cpu")
     assert same.compute_dtype is None
     with pytest.raises(ConfigError, match="master weights must be float32"):
-        precision_policy(load_config(None, ["precision.mixed_precision=fp16", "model.dtype=bfloat16"], env={}), "cpu")
+        _policy(load_config(None, ["precision.mixed_precision=fp16", "model.dtype=bfloat16"], env={}), "cpu")
     with pytest.raises(ConfigError, match="model.dtype=float16 stores the weights and AdamW state in fp16"):
-        precision_policy(load_config(None, ["model.dtype=float16"], env={}), "cuda")
+        _policy(load_config(None, ["model.dtype=float16"], env={}), "cuda")
 
 
 class _Block(nn.Module):
@@ -189,6 +187,7 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
     from meshtron.train.batch import SequenceSplit, sequence_inputs
     from meshtron.train.loss import head_loss_sum
     from meshtron.train.preflight import preflight
+    from meshtron.train.run_setup import parallelize_options
 
     tokenizer = load_tokenizer("byte")
     input_ids = torch.randint(0, 250, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -211,9 +210,7 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
         model, adapter = build_meta_model(load_hf_config(cfg.model, tokenizer.vocab_size), cfg.model)
         adapter.return_hidden_states(model)
         setup = preflight(cfg, 1, "cpu")
-        parallelize_model(
-            model, adapter, setup.dims, None, cfg, "cpu", precision=setup.precision, compiled=setup.compiled
-        )
+        parallelize_model(model, adapter, setup.dims, None, parallelize_options(cfg, setup), "cpu")
         materialize(model, adapter, torch.device("cpu"), seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         trajectory = []
@@ -244,3 +241,8 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])  # blocks, 48-token chunk, 16-token chunk
     assert counters["frames"]["total"] == 3, dict(counters["frames"])
     torch.testing.assert_close(compiled, losses("false"), rtol=2e-2, atol=0)
+
+
+def _policy(cfg, device_type):
+    """The run's precision policy, as preflight makes it."""
+    return precision_policy(cfg.precision, cfg.model.dtype, cfg.fsdp.reduce_dtype, device_type)

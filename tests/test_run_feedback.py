@@ -104,10 +104,12 @@ def test_a_step_row_has_the_mfu_of_the_models_flops_over_the_worlds_peak(monkeyp
     )
     hf_config.vocab_size = 256
     cfg = load_config(None, ["data.seq_len=32"], env={})
-    cpu = StepRow(cfg, hf_config, torch.device("cpu"), 4)
+    cpu = StepRow(hf_config, cfg.model, cfg.lora, cfg.data.seq_len, torch.device("cpu"), 4)
     assert cpu(1, 2.0, 1.0, 1e-3, 1000.0, 0.123456)["mfu"] is None
     monkeypatch.setattr(step_row, "device_peak_flops", lambda device: 1e12)
-    row = StepRow(cfg, hf_config, torch.device("cpu"), 4)(3, 2.0, 1.0, 1e-3, 1000.0, 0.123456, 512.0, {"router": 0.5})
+    row = StepRow(hf_config, cfg.model, cfg.lora, cfg.data.seq_len, torch.device("cpu"), 4)(
+        3, 2.0, 1.0, 1e-3, 1000.0, 0.123456, 512.0, {"router": 0.5}
+    )
     assert row["mfu"] == pytest.approx((6 * 98_304 + 3 * 8_192) * 1000.0 / (4 * 1e12))
     fixed = ["step", "loss", "grad_norm", "lr", "tokens_per_s", "step_s", "mfu", "max_memory_gb"]
     assert list(row) == [*fixed, "loss_scale", "router"]
@@ -354,7 +356,7 @@ def test_startup_line_shows_what_is_on(overrides, world, words):
     setup = SimpleNamespace(
         dims=dims, compiled=False, attention_kernel="sdpa", hf_config=load_hf_config(cfg.model, 257)
     )
-    line = settings_summary(cfg, setup, precision_policy(cfg, "cpu"))
+    line = settings_summary(cfg, setup, _policy(cfg, "cpu"))
     for word in words:
         assert word in line, (overrides, line)
     assert "\n" not in line
@@ -366,9 +368,9 @@ def test_startup_line_shows_compiled_blocks():
     compiled = SimpleNamespace(
         dims=dims, compiled=True, attention_kernel="flex", hf_config=load_hf_config(cfg.model, 257)
     )
-    assert "compiled blocks" in settings_summary(cfg, compiled, precision_policy(cfg, "cpu"))
+    assert "compiled blocks" in settings_summary(cfg, compiled, _policy(cfg, "cpu"))
     eager = SimpleNamespace(dims=dims, compiled=False, attention_kernel="flex", hf_config=compiled.hf_config)
-    assert "compiled" not in settings_summary(cfg, eager, precision_policy(cfg, "cpu"))
+    assert "compiled" not in settings_summary(cfg, eager, _policy(cfg, "cpu"))
 
 
 def earlier_run(runs: Path, name: str, overrides: list[str], step: int | None) -> Path:
@@ -435,3 +437,8 @@ def test_running_the_same_command_again_names_the_earlier_run(tmp_path, monkeypa
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"meshtron: note: runs/{folder.name} holds an earlier run of the same settings, finished" in second.stdout
     assert len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def _policy(cfg, device_type):
+    """The run's precision policy, as preflight makes it."""
+    return precision_policy(cfg.precision, cfg.model.dtype, cfg.fsdp.reduce_dtype, device_type)

@@ -131,12 +131,12 @@ def test_a_tracker_without_its_package_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     cfg = load_config(None, ["run.loggers=jsonl,wandb"], env={})
     with pytest.raises(ConfigError, match=r"pip install 'meshtron\[wandb\]'"):
-        check_trackers(cfg)
+        check_trackers(cfg.run)
     monkeypatch.setattr(importlib.util, "find_spec", real)
     online = load_config(None, ["run.loggers=jsonl,wandb", "run.wandb_mode=online"], env={})
     with pytest.raises(ConfigError, match="needs a W&B API key"):
-        check_trackers(online, env={"NETRC": "/nonexistent"})
-    check_trackers(online, env={"WANDB_API_KEY": "x" * 40})
+        check_trackers(online.run, env={"NETRC": "/nonexistent"})
+    check_trackers(online.run, env={"WANDB_API_KEY": "x" * 40})
     with pytest.raises(ConfigError, match="run.loggers: 'neptune' is not one of"):
         load_config(None, ["run.loggers=neptune"], env={})
 

@@ -250,28 +250,28 @@ def test_setting_is_checked():
         validate_config(_config(attention_kernel="flash"))
     for kernel in ATTENTION_KERNELS:
         validate_config(_config(attention_kernel=kernel))
-    kernels.check_attention_kernel(_config(attention_kernel="varlen"), "cuda", "bf16")
-    kernels.check_attention_kernel(_config(attention_kernel="auto"), "cpu", "none")
-    kernels.check_attention_kernel(_config(attention_kernel="sdpa"), "cpu", "none")
-    kernels.check_attention_kernel(_config(attention_kernel="varlen", dtype="bfloat16"), "cuda", "none")
+    _check_kernel(_config(attention_kernel="varlen"), "cuda", "bf16")
+    _check_kernel(_config(attention_kernel="auto"), "cpu", "none")
+    _check_kernel(_config(attention_kernel="sdpa"), "cpu", "none")
+    _check_kernel(_config(attention_kernel="varlen", dtype="bfloat16"), "cuda", "none")
     with pytest.raises(ConfigError, match="varlen runs on CUDA only"):
-        kernels.check_attention_kernel(_config(attention_kernel="varlen"), "cpu", "none")
+        _check_kernel(_config(attention_kernel="varlen"), "cpu", "none")
     with pytest.raises(ConfigError, match="bf16 / fp16 only"):
-        kernels.check_attention_kernel(_config(attention_kernel="varlen"), "cuda", "none")
+        _check_kernel(_config(attention_kernel="varlen"), "cuda", "none")
     cp = _config(attention_kernel="flex")
     cp.parallel.cp = 2
     with pytest.raises(ConfigError, match="parallel.cp=1 only"):
-        kernels.check_attention_kernel(cp, "cuda", "bf16")
+        _check_kernel(cp, "cuda", "bf16")
     plain = _config(attention_kernel="varlen")
     plain.data.mask_documents = False
     with pytest.raises(ConfigError, match="data.mask_documents"):
-        kernels.check_attention_kernel(plain, "cuda", "bf16")
+        _check_kernel(plain, "cuda", "bf16")
 
 
 def test_torch_without_varlen_is_refused(monkeypatch):
     monkeypatch.setattr(torch_varlen, "VARLEN", None)
     with pytest.raises(ConfigError, match="needs torch.nn.attention.varlen"):
-        kernels.check_attention_kernel(_config(attention_kernel="varlen"), "cuda", "bf16")
+        _check_kernel(_config(attention_kernel="varlen"), "cuda", "bf16")
     assert torch_varlen.VarlenOp.of(None) is None
     assert torch_varlen.VarlenOp.of(lambda q, k, v, cu_q, cu_k, max_q, max_k: q) is None  # no causal argument
 
@@ -398,3 +398,8 @@ def test_train_on_cpu_refuses_varlen_in_one_line(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("meshtron: error")]
     assert code != 0 and len(lines) == 1
     assert "model.attention_kernel=varlen runs on CUDA only" in lines[0], lines[0]
+
+
+def _check_kernel(cfg, device_type, precision):
+    """``check_attention_kernel`` on ``cfg``'s settings, as preflight calls it."""
+    kernels.check_attention_kernel(cfg.model, cfg.parallel.cp, cfg.data.mask_documents, device_type, precision)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from meshtron.config import FLOAT8_RECIPES  # torchao's Float8LinearRecipeName values
+from meshtron.config import FLOAT8_RECIPES, PrecisionConfig  # torchao's Float8LinearRecipeName values
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 
@@ -83,12 +83,12 @@ def float8_config(recipe: str, *, device_type: str, fsdp_enabled: bool):
     )
 
 
-def check_float8(cfg, device_type: str, precision: PrecisionPolicy) -> None:
-    """The checks of ``precision.float8`` that need no process group (run in preflight, on every rank); ``precision``:
-    the run's policy (``precision_policy``)."""
-    if not cfg.precision.float8:
+def check_float8(settings: PrecisionConfig, model_dtype: str, device_type: str, precision: PrecisionPolicy) -> None:
+    """The checks of ``precision.float8`` (``settings``) that need no process group (run in preflight, on every
+    rank); ``precision``: the run's policy (``precision_policy``)."""
+    if not settings.float8:
         return
-    recipe = cfg.precision.float8_recipe
+    recipe = settings.float8_recipe
     float8_config(recipe, device_type=device_type, fsdp_enabled=False)  # torchao present, recipe known
     if device_type == "cuda":
         check_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
@@ -96,7 +96,7 @@ def check_float8(cfg, device_type: str, precision: PrecisionPolicy) -> None:
             from meshtron.models.build import torch_dtype
 
             # The dtype the blocks' linears multiply in (the mixed-precision dtype, else the weights').
-            check_rowwise_dtype(recipe, precision.compute_dtype or torch_dtype(cfg.model.dtype))
+            check_rowwise_dtype(recipe, precision.compute_dtype or torch_dtype(model_dtype))
 
 
 def check_rowwise_dtype(recipe: str, dtype: torch.dtype) -> None:

@@ -8,6 +8,7 @@ parallel (MoE models), tensor parallel, context parallel, activation checkpointi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from meshtron.config import Config
+from meshtron.config import FSDPConfig, ParallelConfig
 from meshtron.distributed.context_parallel import register_attention
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.distributed.expert_parallel import apply_expert_parallel_to_model
@@ -134,41 +135,50 @@ def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
         block.forward = torch.compile(block.forward)
 
 
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What applying the parallelisms reads of a run's settings, resolved for its device (built by the train layer
+    from the config and preflight's ``RunSetup``: meshtron.train.run_setup.parallelize_options)."""
+
+    parallel: ParallelConfig
+    """``[parallel]``: the pipeline split, sequence and loss parallelism."""
+    fsdp: FSDPConfig
+    """``[fsdp]``: the sharding policy, CPU offload."""
+    precision: PrecisionPolicy
+    """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
+    compiled: bool
+    """``train.compile`` resolved: the decoder blocks are compiled."""
+    float8: bool = False
+    """``precision.float8``."""
+    float8_recipe: str = "tensorwise"
+    """``precision.float8_recipe``."""
+    mask_documents: bool = True
+    """``data.mask_documents``: meshtron's attention (document masks, or context parallelism) replaces the model's."""
+    mlp_tiles: int = 0
+    """``train.mlp_tiles``."""
+    activation_checkpointing: str = "none"
+    """``train.activation_checkpointing``."""
+
+
 def parallelize(
     model: nn.Module,
     adapter: DecoderAdapter,
     dims: ParallelDims,
     meshes: Meshes | None,
-    cfg: Config,
+    options: ParallelizeOptions,
     device_type: str | None = None,
-    *,
-    precision: PrecisionPolicy,
-    compiled: bool,
 ) -> list[tuple[int, nn.Module]]:
     """Apply every parallelism to a meta-device model: PP split -> (per stage) float8 -> TP -> CP -> activation
     checkpointing -> compile -> FSDP (or, without FSDP, mixed-precision casts). Returns (pipeline stage id, module)
-    for each stage this rank holds (one, stage 0, without pipeline parallelism). ``device_type``, ``precision``,
-    ``compiled``: see parallelize_model."""
+    for each stage this rank holds (one, stage 0, without pipeline parallelism). ``device_type``: see
+    parallelize_model."""
     if dims.pp > 1:
-        stages = split_pipeline(model, adapter, cfg.parallel, meshes.pp.get_local_rank())
+        stages = split_pipeline(model, adapter, options.parallel, meshes.pp.get_local_rank())
     else:
         stages = [(0, model)]
     return [
-        (
-            stage_id,
-            parallelize_model(stage, adapter, dims, meshes, cfg, device_type, precision=precision, compiled=compiled),
-        )
-        for stage_id, stage in stages
+        (stage_id, parallelize_model(stage, adapter, dims, meshes, options, device_type)) for stage_id, stage in stages
     ]
-
-
-def _device_type(meshes: Meshes | None, cfg: Config) -> str:
-    """The mesh's device type, or in a single process the one ``run.device`` resolves to."""
-    if meshes is not None:
-        return meshes.world.device_type
-    from meshtron.distributed.devices import resolve_device_type
-
-    return resolve_device_type(cfg.run.device, 1)
 
 
 def parallelize_model(
@@ -176,32 +186,31 @@ def parallelize_model(
     adapter: DecoderAdapter,
     dims: ParallelDims,
     meshes: Meshes | None,
-    cfg: Config,
+    options: ParallelizeOptions,
     device_type: str | None = None,
-    *,
-    precision: PrecisionPolicy,
-    compiled: bool,
 ) -> nn.Module:
     """Apply float8 -> TP -> CP -> activation checkpointing -> compile -> FSDP to one (stage of a) meta-device model.
-    ``precision`` and ``compiled``: ``precision.mixed_precision`` and ``train.compile`` as preflight resolved them
-    (meshtron.train.run_setup.RunSetup).
+    ``device_type``: the device the model will run on (default: the mesh's; needed without a mesh).
 
     Float8 goes first: the TP styles and FSDP's float8 all-gather need the float8 linears in place; float8
-    matmuls are emulated unless ``device_type`` (default: the mesh's) is ``cuda``.
+    matmuls are emulated unless ``device_type`` is ``cuda``.
 
     Context parallelism changes no parameter: its step routes attention to meshtron's function (which
     also does document masking without CP); the trainer shards each batch over the ``cp`` ranks, and
     FSDP shards over ``dp_shard x cp`` so that gradients are reduced over the context-parallel ranks too.
     """
-    device_type = device_type or _device_type(meshes, cfg)
-    if cfg.precision.float8:
+    if device_type is None:
+        if meshes is None:
+            raise ValueError("parallelize_model: without a device mesh, name the device_type")
+        device_type = meshes.world.device_type
+    if options.float8:
         apply_float8(
             model,
             adapter,
             device_type=device_type,
-            fsdp_enabled=dims.fsdp_applied(cfg.fsdp.cpu_offload),
+            fsdp_enabled=dims.fsdp_applied(options.fsdp.cpu_offload),
             tp=dims.tp,
-            recipe=cfg.precision.float8_recipe,
+            recipe=options.float8_recipe,
         )
     if dims.ep > 1:  # before TP, whose replicated MoE block then leaves the (already sharded) experts alone
         apply_expert_parallel_to_model(model, meshes.ep)
@@ -210,17 +219,17 @@ def parallelize_model(
             model,
             adapter,
             meshes.tp,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            loss_parallel=cfg.parallel.loss_parallel,
-            float8=cfg.precision.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
+            sequence_parallel=options.parallel.sequence_parallel,
+            loss_parallel=options.parallel.loss_parallel,
+            float8=options.float8 and device_type == "cuda",  # gloo cannot send float8 tensors
         )
-    if uses_meshtron_attention(dims.cp, cfg.data.mask_documents):
+    if uses_meshtron_attention(dims.cp, options.mask_documents):
         adapter.use_attention(model, register_attention())
-    apply_tiled_mlp(adapter.named_blocks(model), adapter.block_tp_roles, cfg.train.mlp_tiles)
-    apply_activation_checkpointing(model, adapter, cfg.train.activation_checkpointing)
-    if compiled:
+    apply_tiled_mlp(adapter.named_blocks(model), adapter.block_tp_roles, options.mlp_tiles)
+    apply_activation_checkpointing(model, adapter, options.activation_checkpointing)
+    if options.compiled:
         apply_compile(model, adapter)
-    if dims.fsdp_applied(cfg.fsdp.cpu_offload):
+    if dims.fsdp_applied(options.fsdp.cpu_offload):
         if meshes is None:
             raise ConfigError(
                 "fsdp.cpu_offload in one process shards over a one-rank mesh, which needs a process group; start "
@@ -230,11 +239,11 @@ def parallelize_model(
             model,
             adapter,
             meshes.fsdp,
-            cfg.fsdp,
-            precision.fsdp_policy(),
+            options.fsdp,
+            options.precision.fsdp_policy(),
             pipelined=dims.pp > 1,
             expert_mesh=meshes.expert_fsdp,
         )
     else:  # the same mixed-precision casts FSDP would do, at the same places
-        apply_compute_casts(model, adapter, precision, compiled=compiled)
+        apply_compute_casts(model, adapter, options.precision, compiled=options.compiled)
     return model

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.utils import _apply_to_tensors
 
-from meshtron.config import Config
+from meshtron.config import PrecisionConfig
 from meshtron.errors import ConfigError
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.models.build import torch_dtype
@@ -68,29 +68,32 @@ def resolve_mixed_precision(setting: str, device_type: str, bf16_supported: bool
     return "bf16" if bf16_supported else "fp16"
 
 
-def precision_policy(cfg: Config, device_type: str) -> PrecisionPolicy:
-    """The run's policy; a ConfigError for a combination that cannot work."""
-    if cfg.model.dtype == "float16":
+def precision_policy(
+    precision: PrecisionConfig, model_dtype: str, reduce_dtype: str | None, device_type: str
+) -> PrecisionPolicy:
+    """The run's policy (``[precision]``, ``model.dtype``, ``fsdp.reduce_dtype``); a ConfigError for a combination
+    that cannot work."""
+    if model_dtype == "float16":
         # AdamW's eps (1e-8) is 0 in fp16: rows without gradient get 0/0 and the run diverges at step 2.
         raise ConfigError(
             "model.dtype=float16 stores the weights and AdamW state in fp16, where AdamW's eps underflows and "
             "training diverges; use model.dtype=float32 with precision.mixed_precision=fp16 (fp16 compute, fp32 "
             "master weights, loss scaling) or model.dtype=bfloat16"
         )
-    name = resolve_mixed_precision(cfg.precision.mixed_precision, device_type)
-    reduce_dtype = torch_dtype(cfg.fsdp.reduce_dtype) if cfg.fsdp.reduce_dtype else None
+    name = resolve_mixed_precision(precision.mixed_precision, device_type)
+    reduce = torch_dtype(reduce_dtype) if reduce_dtype else None
     if name == "none":
-        return PrecisionPolicy(None, reduce_dtype, name)
+        return PrecisionPolicy(None, reduce, name)
     compute = _COMPUTE_DTYPES[name]
-    master = torch_dtype(cfg.model.dtype)
-    if master == compute or (master != torch.float32 and cfg.precision.mixed_precision == "auto"):
-        return PrecisionPolicy(None, reduce_dtype, "none")  # compute in the weights' own (half) dtype
+    master = torch_dtype(model_dtype)
+    if master == compute or (master != torch.float32 and precision.mixed_precision == "auto"):
+        return PrecisionPolicy(None, reduce, "none")  # compute in the weights' own (half) dtype
     if master != torch.float32:
         raise ConfigError(
-            f"precision.mixed_precision={name} with model.dtype={cfg.model.dtype}: master weights must be float32 "
+            f"precision.mixed_precision={name} with model.dtype={model_dtype}: master weights must be float32 "
             f"(or already {name}); set model.dtype=float32"
         )
-    return PrecisionPolicy(compute, reduce_dtype, name)
+    return PrecisionPolicy(compute, reduce, name)
 
 
 def _accumulation_runs(ctx) -> bool:

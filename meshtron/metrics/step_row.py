@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import torch
 
-from meshtron.config import Config
+from meshtron.config import LoraConfig, ModelConfig
 from meshtron.metrics.flops import device_peak_flops, flops_per_token, lora_flops_per_token_change
 from meshtron.metrics.memory import max_memory_gb
 
 
 class StepRow:
-    """The rows of a run of ``hf_config`` with ``cfg`` on ``world_size`` ranks of ``device``'s kind."""
+    """The rows of a run of ``hf_config`` (``model``, with ``lora``'s adapters) over sequences of ``seq_len`` on
+    ``world_size`` ranks of ``device``'s kind."""
 
-    def __init__(self, cfg: Config, hf_config, device: torch.device, world_size: int):
+    def __init__(
+        self, hf_config, model: ModelConfig, lora: LoraConfig, seq_len: int, device: torch.device, world_size: int
+    ):
         self.peak = device_peak_flops(device)
-        self.flops_per_token = flops_per_token(hf_config, cfg.data.seq_len) + lora_flops_per_token_change(
-            hf_config, cfg.model, cfg.lora
-        )
+        self.flops_per_token = flops_per_token(hf_config, seq_len) + lora_flops_per_token_change(hf_config, model, lora)
         self.world_size, self.device = world_size, device
 
     def mfu(self, tokens_per_s: float) -> float | None:

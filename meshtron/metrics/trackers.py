@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
 
-from meshtron.config import Config, to_dict, to_toml
+import tomli_w
+
+from meshtron.config import RunConfig
 from meshtron.errors import ConfigError, MeshtronError
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -23,17 +25,17 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 TENSORBOARD_DIR = "tensorboard"
 
 
-def check_trackers(cfg: Config, env=os.environ) -> None:
+def check_trackers(run: RunConfig, env=os.environ) -> None:
     """A one-line error, before any work (on every rank), for a tracker whose package is not installed, or W&B
     online without an API key."""
-    for name in cfg.run.loggers:
+    for name in run.loggers:
         package = PACKAGES.get(name)
         if package is not None and importlib.util.find_spec(package) is None:
             raise ConfigError(
                 f"run.loggers: '{name}' needs the {package} package: pip install 'meshtron[{name}]' "
                 f"(or {package}), or remove '{name}' from run.loggers"
             )
-    if "wandb" in cfg.run.loggers and cfg.run.wandb_mode == "online" and not _wandb_api_key(env):
+    if "wandb" in run.loggers and run.wandb_mode == "online" and not _wandb_api_key(env):
         raise ConfigError(
             "run.wandb_mode=online needs a W&B API key: run `wandb login` or set WANDB_API_KEY, or set "
             "run.wandb_mode=offline (upload later with `wandb sync`)"
@@ -64,12 +66,14 @@ def scalars(record: dict) -> dict[str, float]:
 class TensorBoardTracker:
     """Event files in ``<output_dir>/tensorboard`` (``tensorboard --logdir <output_dir>``)."""
 
-    def __init__(self, output_dir: Path, cfg: Config, layout: str):
+    def __init__(self, output_dir: Path, run: RunConfig, settings: dict, layout: str):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(Path(output_dir) / TENSORBOARD_DIR))
         self.writer.add_text("layout", layout, 0)
-        self.writer.add_text("config", "    " + to_toml(cfg).replace("\n", "\n    "), 0)  # markdown code block
+        self.writer.add_text(
+            "config", "    " + tomli_w.dumps(settings).replace("\n", "\n    "), 0
+        )  # markdown code block
 
     def log(self, record: dict) -> None:
         for key, value in scalars(record).items():
@@ -83,16 +87,16 @@ class TensorBoardTracker:
 class WandbTracker:
     """A Weights & Biases run (``run.wandb_project``, ``run.wandb_mode``), named after the output directory."""
 
-    def __init__(self, output_dir: Path, cfg: Config, layout: str):
+    def __init__(self, output_dir: Path, run: RunConfig, settings: dict, layout: str):
         import wandb
 
         try:
             self.run = wandb.init(
-                project=cfg.run.wandb_project,
-                mode=cast(Any, cfg.run.wandb_mode),  # one of wandb's modes: config's CHOICES checked it
+                project=run.wandb_project,
+                mode=cast(Any, run.wandb_mode),  # one of wandb's modes: config's CHOICES checked it
                 dir=str(output_dir),
                 name=Path(output_dir).name,
-                config={**to_dict(cfg), "layout": layout},
+                config={**settings, "layout": layout},
             )
         except Exception as err:  # noqa: BLE001 - wandb raises many kinds (no key, no network, ...)
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -111,6 +115,8 @@ class WandbTracker:
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 
-def build_trackers(cfg: Config, output_dir: Path, layout: str) -> list:
-    """The trackers ``run.loggers`` asks for besides jsonl (call on rank 0 only)."""
-    return [TRACKERS[name](output_dir, cfg, layout) for name in dict.fromkeys(cfg.run.loggers) if name in TRACKERS]
+def build_trackers(run: RunConfig, settings: dict, output_dir: Path, layout: str) -> list:
+    """The trackers ``run.loggers`` asks for besides jsonl (call on rank 0 only); ``settings``: the run's whole
+    configuration as ``config.to_dict`` gives it, which each tracker records."""
+    loggers = dict.fromkeys(run.loggers)
+    return [TRACKERS[name](output_dir, run, settings, layout) for name in loggers if name in TRACKERS]

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from meshtron.config import Config
+from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.tensors import compile_disabled
 
@@ -86,19 +86,20 @@ def varlen_applies(query: torch.Tensor, value: torch.Tensor, window=None, softca
     return plain and query.dtype in VARLEN_DTYPES and value.shape[-1] == dim and dim % 8 == 0 and dim <= 256
 
 
-def check_attention_kernel(cfg: Config, device_type: str, precision: str) -> None:
+def check_attention_kernel(model: ModelConfig, cp: int, mask_documents: bool, device_type: str, precision: str) -> None:
     """Refuse a ``model.attention_kernel`` that cannot run: not ``auto`` where meshtron's whole-sequence attention
     is not in use (cp > 1, or no document masks), ``varlen`` off CUDA, without torch's varlen attention, or with
-    fp32 compute. ``precision``: the run's mixed precision (``bf16``, ``fp16`` or ``none``)."""
-    setting = cfg.model.attention_kernel
+    fp32 compute. ``cp``: ``parallel.cp``; ``mask_documents``: ``data.mask_documents``; ``precision``: the run's
+    mixed precision (``bf16``, ``fp16`` or ``none``)."""
+    setting = model.attention_kernel
     if setting == "auto":
         return
-    if cfg.parallel.cp > 1:
+    if cp > 1:
         raise ConfigError(
             f"model.attention_kernel={setting} applies with parallel.cp=1 only (context parallelism has its own "
             "kernels); set model.attention_kernel=auto"
         )
-    if not cfg.data.mask_documents:
+    if not mask_documents:
         raise ConfigError(
             f"model.attention_kernel={setting} applies to document-masked attention only (without "
             "data.mask_documents the model's own model.attn_implementation runs); set model.attention_kernel=auto"
@@ -117,10 +118,10 @@ def check_attention_kernel(cfg: Config, device_type: str, precision: str) -> Non
             f"model.attention_kernel=varlen needs torch.nn.attention.varlen (torch >= 2.10), which torch "
             f"{torch.__version__} lacks; set model.attention_kernel=auto"
         )
-    if precision == "none" and cfg.model.dtype not in ("bfloat16", "float16"):
+    if precision == "none" and model.dtype not in ("bfloat16", "float16"):
         raise ConfigError(
             f"model.attention_kernel=varlen computes in bf16 / fp16 only (flash attention), and this run computes "
-            f"in {cfg.model.dtype}; set precision.mixed_precision=bf16 or model.attention_kernel=auto"
+            f"in {model.dtype}; set precision.mixed_precision=bf16 or model.attention_kernel=auto"
         )
 
 

@@ -47,6 +47,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     from meshtron.models.build import build_meta_model
     from meshtron.train.optim.build import build_optimizer
     from meshtron.train.preflight import preflight
+    from meshtron.train.run_setup import parallelize_options
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"--dry-run-rank {rank} is not a rank of a world of {world_size}; use 0..{world_size - 1}")
@@ -58,9 +59,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     try:
         meshes = setup.dims.build_mesh("cpu")
         model, adapter = build_meta_model(setup.hf_config, cfg.model)
-        stages = parallelize(
-            model, adapter, setup.dims, meshes, cfg, precision=setup.precision, compiled=setup.compiled
-        )
+        stages = parallelize(model, adapter, setup.dims, meshes, parallelize_options(cfg, setup))
         parts = nn.ModuleList([module for _, module in stages])
         optimizer = build_optimizer(parts, cfg.optimizer, list(parts), adapter)
         for group in optimizer.param_groups:

@@ -110,12 +110,12 @@ def interrupt(workers) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def stopped_with_checkpoint(cfg, started: float, received: int) -> int:
+def stopped_with_checkpoint(directory: Path | None, started: float, received: int) -> int:
     """The launcher's exit status after a signal: ``EXIT_PREEMPTED`` when the workers saved a checkpoint of
-    their stop after ``started`` (a time), else 128 + the signal number, as a shell reports a killed process."""
-    from meshtron.checkpoint.manager import LATEST, checkpoint_directory
+    their stop after ``started`` (a time) in ``directory`` (the run's checkpoints), else 128 + the signal number, as a
+    shell reports a killed process."""
+    from meshtron.checkpoint.manager import LATEST
 
-    directory = checkpoint_directory(cfg)
     try:
         newest = Path(directory) / (Path(directory) / LATEST).read_text().strip()
         meta = json.loads((newest / "meshtron.json").read_text())

@@ -25,7 +25,7 @@ from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
-from meshtron.train.run_setup import RunSetup
+from meshtron.train.run_setup import RunSetup, parallelize_options
 
 
 @dataclass
@@ -77,9 +77,7 @@ def build_model(
     if dims.pp == 1:
         adapter.return_hidden_states(model)  # the loss applies the head (pipeline stages do the same)
     moe_layers = moe_layer_indices(model)  # before the pipeline split: the whole model's
-    stages = parallelize(
-        model, adapter, dims, meshes, cfg, runtime.device.type, precision=setup.precision, compiled=setup.compiled
-    )
+    stages = parallelize(model, adapter, dims, meshes, parallelize_options(cfg, setup), runtime.device.type)
     for _, stage in stages:
         materialize(
             stage,

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from meshtron.config import Config
     from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer
     from meshtron.distributed.mesh import ParallelDims
+    from meshtron.distributed.parallelize import ParallelizeOptions
     from meshtron.distributed.precision import PrecisionPolicy
     from meshtron.errors import MeshtronError
 
@@ -66,3 +68,20 @@ class RunSetup:
     resume_error: MeshtronError | None = None
     """Rank 0 of a multi-process run: the error its resolution of the resume point met, which
     ``agree_resume_point`` raises on every rank."""
+
+
+def parallelize_options(cfg: Config, setup: RunSetup) -> ParallelizeOptions:
+    """What meshtron.distributed.parallelize reads of ``cfg``, with preflight's resolution of precision and compile."""
+    from meshtron.distributed.parallelize import ParallelizeOptions
+
+    return ParallelizeOptions(
+        parallel=cfg.parallel,
+        fsdp=cfg.fsdp,
+        precision=setup.precision,
+        compiled=setup.compiled,
+        float8=cfg.precision.float8,
+        float8_recipe=cfg.precision.float8_recipe,
+        mask_documents=cfg.data.mask_documents,
+        mlp_tiles=cfg.train.mlp_tiles,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+    )

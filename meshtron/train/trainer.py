@@ -18,7 +18,7 @@ from torch import nn
 from meshtron.checkpoint.earlier_runs import earlier_run_notice
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
-from meshtron.config import Config
+from meshtron.config import Config, to_dict
 from meshtron.data.chat import ChatDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
@@ -272,7 +272,7 @@ def _metrics_logger(cfg: Config, runtime: Runtime, output_dir: Path, dims: Paral
         cfg.train.steps,
         enabled=runtime.is_main,
         progress=cfg.run.progress,
-        trackers=build_trackers(cfg, output_dir, dims.describe()) if runtime.is_main else None,
+        trackers=build_trackers(cfg.run, to_dict(cfg), output_dir, dims.describe()) if runtime.is_main else None,
         log_every=cfg.run.log_every,
     )
 
@@ -282,7 +282,7 @@ def _train_steps(cfg, runtime, setup, result: TrainResult, loop: _Loop) -> int:
     model, optimizer = result.model, result.optimizer
     guard, logger = loop.guard, loop.logger
     activation_step = min(result.start_step + 1, cfg.train.steps - 1)
-    row = StepRow(cfg, setup.hf_config, runtime.device, runtime.world_size)
+    row = StepRow(setup.hf_config, cfg.model, cfg.lora, cfg.data.seq_len, runtime.device, runtime.world_size)
     scaler = loop.step_context.scaler  # fp16's loss scaling, else None
     step = result.start_step
     while step < cfg.train.steps:
