@@ -219,7 +219,7 @@ def main() -> None:
         ("dp_replicate2 dp_shard2 ep2", hsdp_ep2),
     ):
         for key in ("ep", "efsdp", "expert_fsdp"):
-            mesh_ranks[f"{label} {key}"] = sub.get(key).mesh.tolist()
+            mesh_ranks[f"{label} {key}"] = getattr(sub, key).mesh.tolist()
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, mesh_ranks)
     if rank == 0:
