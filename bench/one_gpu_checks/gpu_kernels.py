@@ -16,13 +16,16 @@ def _document_tokens(torch, generator, batch: int, length: int, documents: int):
     return tokens
 
 
-def _timed_ms(torch, run, iters: int = 10) -> float:
-    """Median milliseconds of ``run()`` (forward and backward) by CUDA events, after two warm-up calls."""
-    for _ in range(2):
+def _timed_ms(torch, run, iters: int = 10, warmup: int = 2, kernels_only: bool = False) -> float:
+    """Median milliseconds of ``run()`` by CUDA events, after ``warmup`` calls. ``kernels_only``: the host runs ahead
+    (``torch.cuda._sleep`` holds the GPU while the launches queue), so that launch overhead is not timed."""
+    for _ in range(warmup):
         run()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if kernels_only:
+            torch.cuda._sleep(50_000_000)
         start.record()
         run()
         end.record()
@@ -180,22 +183,6 @@ def fused_loss(out) -> dict:
     return figures
 
 
-def _kernel_ms(torch, run, iters: int = 5) -> float:
-    """Median milliseconds of ``run()`` by CUDA events, the host let run ahead (``torch.cuda._sleep`` holds the GPU
-    while the launches queue), so that launch overhead is not timed: the kernels' own time."""
-    run()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(50_000_000)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
-
-
 def gradient_widening(out) -> dict:
     """The master gradient's bf16 -> float32 conversion (``precision.widened``: ``torch._foreach_copy_`` from
     ``WIDEN_MIN_NUMEL`` elements, ``.to`` below) against ``.to(float32)`` (torch's unrolled copy: 4.1 ms a step for
@@ -228,8 +215,8 @@ def gradient_widening(out) -> dict:
         grads = [torch.randn(shape, device=device, dtype=torch.bfloat16) for shape in shapes]
         for name, convert in ways.items():
             assert torch.equal(convert(grads[0]).view(torch.int32), grads[0].float().view(torch.int32)), name
-            figures[f"{group}_{name}_ms"] = _kernel_ms(
-                torch, lambda convert=convert, grads=grads: [convert(g) for g in grads]
+            figures[f"{group}_{name}_ms"] = _timed_ms(
+                torch, lambda convert=convert, grads=grads: [convert(g) for g in grads], 5, 1, kernels_only=True
             )
         grads.clear()
     for name in ways:
@@ -244,9 +231,9 @@ def gradient_widening(out) -> dict:
     def add_in_epilogue():
         torch.addmm(total, chunk.t(), h, out_dtype=torch.float32, out=total)
 
-    figures["head_chunk_add_after_ms"] = _kernel_ms(torch, add_after_product)
+    figures["head_chunk_add_after_ms"] = _timed_ms(torch, add_after_product, 5, 1, kernels_only=True)
     try:
-        figures["head_chunk_addmm_out_dtype_ms"] = _kernel_ms(torch, add_in_epilogue)
+        figures["head_chunk_addmm_out_dtype_ms"] = _timed_ms(torch, add_in_epilogue, 5, 1, kernels_only=True)
     except (RuntimeError, TypeError) as err:  # an older torch: no out_dtype
         figures["head_chunk_addmm_out_dtype"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     return figures
