@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import sys
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import cast
@@ -76,15 +77,18 @@ def self_launch(
 
     from meshtron.checkpoint.earlier_runs import earlier_run_notice
     from meshtron.checkpoint.manager import checkpoint_directory
+    from meshtron.config import to_dict
     from meshtron.data.hub import is_hub_id
     from meshtron.distributed.devices import resolve_device_type
     from meshtron.resilience.faults import LAUNCHER_PID_ENV
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
     from meshtron.resilience.preemption import EXIT_PREEMPTED
     from meshtron.train.preflight import preflight
+    from meshtron.train.run_setup import resolved_config
 
     device_type = resolve_device_type(cfg.run.device, world_size)
     setup = preflight(cfg, world_size, device_type)
+    cfg = resolved_config(cfg, setup)  # the model as the workers will load it (their own preflight resolves it again)
     if is_hub_id(cfg.model.name_or_path):  # the commit preflight fetched: every worker loads that snapshot
         extra = [*extra, f"--model.revision={cfg.model.revision}"]
         if setup.revision_notice:  # the workers, given the commit, do not know it was the checkpoint's
@@ -95,11 +99,11 @@ def self_launch(
                 "a launch over several nodes needs run.output_dir: a folder every node shares (each "
                 "machine would pick its own runs/<timestamp>)"
             )
-        notice = earlier_run_notice(cfg) if nodes is None else None
+        notice = earlier_run_notice(to_dict(cfg)) if nodes is None else None
         if notice:
             print(notice, flush=True)
         name = nodes.job_id if nodes is not None else datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run.output_dir = str(Path("runs") / name)
+        cfg = replace(cfg, run=replace(cfg.run, output_dir=str(Path("runs") / name)))
         extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]
     launcher_args = ["--nnodes=1", f"--nproc-per-node={world_size}", f"--max-restarts={args.max_restarts}"]
     if nodes is not None:
@@ -123,7 +127,9 @@ def self_launch(
             _, failure = err.get_first_failure()
             return failure.exitcode if failure.exitcode > 0 else 1
         except stopped.exception as err:
-            code = stopped_with_checkpoint(checkpoint_directory(cfg), started, err.sigval)
+            code = stopped_with_checkpoint(
+                checkpoint_directory(cfg.checkpoint, cfg.run.output_dir), started, err.sigval
+            )
             if code != EXIT_PREEMPTED:  # else rank 0 said which checkpoint it saved
                 print(unsaved_stop_line(err.sigval, stopped.at_once, code, command[0]), file=sys.stderr, flush=True)
             return code

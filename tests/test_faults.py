@@ -123,7 +123,7 @@ def test_a_stale_view_sees_no_checkpoint_newer_than_its_step(tmp_path):
     (tmp_path / "latest").write_text(step_dir_name(6))
     newest = find_checkpoint(tmp_path, "auto")
     assert newest == tmp_path / step_dir_name(6)
-    unused = dict(dims=None, batch=None, tokenizer=None, hf_config=None, precision=None, compiled=False)
+    unused = dict(dims=None, batch=None, tokenizer=None, hf_config=None, model=None, precision=None, compiled=False)
     setup = RunSetup(**unused, attention_kernel="sdpa", resume_from=newest)
     faults = faults_from_env({"MESHTRON_FAULT": "stale:step=5:rank=1,stale:step=0:rank=2"})
     assert faults.start_up_choice(setup, 1, tmp_path, "auto").resume_from == tmp_path / step_dir_name(3)
@@ -405,13 +405,13 @@ def test_launcher_forwards_sigusr1_and_reports_a_saved_stop(tmp_path):
     assert "--shutdown-timeout=660" in launcher_args
     cfg = load_config(None, [f"run.output_dir={tmp_path}"], env={})
     assert (
-        stopped_with_checkpoint(checkpoint_directory(cfg), 0.0, 15) == 143
+        stopped_with_checkpoint(checkpoint_directory(cfg.checkpoint, cfg.run.output_dir), 0.0, 15) == 143
     )  # no checkpoint: as a shell reports SIGTERM
     step = tmp_path / "checkpoints" / "step-00000003"
     step.mkdir(parents=True)
     (step / "meshtron.json").write_text(json.dumps({"step": 3, "stopped_by": "SIGTERM"}))
     (tmp_path / "checkpoints" / "latest").write_text(step.name)
-    assert stopped_with_checkpoint(checkpoint_directory(cfg), 0.0, 15) == 75
+    assert stopped_with_checkpoint(checkpoint_directory(cfg.checkpoint, cfg.run.output_dir), 0.0, 15) == 75
 
 
 def test_launcher_ends_the_workers_at_a_second_ctrl_c_and_ignores_a_second_sigterm():

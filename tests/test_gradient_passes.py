@@ -19,7 +19,7 @@ from meshtron.models.build import build_meta_model, load_hf_config, materialize
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.preflight import preflight
 from meshtron.train.run_setup import parallelize_options
-from meshtron.train.step import StepContext, _forward_backward
+from meshtron.train.step import StepContext, _forward_backward, step_options
 
 TOKENS = 2 * 32  # per micro-batch: two sequences of 32
 
@@ -47,7 +47,7 @@ def _setup(preset: str, mixed_precision: str, chunk: int, compile_setting: str =
         setup=setup,
         split=SequenceSplit(mask_documents=False, eos_token_id=tokenizer.eos_token_id),
         device=torch.device("cpu"),
-        cfg=cfg,
+        options=step_options(cfg),
         adapter=adapter,
     )
     return model, ctx

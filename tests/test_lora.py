@@ -139,18 +139,22 @@ def test_a_lora_checkpoint_resumes_only_on_its_base_and_with_lora():
     from pathlib import Path
 
     from meshtron.checkpoint.manager import LORA_BASE, check_lora_checkpoint, lora_base
+    from meshtron.train.run_setup import checkpoint_options
+
+    def base(cfg):  # the run's LoRA base as the checks get it, None without LoRA
+        return checkpoint_options(cfg).lora_base
 
     path = Path("step-00000004")
     lora = load_config(None, ["model.preset=llama-tiny", "lora.rank=4", "train.seed=3"], env={})
-    meta = {LORA_BASE: lora_base(lora)}
-    check_lora_checkpoint(meta, path, lora)  # its own base
+    meta = {LORA_BASE: lora_base(lora.model, lora.train.seed)}
+    check_lora_checkpoint(meta, path, base(lora))  # its own base
     other_seed = load_config(None, ["model.preset=llama-tiny", "lora.rank=4", "train.seed=4"], env={})
     with pytest.raises(ConfigError, match="holds LoRA adapters of another base .*train.seed=3"):
-        check_lora_checkpoint(meta, path, other_seed)
+        check_lora_checkpoint(meta, path, base(other_seed))
     with pytest.raises(ConfigError, match="holds only LoRA adapters"):
-        check_lora_checkpoint(meta, path, load_config(None, ["model.preset=llama-tiny"], env={}))
+        check_lora_checkpoint(meta, path, base(load_config(None, ["model.preset=llama-tiny"], env={})))
     with pytest.raises(ConfigError, match="is of a run without LoRA; to fine-tune it with LoRA, export it"):
-        check_lora_checkpoint({}, path, lora)
+        check_lora_checkpoint({}, path, base(lora))
 
 
 def test_an_adapter_exported_from_a_relative_base_path_loads_from_any_folder(tmp_path, cache_dir, monkeypatch):

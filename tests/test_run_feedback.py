@@ -18,7 +18,7 @@ from conftest import run_main
 
 from meshtron.checkpoint.earlier_runs import earlier_run_notice, find_earlier_run
 from meshtron.command import meshtron_command
-from meshtron.config import load_config, save_config, to_toml
+from meshtron.config import load_config, save_config, to_dict, to_toml
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import precision_policy
 from meshtron.distributed.runtime import Runtime
@@ -391,7 +391,7 @@ def test_an_earlier_run_of_the_same_settings_is_named_with_its_resume(tmp_path):
     folder = earlier_run(runs, "20260101-000000", SAME, 3)
     earlier_run(runs, "other-lr", ["train.steps=6", "optimizer.lr=2e-3", "checkpoint.interval=3"], 3)
     earlier_run(runs, "no-checkpoint", SAME, None)
-    notice = earlier_run_notice(load_config(None, SAME, env={}), runs)
+    notice = earlier_run_notice(to_dict(load_config(None, SAME, env={})), runs)
     assert notice == (
         f"meshtron: note: {folder} holds an earlier run of the same settings with a checkpoint of step 3 of 6; this "
         f"one starts over from step 1 in a new folder: to resume that one instead, run the same command with "
@@ -399,11 +399,13 @@ def test_an_earlier_run_of_the_same_settings_is_named_with_its_resume(tmp_path):
     )
     # What does not change the model trained does not count: the layout, logging, checkpoint frequency, compile.
     other_how = [*SAME, "parallel.tp=2", "run.loggers=jsonl,tensorboard", "checkpoint.interval=5", "train.compile=true"]
-    assert find_earlier_run(load_config(None, other_how, env={}), runs).output_dir == folder
+    assert find_earlier_run(to_dict(load_config(None, other_how, env={})), runs).output_dir == folder
     done = tmp_path / "done"
-    assert earlier_run_notice(load_config(None, SAME, env={}), done) is None  # no runs folder yet
+    assert earlier_run_notice(to_dict(load_config(None, SAME, env={})), done) is None  # no runs folder yet
     earlier_run(done, "a", SAME, 6)
-    assert "finished (checkpoint of step 6, train.steps=6)" in earlier_run_notice(load_config(None, SAME, env={}), done)
+    assert "finished (checkpoint of step 6, train.steps=6)" in earlier_run_notice(
+        to_dict(load_config(None, SAME, env={})), done
+    )
 
 
 @pytest.mark.parametrize(
@@ -419,7 +421,7 @@ def test_an_earlier_run_of_the_same_settings_is_named_with_its_resume(tmp_path):
 def test_no_earlier_run_is_named_for_other_settings_or_a_chosen_folder(tmp_path, overrides):
     runs = tmp_path / "runs"
     earlier_run(runs, "20260101-000000", SAME, 3)
-    assert earlier_run_notice(load_config(None, [*SAME, *overrides], env={}), runs) is None
+    assert earlier_run_notice(to_dict(load_config(None, [*SAME, *overrides], env={})), runs) is None
 
 
 def test_running_the_same_command_again_names_the_earlier_run(tmp_path, monkeypatch, cache_dir):

@@ -4,6 +4,9 @@ says so in one line, with the setting that resumes it (docs/checkpointing.md#run
 
 Cheap by design: each earlier run's ``config.toml`` and its ``checkpoints/latest`` marker are read, no checkpoint is
 loaded. Rank 0 (one process) or the launcher (``--nproc``) asks, before the run's folder is chosen.
+
+What it compares is whole runs' settings, the way their ``config.toml`` records them: so it takes the settings as
+that record (``meshtron.config.to_dict``, ``{section: {key: value}}``), not the ``Config``.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from meshtron.config import Config, load_config, to_dict
+from meshtron.config import load_config, to_dict
 from meshtron.errors import MeshtronError
 
 RUNS = Path("runs")
@@ -56,11 +60,15 @@ class EarlierRun:
     step: int
 
 
-def model_settings(cfg: Config) -> dict:
-    """``cfg``'s settings that change the model trained, as ``{"section.key": value}``."""
+Settings = dict[str, dict[str, Any]]
+"""A run's settings as its config.toml records them: ``{section: {key: value}}`` (meshtron.config.to_dict)."""
+
+
+def model_settings(settings: Settings) -> dict:
+    """Of a run's ``settings``, those that change the model trained, as ``{"section.key": value}``."""
     return {
         f"{section}.{key}": value
-        for section, values in to_dict(cfg).items()
+        for section, values in settings.items()
         if section not in IGNORED_SECTIONS
         for key, value in values.items()
         if f"{section}.{key}" not in IGNORED_KEYS
@@ -85,20 +93,21 @@ def _saved_settings(config_file: Path) -> dict | None:
     try:
         with warnings.catch_warnings():  # an old key in an earlier run's file is that run's business
             warnings.simplefilter("ignore")
-            return model_settings(load_config(config_file, env={}))
+            return model_settings(to_dict(load_config(config_file, env={})))
     except (MeshtronError, OSError, ValueError):
         return None
 
 
-def find_earlier_run(cfg: Config, runs: Path = RUNS) -> EarlierRun | None:
-    """The newest run under ``runs`` with checkpoints in its own folder and the same settings as ``cfg`` (see
-    model_settings); None when ``cfg`` chose its folder, its checkpoints' folder or a checkpoint to resume, or none
-    matches."""
-    if cfg.run.output_dir is not None or cfg.checkpoint.dir is not None or cfg.checkpoint.resume != "auto":
+def find_earlier_run(settings: Settings, runs: Path = RUNS) -> EarlierRun | None:
+    """The newest run under ``runs`` with checkpoints in its own folder and the same ``settings`` (see
+    model_settings); None when ``settings`` choose their folder, their checkpoints' folder or a checkpoint to resume,
+    or none matches."""
+    run, checkpoint = settings["run"], settings["checkpoint"]  # to_dict leaves an unset folder out
+    if run.get("output_dir") is not None or checkpoint.get("dir") is not None or checkpoint["resume"] != "auto":
         return None
     if not runs.is_dir():
         return None
-    wanted, found = model_settings(cfg), []
+    wanted, found = model_settings(settings), []
     for folder in runs.iterdir():
         step = newest_checkpoint_step(folder / "checkpoints") if folder.is_dir() else None
         if step is not None and _saved_settings(folder / "config.toml") == wanted:
@@ -109,21 +118,22 @@ def find_earlier_run(cfg: Config, runs: Path = RUNS) -> EarlierRun | None:
     return EarlierRun(folder, step)
 
 
-def earlier_run_notice(cfg: Config, runs: Path = RUNS) -> str | None:
-    """The one line that names an earlier run of the same settings (find_earlier_run) and how to resume it; None
+def earlier_run_notice(settings: Settings, runs: Path = RUNS) -> str | None:
+    """The one line that names an earlier run of the same ``settings`` (find_earlier_run) and how to resume it; None
     when there is none."""
-    earlier = find_earlier_run(cfg, runs)
+    earlier = find_earlier_run(settings, runs)
     if earlier is None:
         return None
     resume = f"--run.output_dir={shlex.quote(str(earlier.output_dir))}"
-    if earlier.step >= cfg.train.steps:
+    steps = settings["train"]["steps"]
+    if earlier.step >= steps:
         return (
             f"meshtron: note: {earlier.output_dir} holds an earlier run of the same settings, finished (checkpoint of "
-            f"step {earlier.step}, train.steps={cfg.train.steps}); this one starts over from step 1 in a new folder "
+            f"step {earlier.step}, train.steps={steps}); this one starts over from step 1 in a new folder "
             f"(the same command with {resume} --train.steps=N trains that one on to step N)"
         )
     return (
         f"meshtron: note: {earlier.output_dir} holds an earlier run of the same settings with a checkpoint of step "
-        f"{earlier.step} of {cfg.train.steps}; this one starts over from step 1 in a new folder: to resume that one "
+        f"{earlier.step} of {steps}; this one starts over from step 1 in a new folder: to resume that one "
         f"instead, run the same command with {resume}"
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -88,8 +89,8 @@ def _export(source: Path, target: Path, max_shard_size: str, trust_remote_code: 
             "folder from a run's checkpoints/ directory"
         )
     read_meta(source)
-    cfg = load_config(source / "config.toml", env={})
-    cfg.model.trust_remote_code = trust_remote_code
+    saved = load_config(source / "config.toml", env={})
+    cfg = replace(saved, model=replace(saved.model, trust_remote_code=trust_remote_code))
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.trust_remote_code, model_folder(cfg.model))
     hf_config = load_hf_config(cfg.model, tokenizer.vocab_size)
     model, adapter = build_meta_model(hf_config, cfg.model)

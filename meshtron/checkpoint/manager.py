@@ -30,6 +30,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -54,6 +55,7 @@ from meshtron.data.hub import is_hub_id
 from meshtron.errors import ConfigError, MeshtronError
 
 if TYPE_CHECKING:
+    from meshtron.config import CheckpointConfig, DataConfig, ModelConfig
     from meshtron.distributed.runtime import Runtime
 
 LATEST = "latest"
@@ -412,16 +414,34 @@ class CheckpointManager:
         return meta
 
 
-def checkpoint_directory(cfg) -> Path | None:
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What finding, checking and recording a checkpoint reads of a run's settings, resolved once by the train layer
+    (meshtron.train.run_setup.checkpoint_options) from the settings preflight resolved."""
+
+    directory: Path | None
+    """``checkpoint_directory``: None when neither ``checkpoint.dir`` nor ``run.output_dir`` is known yet."""
+    resume: str
+    """``checkpoint.resume``: none, auto or a checkpoint's path."""
+    data: DataConfig
+    """``[data]``, which a checkpoint's data layout is checked against (``check_compatible``)."""
+    global_batch_size: int
+    lora_base: dict | None = None
+    """``lora_base`` of a LoRA run, None without LoRA."""
+    hub_revision: dict = field(default_factory=dict)
+    """``hub_revision``: the hub commit of a model named by hub id, else empty."""
+
+
+def checkpoint_directory(checkpoint: CheckpointConfig, output_dir: str | None) -> Path | None:
     """``checkpoint.dir``, or ``<run.output_dir>/checkpoints``; None when neither is known yet."""
-    if cfg.checkpoint.dir:
-        return Path(cfg.checkpoint.dir)
-    return Path(cfg.run.output_dir) / "checkpoints" if cfg.run.output_dir else None
+    if checkpoint.dir:
+        return Path(checkpoint.dir)
+    return Path(output_dir) / "checkpoints" if output_dir else None
 
 
-def check_fixed_directory(cfg, launched: bool) -> None:
+def check_fixed_directory(checkpoint: CheckpointConfig, output_dir: str | None, launched: bool) -> None:
     """Under torchrun (``launched``), saving needs a directory a restart finds again, not ``runs/<timestamp>``."""
-    if launched and cfg.checkpoint.interval > 0 and checkpoint_directory(cfg) is None:
+    if launched and checkpoint.interval > 0 and checkpoint_directory(checkpoint, output_dir) is None:
         raise ConfigError(
             "checkpoint.interval > 0 under torchrun needs a fixed directory: without run.output_dir or checkpoint.dir "
             "every start writes to a new runs/<timestamp> and a restart never resumes; set run.output_dir "
@@ -430,21 +450,20 @@ def check_fixed_directory(cfg, launched: bool) -> None:
 
 
 def resume_point(
-    cfg,
+    options: CheckpointOptions,
     hf_config,
     skipped: list[str] | None = None,
     altered: dict[Path, str] | None = None,
 ) -> Path | None:
     """The checkpoint this run continues from (checked against the model and data settings), or None;
     ``skipped``, ``altered``: as for ``find_checkpoint``."""
-    directory = checkpoint_directory(cfg)
-    if cfg.checkpoint.resume == "auto" and directory is None:
+    if options.resume == "auto" and options.directory is None:
         return None
-    path = find_checkpoint(directory, cfg.checkpoint.resume, skipped, altered)
+    path = find_checkpoint(options.directory, options.resume, skipped, altered)
     if path is not None:
         meta = read_meta(path)
-        check_compatible(meta, path, hf_config, cfg.data, cfg.train.global_batch_size)
-        check_lora_checkpoint(meta, path, cfg)
+        check_compatible(meta, path, hf_config, options.data, options.global_batch_size)
+        check_lora_checkpoint(meta, path, options.lora_base)
     return path
 
 
@@ -452,19 +471,19 @@ MODEL_REVISION = "model.revision"
 """meshtron.json's record of the hub commit the run's model (a hub id) was resolved to, so a resume trains on it."""
 
 
-def hub_revision(cfg) -> dict:
+def hub_revision(model: ModelConfig) -> dict:
     """``{"model.revision": commit}`` for a model named by hub id (preflight pinned the commit), else nothing."""
-    return {MODEL_REVISION: cfg.model.revision} if is_hub_id(cfg.model.name_or_path) else {}
+    return {MODEL_REVISION: model.revision} if is_hub_id(model.name_or_path) else {}
 
 
-def recorded_revision(cfg) -> str | None:
-    """The hub commit that the checkpoint a resume would continue from records, or None; a quick look, before the
-    model is loaded (``resume_point`` checks that checkpoint properly afterwards)."""
-    directory = checkpoint_directory(cfg)
-    if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and directory is None):
+def recorded_revision(directory: Path | None, resume: str) -> str | None:
+    """The hub commit that the checkpoint a resume would continue from records, or None (``directory``,
+    ``resume``: as for ``find_checkpoint``); a quick look, before the model is loaded (``resume_point`` checks that
+    checkpoint properly afterwards)."""
+    if resume == "none" or (resume == "auto" and directory is None):
         return None
     try:
-        path = find_checkpoint(directory, cfg.checkpoint.resume)
+        path = find_checkpoint(directory, resume)
         return read_meta(path).get(MODEL_REVISION) if path is not None else None
     except (MeshtronError, OSError, ValueError):
         return None
@@ -474,11 +493,12 @@ LORA_BASE = "lora.base"
 """meshtron.json's record, in a LoRA run's checkpoints (which hold only what trains), of the frozen base."""
 
 
-def lora_base(cfg) -> dict:
-    """Where a LoRA run's frozen base weights come from: a model directory, or a preset initialized from a seed."""
-    if cfg.model.name_or_path:
-        return {"model.name_or_path": cfg.model.name_or_path, **hub_revision(cfg)}
-    return {"model.preset": cfg.model.preset, "train.seed": cfg.train.seed}
+def lora_base(model: ModelConfig, seed: int) -> dict:
+    """Where a LoRA run's frozen base weights come from: a model directory, or a preset initialized from ``seed``
+    (``train.seed``)."""
+    if model.name_or_path:
+        return {"model.name_or_path": model.name_or_path, **hub_revision(model)}
+    return {"model.preset": model.preset, "train.seed": seed}
 
 
 def _absolute_base(base: dict) -> dict:
@@ -489,34 +509,35 @@ def _absolute_base(base: dict) -> dict:
     return base
 
 
-def check_lora_checkpoint(meta: dict, path: Path, cfg) -> None:
-    """Refuse a resume that would put a LoRA checkpoint's adapters on another base, or mix LoRA and full runs."""
+def check_lora_checkpoint(meta: dict, path: Path, base: dict | None) -> None:
+    """Refuse a resume that would put a LoRA checkpoint's adapters on another base, or mix LoRA and full runs
+    (``base``: this run's ``lora_base``, None without LoRA)."""
     saved = meta.get(LORA_BASE)
-    if saved is None and cfg.lora.enabled:
+    if saved is None and base is not None:
         raise ConfigError(
             f"checkpoint '{path}' is of a run without LoRA; to fine-tune it with LoRA, export it (meshtron export) and "
             "set model.name_or_path to the export"
         )
-    if saved is not None and not cfg.lora.enabled:
+    if saved is not None and base is None:
         raise ConfigError(
             f"checkpoint '{path}' holds only LoRA adapters (and what else trained); resume it with its [lora] "
             "settings, or export it merged (meshtron export) and train the export"
         )
-    if saved is not None and _absolute_base(saved) != _absolute_base(lora_base(cfg)):
+    if saved is not None and _absolute_base(saved) != _absolute_base(base):
         differs = ", ".join(f"{key}={value}" for key, value in saved.items())
         raise ConfigError(f"checkpoint '{path}' holds LoRA adapters of another base ({differs}); resume with that base")
 
 
-def checkpoint_meta(step: int, scheduler, hf_config, cfg, runtime: Runtime, layout: str) -> dict:
+def checkpoint_meta(step: int, scheduler, hf_config, options: CheckpointOptions, runtime: Runtime, layout: str) -> dict:
     """What meshtron.json records besides the tensors."""
     return {
-        **({LORA_BASE: lora_base(cfg)} if cfg.lora.enabled else {}),
-        **hub_revision(cfg),
+        **({LORA_BASE: options.lora_base} if options.lora_base is not None else {}),
+        **options.hub_revision,
         "step": step,
         "scheduler": scheduler.state_dict(),
         "model": model_signature(hf_config),
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "data.seq_len": cfg.data.seq_len,
+        "train.global_batch_size": options.global_batch_size,
+        "data.seq_len": options.data.seq_len,
         "world_size": runtime.world_size,
         "layout": layout,
     }

@@ -4,6 +4,7 @@ in one process, under torchrun or with ``--nproc N`` (docs/evaluation.md)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return run_rank(cfg, command="eval")
     chosen = any(item.startswith("run.output_dir=") for item in overrides)
     if not chosen:  # never the checkpoint's run directory, which its config names
-        cfg.run.output_dir = str(Path("runs") / f"eval-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        cfg = replace(cfg, run=replace(cfg.run, output_dir=str(Path("runs") / f"eval-{datetime.now():%Y%m%d-%H%M%S}")))
         extra = [*extra, f"--run.output_dir={cfg.run.output_dir}"]
     check_eval_output_dir(cfg.run.output_dir)
     world_size = args.nproc or 1

@@ -98,6 +98,7 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
     from meshtron.metrics.memory import max_memory_gb
     from meshtron.plan.for_run import planned_for_rank
     from meshtron.train.preflight import preflight
+    from meshtron.train.run_setup import resolved_config
     from meshtron.train.trainer import train
 
     if not 0 <= rank < world_size:
@@ -107,6 +108,7 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
     cfg = rehearsal_config(cfg, steps)
     device = _device(cfg.run.device)
     setup = preflight(cfg, world_size, device.type)  # the full layout's checks, before anything is built
+    cfg = resolved_config(cfg, setup)  # as the run records it: this rank's config.toml below
     notes = ["step_s excludes communication (collectives move no data); compare it with planned compute_s"]
     if setup.dims.ep > 1:
         notes.append(BALANCED_ROUTING_NOTE)

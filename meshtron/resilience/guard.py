@@ -22,22 +22,33 @@ from meshtron.resilience.rollback import NonfiniteRollback
 from meshtron.resilience.watchdog import HangWatchdog, start_watchdog
 
 if TYPE_CHECKING:
-    from meshtron.config import Config
+    from meshtron.config import RunConfig, TrainConfig
     from meshtron.distributed.runtime import Runtime
 
 
 class RunGuard:
     """``with RunGuard(...) as guard:`` around the loop; ``before_step``, ``rolled_back``, ``after_step`` in it.
 
-    ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its MetricsLogger and
-    ``result`` its TrainResult (a rollback rewinds its per-step lists); ``faults`` the run's fault plan
-    (meshtron.resilience.faults; empty in a normal run)."""
+    ``train`` and ``run`` are the run's ``[train]`` (steps, ``on_nonfinite``, ``max_rollbacks``) and ``[run]``
+    (``collective_timeout_s``); ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its
+    MetricsLogger and ``result`` its TrainResult (a rollback rewinds its per-step lists); ``faults`` the run's fault
+    plan (meshtron.resilience.faults; empty in a normal run)."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, resumable, logger, result, faults: Faults | None = None):
-        self.cfg, self.runtime, self.resumable, self.logger, self.result = cfg, runtime, resumable, logger, result
+    def __init__(
+        self,
+        train: TrainConfig,
+        run: RunConfig,
+        runtime: Runtime,
+        resumable,
+        logger,
+        result,
+        faults: Faults | None = None,
+    ):
+        self.steps, self.collective_timeout_s = train.steps, run.collective_timeout_s
+        self.runtime, self.resumable, self.logger, self.result = runtime, resumable, logger, result
         self.restarts = restart_count()  # > 0: torchrun restarted the workers after a failure
         self.logged_before = last_logged_step(result.output_dir) if self.restarts and runtime.is_main else 0
-        self.rollback = NonfiniteRollback(cfg.train.max_rollbacks) if cfg.train.on_nonfinite == "rollback" else None
+        self.rollback = NonfiniteRollback(train.max_rollbacks) if train.on_nonfinite == "rollback" else None
         if self.rollback is not None:
             resumable.on_save = self.rollback.checkpoint_saved
         self.faults = faults or Faults()
@@ -58,7 +69,7 @@ class RunGuard:
     def __enter__(self) -> RunGuard:
         self.signals.__enter__()
         # None in one process; a hang under NCCL leaves each rank's flight recorder in the run's output directory
-        self.watchdog = start_watchdog(self.runtime, self.cfg.run.collective_timeout_s, self.result.output_dir)
+        self.watchdog = start_watchdog(self.runtime, self.collective_timeout_s, self.result.output_dir)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -107,7 +118,7 @@ class RunGuard:
     def after_step(self, step: int, flag_sums) -> None:
         """After ``step`` steps are done (``flag_sums``: ``step_flags`` summed over the ranks in that step): save
         when due or stopped; raise Preempted after a stop's save."""
-        last = self.cfg.train.steps
+        last = self.steps
         signals, unfinished = flag_sums[: len(STOP_SIGNALS)], flag_sums[len(STOP_SIGNALS)]
         stop = self.signals.agreed(signals) if step < last else None
         if stop or self.resumable.save_due(step):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshtron.config import EvalConfig, TrainConfig
 from meshtron.data.prefetch import StepReader
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.distributed.data_parallel import reshard_all
@@ -48,10 +49,9 @@ class Evaluation:
 class Evaluator:
     """``evaluate(model)`` on this rank (every rank calls it together); ``due(step)``: whether a step evaluates."""
 
-    def __init__(self, dataset, ctx: StepContext, interval: int, batches: int):
+    def __init__(self, dataset, ctx: StepContext, interval: int, batches: int, *, global_batch: int, last_step: int):
         self.ctx = ctx
-        self.interval = interval
-        global_batch = ctx.cfg.train.global_batch_size
+        self.interval, self.global_batch, self.last_step = interval, global_batch, last_step
         self.batches = min(batches, len(dataset) // global_batch)
         self.order = GlobalBatchSchedule(len(dataset), global_batch, shuffle=False, seed=0)
         self.reader = StepReader(
@@ -64,7 +64,7 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         """After ``step`` steps: every ``eval.interval`` steps and after the last one."""
-        return step == self.ctx.cfg.train.steps or (self.interval > 0 and step % self.interval == 0)
+        return step == self.last_step or (self.interval > 0 and step % self.interval == 0)
 
     def describe(self, once: bool = False) -> str:
         """``once``: the run only evaluates (meshtron eval)."""
@@ -75,7 +75,7 @@ class Evaluator:
             if self.interval
             else "after the last step "
         )
-        return f"evaluating {when}on {self.batches} batches of {self.ctx.cfg.train.global_batch_size} sequences"
+        return f"evaluating {when}on {self.batches} batches of {self.global_batch} sequences"
 
     @torch.no_grad()
     def evaluate(self, model) -> Evaluation:
@@ -108,9 +108,19 @@ class Evaluator:
         self.reader.close()
 
 
-def build_evaluator(dataset, ctx: StepContext, evaluation) -> Evaluator | None:
-    """The run's Evaluator (``evaluation``: the ``[eval]`` settings), or None without evaluation data."""
-    return Evaluator(dataset, ctx, evaluation.interval, evaluation.batches) if dataset is not None else None
+def build_evaluator(dataset, ctx: StepContext, evaluation: EvalConfig, train: TrainConfig) -> Evaluator | None:
+    """The run's Evaluator (``evaluation``, ``train``: the ``[eval]`` and ``[train]`` settings), or None without
+    evaluation data."""
+    if dataset is None:
+        return None
+    return Evaluator(
+        dataset,
+        ctx,
+        evaluation.interval,
+        evaluation.batches,
+        global_batch=train.global_batch_size,
+        last_step=train.steps,
+    )
 
 
 @contextlib.contextmanager

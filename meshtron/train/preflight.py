@@ -19,8 +19,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshtron.checkpoint.integrity import content_damage
-from meshtron.checkpoint.manager import check_fixed_directory, damaged_error, recorded_revision, resume_point
-from meshtron.config import BUILTIN_CORPUS, Config, parse_batch_rampup
+from meshtron.checkpoint.manager import (
+    check_fixed_directory,
+    checkpoint_directory,
+    damaged_error,
+    recorded_revision,
+    resume_point,
+)
+from meshtron.config import BUILTIN_CORPUS, Config, ModelConfig, parse_batch_rampup
 from meshtron.data.chat import check_chat_tokenizer
 from meshtron.data.hub import is_hub_id, main_commit, model_folder, snapshot_commit
 from meshtron.data.mixture import parse_sources
@@ -49,7 +55,7 @@ from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
 from meshtron.train.optim.registry import check_optimizer
-from meshtron.train.run_setup import BatchSplit, RunSetup
+from meshtron.train.run_setup import BatchSplit, RunSetup, checkpoint_options
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
@@ -147,19 +153,22 @@ def revision_notice(repo_id: str, recorded: str, main: str | None) -> str | None
     )
 
 
-def pin_model_revision(cfg: Config) -> str | None:
-    """For a model named by hub id: fetch it (once per machine) and set ``model.revision`` to the commit it resolved
-    to, so every later load, the saved config.toml and the checkpoints agree; a resume without ``model.revision``
-    keeps the commit its checkpoint records. Returns ``revision_notice``'s line. A local folder becomes absolute."""
-    if not is_hub_id(cfg.model.name_or_path):
-        if cfg.model.name_or_path:  # recorded absolute: an export or resume from another folder finds it
-            cfg.model.name_or_path = os.path.abspath(os.path.expanduser(cfg.model.name_or_path))
-        return None
-    recorded = recorded_revision(cfg) if cfg.model.revision is None else None
+def pinned_model(cfg: Config) -> tuple[ModelConfig, str | None]:
+    """``[model]`` with its weights' source fixed: for a model named by hub id, fetched (once per machine) and
+    ``model.revision`` set to the commit it resolved to, so every later load, the saved config.toml and the
+    checkpoints agree (a resume without ``model.revision`` keeps the commit its checkpoint records); a local folder
+    made absolute. With ``revision_notice``'s line, or None. ``cfg`` is left as it is."""
+    model = cfg.model
+    if not is_hub_id(model.name_or_path):
+        if model.name_or_path:  # recorded absolute: an export or resume from another folder finds it
+            model = replace(model, name_or_path=os.path.abspath(os.path.expanduser(model.name_or_path)))
+        return model, None
+    directory = checkpoint_directory(cfg.checkpoint, cfg.run.output_dir)
+    recorded = recorded_revision(directory, cfg.checkpoint.resume) if model.revision is None else None
     if recorded:
-        cfg.model.revision = recorded
-    cfg.model.revision = snapshot_commit(model_folder(cfg.model))
-    return revision_notice(cfg.model.name_or_path, recorded, main_commit(cfg.model.name_or_path)) if recorded else None
+        model = replace(model, revision=recorded)
+    model = replace(model, revision=snapshot_commit(model_folder(model)))
+    return model, revision_notice(model.name_or_path, recorded, main_commit(model.name_or_path)) if recorded else None
 
 
 def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
@@ -171,7 +180,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     precision = precision_policy(cfg.precision, cfg.model.dtype, cfg.fsdp.reduce_dtype, device_type)
     check_float8(cfg.precision, cfg.model.dtype, device_type, precision)
     check_attention_kernel(cfg.model, cfg.parallel.cp, cfg.data.mask_documents, device_type, precision.name)
-    notice = pin_model_revision(cfg)
+    model, notice = pinned_model(cfg)
+    cfg = replace(cfg, model=model)  # a copy: the caller's settings are its own (resolved_config)
     check_model_path(cfg.model)
     check_trackers(cfg.run)
     data_paths = check_data_sources(cfg.data)
@@ -202,7 +212,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     check_mlp_tiles(cfg.train.mlp_tiles, hf_config)
     check_router_balance(cfg.moe.router_balance, hf_config)
     router_loss_enabled(cfg.moe.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
-    check_fixed_directory(cfg, launched=launched_by_torchrun())
+    check_fixed_directory(cfg.checkpoint, cfg.run.output_dir, launched=launched_by_torchrun())
     rank = int(os.environ.get("RANK", "0"))
     by_rank_0 = world_size > 1 and launched_by_torchrun()  # the other ranks learn it from rank 0 (agree_resume_point)
     resume_from, error = None, None
@@ -221,6 +231,7 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         batch=batch,
         tokenizer=tokenizer,
         hf_config=hf_config,
+        model=cfg.model,
         precision=precision,
         compiled=compile_enabled(cfg.train.compile, device_type),
         attention_kernel=resolve_kernel(cfg.model.attention_kernel, device_type),
@@ -238,7 +249,7 @@ def _resume_point(cfg: Config, hf_config, altered: dict[Path, str] | None = None
     directory; a MeshtronError for a checkpoint or directory that cannot be used. ``altered``: checkpoints found
     changed in place (``agree_resume_point``)."""
     skipped: list[str] = []
-    resume_from = resume_point(cfg, hf_config, skipped, altered)
+    resume_from = resume_point(checkpoint_options(cfg), hf_config, skipped, altered)
     check_stream_checkpoint(resume_from, cfg.data.streaming)
     # A restart by torchrun continues this run in its own output directory, with or without a checkpoint.
     check_output_dir(cfg.run.output_dir, resuming=resume_from is not None or restart_count() > 0)

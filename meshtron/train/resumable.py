@@ -16,6 +16,7 @@ from meshtron.data.carry import SEQ_LEN_CHANGES, resume_with_changes
 from meshtron.data.streaming import StreamingDataset, load_stream_states, save_stream_state
 from meshtron.train.optim.build import apply_schedule
 from meshtron.train.run_messages import saved_message
+from meshtron.train.run_setup import checkpoint_options
 
 if TYPE_CHECKING:
     from torch import nn
@@ -81,11 +82,11 @@ class Resumable:
     def save(self, step: int, stopped_by: str | None = None) -> None:
         """Save the state after ``step`` steps (``stopped_by``: the signal that stopped the run)."""
         if self.checkpoints is None:  # every rank got here together: the set-up's collectives are safe
-            self.checkpoints = CheckpointManager(
-                checkpoint_directory(self.cfg), 0, self.cfg.checkpoint.keep_last, False, self.runtime
-            )
+            directory = checkpoint_directory(self.cfg.checkpoint, self.cfg.run.output_dir)
+            self.checkpoints = CheckpointManager(directory, 0, self.cfg.checkpoint.keep_last, False, self.runtime)
             self._watch(self.checkpoints)
-        meta = checkpoint_meta(step, self.scheduler, self.hf_config, self.cfg, self.runtime, self.layout)
+        options = checkpoint_options(self.cfg)
+        meta = checkpoint_meta(step, self.scheduler, self.hf_config, options, self.runtime, self.layout)
         meta[SKIPPED_KEY] = sorted(self.schedule.skipped_batches)
         meta[DATA_POSITION] = list(self.schedule.position_after(step))
         if self.seq_len_changes:

@@ -3,14 +3,15 @@ apart from the checks that make them (meshtron.train.preflight) so that the stag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from meshtron.config import Config
+    from meshtron.checkpoint.manager import CheckpointOptions
+    from meshtron.config import Config, ModelConfig
     from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer
     from meshtron.distributed.mesh import ParallelDims
     from meshtron.distributed.parallelize import ParallelizeOptions
@@ -49,6 +50,9 @@ class RunSetup:
     batch: BatchSplit
     tokenizer: ByteTokenizer | HFTokenizer
     hf_config: PretrainedConfig
+    model: ModelConfig
+    """``[model]`` resolved: a local folder absolute, a hub id pinned to the commit it was fetched at
+    (``model.revision``; a resume keeps its checkpoint's). The run's settings take it (``resolved_config``)."""
     precision: PrecisionPolicy
     """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
     compiled: bool
@@ -84,4 +88,24 @@ def parallelize_options(cfg: Config, setup: RunSetup) -> ParallelizeOptions:
         mask_documents=cfg.data.mask_documents,
         mlp_tiles=cfg.train.mlp_tiles,
         activation_checkpointing=cfg.train.activation_checkpointing,
+    )
+
+
+def resolved_config(cfg: Config, setup: RunSetup) -> Config:
+    """``cfg`` with what preflight resolved in it (``setup.model``): a new Config, ``cfg`` unchanged (a run's settings
+    are never assigned to once preflight has run)."""
+    return replace(cfg, model=setup.model)
+
+
+def checkpoint_options(cfg: Config) -> CheckpointOptions:
+    """What meshtron.checkpoint.manager reads of ``cfg`` (the settings preflight resolved: ``resolved_config``)."""
+    from meshtron.checkpoint.manager import CheckpointOptions, checkpoint_directory, hub_revision, lora_base
+
+    return CheckpointOptions(
+        directory=checkpoint_directory(cfg.checkpoint, cfg.run.output_dir),
+        resume=cfg.checkpoint.resume,
+        data=cfg.data,
+        global_batch_size=cfg.train.global_batch_size,
+        lora_base=lora_base(cfg.model, cfg.train.seed) if cfg.lora.enabled else None,
+        hub_revision=hub_revision(cfg.model),
     )

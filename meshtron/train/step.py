@@ -52,6 +52,42 @@ if TYPE_CHECKING:
     from meshtron.train.run_setup import RunSetup
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """The settings a step reads, taken once from the run's settings (``step_options``)."""
+
+    loss_chunk_size: int
+    """``train.loss_chunk_size``: tokens per chunk of the fused head and loss (0: unchunked)."""
+    loss_parallel: bool
+    """``parallel.loss_parallel``: the loss over the vocabulary shards under tensor parallelism."""
+    accumulate_unsharded: bool
+    """``fsdp.accumulate_unsharded``."""
+    cpu_offload: bool
+    """``fsdp.cpu_offload``: the model state (and the step) on the host."""
+    activation_offload: bool
+    """``train.activation_offload``."""
+    on_nonfinite: str
+    """``train.on_nonfinite``: what a step with a NaN or Inf loss or gradient norm does."""
+    max_grad_norm: float
+    """``optimizer.max_grad_norm``: clipping (0: none)."""
+    float8: bool
+    """``precision.float8``: float8 weight scales refreshed after each update."""
+
+
+def step_options(cfg: Config) -> StepOptions:
+    """What a step reads of ``cfg``."""
+    return StepOptions(
+        loss_chunk_size=cfg.train.loss_chunk_size,
+        loss_parallel=cfg.parallel.loss_parallel,
+        accumulate_unsharded=cfg.fsdp.accumulate_unsharded,
+        cpu_offload=cfg.fsdp.cpu_offload,
+        activation_offload=cfg.train.activation_offload,
+        on_nonfinite=cfg.train.on_nonfinite,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        float8=cfg.precision.float8,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepContext:
     """What every step needs besides the model, optimizer and data (fixed for the run)."""
@@ -61,7 +97,7 @@ class StepContext:
     """The run's set-up: degrees, batch split, precision and the like (meshtron.train.preflight)."""
     split: SequenceSplit
     device: torch.device
-    cfg: Config
+    options: StepOptions
     adapter: DecoderAdapter
     runner: PipelineRunner | None = None
     """This rank's pipeline stages and schedule, under pipeline parallelism."""
@@ -84,7 +120,7 @@ class StepContext:
 
     @property
     def loss_parallel(self) -> bool:
-        return self.dims.tp > 1 and self.cfg.parallel.loss_parallel
+        return self.dims.tp > 1 and self.options.loss_parallel
 
 
 @dataclass(frozen=True)
@@ -123,7 +159,7 @@ def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: Step
         weight,
         bias,
         compute_dtype=ctx.precision.compute_dtype,
-        chunk_size=ctx.cfg.train.loss_chunk_size,
+        chunk_size=ctx.options.loss_chunk_size,
         loss_parallel=ctx.loss_parallel,
         softcap=ctx.adapter.logit_softcap(model),
         compiled=ctx.setup.compiled,
@@ -149,7 +185,7 @@ def _forward_backward(
     local_loss_sum = torch.zeros((), device=ctx.device)
     for index, (input_ids, labels, bounds) in enumerate(batches):
         last = index == len(batches) - 1
-        set_gradient_sync(model, last, ctx.cfg.fsdp.accumulate_unsharded)
+        set_gradient_sync(model, last, ctx.options.accumulate_unsharded)
         with contextlib.ExitStack() as recording:
             if routing is not None:
                 recording.enter_context(ctx.router.recording())
@@ -186,7 +222,7 @@ def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:
     return StepSequences(tuple(micro_batches), schedule.global_batch(step))
 
 
-def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
+def step_reader(dataset, schedule, ctx: StepContext, prefetch: bool) -> StepReader:
     """The run's StepReader (``data.prefetch``: the next step's batches read while a step trains). A stream is
     told which of its lanes this rank reads (create the reader before restoring a checkpoint)."""
     if isinstance(dataset, StreamingDataset):
@@ -195,7 +231,7 @@ def step_reader(dataset, schedule, ctx: StepContext) -> StepReader:
         dataset,
         lambda step: step_sequences(schedule, step, ctx),
         global_target_count,
-        prefetch=ctx.cfg.data.prefetch,
+        prefetch=prefetch,
         pin=ctx.device.type == "cuda",
     )
 
@@ -236,7 +272,7 @@ def train_step(
     )
     if _loss_scale_overflowed(optimizer, ctx, figures, scales):  # fp16: the step skipped, the scale halved
         return result
-    if _nonfinite(step, figures, ctx.cfg.train.on_nonfinite):
+    if _nonfinite(step, figures, ctx.options.on_nonfinite):
         _discard_step(optimizer, ctx)
         return replace(result, nonfinite=True)
     metrics = _update(model, optimizer, ctx, figures, scales)
@@ -295,7 +331,7 @@ def _forward_backward_step(
 ) -> tuple[torch.Tensor, dict]:
     """Forward and backward of the step's batches (the pipeline schedule's, or the accumulated micro-batches'),
     activations offloaded or measured on request; (the summed token loss, what was measured: StepResult fields)."""
-    offload = ctx.cfg.train.activation_offload
+    offload = ctx.options.activation_offload
     resident = ResidentStorages(model) if measure_activations or offload else None
     tracker = SavedActivationTracker(resident) if measure_activations else None
     offloader = ActivationOffloader(ctx.device, tracker, resident=resident) if offload else None
@@ -345,7 +381,7 @@ def _global_figures(
     flags summed in one all-reduce, read with the router's figures in one device-to-host transfer."""
     dims = ctx.dims
     parameters = [p for p in model.parameters() if p.grad is not None]
-    if not dims.fsdp_applied(ctx.cfg.fsdp.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
+    if not dims.fsdp_applied(ctx.options.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
     flags = list(shared_flags()) if shared_flags is not None else []
     loss, grad_norm, flag_sums = ctx.global_sums(
@@ -404,12 +440,12 @@ def _nonfinite(step: int, figures: _GlobalFigures, on_nonfinite: str) -> bool:
 def _update(model, optimizer, ctx: StepContext, figures: _GlobalFigures, scales: _Scales) -> dict:
     """Clip the gradients, step the optimizer, move the routers' biases by the step's global expert load (reported
     in the metrics it returns) and refresh float8's scales."""
-    clip_gradients(figures.parameters, ctx.cfg.optimizer.max_grad_norm, figures.scaled_norm / scales.loss_scale)
+    clip_gradients(figures.parameters, ctx.options.max_grad_norm, figures.scaled_norm / scales.loss_scale)
     optimizer.step()
     metrics = figures.metrics
     if ctx.balance is not None:
         load_max, load_min = ctx.balance.spread(ctx.balance.update())
         metrics = {**metrics, "expert_load_max": load_max, "expert_load_min": load_min}
-    if ctx.cfg.precision.float8:
+    if ctx.options.float8:
         refresh_float8_scales(model)
     return metrics

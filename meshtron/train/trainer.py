@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,9 +43,9 @@ from meshtron.train.precision import loss_scaler
 from meshtron.train.preflight import agree_resume_point, preflight, verified_resume_point
 from meshtron.train.resumable import Resumable
 from meshtron.train.run_messages import done_message, startup_message
-from meshtron.train.run_setup import RunSetup
+from meshtron.train.run_setup import RunSetup, resolved_config
 from meshtron.train.segments import resume_run, start_segment
-from meshtron.train.step import StepContext, step_reader, train_step
+from meshtron.train.step import StepContext, step_options, step_reader, train_step
 from meshtron.train.step_stats import global_step_sums
 
 if TYPE_CHECKING:
@@ -104,18 +104,18 @@ class TrainResult:
         self.eval_losses = [(step, loss) for step, loss in self.eval_losses if step <= self.start_step + steps_kept]
 
 
-def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[Path, str]:
-    """The run's output directory and an id of this start of the run, both chosen by rank 0 and shared."""
+def _resolve_output_dir(cfg: Config, runtime: Runtime) -> tuple[str, str]:
+    """The run's output directory (``run.output_dir`` resolved) and an id of this start of the run, both chosen by
+    rank 0 and shared."""
     chosen = [cfg.run.output_dir, uuid.uuid4().hex]
     if runtime.is_main and chosen[0] is None:
-        notice = earlier_run_notice(cfg) if not runtime.rehearsal else None
+        notice = earlier_run_notice(to_dict(cfg)) if not runtime.rehearsal else None
         if notice:
             print(notice, flush=True)
         chosen[0] = str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     if runtime.distributed and not runtime.rehearsal:
         dist.broadcast_object_list(chosen, src=0)
-    cfg.run.output_dir = chosen[0]
-    return Path(chosen[0]), chosen[1]
+    return chosen[0], chosen[1]
 
 
 def _dp_rank(meshes: Meshes | None, dims: ParallelDims) -> int:
@@ -151,7 +151,9 @@ def run_session(
     ``evaluates_once``: the first line says the run evaluates once (``meshtron eval``), not during training."""
     faults = fault_plan()  # tests only (MESHTRON_FAULT): wraps the components it faults; empty in a normal run
     setup = setup or preflight(cfg, runtime.world_size, runtime.device.type)
-    setup = faults.start_up_choice(setup, runtime.rank, checkpoint_directory(cfg), cfg.checkpoint.resume)
+    cfg = resolved_config(cfg, setup)  # the pinned model; the output directory follows (_prepare_output)
+    directory = checkpoint_directory(cfg.checkpoint, cfg.run.output_dir)
+    setup = faults.start_up_choice(setup, runtime.rank, directory, cfg.checkpoint.resume)
     setup = agree_resume_point(setup, runtime)  # every rank resumes rank 0's choice (one broadcast)
     setup = verified_resume_point(setup, runtime, cfg)  # its bytes as saved (checksums, each rank a share)
     if runtime.is_main and setup.tokenizer_notice:  # a pretrained model on byte ids: said before any data is built
@@ -159,7 +161,8 @@ def run_session(
     if runtime.is_main and setup.revision_notice:
         print(setup.revision_notice, flush=True)
     dims = setup.dims
-    output_dir, run_id, checkpoints = _prepare_output(cfg, runtime, setup)
+    cfg, run_id, checkpoints = _prepare_output(cfg, runtime, setup)
+    output_dir = Path(cfg.run.output_dir)
     torch.manual_seed(cfg.train.seed)
     data = _load_data(cfg, setup, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
@@ -179,7 +182,7 @@ def run_session(
         setup=setup,
         split=split,
         device=runtime.device,
-        cfg=cfg,
+        options=step_options(cfg),
         adapter=built.adapter,
         runner=built.runner,
         scaler=loss_scaler(policy, cfg),
@@ -189,12 +192,14 @@ def run_session(
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
     # A rehearsal (one rank on a fake process group) measures training only.
-    evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval) if not runtime.rehearsal else None
+    evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval, cfg.train) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
     logger.message(startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_once))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     schedule.skip(cfg.data.skip_batches)
-    inputs = step_reader(dataset, schedule, step_context)  # the next step's batches read while one trains
+    inputs = step_reader(
+        dataset, schedule, step_context, cfg.data.prefetch
+    )  # the next step's batches read while one trains
     resumable = Resumable(
         cfg=cfg,
         runtime=runtime,
@@ -210,7 +215,9 @@ def run_session(
         dataset=dataset,
         announce=logger.message,  # a line per complete save
     )
-    guard = RunGuard(cfg, runtime, resumable, logger, result, faults)  # restarts, stop signals, hangs, rollback
+    guard = RunGuard(
+        cfg.train, cfg.run, runtime, resumable, logger, result, faults
+    )  # restarts, stop signals, hangs, rollback
     result.start_step = resume_run(resumable, setup, logger)  # and the warning of a learning rate that jumps
     guard.resumed(setup.resume_from, result.start_step)
     try:
@@ -348,15 +355,17 @@ def evaluate_model(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     return evaluated.metrics()
 
 
-def _prepare_output(cfg: Config, runtime: Runtime, setup: RunSetup) -> tuple[Path, str, CheckpointManager | None]:
-    """The output directory (with the resolved config and run.json: meshtron.train.segments), this start's id and
-    the checkpoint manager, if any."""
-    output_dir, run_id = _resolve_output_dir(cfg, runtime)
+def _prepare_output(cfg: Config, runtime: Runtime, setup: RunSetup) -> tuple[Config, str, CheckpointManager | None]:
+    """``cfg`` with its output directory (``run.output_dir``: made, with the resolved config and run.json:
+    meshtron.train.segments), this start's id and the checkpoint manager, if any."""
+    chosen, run_id = _resolve_output_dir(cfg, runtime)
+    cfg = replace(cfg, run=replace(cfg.run, output_dir=chosen))  # a copy: the caller's settings stay as given
+    output_dir = Path(chosen)
     runtime.barrier()  # every rank has run its checks on the output directory before rank 0 writes into it
     checkpoints = None
     if cfg.checkpoint.interval > 0 or setup.resume_from:  # first: checks that every rank shares the directory
         checkpoints = CheckpointManager(
-            checkpoint_directory(cfg),
+            checkpoint_directory(cfg.checkpoint, cfg.run.output_dir),
             cfg.checkpoint.interval,
             cfg.checkpoint.keep_last,
             cfg.checkpoint.async_save,
@@ -365,4 +374,4 @@ def _prepare_output(cfg: Config, runtime: Runtime, setup: RunSetup) -> tuple[Pat
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         start_segment(cfg, output_dir, setup, runtime.world_size)  # a resumed run keeps its earlier configs
-    return output_dir, run_id, checkpoints
+    return cfg, run_id, checkpoints
