@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshtron.metrics.activations import SavedActivationTracker  # noqa: E402
+from meshtron.distributed.activation_memory.measure import SavedActivationTracker  # noqa: E402
 from meshtron.train.loss import head_loss_sum  # noqa: E402
 
 

@@ -183,7 +183,7 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
 
 
 def _tiny_with_dropout(checkpointing: str):
-    from meshtron.distributed.parallelize import apply_activation_checkpointing
+    from meshtron.distributed.activation_memory.checkpointing import apply_activation_checkpointing
 
     model_cfg = ModelConfig(preset="llama-tiny")
     hf_config = load_hf_config(model_cfg, 257)

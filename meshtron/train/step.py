@@ -26,6 +26,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtron.config import Config
 from meshtron.data.prefetch import StepReader, StepSequences
 from meshtron.data.streaming import StreamingDataset
+from meshtron.distributed.activation_memory.measure import ResidentStorages, SavedActivationTracker
+from meshtron.distributed.activation_memory.offload import ActivationOffloader, saved_activation_hooks
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
@@ -33,11 +35,9 @@ from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
-from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
-from meshtron.train.activation_offload import ActivationOffloader, saved_activation_hooks
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss import head_loss_sum
 from meshtron.train.moe.router_balance import RouterBalance

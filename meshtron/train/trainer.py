@@ -78,7 +78,7 @@ class TrainResult:
     0 without accumulation or under pipeline parallelism); see meshtron.metrics.gradient_memory."""
     activation_bytes: int = 0
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
-    also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
+    also holds torch.distributed.pipelining's set-up forward); see meshtron.distributed.activation_memory.measure."""
     offloaded_bytes: int = 0
     """With ``train.activation_offload``: this rank's peak bytes of activations in host memory, same step."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
