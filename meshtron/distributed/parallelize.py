@@ -48,7 +48,7 @@ def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
 @dataclass(frozen=True)
 class ParallelizeOptions:
     """What applying the parallelisms reads of a run's settings, resolved for its device (built by the train layer
-    from the config and preflight's ``RunSetup``: meshtron.train.run_setup.parallelize_options)."""
+    from the config and preflight's ``RunSetup``: meshtron.train.setup.run_setup.parallelize_options)."""
 
     parallel: ParallelConfig
     """``[parallel]``: the pipeline split, sequence and loss parallelism."""

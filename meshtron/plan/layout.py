@@ -265,7 +265,7 @@ class Layout:
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":
         """The layout a meshtron run of ``cfg`` on ``world_size`` processes uses (degrees and batch resolved)."""
         from meshtron.distributed.pipeline_parallel import check_pipeline, stages_per_rank
-        from meshtron.train.preflight import micro_batch_split
+        from meshtron.train.setup.preflight import micro_batch_split
 
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         micro, _ = micro_batch_split(cfg, dims)

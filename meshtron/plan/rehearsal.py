@@ -97,7 +97,7 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
     from meshtron.distributed.runtime import Runtime
     from meshtron.metrics.memory import max_memory_gb
     from meshtron.plan.for_run import planned_for_rank
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
     from meshtron.train.trainer import train
 
     if not 0 <= rank < world_size:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class RunGuard:
     """``with RunGuard(...) as guard:`` around the loop; ``before_step``, ``rolled_back``, ``after_step`` in it.
 
-    ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its MetricsLogger and
+    ``resumable`` is the run's meshtron.train.run.resumable.Resumable, ``logger`` its MetricsLogger and
     ``result`` its TrainResult (a rollback rewinds its per-step lists); ``faults`` the run's fault plan
     (meshtron.resilience.faults; empty in a normal run)."""
 

@@ -39,17 +39,17 @@ from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
-from meshtron.train.loss import head_loss_sum
+from meshtron.train.loss.head import head_loss_sum
+from meshtron.train.loss.scaling import LossScaler, unscale_gradients
 from meshtron.train.moe.router_balance import RouterBalance
 from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metrics
-from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
 if TYPE_CHECKING:
     from meshtron.models.adapter import DecoderAdapter
     from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss
     from meshtron.train.pipeline.runner import PipelineRunner
-    from meshtron.train.run_setup import RunSetup
+    from meshtron.train.setup.run_setup import RunSetup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,7 @@ class StepContext:
 
     dp_rank: int
     setup: RunSetup
-    """The run's set-up: degrees, batch split, precision and the like (meshtron.train.preflight)."""
+    """The run's set-up: degrees, batch split, precision and the like (meshtron.train.setup.preflight)."""
     split: SequenceSplit
     device: torch.device
     cfg: Config

@@ -49,7 +49,7 @@ from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
 from meshtron.train.optim.registry import check_optimizer
-from meshtron.train.run_setup import BatchSplit, RunSetup
+from meshtron.train.setup.run_setup import BatchSplit, RunSetup
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 
