@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshtron.metrics.activations import SavedActivationTracker  # noqa: E402
-from meshtron.train.loss import head_loss_sum  # noqa: E402
+from meshtron.distributed.activation_memory.measure import SavedActivationTracker  # noqa: E402
+from meshtron.train.loss.head import head_loss_sum  # noqa: E402
 
 
 def measure(tokens: int, hidden: int, vocab: int, chunk: int, device: torch.device) -> tuple[int, float]:

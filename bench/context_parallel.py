@@ -4,7 +4,7 @@ Each cp degree is one ``torchrun`` launch (world size = cp, gloo, one thread per
 optimizer step of batch 1 at each requested sequence length. Per rank it measures:
 
 * activation memory: the peak bytes of the tensors autograd saves for backward during the step (each storage
-  counted once, parameters left out), as the trainer measures them (meshtron.metrics.activations, its
+  counted once, parameters left out), as the trainer measures them (meshtron.distributed.activation_memory.measure, its
   ``saved_tensors_hooks``). With one micro-batch they are all alive at the end of forward, so this is the
   activation peak that context parallelism is meant to cut (temporaries of a single op come on top);
 * peak RSS of the process (``ru_maxrss``), for reference: it includes the interpreter, torch,
@@ -55,7 +55,7 @@ def worker(args) -> None:
 
     from meshtron.config import load_config
     from meshtron.resilience.process_group import init_runtime, shutdown_runtime
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
     from meshtron.train.trainer import train
 
     runtime = init_runtime()
@@ -78,7 +78,8 @@ def worker(args) -> None:
         ] + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
         cfg = load_config(None, overrides, env={})
         setup = preflight(cfg, runtime.world_size, runtime.device.type)
-        result = train(cfg, runtime, setup)  # its one step measures the activations (meshtron.metrics.activations)
+        # its one step measures the activations (meshtron.distributed.activation_memory.measure)
+        result = train(cfg, runtime, setup)
         mine = torch.tensor(
             [
                 result.activation_bytes,

@@ -148,7 +148,7 @@ def worker(args) -> None:
 
     from meshtron.config import load_config
     from meshtron.resilience.process_group import init_runtime, shutdown_runtime
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
     from meshtron.train.trainer import train
 
     runtime = init_runtime()

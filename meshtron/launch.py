@@ -9,7 +9,7 @@ The workers are forked from a forkserver (multiprocessing's: a process started o
 imports torch, transformers and the training loop; meshtron.launch_preload): a worker starts without ~5 s of CPU of
 imports of its own, and a restart after a failure re-imports nothing. ``--rank-start fresh`` starts each worker as
 a new ``python -m meshtron`` instead, as torchrun does; so does a GPU run whose forkserver has initialized CUDA
-anyway (meshtron.train.rank_imports keeps it from doing so; a child forked after it could not use CUDA).
+anyway (meshtron.train.setup.rank_imports keeps it from doing so; a child forked after it could not use CUDA).
 
 A worker that ends with an error it has said in its own line tells the launcher (``REPORTED_ERRORS_ENV``), which then
 leaves out torch's report of that failure: the user sees the one line. A crash keeps torch's report.
@@ -83,8 +83,8 @@ def self_launch(
     from meshtron.resilience.faults import LAUNCHER_PID_ENV
     from meshtron.resilience.launcher_signals import forward_stop_signals, stopped_with_checkpoint
     from meshtron.resilience.preemption import EXIT_PREEMPTED
-    from meshtron.train.preflight import preflight
-    from meshtron.train.run_setup import resolved_config
+    from meshtron.train.setup.preflight import preflight
+    from meshtron.train.setup.run_setup import resolved_config
 
     device_type = resolve_device_type(cfg.run.device, world_size)
     setup = preflight(cfg, world_size, device_type)
@@ -195,7 +195,7 @@ def rank_start_for(rank_start: str, device_type: str, context=None) -> str:
 
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(FORKSERVER_PRELOAD)
-    from meshtron.train.rank_imports import initialized_cuda_before_forking
+    from meshtron.train.setup.rank_imports import initialized_cuda_before_forking
 
     if device_type != "cuda" or not initialized_cuda_before_forking(context):
         return rank_start
@@ -320,7 +320,7 @@ def run_forked_rank(argv: list[str], device_type: str = "cpu") -> None:
 def _leave_if_cuda_unusable() -> None:
     """The bad-fork check meshtron.check.worker has: a rank forked after CUDA was initialized in its forkserver
     leaves with one line (rank 0's) instead of CUDA's traceback at its first use of the device."""
-    from meshtron.train.rank_imports import cuda_initialized_here
+    from meshtron.train.setup.rank_imports import cuda_initialized_here
 
     if cuda_initialized_here():
         if os.environ.get("RANK", "0") == "0":

@@ -12,7 +12,7 @@ with contextlib.suppress(OSError):
     os.setsid()
 
 from meshtron.launch import FORKSERVER_IGNORED_SIGNALS  # noqa: E402
-from meshtron.train.rank_imports import import_rank_modules  # noqa: E402
+from meshtron.train.setup.rank_imports import import_rank_modules  # noqa: E402
 
 import_rank_modules()  # CUDA left uninitialized: meshtron.launch.rank_start_for checks it before any worker is forked
 # A stop signal sent to every process of the job (SLURM's scancel) must not end the forkserver: the

@@ -50,8 +50,8 @@ def run_rank(cfg: Config, command: str = "train") -> int:
     from meshtron.resilience.preemption import EXIT_PREEMPTED, Preempted
     from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
-    from meshtron.train.evaluate_run import evaluate_run
-    from meshtron.train.preflight import preflight
+    from meshtron.train.evaluation.evaluate_run import evaluate_run
+    from meshtron.train.setup.preflight import preflight
     from meshtron.train.trainer import train
 
     setup = preflight(cfg, launched_world_size(), resolve_device_type(cfg.run.device, local_world_size()))

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from meshtron.config import load_config
 from meshtron.metrics.memory import local_bytes
 from meshtron.resilience.process_group import init_runtime, shutdown_runtime
-from meshtron.train.preflight import preflight
+from meshtron.train.setup.preflight import preflight
 from meshtron.train.trainer import train
 
 
@@ -223,7 +223,7 @@ def import_before_forking() -> None:
     the float8 layouts. Nothing here starts a thread or touches a tensor (a fork keeps neither safely)."""
     import importlib
 
-    from meshtron.train.rank_imports import device_questions_without_cuda, import_rank_modules
+    from meshtron.train.setup.rank_imports import device_questions_without_cuda, import_rank_modules
 
     import_rank_modules()
     try:
@@ -235,7 +235,7 @@ def import_before_forking() -> None:
 
 def check_cuda_uninitialized() -> None:
     """Leave with one line if CUDA was initialized here: no rank forked from this process could use it."""
-    from meshtron.train.rank_imports import cuda_initialized_here
+    from meshtron.train.setup.rank_imports import cuda_initialized_here
 
     if cuda_initialized_here():
         sys.exit("CUDA was initialized in the test launcher before forking its ranks (an import asked the device)")

@@ -19,8 +19,8 @@ from meshtron.config import load_config
 from meshtron.distributed.parallelize import parallelize_model
 from meshtron.models import build
 from meshtron.resilience.process_group import init_runtime, shutdown_runtime
-from meshtron.train.preflight import preflight
-from meshtron.train.run_setup import parallelize_options
+from meshtron.train.setup.preflight import preflight
+from meshtron.train.setup.run_setup import parallelize_options
 
 
 def main() -> None:

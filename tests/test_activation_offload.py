@@ -13,7 +13,12 @@ from conftest import train_llama_tiny
 from torch import nn
 
 from meshtron.config import load_config
-from meshtron.train.activation_offload import ActivationOffloader, HostTransfers, PinnedPieces, prefetch_candidates
+from meshtron.distributed.activation_memory.offload import (
+    ActivationOffloader,
+    HostTransfers,
+    PinnedPieces,
+    prefetch_candidates,
+)
 
 
 def test_saved_tensors_come_back_equal_and_views_of_one_storage_share_a_host_copy():
@@ -176,8 +181,8 @@ def test_backward_fetches_each_copy_once_waiting_for_its_copy_and_fetches_the_ne
 
 
 def _tiled_block(tiles: int) -> nn.Module:
-    """A block whose MLP runs over ``tiles`` tiles of its tokens (meshtron.models.tiled_mlp)."""
-    from meshtron.models.tiled_mlp import apply_tiled_mlp
+    """A block whose MLP runs over ``tiles`` tiles of its tokens (meshtron.distributed.activation_memory.tiled_mlp)."""
+    from meshtron.distributed.activation_memory.tiled_mlp import apply_tiled_mlp
 
     block = nn.Module()
     block.mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8))
@@ -226,7 +231,7 @@ def test_a_compiled_tensor_parallel_block_keeps_its_weights_on_the_device(one_ra
     as inductor, without compiling kernels.)"""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
+    from meshtron.distributed.activation_memory.measure import ResidentStorages, SavedActivationTracker
 
     mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     parallelize_module(mlp, one_rank_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -289,7 +294,7 @@ def test_fetching_ahead_never_crosses_into_another_stage_or_micro_batch():
 def test_a_host_copy_is_pinned_in_pieces_the_host_allocator_does_not_round_up():
     """torch's caching host allocator rounds each pinned request up to a power of two (CachingHostAllocator.h): a
     3.59 GB block input in one request takes 4 GiB. In pieces, it takes its bytes rounded up to a MiB."""
-    from meshtron.train.activation_offload import PINNED_TAIL_BYTES, pinned_bytes, pinned_piece_sizes
+    from meshtron.distributed.activation_memory.offload import PINNED_TAIL_BYTES, pinned_bytes, pinned_piece_sizes
 
     nbytes = 438_272 * 4096 * 2  # llama-8b's block input at 438,272 tokens, bf16
     pieces = pinned_piece_sizes(nbytes)
@@ -332,8 +337,8 @@ class PinnedRecording(HostTransfers):
 def test_the_planner_counts_the_pinned_bytes_of_the_host_copies(tmp_path, cache_dir, monkeypatch):
     """A run whose host copies are pinned as on CUDA (pieces scaled down to llama-tiny's tensors, 1 to 160 KB: 64 KiB
     and 4 KiB) trains the same model; the planner's host bytes cover what the host allocator would hold at most."""
+    from meshtron.distributed.activation_memory import offload as activation_offload
     from meshtron.plan.memory import config_view, host_activation_bytes, offload_pinning_bytes
-    from meshtron.train import activation_offload
 
     monkeypatch.setattr(activation_offload, "PINNED_PIECE_BYTES", 1 << 16)
     monkeypatch.setattr(activation_offload, "PINNED_TAIL_BYTES", 1 << 12)

@@ -27,7 +27,7 @@ from meshtron.data.tokenizer import (
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
 from meshtron.models.presets import make_preset_config
-from meshtron.train.preflight import preflight
+from meshtron.train.setup.preflight import preflight
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -133,7 +133,7 @@ def test_the_first_steps_loss_is_the_cross_entropy_of_the_assistants_tokens(chat
 
 
 def test_chat_settings_are_checked(chat_dir, tmp_path):
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     def check(*extra):
         preflight(load_config(None, chat_overrides(chat_dir, tmp_path / "x", *extra), env={}), 1, "cpu")
@@ -234,7 +234,7 @@ def test_a_role_other_than_system_user_assistant_or_tool_is_refused_naming_the_l
 def test_conversations_with_no_assistant_token_are_counted_in_the_start_up_line(chat_dir, tmp_path):
     """No assistant message, or one cut away with the rest of a conversation longer than a sequence: nothing of it
     carries loss, and the data's part of the start-up line says how many such conversations there are."""
-    from meshtron.train.run_messages import data_summary
+    from meshtron.train.run.messages import data_summary
 
     def message(role, content):
         return {"role": role, "content": content}

@@ -48,7 +48,7 @@ def test_every_layout_passes_preflight(n, tmp_path):
     """meshtron's own checks accept every run check would start (the tiny models' heads, layers, experts,
     sequence length and batch divide as each layout needs), and so does the one-process reference."""
     from meshtron.config import load_config
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     for layout in layouts_for(n, "cpu"):
         for run in (layout.run, layout.reference):

@@ -91,7 +91,7 @@ def properties(device=None):
 
 
 torch.cuda.get_device_properties = properties
-import meshtron.train.rank_imports as rank_imports
+import meshtron.train.setup.rank_imports as rank_imports
 
 rank_imports.capability_from_nvml = lambda index: (9, 0)
 rank_imports.import_rank_modules()  # transformers -> torchao, which asks the capability at import time
@@ -172,7 +172,7 @@ def test_the_capability_comes_from_nvml_with_visible_devices_mapped(monkeypatch)
 
     import torch  # before ctypes.CDLL is replaced: torch loads its own libraries with it
 
-    from meshtron.train.rank_imports import capability_from_nvml
+    from meshtron.train.setup.rank_imports import capability_from_nvml
 
     assert torch.cuda.is_initialized() is False
     calls = []

@@ -254,8 +254,8 @@ def test_an_old_and_a_new_key_together_is_one_line_naming_both(tmp_path, fresh_n
 
 def test_a_saved_old_style_config_loads_as_the_same_settings(tmp_path, fresh_notes):
     """A run directory's or checkpoint's config.toml written before the sections: loaded as the resume
-    (meshtron.train.segments), ``meshtron eval`` and export do, through load_config, it gives the same Config."""
-    from meshtron.train.segments import _saved_config
+    (meshtron.train.run.segments), ``meshtron eval`` and export do, through load_config, it gives the same Config."""
+    from meshtron.train.run.segments import _saved_config
 
     overrides = ["optimizer.name=muon", "optimizer.muon.momentum=0.9", "schedule.kind=wsd", "precision.float8=true"]
     new = load_config(None, [*overrides, "schedule.min_lr=1e-5", "moe.router_bias_rate=0.01"], env={})

@@ -105,7 +105,7 @@ def _settings_assigned() -> dict[str, list[str]]:
 
 def test_no_production_code_assigns_a_setting_after_preflight():
     """Issue 58, item 1: a run's settings are what was given, resolved once (the output directory, the hub commit:
-    a copy by dataclasses.replace, meshtron.train.run_setup.resolved_config), never changed in place, so that what
+    a copy by dataclasses.replace, meshtron.train.setup.run_setup.resolved_config), never changed in place, so that what
     a function reads of them is what every other function reads."""
     found = _settings_assigned()
     unexpected = {

@@ -521,7 +521,7 @@ def test_mixture_order_holds_the_weights_and_any_window_is_a_slice_of_it():
 def test_mixture_settings_are_checked(tmp_path):
     from meshtron.config import load_config
     from meshtron.data.mixture import MixedDataset, parse_sources
-    from meshtron.train.preflight import check_data_sources
+    from meshtron.train.setup.preflight import check_data_sources
 
     assert parse_sources(["/data/web:7", "/data/code:3"]) == [("/data/web", 0.7), ("/data/code", 0.3)]
     for bad in ("/data/web", "/data/web:0", "/data/web:lots"):

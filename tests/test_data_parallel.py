@@ -15,7 +15,7 @@ from meshtron.config import OptimizerConfig
 from meshtron.data.dataset import PackedDataset
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.distributed.grad_norm import global_grad_norm
-from meshtron.train.loss import IGNORE_INDEX
+from meshtron.train.loss.head import IGNORE_INDEX
 from meshtron.train.optim.build import build_optimizer
 from meshtron.train.step_stats import global_loss_and_grad_norm, global_target_count, host_values
 
@@ -81,7 +81,7 @@ def test_cpu_offload_is_checked_against_the_layout_before_any_collective():
     world of one (parity layout fsdp2_cpu_offload in test_parity.py trains the first against one process)."""
     from meshtron.config import load_config
     from meshtron.errors import ConfigError
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     cfg = load_config(None, ["fsdp.cpu_offload=true", "run.progress=false"], env={})
     assert preflight(cfg, 2, "cpu").dims.fsdp_enabled

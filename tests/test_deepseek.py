@@ -158,7 +158,7 @@ def test_tensor_parallel_roles_and_planner_shape():
 )
 def test_refusals_name_the_setting(overrides, expected):
     from meshtron.config import load_config
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     cfg = load_config(None, ["model.preset=deepseekv3-tiny", "data.seq_len=48", *overrides], env={})
     world = 3 if "parallel.tp=3" in overrides else 1

@@ -269,7 +269,7 @@ def test_checkpoints_under_torchrun_need_a_fixed_directory(capsys, monkeypatch, 
     """Under torchrun a restart runs the same command: without run.output_dir or checkpoint.dir it would write to
     a new runs/<timestamp> each time and never resume, so saving checkpoints there is refused before any work."""
     from meshtron.config import load_config
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(var, value)

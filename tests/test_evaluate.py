@@ -21,7 +21,7 @@ from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import ConfigError
-from meshtron.train.evaluate_run import evaluate_run
+from meshtron.train.evaluation.evaluate_run import evaluate_run
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -113,7 +113,7 @@ def test_a_stale_view_sees_no_checkpoint_newer_than_its_step(tmp_path):
     fault's step, as a rank whose cached listing predates the later saves; other ranks, and a checkpoint given by
     path, keep their start-up's choice."""
     from meshtron.checkpoint.manager import find_checkpoint, step_dir_name
-    from meshtron.train.run_setup import RunSetup
+    from meshtron.train.setup.run_setup import RunSetup
 
     for step in (3, 6):
         folder = tmp_path / step_dir_name(step)

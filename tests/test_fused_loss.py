@@ -1,4 +1,4 @@
-"""The fused chunked head + cross-entropy (meshtron.train.fused_loss) against PyTorch's own loss."""
+"""The fused chunked head + cross-entropy (meshtron.train.loss.fused) against PyTorch's own loss."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.train.loss import IGNORE_INDEX, head_loss_sum
+from meshtron.train.loss.head import IGNORE_INDEX, head_loss_sum
 
 
 def _reference(hidden, labels, weight, bias=None, softcap=None, compute_dtype=None):

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 import meshtron.distributed.precision as precision
-import meshtron.train.fused_loss as fused_loss
+import meshtron.train.loss.fused as fused_loss
 import meshtron.train.step as step_module
 from meshtron.config import load_config
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.parallelize import parallelize_model
 from meshtron.models.build import build_meta_model, load_hf_config, materialize
 from meshtron.train.batch import SequenceSplit
-from meshtron.train.preflight import preflight
-from meshtron.train.run_setup import parallelize_options
+from meshtron.train.setup.preflight import preflight
+from meshtron.train.setup.run_setup import parallelize_options
 from meshtron.train.step import StepContext, _forward_backward, step_options
 
 TOKENS = 2 * 32  # per micro-batch: two sequences of 32

@@ -159,7 +159,7 @@ def test_an_adapter_of_a_hub_model_names_the_id_and_commit_and_generate_loads_it
 
 
 def test_the_resume_notice_names_both_commits():
-    from meshtron.train.preflight import revision_notice
+    from meshtron.train.setup.preflight import revision_notice
 
     line = revision_notice(REPO_ID, FIRST, SECOND)
     assert FIRST[:12] in line and SECOND[:12] in line and "model.revision=main" in line

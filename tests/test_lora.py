@@ -139,7 +139,7 @@ def test_a_lora_checkpoint_resumes_only_on_its_base_and_with_lora():
     from pathlib import Path
 
     from meshtron.checkpoint.manager import LORA_BASE, check_lora_checkpoint, lora_base
-    from meshtron.train.run_setup import checkpoint_options
+    from meshtron.train.setup.run_setup import checkpoint_options
 
     def base(cfg):  # the run's LoRA base as the checks get it, None without LoRA
         return checkpoint_options(cfg).lora_base

@@ -183,7 +183,7 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
 
 
 def _tiny_with_dropout(checkpointing: str):
-    from meshtron.distributed.parallelize import apply_activation_checkpointing
+    from meshtron.distributed.activation_memory.checkpointing import apply_activation_checkpointing
 
     model_cfg = ModelConfig(preset="llama-tiny")
     hf_config = load_hf_config(model_cfg, 257)
@@ -342,7 +342,7 @@ def test_meshtron_loss_and_pipeline_stage_compute_what_the_model_does(preset):
     block by block: both must include what the model does outside its blocks (Granite's embedding and
     logit scaling, Cohere's logit_scale, Gemma 2's final logit soft-capping, Gemma's embedding normalizer)."""
     from meshtron.models.adapter import adapter_for
-    from meshtron.train.loss import head_loss_sum
+    from meshtron.train.loss.head import head_loss_sum
 
     model = build(_family_cfg(preset))
     adapter = adapter_for(model.config)
@@ -408,7 +408,7 @@ def test_gemma_norm_weights_start_at_zero():
 
 def _preflight(overrides, world_size=1):
     from meshtron.config import load_config
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     return preflight(load_config(None, ["data.seq_len=32", *overrides], env={}), world_size, "cpu")
 

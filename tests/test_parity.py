@@ -772,7 +772,7 @@ BF16_WEIGHT_REL_L2 = 2e-2
 BF16_ADAPTER_REL_L2 = 0.15
 BF16_MIN_DISTANCE_FROM_FP32 = 1e-4
 
-# The fused chunked head + cross-entropy (meshtron.train.fused_loss) in 48-token chunks of 256-token micro-batches,
+# The fused chunked head + cross-entropy (meshtron.train.loss.fused) in 48-token chunks of 256-token micro-batches,
 # the last chunk shorter, against the same layout with the default chunk (None: the 1-process run), which is the
 # fused loss too (one chunk: every layout above trains through it), in fp32.
 CHUNK = "train.loss_chunk_size=48"

@@ -78,7 +78,7 @@ def test_chained_stages_compute_the_whole_model():
         adapter.use_attention(stage, register_attention())
         set_stage_forward(stage, adapter, stage_id == 0, stage_id == 3, lambda ids: sequence_inputs(ids, split))
         out = stage(*out)
-    # The last stage ends with the final norm; the loss applies the head (meshtron.train.loss).
+    # The last stage ends with the final norm; the loss applies the head (meshtron.train.loss.head).
     logits = stages[3].lm_head(out)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
@@ -131,7 +131,7 @@ def test_micro_batch_size_is_the_pipeline_microbatch():
 def test_micro_batch_size_under_pp_splits_the_global_batch_before_any_process_group():
     """preflight: each rank steps its global / dp sequences at once (no accumulation) in global / (micro x dp)
     microbatches; micro x dp must divide the global batch; the settings' disagreement is one line naming both."""
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     def setup(*overrides, world=2):
         cfg = load_config(None, ["model.preset=llama-deep", "train.global_batch_size=8", *overrides], env={})

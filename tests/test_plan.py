@@ -202,7 +202,7 @@ def test_every_proposed_layout_passes_meshtron_preflight(preset):
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import train_config
     from meshtron.plan.search import candidate_layouts
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     hf_config = make_preset_config(preset, 259)
     shape = ModelShape.from_hf_config(hf_config)
@@ -607,7 +607,7 @@ def test_every_proposed_moe_layout_passes_meshtron_preflight(tmp_path):
     from meshtron.plan.model_shape import ModelShape
     from meshtron.plan.report import train_config
     from meshtron.plan.search import candidate_layouts
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     hf_config = _moe_config(layers=4)
     hf_config.save_pretrained(tmp_path / "moe")
@@ -772,7 +772,7 @@ def _agreement(preset, degrees, settings):
     from meshtron.plan.layout import Layout, Workload
     from meshtron.plan.report import train_config
     from meshtron.plan.search import _valid
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
 
     hf_config, model_cfg = resolve_model(preset)
     workload = Workload(**{"seq_len": 256, "global_batch": 16, **settings})

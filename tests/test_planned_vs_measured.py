@@ -1,4 +1,4 @@
-"""Planned vs measured in every GPU run (meshtron.train.planned, meshtron.plan.for_run): the rows of metrics.jsonl
+"""Planned vs measured in every GPU run (meshtron.train.run.planned, meshtron.plan.for_run): the rows of metrics.jsonl
 carry the planner's figures from the first steady step and the log words the comparison once; the figures are the
 planner's own for the run's layout, settings and pipeline position."""
 
@@ -18,7 +18,7 @@ from meshtron.plan.layout import Layout, Workload
 from meshtron.plan.memory import memory_per_pipeline_rank
 from meshtron.plan.model_shape import ModelShape
 from meshtron.plan.throughput import estimate_step
-from meshtron.train.planned import STEADY_STEP, PlannedFigures, PlannedVsMeasured
+from meshtron.train.run.planned import STEADY_STEP, PlannedFigures, PlannedVsMeasured
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

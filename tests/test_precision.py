@@ -19,7 +19,7 @@ from meshtron.distributed.precision import (
 )
 from meshtron.distributed.runtime import check_torch_version
 from meshtron.errors import ConfigError
-from meshtron.train.precision import LossScaler
+from meshtron.train.loss.scaling import LossScaler
 
 
 def test_device_choice(monkeypatch):
@@ -185,9 +185,9 @@ def test_compiled_blocks_never_recompile_with_casts_document_masks_and_float8():
     from meshtron.distributed.parallelize import parallelize_model
     from meshtron.models.build import build_meta_model, load_hf_config, materialize
     from meshtron.train.batch import SequenceSplit, sequence_inputs
-    from meshtron.train.loss import head_loss_sum
-    from meshtron.train.preflight import preflight
-    from meshtron.train.run_setup import parallelize_options
+    from meshtron.train.loss.head import head_loss_sum
+    from meshtron.train.setup.preflight import preflight
+    from meshtron.train.setup.run_setup import parallelize_options
 
     tokenizer = load_tokenizer("byte")
     input_ids = torch.randint(0, 250, (2, 64), generator=torch.Generator().manual_seed(0))

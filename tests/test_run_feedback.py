@@ -27,8 +27,8 @@ from meshtron.metrics.runs import read_run
 from meshtron.metrics.step_log import Eta, MetricsLogger, format_duration
 from meshtron.models.build import load_hf_config
 from meshtron.train.optim.build import lr_at
-from meshtron.train.run_messages import saved_message, settings_summary
-from meshtron.train.segments import schedule_change_warning, start_segment
+from meshtron.train.run.messages import saved_message, settings_summary
+from meshtron.train.run.segments import schedule_change_warning, start_segment
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -168,7 +168,7 @@ def test_sources_stream_in_the_prepared_paths_order(tmp_path):
 
 def test_streaming_settings_and_checkpoints_are_checked(tmp_path):
     from meshtron.data.prepare import prepare_corpus
-    from meshtron.train.preflight import check_data_sources
+    from meshtron.train.setup.preflight import check_data_sources
 
     (tmp_path / "a.txt").write_text("some text " * 20)
     with pytest.raises(ConfigError, match="not a mixture"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import meshtron.checkpoint.manager
 import meshtron.resilience.watchdog
-import meshtron.train.preflight
+import meshtron.train.setup.preflight
 import meshtron.train.step
 
 FAULT_WORDS = ("resilience.faults", "MESHTRON_FAULT", "faults_from_env", "fault_plan", "faulted_loss", "visible_up_to")
@@ -21,7 +21,7 @@ def test_step_watchdog_checkpoints_and_preflight_name_no_fault():
         meshtron.train.step,
         meshtron.resilience.watchdog,
         meshtron.checkpoint.manager,
-        meshtron.train.preflight,
+        meshtron.train.setup.preflight,
     ):
         source = Path(inspect.getsourcefile(module)).read_text()
         named = [word for word in FAULT_WORDS if word in source]

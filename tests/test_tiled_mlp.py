@@ -9,9 +9,9 @@ from conftest import train_llama_tiny
 from torch import nn
 
 from meshtron.config import load_config
+from meshtron.distributed.activation_memory.tiled_mlp import apply_tiled_mlp, check_mlp_tiles
 from meshtron.errors import ConfigError
 from meshtron.models.presets import make_preset_config
-from meshtron.models.tiled_mlp import apply_tiled_mlp, check_mlp_tiles
 
 
 def llama_block():

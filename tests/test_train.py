@@ -416,7 +416,7 @@ def test_workers_resolve_the_resume_point_on_rank_0_and_every_rank_takes_its_cho
     launcher or a single process still raises it in preflight. (Ranks with different views: test_recovery.py.)"""
     import torch.distributed as dist
 
-    from meshtron.train.preflight import agree_resume_point, preflight
+    from meshtron.train.setup.preflight import agree_resume_point, preflight
 
     checkpoints = tmp_path / "checkpoints"
     (checkpoints / "step-00000003").mkdir(parents=True)  # no meshtron.json: not a whole checkpoint

@@ -144,7 +144,7 @@ def fused_loss(out) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from meshtron.train.fused_loss import fused_head_loss_sum
+    from meshtron.train.loss.fused import fused_head_loss_sum
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -123,7 +123,7 @@ def nvml_capability_matches_cuda() -> str:
     import sys
 
     code = (
-        "import torch; from meshtron.train.rank_imports import capability_from_nvml as nvml; "
+        "import torch; from meshtron.train.setup.rank_imports import capability_from_nvml as nvml; "
         "a = nvml(0); assert not torch.cuda.is_initialized(); b = torch.cuda.get_device_capability(0); "
         "assert a == b, (a, b); print(a)"
     )

@@ -27,7 +27,7 @@ from meshtron.check.report import COLUMNS, LEGEND, Row, environment_lines, verdi
 from meshtron.check.worker import BREAK_ENV, COLLECTIVE_TIMEOUT_S, run_rank
 from meshtron.distributed.torchrun_env import launched_by_torchrun
 from meshtron.errors import ConfigError
-from meshtron.train.rank_imports import initialized_cuda_before_forking
+from meshtron.train.setup.rank_imports import initialized_cuda_before_forking
 
 RUN_TIMEOUT_S = 600.0
 """A run that has not finished by then counts as hung: its ranks are killed and its row says so."""

@@ -76,7 +76,7 @@ def _train_rank(job: dict, out: Path, rank: int) -> None:
     from meshtron.config import load_config
     from meshtron.resilience.process_group import init_runtime, shutdown_runtime
     from meshtron.resilience.watchdog import COLLECTIVE_GRACE_S
-    from meshtron.train.preflight import preflight
+    from meshtron.train.setup.preflight import preflight
     from meshtron.train.trainer import train
 
     cfg = load_config(None, list(job["overrides"]), env={})

@@ -417,7 +417,7 @@ class CheckpointManager:
 @dataclass(frozen=True)
 class CheckpointOptions:
     """What finding, checking and recording a checkpoint reads of a run's settings, resolved once by the train layer
-    (meshtron.train.run_setup.checkpoint_options) from the settings preflight resolved."""
+    (meshtron.train.setup.run_setup.checkpoint_options) from the settings preflight resolved."""
 
     directory: Path | None
     """``checkpoint_directory``: None when neither ``checkpoint.dir`` nor ``run.output_dir`` is known yet."""

@@ -39,7 +39,7 @@ class RunData:
     dataset: TrainingDataset
     schedule: GlobalBatchSchedule
     eval_dataset: TrainingDataset | None = None
-    """Sequences to evaluate on, in order (None without ``[eval]``); see meshtron.train.evaluate."""
+    """Sequences to evaluate on, in order (None without ``[eval]``); see meshtron.train.evaluation.evaluate."""
 
 
 def build_training_data(

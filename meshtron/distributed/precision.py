@@ -15,7 +15,7 @@ compute in the chosen dtype; gradients are reduced in ``fsdp.reduce_dtype`` (flo
   add), a later micro-batch's compute-dtype gradient is added into the float32 one in one kernel (the
   conversion and the accumulation at once, the same float32 sum as before).
 
-fp16's loss scaling is a training-loop matter: ``meshtron.train.precision``. CPU runs use ``none`` under
+fp16's loss scaling is a training-loop matter: ``meshtron.train.loss.scaling``. CPU runs use ``none`` under
 ``auto``; bf16 (and fp16) also run on CPU, which is how the tests check this.
 """
 

@@ -120,7 +120,7 @@ class DecoderAdapter:
 
     def run_stage(self, model: nn.Module, hidden: torch.Tensor, inputs: dict, first: bool, last: bool) -> torch.Tensor:
         """A pipeline stage's computation: [embeddings] -> its blocks -> [final norm]. The head is
-        applied by the loss (``meshtron.train.loss``), as without pipelining.
+        applied by the loss (``meshtron.train.loss.head``), as without pipelining.
 
         ``inputs`` holds this rank's ``input_ids`` and ``position_ids`` and, when meshtron's attention is
         in use, the ``sequence_layout``; ``hidden`` is the previous stage's output (ignored when first).

@@ -59,7 +59,7 @@ fused loss (``FUSED_LOSS_BYTES_PER_LOGIT``)."""
 
 FUSED_LOSS_BYTES_PER_LOGIT = 8
 """Bytes the fused head + cross-entropy moves per logit beyond the compute dtype's three passes (logits
-written, read; gradient written): its fp32 exponentials, written and read once (meshtron.train.fused_loss)."""
+written, read; gradient written): its fp32 exponentials, written and read once (meshtron.train.loss.fused)."""
 
 UNFUSED_LOSS_BYTES_PER_LOGIT = 24
 """The same without the fused loss (``train.loss_chunk_size=0``): the fp32 copy of the logits, the fp32

@@ -46,8 +46,8 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> DryRunReport:
     from meshtron.metrics.memory import model_state_bytes, pinned_state_bytes
     from meshtron.models.build import build_meta_model
     from meshtron.train.optim.build import build_optimizer
-    from meshtron.train.preflight import preflight
-    from meshtron.train.run_setup import parallelize_options
+    from meshtron.train.setup.preflight import preflight
+    from meshtron.train.setup.run_setup import parallelize_options
 
     if not 0 <= rank < world_size:
         raise ConfigError(f"--dry-run-rank {rank} is not a rank of a world of {world_size}; use 0..{world_size - 1}")

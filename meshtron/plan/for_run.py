@@ -1,6 +1,6 @@
 """The planner's figures for one rank of a run as configured: what ``meshtron train --rehearse`` prints beside its
 measurements, and what every GPU run's ``metrics.jsonl`` carries beside its own (``planned_peak_gb``,
-``planned_step_s``; meshtron.train.planned), so that each user sees how far the planner is off on their hardware.
+``planned_step_s``; meshtron.train.run.planned), so that each user sees how far the planner is off on their hardware.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from meshtron.config import Config
 from meshtron.plan.hardware import GPUS, Hardware
-from meshtron.train.planned import PlannedFigures
+from meshtron.train.run.planned import PlannedFigures
 
 
 def known_gpu(device: torch.device) -> str | None:

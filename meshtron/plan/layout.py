@@ -65,10 +65,11 @@ class Workload:
     float8_recipe: str = "tensorwise"
     """``precision.float8_recipe``: how fast the float8 matmuls run (``calibration.FLOAT8_MATMUL_RATE``)."""
     mlp_tiles: int = 0
-    """``train.mlp_tiles``: each dense MLP keeps only its input for backward (meshtron.models.tiled_mlp)."""
+    """``train.mlp_tiles``: each dense MLP keeps only its input for backward
+    (meshtron.distributed.activation_memory.tiled_mlp)."""
     activation_offload: bool = False
     """``train.activation_offload``: what autograd keeps for backward lives in host memory between the forward and
-    the backward (meshtron.train.activation_offload)."""
+    the backward (meshtron.distributed.activation_memory.offload)."""
     cpu_offload: bool = False
     """``fsdp.cpu_offload``: parameters, gradients and optimizer state in host memory (FSDP, over one rank in a
     world of one); layouts without FSDP are refused with it, as preflight does."""
@@ -264,7 +265,7 @@ class Layout:
     def from_config(cls, cfg: Config, world_size: int, hf_config) -> "Layout":
         """The layout a meshtron run of ``cfg`` on ``world_size`` processes uses (degrees and batch resolved)."""
         from meshtron.distributed.pipeline_parallel import check_pipeline, stages_per_rank
-        from meshtron.train.preflight import micro_batch_split
+        from meshtron.train.setup.preflight import micro_batch_split
 
         dims = ParallelDims.from_config(cfg.parallel, world_size)
         micro, _ = micro_batch_split(cfg, dims)

@@ -6,7 +6,7 @@ exact up to FSDP's padding: every
 parameter is split by tensor parallelism as meshtron's TP plan splits it, then on dim 0 over
 ``dp_shard x cp`` with the first rank taking the ceiling. Activations count what autograd keeps
 for backward, term by term as Hugging Face's Llama-family code saves it (see docs/planning.md);
-``meshtron.metrics.activations`` measures the same quantity in real runs. Every layout computes in
+``meshtron.distributed.activation_memory.measure`` measures the same quantity in real runs. Every layout computes in
 the workload's compute dtype; without FSDP that means per-block compute-dtype copies of the weights,
 which autograd keeps too.
 """
@@ -268,7 +268,7 @@ def block_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         attention += e * heads * workload.seq_len * (1 + shape.attention_softcap)
     if shape.experts and not dense:  # a sparse MoE block, whole on every tp rank (meshtron.models.moe)
         mlp = moe_activation_per_token(shape, e, layout.dims.ep)
-    elif tiled_mlp(workload):  # only the MLP's input, this rank's part of the sequence (meshtron.models.tiled_mlp)
+    elif tiled_mlp(workload):  # only the MLP's input, this rank's part of the sequence (activation_memory.tiled_mlp)
         mlp = e * h / stream_split - e * h  # instead of the gathered input that gate and up keep
     else:
         mlp = (4 if shape.gated_mlp else 2) * e * inter // tp  # gate, silu(gate), up, silu(gate) * up (or in, act(in))
@@ -364,7 +364,8 @@ def weight_copy_bytes(shape: ModelShape, layout: Layout, workload: Workload, lay
 
 
 def tiled_mlp(workload: Workload) -> bool:
-    """Whether ``train.mlp_tiles`` tiles the dense MLPs (meshtron.models.tiled_mlp): each keeps only its input."""
+    """Whether ``train.mlp_tiles`` tiles the dense MLPs (meshtron.distributed.activation_memory.tiled_mlp): each keeps
+    only its input."""
     return workload.mlp_tiles > 1
 
 
@@ -439,9 +440,10 @@ the rotary tables, the final norm's and the loss's inputs)."""
 
 def pinned_rounding_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[float]:
     """Per pipeline rank, what pinning adds on CUDA to the bytes in host memory, at most: each offloaded activation
-    takes its bytes rounded up to ``PINNED_TAIL_BYTES`` (meshtron.train.activation_offload.pinned_piece_sizes), and
-    under ``fsdp.cpu_offload`` FSDP2 pins each parameter shard and each gradient shard in a request of its own, which
-    torch's caching host allocator rounds up to a power of two (``pinned_state_rounding``)."""
+    takes its bytes rounded up to ``PINNED_TAIL_BYTES`` (meshtron.distributed.activation_memory.offload's
+    ``pinned_piece_sizes``), and under ``fsdp.cpu_offload`` FSDP2 pins each parameter shard and each gradient shard
+    in a request of its own, which torch's caching host allocator rounds up to a power of two
+    (``pinned_state_rounding``)."""
     if workload.device != "cuda":
         return [0.0] * layout.dims.pp
     return [
@@ -455,7 +457,7 @@ def offload_pinning_bytes(shape: ModelShape, layout: Layout, workload: Workload)
     adds, at most, for the copies in flight at the peak (as ``saved_activation_bytes`` counts micro-batches)."""
     if not workload.activation_offload:
         return [0.0] * layout.dims.pp
-    from meshtron.train.activation_offload import PINNED_TAIL_BYTES
+    from meshtron.distributed.activation_memory.offload import PINNED_TAIL_BYTES
 
     per_block = 1 if layout.activation_checkpointing == "full" else OFFLOADED_TENSORS_PER_BLOCK
     ranks = []
@@ -501,7 +503,7 @@ def _power_of_two_ceil(nbytes: int) -> int:
 
 OFFLOAD_BLOCKS_ON_DEVICE = 3
 """Blocks' worth of offloaded activations on the device at once in backward: the block being differentiated and
-what is fetched ahead (meshtron.train.activation_offload: twice the largest host copy)."""
+what is fetched ahead (meshtron.distributed.activation_memory.offload: twice the largest host copy)."""
 
 
 def offload_traffic_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:

@@ -97,8 +97,8 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
     from meshtron.distributed.runtime import Runtime
     from meshtron.metrics.memory import max_memory_gb
     from meshtron.plan.for_run import planned_for_rank
-    from meshtron.train.preflight import preflight
-    from meshtron.train.run_setup import resolved_config
+    from meshtron.train.setup.preflight import preflight
+    from meshtron.train.setup.run_setup import resolved_config
     from meshtron.train.trainer import train
 
     if not 0 <= rank < world_size:

@@ -145,7 +145,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # Under LoRA: what the run computes (frozen weights take no weight gradient; the adapters add theirs).
     model_flops = (flops_per_token(hf_config, workload.seq_len) + shape.lora_flops_per_token) * tokens / world
     recompute = {"none": 1.0, "selective": 1.05, "full": 4 / 3}[layout.activation_checkpointing]
-    if workload.mlp_tiles > 1:  # each tiled MLP runs its forward once more, in backward (meshtron.models.tiled_mlp)
+    if workload.mlp_tiles > 1:  # each tiled MLP runs its forward once more, in backward (activation_memory.tiled_mlp)
         mlp_forward = 2 * (3 if shape.gated_mlp else 2) * shape.hidden * shape.intermediate * shape.layers
         recompute += mlp_forward * tokens / world / model_flops
     e = compute_bytes(workload)  # every layout computes in the compute dtype (precision.mixed_precision)

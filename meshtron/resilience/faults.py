@@ -145,7 +145,7 @@ class Faults:
         return None
 
     def start_up_choice(self, setup, rank: int, directory: Path | None, resume: str):
-        """``setup`` (meshtron.train.run_setup.RunSetup) with the resume point that rank ``rank`` chooses with
+        """``setup`` (meshtron.train.setup.run_setup.RunSetup) with the resume point that rank ``rank`` chooses with
         ``checkpoint.resume=auto`` (``resume``) from a stale view of the checkpoint ``directory`` (a ``stale`` fault:
         no checkpoint newer than its step seen), else ``setup``. Where rank 0 chooses for every rank
         (``agree_resume_point``), its choice replaces this one."""

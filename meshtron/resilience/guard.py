@@ -30,7 +30,7 @@ class RunGuard:
     """``with RunGuard(...) as guard:`` around the loop; ``before_step``, ``rolled_back``, ``after_step`` in it.
 
     ``train`` and ``run`` are the run's ``[train]`` (steps, ``on_nonfinite``, ``max_rollbacks``) and ``[run]``
-    (``collective_timeout_s``); ``resumable`` is the run's meshtron.train.resumable.Resumable, ``logger`` its
+    (``collective_timeout_s``); ``resumable`` is the run's meshtron.train.run.resumable.Resumable, ``logger`` its
     MetricsLogger and ``result`` its TrainResult (a rollback rewinds its per-step lists); ``faults`` the run's fault
     plan (meshtron.resilience.faults; empty in a normal run)."""
 

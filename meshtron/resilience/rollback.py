@@ -27,7 +27,7 @@ class NonfiniteRollback:
         self.in_a_row = 0
 
     def roll_back(self, step: int, loss: float, grad_norm: float, resumable) -> tuple[int, str]:
-        """After 1-based ``step`` was non-finite: reload (a meshtron.train.resumable.Resumable) and skip its
+        """After 1-based ``step`` was non-finite: reload (a meshtron.train.run.resumable.Resumable) and skip its
         batch; returns (the checkpoint's step, a log line)."""
         what = f"step {step}: loss is {loss} and gradient norm is {grad_norm}"
         if self.in_a_row >= self.max_in_a_row:

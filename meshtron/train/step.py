@@ -26,6 +26,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshtron.config import Config
 from meshtron.data.prefetch import StepReader, StepSequences
 from meshtron.data.streaming import StreamingDataset
+from meshtron.distributed.activation_memory.measure import ResidentStorages, SavedActivationTracker
+from meshtron.distributed.activation_memory.offload import ActivationOffloader, saved_activation_hooks
 from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
@@ -33,23 +35,21 @@ from meshtron.distributed.mesh import ParallelDims
 from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
-from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker
 from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
-from meshtron.train.activation_offload import ActivationOffloader, saved_activation_hooks
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
-from meshtron.train.loss import head_loss_sum
+from meshtron.train.loss.head import head_loss_sum
+from meshtron.train.loss.scaling import LossScaler, unscale_gradients
 from meshtron.train.moe.router_balance import RouterBalance
 from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metrics
-from meshtron.train.precision import LossScaler, unscale_gradients
 from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
 if TYPE_CHECKING:
     from meshtron.models.adapter import DecoderAdapter
     from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss
     from meshtron.train.pipeline.runner import PipelineRunner
-    from meshtron.train.run_setup import RunSetup
+    from meshtron.train.setup.run_setup import RunSetup
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class StepContext:
 
     dp_rank: int
     setup: RunSetup
-    """The run's set-up: degrees, batch split, precision and the like (meshtron.train.preflight)."""
+    """The run's set-up: degrees, batch split, precision and the like (meshtron.train.setup.preflight)."""
     split: SequenceSplit
     device: torch.device
     options: StepOptions

@@ -1,4 +1,4 @@
-"""The training loop: build, parallelize and materialize the model (meshtron.train.build), then step through the
+"""The training loop: build, parallelize and materialize the model (meshtron.train.setup.build), then step through the
 global batches (each step is meshtron.train.step.train_step)."""
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ from meshtron.metrics.step_row import StepRow
 from meshtron.metrics.trackers import build_trackers
 from meshtron.resilience.faults import fault_plan
 from meshtron.resilience.guard import RunGuard
-from meshtron.train.build import build_model, sequence_split
-from meshtron.train.evaluate import Evaluator, build_evaluator
+from meshtron.train.evaluation.evaluate import Evaluator, build_evaluator
+from meshtron.train.loss.scaling import loss_scaler
 from meshtron.train.moe.router_balance import build_router_balance
 from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
-from meshtron.train.planned import PlannedFigures, PlannedVsMeasured
-from meshtron.train.precision import loss_scaler
-from meshtron.train.preflight import agree_resume_point, preflight, verified_resume_point
-from meshtron.train.resumable import Resumable
-from meshtron.train.run_messages import done_message, startup_message
-from meshtron.train.run_setup import RunSetup, resolved_config
-from meshtron.train.segments import resume_run, start_segment
+from meshtron.train.run.messages import done_message, startup_message
+from meshtron.train.run.planned import PlannedFigures, PlannedVsMeasured
+from meshtron.train.run.resumable import Resumable
+from meshtron.train.run.segments import resume_run, start_segment
+from meshtron.train.setup.build import build_model, sequence_split
+from meshtron.train.setup.preflight import agree_resume_point, preflight, verified_resume_point
+from meshtron.train.setup.run_setup import RunSetup, resolved_config
 from meshtron.train.step import StepContext, step_options, step_reader, train_step
 from meshtron.train.step_stats import global_step_sums
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from meshtron.data.prefetch import StepReader
 
-__all__ = ["RunSetup", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.preflight
+__all__ = ["RunSetup", "TrainResult", "preflight", "train"]  # preflight lives in meshtron.train.setup.preflight
 
 
 @dataclass
@@ -78,11 +78,11 @@ class TrainResult:
     0 without accumulation or under pipeline parallelism); see meshtron.metrics.gradient_memory."""
     activation_bytes: int = 0
     """This rank's peak bytes kept by autograd for backward, measured in the second step (the first one
-    also holds torch.distributed.pipelining's set-up forward); see meshtron.metrics.activations."""
+    also holds torch.distributed.pipelining's set-up forward); see meshtron.distributed.activation_memory.measure."""
     offloaded_bytes: int = 0
     """With ``train.activation_offload``: this rank's peak bytes of activations in host memory, same step."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step, evaluation loss) of each evaluation of this start (``[eval]``; meshtron.train.evaluate)."""
+    """(step, evaluation loss) of each evaluation of this start (``[eval]``; meshtron.train.evaluation.evaluate)."""
 
     def record(self, outcome, seconds: float) -> None:
         """Keep a finished step's figures (``outcome``: its meshtron.train.step.StepResult) and measurements."""
@@ -129,7 +129,7 @@ def train(
     """Run ``cfg.train.steps`` optimizer steps; rank 0 writes metrics and the resolved config.
 
     ``planned``: the planner's figures for this run (meshtron.plan.for_run), which its metrics rows carry from the
-    first steady step (meshtron.train.planned). ``meshtron eval`` is meshtron.train.evaluate_run."""
+    first steady step (meshtron.train.run.planned). ``meshtron eval`` is meshtron.train.evaluation.evaluate_run."""
     return run_session(cfg, runtime, setup, _train_to_end, planned=planned)
 
 
@@ -357,7 +357,7 @@ def evaluate_model(loop: _Loop, step: int, model, result: TrainResult) -> dict:
 
 def _prepare_output(cfg: Config, runtime: Runtime, setup: RunSetup) -> tuple[Config, str, CheckpointManager | None]:
     """``cfg`` with its output directory (``run.output_dir``: made, with the resolved config and run.json:
-    meshtron.train.segments), this start's id and the checkpoint manager, if any."""
+    meshtron.train.run.segments), this start's id and the checkpoint manager, if any."""
     chosen, run_id = _resolve_output_dir(cfg, runtime)
     cfg = replace(cfg, run=replace(cfg.run, output_dir=chosen))  # a copy: the caller's settings stay as given
     output_dir = Path(chosen)

@@ -44,7 +44,7 @@ from meshtron.tensors import local_tensor
 
 if TYPE_CHECKING:
     from meshtron.distributed.mesh import Meshes
-    from meshtron.train.run_setup import RunSetup
+    from meshtron.train.setup.run_setup import RunSetup
 
 
 def biased_router_forward(self, hidden_states):

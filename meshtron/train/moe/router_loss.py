@@ -51,7 +51,7 @@ from meshtron.models.moe import experts_per_token, has_own_router_bias, is_moe, 
 
 if TYPE_CHECKING:
     from meshtron.distributed.mesh import Meshes
-    from meshtron.train.run_setup import RunSetup
+    from meshtron.train.setup.run_setup import RunSetup
 
 
 def router_loss_enabled(setting: str, hf_config) -> bool:

@@ -22,7 +22,7 @@ from meshtron.distributed.precision import release_compute_weights
 from meshtron.models.moe import num_experts
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, StageInputs
-from meshtron.train.loss import head_loss_sum
+from meshtron.train.loss.head import head_loss_sum
 from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
 from meshtron.train.moe.router_loss import router_coef, router_loss_enabled
 from meshtron.train.pipeline.rehearsal import RehearsalStage, stage_shapes
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from meshtron.config import Config
     from meshtron.distributed.mesh import Meshes
     from meshtron.models.adapter import DecoderAdapter
-    from meshtron.train.run_setup import RunSetup
+    from meshtron.train.setup.run_setup import RunSetup
 
 
 @dataclass

@@ -25,7 +25,7 @@ from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
-from meshtron.train.run_setup import RunSetup, parallelize_options
+from meshtron.train.setup.run_setup import RunSetup, parallelize_options
 
 
 @dataclass
@@ -69,7 +69,7 @@ def build_model(
 ) -> BuiltModel:
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1.
     Under ``precision.float8`` a run that does not resume computes its float8 weight scales from the initial weights
-    (a resume does from the restored ones: meshtron.train.resumable)."""
+    (a resume does from the restored ones: meshtron.train.run.resumable)."""
     dims = setup.dims
     model, adapter = build_meta_model(setup.hf_config, cfg.model)
     if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own

@@ -1,5 +1,6 @@
 """What preflight resolves for a run (``RunSetup``, with its ``BatchSplit``): the types every later stage reads, kept
-apart from the checks that make them (meshtron.train.preflight) so that the stages preflight calls can name them."""
+apart from the checks that make them (meshtron.train.setup.preflight) so that the stages preflight calls can name
+them."""
 
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from meshtron.data.tokenizer import (
     load_tokenizer,
     tokenizer_notice,
 )
+from meshtron.distributed.activation_memory.tiled_mlp import check_mlp_tiles
 from meshtron.distributed.data_parallel import check_data_parallel
 from meshtron.distributed.float8 import check_float8
 from meshtron.distributed.layout_checks import check_layout
@@ -50,12 +51,11 @@ from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
-from meshtron.models.tiled_mlp import check_mlp_tiles
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
 from meshtron.train.optim.registry import check_optimizer
-from meshtron.train.run_setup import BatchSplit, RunSetup, checkpoint_options
+from meshtron.train.setup.run_setup import BatchSplit, RunSetup, checkpoint_options
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl")
 

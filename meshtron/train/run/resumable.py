@@ -15,8 +15,8 @@ from meshtron.config import Config, to_toml
 from meshtron.data.carry import SEQ_LEN_CHANGES, resume_with_changes
 from meshtron.data.streaming import StreamingDataset, load_stream_states, save_stream_state
 from meshtron.train.optim.build import apply_schedule
-from meshtron.train.run_messages import saved_message
-from meshtron.train.run_setup import checkpoint_options
+from meshtron.train.run.messages import saved_message
+from meshtron.train.setup.run_setup import checkpoint_options
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from meshtron.data.mixture import MixedDataset
     from meshtron.data.sampler import GlobalBatchSchedule
     from meshtron.distributed.runtime import Runtime
-    from meshtron.train.precision import LossScaler
+    from meshtron.train.loss.scaling import LossScaler
 
 SKIPPED_KEY = "data.skip_batches"
 """meshtron.json's list of the global batches the run leaves out (data.skip_batches and rollbacks)."""

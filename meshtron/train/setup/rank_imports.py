@@ -46,7 +46,7 @@ def import_rank_modules() -> None:
             "torch.distributed.tensor.parallel",
             "torch.distributed.checkpoint.state_dict",
             "meshtron.train.trainer",
-            "meshtron.train.preflight",
+            "meshtron.train.setup.preflight",
         ):
             importlib.import_module(module)
         for model_type in FAMILIES:

@@ -1,14 +1,14 @@
 """``meshtron eval``'s run: set up as a training run is (meshtron.train.trainer.run_session), train nothing, and
 evaluate the model as built or restored from the checkpoint ``checkpoint.resume`` names, once, on the ``[eval]``
-data (meshtron.train.evaluate)."""
+data (meshtron.train.evaluation.evaluate)."""
 
 from __future__ import annotations
 
 from meshtron.config import Config
 from meshtron.distributed.runtime import Runtime
-from meshtron.train.resumable import Resumable
-from meshtron.train.run_messages import evaluated_message
-from meshtron.train.run_setup import RunSetup
+from meshtron.train.run.messages import evaluated_message
+from meshtron.train.run.resumable import Resumable
+from meshtron.train.setup.run_setup import RunSetup
 from meshtron.train.trainer import TrainResult, evaluate_model, run_session
 
 

@@ -35,8 +35,13 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from meshtron.distributed.activation_memory.measure import (
+    ResidentStorages,
+    SavedActivationTracker,
+    in_backward,
+    is_parameter,
+)
 from meshtron.distributed.precision import is_weight_copy
-from meshtron.metrics.activations import ResidentStorages, SavedActivationTracker, in_backward, is_parameter
 from meshtron.tensors import compile_disabled
 
 MIN_OFFLOAD_BYTES_CUDA = 1 << 20

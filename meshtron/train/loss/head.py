@@ -2,7 +2,7 @@
 
 ``head_loss_sum`` is the one loss function of every layout (pipeline last stages included). It
 applies the head itself instead of taking the model's logits. With ``train.loss_chunk_size`` > 0 (the
-default) it is meshtron.train.fused_loss: the tokens are cut into chunks, each chunk's logits are
+default) it is meshtron.train.loss.fused: the tokens are cut into chunks, each chunk's logits are
 turned into its loss and its gradients at once and dropped, so the full ``tokens x vocab`` logits,
 their float32 copy and softmax never exist and nothing is recomputed in backward. With 0 it is one
 ``F.linear`` + ``F.cross_entropy`` over all tokens.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.data.labels import IGNORE_INDEX
-from meshtron.train.fused_loss import fused_head_loss_sum
+from meshtron.train.loss.fused import fused_head_loss_sum
 
 __all__ = ["IGNORE_INDEX", "head_loss_sum"]  # IGNORE_INDEX (-100): the label value that carries no loss
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 STEADY_STEP = 3
 """The first step of a start whose time and memory are steady: its first step compiles and warms the allocator,
-its second measures the activations kept for backward (meshtron.metrics.activations)."""
+its second measures the activations kept for backward (meshtron.distributed.activation_memory.measure)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Validation during training and ``meshtron eval``'s run."""
