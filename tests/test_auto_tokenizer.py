@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_main
+from tiny_llama_fixture import CHARACTERS, save_character_tokenizer, save_tiny_llama
 
 from meshtron.config import load_config
 from meshtron.data.dataset import cache_path
@@ -31,33 +32,16 @@ from meshtron.train.setup.preflight import preflight
 from meshtron.train.trainer import train
 
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-CHARACTERS = ["<unk>", "</s>"] + [chr(c) for c in range(32, 127)]  # a character-level tokenizer of 97 ids
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """``own``: a tiny Llama (vocabulary 320, more than both tokenizers') with its character-level tokenizer saved
     beside it; ``bare``: the same model without a tokenizer; ``text``: a few documents."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("auto-tokenizer")
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        vocab_size=320,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(root / "bare")
+    save_tiny_llama(root / "bare", seed=0, vocab_size=320)
     shutil.copytree(root / "bare", root / "own")
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(CHARACTERS)}, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>").save_pretrained(root / "own")
+    save_character_tokenizer(root / "own")
     (root / "text").mkdir()
     for i in range(6):
         (root / "text" / f"doc{i}.txt").write_text(f"document {i}: the cat sat on the mat, {i * 7} times over.\n")

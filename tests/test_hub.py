@@ -16,9 +16,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import tiny_llama_fixture
 import torch
 from conftest import run_cli, run_main, worker_env
 from huggingface_hub import constants
+from tiny_llama_fixture import save_character_tokenizer
 
 from meshtron.checkpoint.integrity import META
 from meshtron.config import load_config
@@ -30,29 +32,12 @@ from meshtron.train.trainer import train
 CPU_RUNTIME = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 REPO_ID = "org/tiny"
 FIRST, SECOND = "a" * 40, "b" * 40
-CHARACTERS = ["<unk>", "</s>"] + [chr(c) for c in range(32, 127)]
 
 
 def save_tiny_llama(folder: Path, seed: int) -> None:
     """A one-layer Llama with a character-level tokenizer, saved as the hub holds it."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        vocab_size=128,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(CHARACTERS)}, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>").save_pretrained(folder)
+    tiny_llama_fixture.save_tiny_llama(folder, seed)
+    save_character_tokenizer(folder)
 
 
 def add_snapshot(cache: Path, repo_id: str, commit: str, source: Path, ref: str | None = "main") -> Path:
