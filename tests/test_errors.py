@@ -410,6 +410,7 @@ def test_checkpoint_of_another_model_or_batch_or_missing(capsys, tmp_path, cache
             "--model: 'nope' is neither",
         ),
         (["plan", "--model", "llama-1b", "--gpus", "0", "--seq-len", "128", "--global-batch", "8"], "--gpus must be"),
+        (["plan", "--model", "llama-1b", "--gpus", "1", "--float8-recipe", "rowwise"], "add --float8"),
     ],
 )
 def test_every_command_ends_bad_input_with_one_line(capsys, tmp_path, command, expected):

@@ -264,6 +264,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--mlp-tiles must be >= 0 (0 turns tiling off), got {args.mlp_tiles}")
     if args.loss_chunk_size < 0:
         raise ConfigError(f"--loss-chunk-size must be >= 0 (0 disables chunking), got {args.loss_chunk_size}")
+    if args.float8_recipe != "tensorwise" and not args.float8:
+        raise ConfigError(f"--float8-recipe {args.float8_recipe} plans float8 linears: add --float8")
     overrides = {name: getattr(args, name) for name in HARDWARE_OVERRIDES}
     may_be_zero = ("reserved_gb", "fp8_tflops")  # nothing reserved; a GPU without float8 matmuls
     for name, value in overrides.items():
@@ -295,8 +297,6 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--lora-rank must be >= 0 (0: full training), got {args.lora_rank}")
     lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     shape = ModelShape.from_hf_config(hf_config, model_cfg, lora)
-    if args.float8_recipe != "tensorwise" and not args.float8:
-        raise ConfigError(f"--float8-recipe {args.float8_recipe} plans float8 linears: add --float8")
     workload = Workload(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
