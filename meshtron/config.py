@@ -40,7 +40,13 @@ DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
-DATA_FORMATS = ("text", "chat")
+DATA_FORMATS = ("text", "chat", "preference")
+OBJECTIVES = ("causal_lm", "dpo", "ipo", "simpo", "orpo")
+REFERENCE_FREE_OBJECTIVES = ("simpo", "orpo")
+"""Preference objectives that compare the policy with no reference model."""
+REFERENCES = ("auto", "model", "lora_base", "precomputed")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+DPO_LOSS_TYPES = ("sigmoid", "robust")
 TRAIN_ON = ("assistant", "all")
 WANDB_MODES = ("online", "offline", "disabled")
 COMPILE = ("auto", "true", "false")
@@ -60,6 +66,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_kernel": ATTENTION_KERNELS,
     "data.format": DATA_FORMATS,
     "data.train_on": TRAIN_ON,
+    "train.objective": OBJECTIVES,
+    "preference.reference": REFERENCES,
+    "preference.reference_dtype": DTYPES,
+    "preference.truncation_mode": TRUNCATION_MODES,
+    "dpo.loss_type": DPO_LOSS_TYPES,
     "schedule.kind": LR_SCHEDULES,
     "schedule.decay_shape": DECAY_SHAPES,
     "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
@@ -159,8 +170,10 @@ class DataConfig:
     ``--data.sources=/data/web:0.7,/data/code:0.3``; each a prepared directory or any source ``path`` takes; weights
     are normalized). See docs/data.md#mixtures-datasources."""
     format: str = "text"
-    """``text`` (documents), or ``chat``: conversations (lists of role/content messages) rendered with the
-    tokenizer's chat template, for fine-tuning. See docs/data.md#chat-fine-tuning-dataformat--chat."""
+    """``text`` (documents), ``chat``: conversations (lists of role/content messages) rendered with the
+    tokenizer's chat template, for fine-tuning (docs/data.md#chat-fine-tuning-dataformat--chat), or ``preference``:
+    pairs of answers (``prompt``, ``chosen``, ``rejected``) for the preference objectives of ``train.objective``
+    (docs/post-training.md)."""
     train_on: str = "assistant"
     """With ``format=chat``: the loss on the ``assistant``'s tokens only, or on ``all`` tokens."""
     messages_field: str = "messages"
@@ -225,6 +238,11 @@ class TrainConfig:
     checkpoint.interval); see docs/faults.md#non-finite-loss-error-skip-rollback."""
     max_rollbacks: int = 3
     """``on_nonfinite=rollback``: rollbacks in a row (no new checkpoint saved between them) before the run stops."""
+    objective: str = "causal_lm"
+    """What the run minimizes: ``causal_lm`` (next-token cross-entropy), or a preference objective on
+    ``data.format=preference`` pairs (docs/post-training.md): ``dpo`` and ``ipo`` (against a reference model,
+    ``[preference]``), ``simpo`` and ``orpo`` (reference-free); each has its own section of settings. With a
+    preference objective ``global_batch_size`` counts pairs."""
 
     def validate(self) -> None:
         for key in ("steps", "global_batch_size", "max_rollbacks"):
@@ -536,6 +554,73 @@ class LoraConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Preference data and the reference model of the preference objectives (docs/post-training.md)."""
+
+    max_length: int | None = None
+    """Tokens of each sequence (prompt + answer) at most, as TRL's ``max_length``: longer ones are cut as
+    ``truncation_mode`` says; a pair whose prompt alone fills it is left out (counted). Unset: half a row,
+    ``(data.seq_len + 1) // 2`` (a pair's two sequences share one row of ``data.seq_len + 1`` tokens)."""
+    truncation_mode: str = "keep_start"
+    """``keep_start``: keep the first ``max_length`` tokens of a sequence; ``keep_end``: the last (TRL's)."""
+    reference: str = "auto"
+    """The reference model of ``dpo`` / ``ipo``: ``model`` (a frozen copy of the starting weights, laid out and
+    sharded like the policy, forward only), ``lora_base`` (with ``[lora]``: the policy with its adapters switched
+    off, no second copy), ``precomputed`` (its log-probabilities computed once before training and kept with the
+    run); ``auto``: ``lora_base`` with ``[lora]``, else ``model``. Reference-free objectives take none."""
+    reference_dtype: str | None = None
+    """Storage dtype of a ``model`` reference (e.g. ``bfloat16`` to halve its memory); unset: ``model.dtype``."""
+
+    def validate(self) -> None:
+        _positive("preference.max_length", self.max_length, allow_none=True)
+
+
+@dataclass
+class DpoConfig:
+    """``train.objective=dpo``: Direct Preference Optimization as TRL's DPOTrainer computes it."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (TRL's ``beta``)."""
+    loss_type: str = "sigmoid"
+    """``sigmoid`` (the DPO loss) or ``robust`` (robust DPO: preference labels flipped with probability
+    ``label_smoothing``), as TRL's ``loss_type``."""
+    label_smoothing: float = 0.0
+    """With ``loss_type=robust``: the probability that a pair's preference is flipped, in [0, 0.5)."""
+    rpo_alpha: float = 0.0
+    """Weight of an NLL term on the chosen answers (RPO; TRL's ``loss_type=["sigmoid", "sft"]`` with
+    ``loss_weights=[1, rpo_alpha]``): the mean over the global batch's chosen tokens; 0: off."""
+
+
+@dataclass
+class IpoConfig:
+    """``train.objective=ipo``: Identity Preference Optimization (TRL's DPOTrainer ``loss_type="ipo"``, with the
+    log-ratios averaged over each answer's tokens)."""
+
+    beta: float = 0.1
+    """The regularization tau of the IPO paper (TRL's ``beta``)."""
+
+
+@dataclass
+class SimpoConfig:
+    """``train.objective=simpo``: reference-free, length-normalized (TRL's CPOTrainer ``loss_type="simpo"``)."""
+
+    beta: float = 0.1
+    """Scale of the average log-probability rewards (TRL's ``beta``)."""
+    gamma: float = 0.5
+    """Target reward margin (TRL's ``simpo_gamma``)."""
+    cpo_alpha: float = 0.0
+    """Weight of an NLL term on the chosen answers (TRL's ``cpo_alpha``, whose default is 1.0); 0: pure SimPO."""
+
+
+@dataclass
+class OrpoConfig:
+    """``train.objective=orpo``: the chosen answers' NLL plus ``beta`` x the log odds ratio (TRL's ORPOTrainer)."""
+
+    beta: float = 0.1
+    """Weight of the odds-ratio term (TRL's ``beta``, the paper's lambda)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -546,6 +631,11 @@ class Config:
     moe: MoeConfig = field(default_factory=MoeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    ipo: IpoConfig = field(default_factory=IpoConfig)
+    simpo: SimpoConfig = field(default_factory=SimpoConfig)
+    orpo: OrpoConfig = field(default_factory=OrpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -901,12 +991,22 @@ def resolve_config(cfg: Config) -> None:
 def validate_config(cfg: Config) -> None:
     """Checks that need neither the world size nor the model or data files; changes nothing (see resolve_config)."""
     _check_choices(cfg)
-    for section in (cfg.model, cfg.data, cfg.train, cfg.optimizer, cfg.schedule, cfg.precision, cfg.moe):
+    for section in (
+        cfg.model,
+        cfg.data,
+        cfg.train,
+        cfg.optimizer,
+        cfg.schedule,
+        cfg.precision,
+        cfg.moe,
+        cfg.preference,
+    ):
         section.validate()
     _validate_parallel(cfg.parallel)
     _validate_run(cfg)
     _validate_eval(cfg)
     _validate_lora(cfg)
+    _validate_objective(cfg)
     t = cfg.train
     if cfg.schedule.min_lr > cfg.optimizer.lr:
         raise ConfigError(
@@ -1013,6 +1113,95 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError(
             f"lora.rank > 0 with optimizer.name={cfg.optimizer.name} is not supported yet; set optimizer.name=adamw"
         )
+
+
+OBJECTIVE_SECTIONS = {"dpo": DpoConfig, "ipo": IpoConfig, "simpo": SimpoConfig, "orpo": OrpoConfig}
+"""Each preference objective's own section of settings."""
+
+
+def uses_reference(cfg: Config) -> bool:
+    """Whether the run's objective compares the policy with a reference model."""
+    return cfg.train.objective in ("dpo", "ipo")
+
+
+def reference_kind(cfg: Config) -> str:
+    """``preference.reference`` resolved: ``model``, ``lora_base`` or ``precomputed`` (``none`` without one)."""
+    if not uses_reference(cfg):
+        return "none"
+    if cfg.preference.reference == "auto":
+        return "lora_base" if cfg.lora.enabled else "model"
+    return cfg.preference.reference
+
+
+def _validate_objective(cfg: Config) -> None:
+    """``train.objective``, ``data.format``, ``[preference]`` and the objectives' sections agree."""
+    objective, preference = cfg.train.objective, cfg.preference
+    for name, section_type in OBJECTIVE_SECTIONS.items():
+        changed = [
+            f.name
+            for f in dataclasses.fields(section_type)
+            if getattr(getattr(cfg, name), f.name) != getattr(section_type(), f.name)
+        ]
+        if changed and objective != name:
+            raise ConfigError(
+                f"{name}.{changed[0]} is a setting of train.objective={name}, but train.objective={objective}; set "
+                f"train.objective={name} or remove the [{name}] settings"
+            )
+    if objective == "causal_lm":
+        if cfg.data.format == "preference":
+            raise ConfigError(
+                "data.format=preference holds pairs of answers for a preference objective, not for "
+                "train.objective=causal_lm; set train.objective=dpo (or ipo, simpo, orpo), or use data.format=chat"
+            )
+        changed = [
+            f.name
+            for f in dataclasses.fields(PreferenceConfig)
+            if getattr(preference, f.name) != getattr(PreferenceConfig(), f.name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"preference.{changed[0]} is a setting of the preference objectives, but train.objective=causal_lm; "
+                "set train.objective=dpo (or ipo, simpo, orpo) or remove the [preference] settings"
+            )
+        return
+    if cfg.data.format != "preference":
+        raise ConfigError(
+            f"train.objective={objective} trains on pairs of answers: set data.format=preference (rows with prompt, "
+            "chosen and rejected; docs/post-training.md#data)"
+        )
+    if objective in REFERENCE_FREE_OBJECTIVES and preference.reference != "auto":
+        raise ConfigError(
+            f"train.objective={objective} is reference-free, but preference.reference={preference.reference}; "
+            "remove preference.reference (or use train.objective=dpo or ipo)"
+        )
+    if objective in REFERENCE_FREE_OBJECTIVES and preference.reference_dtype is not None:
+        raise ConfigError(f"train.objective={objective} is reference-free: remove preference.reference_dtype")
+    if preference.reference == "lora_base" and not cfg.lora.enabled:
+        raise ConfigError(
+            "preference.reference=lora_base is the policy with its LoRA adapters off: set lora.rank > 0, or use "
+            "preference.reference=model"
+        )
+    if preference.reference_dtype is not None and reference_kind(cfg) != "model":
+        raise ConfigError(
+            f"preference.reference_dtype is the storage dtype of a preference.reference=model copy, but the "
+            f"reference is {reference_kind(cfg)}; remove preference.reference_dtype"
+        )
+    dpo = cfg.dpo
+    if dpo.label_smoothing and dpo.loss_type != "robust":
+        raise ConfigError(
+            f"dpo.label_smoothing={dpo.label_smoothing} is used by dpo.loss_type=robust only (TRL's), not "
+            f"{dpo.loss_type}; set dpo.loss_type=robust or remove dpo.label_smoothing"
+        )
+    if not 0 <= dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {dpo.label_smoothing}")
+    for key in ("dpo.beta", "ipo.beta", "simpo.beta", "orpo.beta"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name) > 0:
+            raise ConfigError(f"{key}: must be > 0, got {getattr(getattr(cfg, section), name)}")
+    for key in ("dpo.rpo_alpha", "simpo.cpo_alpha"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 0:
+            raise ConfigError(f"{key}: must be >= 0 (0 turns the NLL term off)")
 
 
 def _validate_eval(cfg: Config) -> None:

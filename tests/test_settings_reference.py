@@ -48,11 +48,25 @@ def test_every_setting_and_section_has_a_docstring():
             assert setting.doc, f"{setting.key} needs an attribute docstring (the string under the field)"
 
 
+def _companions(key: str, value: str) -> list[str]:
+    """The settings without which ``key=value`` cannot stand: a preference objective and its data come together,
+    a LoRA-base reference needs LoRA."""
+    if key == "train.objective" and value != "causal_lm":
+        return ["data.format=preference"]
+    if key == "data.format" and value == "preference":
+        return ["train.objective=dpo"]
+    if key.startswith(("preference.", "dpo.")):
+        return ["train.objective=dpo", "data.format=preference"] + (
+            ["lora.rank=4"] if key.endswith("reference") else []
+        )
+    return []
+
+
 def _accepts(key: str, value: str) -> bool:
     """Whether validation takes ``--key=value`` (on a config where every choice can stand: rollback needs
-    checkpoints)."""
+    checkpoints, a preference objective its data)."""
     try:
-        load_config(None, [f"{key}={value}", "checkpoint.interval=1"], env={})
+        load_config(None, [f"{key}={value}", "checkpoint.interval=1", *_companions(key, value)], env={})
     except ConfigError as err:
         assert key in str(err), err
         return False

@@ -108,6 +108,8 @@ def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
 
 def check_data_sources(data) -> list[str]:
     """The data paths of the run (``data.path``, or each of ``data.sources``), each checked."""
+    if data.format == "preference":  # being built (issue 59): checked settings, no training yet
+        raise ConfigError("data.format=preference: training on preference pairs is not available yet (issue 59)")
     if data.format == "chat":
         for setting, wrong, fix in (
             ("data.streaming", data.streaming, "set data.streaming=false"),
