@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,6 +24,8 @@ class StepInputs:
     """(input_ids, labels) int64 tensors on the host, one pair per micro-batch of this rank."""
     global_targets: int
     """Labelled tokens of the whole global batch (every rank counts them itself)."""
+    pair_counts: Any = None
+    """A preference objective's counts of the global batch (``StepReader``'s ``count_pairs``), else None."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class StepReader:
 
     ``sequences(step)`` says which sequences a step reads (a StepSequences); ``dataset`` is the PackedDataset;
     ``count_targets(dataset, indices)`` counts labelled tokens (meshtron.train.step_stats.global_target_count);
-    ``pin`` pins the host tensors (for non-blocking copies to a GPU).
+    ``pin`` pins the host tensors (for non-blocking copies to a GPU); ``count_pairs(dataset, indices)``: a
+    preference objective's counts of the global batch (meshtron.train.preference.targets.PairCounts).
     """
 
     def __init__(
@@ -57,8 +60,10 @@ class StepReader:
         *,
         prefetch: bool = True,
         pin: bool = False,
+        count_pairs: Callable | None = None,
     ):
         self.dataset, self.sequences, self.count_targets, self.pin = dataset, sequences, count_targets, pin
+        self.count_pairs = count_pairs
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshtron-prefetch") if prefetch else None
         self._ahead: tuple[int, StepSequences, Future] | None = None
 
@@ -67,7 +72,8 @@ class StepReader:
         for indices in sequences.micro_batches:
             input_ids, labels = self.dataset.batch(indices)
             pairs.append((input_ids.pin_memory(), labels.pin_memory()) if self.pin else (input_ids, labels))
-        return StepInputs(pairs, self.count_targets(self.dataset, sequences.global_batch))
+        counts = self.count_pairs(self.dataset, sequences.global_batch) if self.count_pairs is not None else None
+        return StepInputs(pairs, self.count_targets(self.dataset, sequences.global_batch), counts)
 
     def get(self, step: int) -> StepInputs:
         wanted = self.sequences(step)

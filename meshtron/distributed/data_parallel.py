@@ -34,7 +34,8 @@ def apply_fsdp(
     holding the same experts), their gradients divided as the others' (``expert_parallel.shard_experts``).
     """
     if replicates_only(model, dp_mesh, policy, fsdp_cfg.cpu_offload, pipelined):
-        replicate_whole_model(model, dp_mesh)
+        if any(p.requires_grad for p in model.parameters()):  # a frozen model (a reference) has nothing to reduce
+            replicate_whole_model(model, dp_mesh)
         return
     # Pinned host memory makes the host-device copies asynchronous; without a GPU there is nothing to pin.
     offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if fsdp_cfg.cpu_offload else OffloadPolicy()

@@ -101,14 +101,19 @@ class MetricsLogger:
             return
         mfu = f" | mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
         aux = f" (aux {r['aux_loss']:.4f}, expert load {r['expert_load_max']:.2f}x)" if "aux_loss" in r else ""
+        # A preference objective's share of its pairs ranked right (TRL's rewards/accuracies).
+        accuracy = f" (accuracy {r['rewards/accuracies']:.2f})" if "rewards/accuracies" in r else ""
+        width = len(str(self.total_steps))
         line = (
-            f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} | loss {r['loss']:.4f}{aux} | "
+            f"step {r['step']:>{width}}/{self.total_steps} | loss {r['loss']:.4f}{aux}{accuracy} | "
             f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s{mfu} | "
             f"mem {r['max_memory_gb']:.2f} GB | {r['elapsed_s']:.0f}s"
         )
         if eta is not None and r["step"] < self.total_steps:
             line += f" | eta {format_duration(eta)}"
-        if "eval_loss" in r:
+        if "eval_rewards/accuracies" in r:
+            line += f" | eval loss {r['eval_loss']:.4f} (accuracy {r['eval_rewards/accuracies']:.2f})"
+        elif "eval_loss" in r:
             line += f" | eval loss {r['eval_loss']:.4f} (perplexity {r['eval_perplexity']:.2f})"
         if self.live:
             self.stream.write("\r\x1b[2K" + line)

@@ -40,15 +40,19 @@ from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss.head import head_loss_sum
+from meshtron.train.loss.preference import preference_runs
 from meshtron.train.loss.scaling import LossScaler, unscale_gradients
 from meshtron.train.moe.router_balance import RouterBalance
 from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metrics
+from meshtron.train.preference.targets import PairCounts, pack_targets, unpack_targets, with_reference
 from meshtron.train.step_stats import global_step_sums, global_target_count, host_values
 
 if TYPE_CHECKING:
     from meshtron.models.adapter import DecoderAdapter
     from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss
     from meshtron.train.pipeline.runner import PipelineRunner
+    from meshtron.train.preference.head import PreferenceHead
+    from meshtron.train.preference.reference import ReferenceModel
     from meshtron.train.setup.run_setup import RunSetup
 
 
@@ -106,6 +110,10 @@ class StepContext:
     """The MoE router load-balancing loss, when on (meshtron.train.moe.router_loss.build_router_loss)."""
     balance: RouterBalance | None = None
     """The routers' auxiliary-loss-free balancing biases, under ``moe.router_balance=bias``."""
+    preference: PreferenceHead | None = None
+    """A preference objective's loss on the head (``train.objective`` dpo, ipo, simpo, orpo), else None."""
+    reference: ReferenceModel | None = None
+    """The reference model of ``dpo`` / ``ipo`` computed live (meshtron.train.preference.reference)."""
     global_sums: Callable[..., tuple] = global_step_sums
     """The step's one all-reduce: (global loss, gradient norm, summed flags) (step_stats.global_step_sums, which the
     run's set-up may wrap)."""
@@ -174,8 +182,10 @@ def _forward_backward(
     held_grads: list[int] | None = None,
     routing: StepRouting | None = None,
     aux_scale: float = 0.0,
-) -> torch.Tensor:
-    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss.
+    counts: PairCounts | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of each micro-batch (gradient accumulation); returns the summed token loss (a
+    preference objective's: this rank's share of the loss) and a preference objective's metric sums (else None).
 
     ``batches``: (full token ids, this rank's labels, their document bounds) per micro-batch. ``held_grads``: gets
     the gradient bytes this rank holds after each micro-batch but the last (see meshtron.metrics.gradient_memory).
@@ -183,6 +193,7 @@ def _forward_backward(
     goes into backward times ``aux_scale``.
     """
     local_loss_sum = torch.zeros((), device=ctx.device)
+    metric_sums = None
     for index, (input_ids, labels, bounds) in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.options.accumulate_unsharded)
@@ -198,19 +209,30 @@ def _forward_backward(
             routing.add(aux)
         # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
-            loss_sum = model_head_loss(model, hidden, labels, ctx)
+            if ctx.preference is not None:
+                loss_sum, share, metrics = _preference_loss(model, hidden, labels, ctx, counts)
+                metric_sums = metrics if metric_sums is None else metric_sums + metrics
+            else:
+                loss_sum = share = model_head_loss(model, hidden, labels, ctx)
             if aux is None:
                 (loss_sum * scale).backward()
             else:  # one backward for both (the LM loss may be a DTensor under loss parallel)
                 torch.autograd.backward([loss_sum * scale, aux.share * aux_scale])
-        local_loss_sum += local_tensor(loss_sum.detach())
-        del hidden, loss_sum, aux
+        local_loss_sum += local_tensor(share.detach())
+        del hidden, loss_sum, share, aux
         if ctx.dims.tp > 1 and not ctx.dims.fsdp_enabled and not last:
             shard_replicated_gradients(model.parameters())
         if held_grads is not None and not last:
             held_grads.append(held_gradient_bytes(model))
     release_compute_weights(model)
-    return local_loss_sum
+    return local_loss_sum, metric_sums
+
+
+def _preference_loss(model, hidden, target, ctx: StepContext, counts: PairCounts | None):
+    """(loss to back-propagate, this rank's share of it, metric sums) of a preference micro-batch."""
+    weight, bias = ctx.adapter.head_parameters(model)
+    weight, bias = compute_weight(model, weight), (compute_weight(model, bias) if bias is not None else None)
+    return ctx.preference.loss(hidden, target, weight, bias, counts)
 
 
 def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:
@@ -233,7 +255,13 @@ def step_reader(dataset, schedule, ctx: StepContext, prefetch: bool) -> StepRead
         global_target_count,
         prefetch=prefetch,
         pin=ctx.device.type == "cuda",
+        count_pairs=pair_counts if ctx.preference is not None else None,
     )
+
+
+def pair_counts(dataset, indices: np.ndarray) -> PairCounts:
+    """The global batch's pairs and chosen-answer tokens (meshtron.data.preference.PreferenceDataset)."""
+    return PairCounts(len(indices), max(1, int(dataset.chosen_token_count(indices))))
 
 
 def train_step(
@@ -255,13 +283,23 @@ def train_step(
     ranks into ``StepResult.flag_sums``: no collective or host sync of their own.
     """
     step_inputs = inputs.get(step)
-    batches = _device_batches(step_inputs.micro_batches, ctx)
+    batches = with_reference_logps(device_batches(step_inputs.micro_batches, ctx), ctx)
+    counts = step_inputs.pair_counts
     scales = _step_scales(ctx, step_inputs.global_targets, len(batches))
     routing = StepRouting() if ctx.router is not None else None
-    local_loss_sum, measured = _forward_backward_step(
-        model, batches, ctx, scales, routing, measure_state=measure_state, measure_activations=measure_activations
+    (local_loss_sum, metric_sums), measured = _forward_backward_step(
+        model,
+        batches,
+        ctx,
+        scales,
+        routing,
+        counts,
+        measure_state=measure_state,
+        measure_activations=measure_activations,
     )
-    figures = _global_figures(model, local_loss_sum, step_inputs.global_targets, ctx, routing, scales, shared_flags)
+    figures = _global_figures(
+        model, local_loss_sum, step_inputs.global_targets, ctx, routing, scales, shared_flags, metric_sums, counts
+    )
     result = StepResult(
         loss=figures.loss,
         grad_norm=figures.grad_norm,
@@ -281,18 +319,42 @@ def train_step(
     return replace(result, metrics=metrics, state_bytes=state_bytes)
 
 
-def _device_batches(micro_batches, ctx: StepContext) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+def device_batches(micro_batches, ctx: StepContext) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
     """(token ids, this rank's labels, their document bounds) of each micro-batch, moved to the device; the tile
     plan's document bounds come from the host copy: no device sync in the forwards."""
     device = ctx.device
     return [
         (
             input_ids.to(device, non_blocking=True),
-            shard_labels(labels.to(device, non_blocking=True), ctx.split),
+            _device_targets(labels, ctx),
             host_document_bounds(input_ids, ctx.split),
         )
         for input_ids, labels in micro_batches
     ]
+
+
+def _device_targets(labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """This rank's labels on the device; a preference objective's packed with each position's answer, found on the
+    whole rows before the context-parallel cut (meshtron.train.preference.targets)."""
+    device = ctx.device
+    local = shard_labels(labels.to(device, non_blocking=True), ctx.split)
+    if ctx.preference is None:
+        return local
+    runs = shard_labels(preference_runs(labels).to(device, non_blocking=True), ctx.split)
+    return pack_targets(local, runs)
+
+
+def with_reference_logps(batches, ctx: StepContext):
+    """The batches with the reference model's per-row log-probabilities in their targets (dpo / ipo with a live
+    reference), computed forward only before the policy's forward."""
+    if ctx.reference is None:
+        return batches
+    with_logps = []
+    for input_ids, target, bounds in batches:
+        labels, runs, _ = unpack_targets(target)
+        logps = ctx.reference.answer_logps(input_ids, labels, runs, bounds)
+        with_logps.append((input_ids, with_reference(target, logps), bounds))
+    return with_logps
 
 
 @dataclass(frozen=True)
@@ -318,8 +380,9 @@ def _step_scales(ctx: StepContext, global_targets: int, micro_batches: int) -> _
     FSDP's mean like the LM loss."""
     dims = ctx.dims
     loss_scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
-    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum.
-    scale = dims.dp * dims.cp / global_targets
+    # FSDP averages gradients over the dp x cp ranks; scaling by dp x cp turns that mean into the sum. A preference
+    # objective's loss is already normalized (by the global batch's pairs and chosen tokens).
+    scale = dims.dp * dims.cp / (global_targets if ctx.preference is None else 1)
     router = _step_router(ctx)
     accumulation = ctx.setup.batch.pp_microbatches if ctx.runner is not None else micro_batches
     aux_scale = router.coef / accumulation * dims.dp * dims.cp * loss_scale if router is not None else 0.0
@@ -327,10 +390,19 @@ def _step_scales(ctx: StepContext, global_targets: int, micro_batches: int) -> _
 
 
 def _forward_backward_step(
-    model, batches, ctx: StepContext, scales: _Scales, routing, *, measure_state: bool, measure_activations: bool
-) -> tuple[torch.Tensor, dict]:
+    model,
+    batches,
+    ctx: StepContext,
+    scales: _Scales,
+    routing,
+    counts: PairCounts | None,
+    *,
+    measure_state: bool,
+    measure_activations: bool,
+) -> tuple[tuple[torch.Tensor, torch.Tensor | None], dict]:
     """Forward and backward of the step's batches (the pipeline schedule's, or the accumulated micro-batches'),
-    activations offloaded or measured on request; (the summed token loss, what was measured: StepResult fields)."""
+    activations offloaded or measured on request; ((the summed token loss, a preference objective's metric sums),
+    what was measured: StepResult fields)."""
     offload = ctx.options.activation_offload
     resident = ResidentStorages(model) if measure_activations or offload else None
     tracker = SavedActivationTracker(resident) if measure_activations else None
@@ -338,10 +410,12 @@ def _forward_backward_step(
     measured: dict = {}
     with saved_activation_hooks(offloader, tracker, ctx.runner.modules if ctx.runner is not None else [model]):
         if ctx.runner is not None:
-            local_loss_sum = _pipeline_forward_backward(batches, ctx, scales)
+            local_loss_sum = _pipeline_forward_backward(batches, ctx, scales, counts)
         else:
             held_grads: list | None = [] if measure_state else None
-            local_loss_sum = _forward_backward(model, batches, ctx, scales.loss, held_grads, routing, scales.aux)
+            local_loss_sum = _forward_backward(
+                model, batches, ctx, scales.loss, held_grads, routing, scales.aux, counts
+            )
             if held_grads:
                 measured["accumulation_grad_bytes"] = max(held_grads)
     if tracker is not None:
@@ -351,12 +425,15 @@ def _forward_backward_step(
     return local_loss_sum, measured
 
 
-def _pipeline_forward_backward(batches, ctx: StepContext, scales: _Scales) -> torch.Tensor:
+def _pipeline_forward_backward(
+    batches, ctx: StepContext, scales: _Scales, counts: PairCounts | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pipeline schedule over this rank's whole batch, which it splits into microbatches itself; the summed
-    token loss."""
+    token loss (and a preference objective's metric sums)."""
     ((input_ids, labels, bounds),) = batches
     with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
-        return ctx.runner.run(input_ids, labels, scales.loss, scales.aux, bounds)
+        loss = ctx.runner.run(input_ids, labels, scales.loss, scales.aux, bounds, counts)
+    return loss, ctx.runner.step_metric_sums(ctx.device)
 
 
 @dataclass(frozen=True)
@@ -375,7 +452,15 @@ class _GlobalFigures:
 
 
 def _global_figures(
-    model, local_loss_sum: torch.Tensor, global_targets: int, ctx: StepContext, routing, scales: _Scales, shared_flags
+    model,
+    local_loss_sum: torch.Tensor,
+    global_targets: int,
+    ctx: StepContext,
+    routing,
+    scales: _Scales,
+    shared_flags,
+    metric_sums: torch.Tensor | None = None,
+    counts: PairCounts | None = None,
 ) -> _GlobalFigures:
     """Loss shares (only last pipeline stages hold one; tp ranks hold copies), squared gradient norms and the run's
     flags summed in one all-reduce, read with the router's figures in one device-to-host transfer."""
@@ -384,19 +469,34 @@ def _global_figures(
     if not dims.fsdp_applied(ctx.options.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
     flags = list(shared_flags()) if shared_flags is not None else []
-    loss, grad_norm, flag_sums = ctx.global_sums(
-        local_loss_sum, parameters, global_targets, loss_copies=dims.tp, pipeline_degree=dims.pp, flags=flags
+    preference = ctx.preference
+    if preference is not None and metric_sums is None:  # a pipeline rank without the last stage
+        metric_sums = torch.zeros(len(preference.objective.metric_names), device=local_loss_sum.device)
+    loss, grad_norm, summed_values = ctx.global_sums(
+        local_loss_sum,
+        parameters,
+        global_targets if preference is None else 1,
+        loss_copies=dims.tp,
+        pipeline_degree=dims.pp,
+        flags=flags,
+        extra=metric_sums,
     )
+    flag_sums, metric_totals = summed_values[: len(flags)], summed_values[len(flags) :]
     pipeline_router = ctx.runner.router if ctx.runner is not None else None
     router_tensors = (
         routing.tensors() if routing is not None else ctx.runner.router_values(ctx.device) if pipeline_router else []
     )
-    loss_value, norm_value, *values = host_values(loss, grad_norm / scales.loss_scale, *router_tensors, *flag_sums)
-    routed, summed = values[: len(router_tensors)], values[len(router_tensors) :]
+    loss_value, norm_value, *values = host_values(
+        loss, grad_norm / scales.loss_scale, *router_tensors, *flag_sums, *metric_totals
+    )
+    routed, summed = values[: len(router_tensors)], values[len(router_tensors) : len(router_tensors) + len(flag_sums)]
     metrics = {}
+    if preference is not None:  # TRL's metrics: means over the global batch's pairs
+        totals = values[len(router_tensors) + len(flag_sums) :]
+        metrics = {name: total / counts.pairs for name, total in zip(preference.objective.metric_names, totals)}
     router = _step_router(ctx)
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
-        metrics = router_metrics(routed)
+        metrics = {**metrics, **router_metrics(routed)}
         loss_value += router.coef * metrics["aux_loss"]
     return _GlobalFigures(
         parameters, grad_norm, loss_value, norm_value, metrics, tuple(round(value) for value in summed)

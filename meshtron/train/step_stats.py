@@ -62,11 +62,14 @@ def global_step_sums(
     loss_copies: int = 1,
     pipeline_degree: int = 1,
     flags: Sequence[int] = (),
+    extra: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, gradient norm, ``flags`` summed over all ranks), identical on every rank, from one all-reduce.
+    """(loss, gradient norm, ``flags`` then ``extra`` summed over all ranks), identical on every rank, from one
+    all-reduce.
 
     As ``global_loss_and_grad_norm``; ``flags``: small counts of this rank (exact in float32 up to 2**24 over
-    the ranks), put on the device without a host-to-device copy (a fill each: no device sync).
+    the ranks), put on the device without a host-to-device copy (a fill each: no device sync); ``extra``: a vector
+    of this rank's sums that, like the loss, ``loss_copies`` ranks hold alike (a preference objective's metrics).
     """
     parameters = list(parameters)
     square_sum = local_grad_square_sum(parameters, pipeline_degree=pipeline_degree)
@@ -76,7 +79,8 @@ def global_step_sums(
     if square_sum is None:
         square_sum = torch.zeros((), device=loss_share.device)
     flag_values = [loss_share.new_full((), float(flag)) for flag in flags]
-    both = torch.stack([loss_share, square_sum.to(loss_share.device), *flag_values])
+    extra_values = [] if extra is None else list((extra.detach().float() / loss_copies).to(loss_share.device))
+    both = torch.stack([loss_share, square_sum.to(loss_share.device), *flag_values, *extra_values])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(both)
     return both[0] / targets, both[1].sqrt(), both[2:]

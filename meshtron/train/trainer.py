@@ -42,7 +42,7 @@ from meshtron.train.run.messages import done_message, startup_message
 from meshtron.train.run.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.run.resumable import Resumable
 from meshtron.train.run.segments import resume_run, start_segment
-from meshtron.train.setup.build import build_model, sequence_split
+from meshtron.train.setup.build import build_model, build_preference_head, build_reference, sequence_split
 from meshtron.train.setup.preflight import agree_resume_point, preflight, verified_resume_point
 from meshtron.train.setup.run_setup import RunSetup, resolved_config
 from meshtron.train.step import StepContext, step_options, step_reader, train_step
@@ -166,14 +166,18 @@ def run_session(
     torch.manual_seed(cfg.train.seed)
     data = _load_data(cfg, setup, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
+    preference_data = cfg.data.format == "preference"  # its pairs are cut by their own separator, as chat's
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     if meshes is not None:  # a seed per pipeline stage; DTensor's RNG tracker made now, with no collective
         seed_parallel_rng(meshes, cfg.train.seed)
     # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
-    separator = dataset.separator if isinstance(dataset, ChatDataset) else setup.tokenizer.eos_token_id
+    separator = getattr(dataset, "separator", None) if isinstance(dataset, ChatDataset) or preference_data else None
+    separator = setup.tokenizer.eos_token_id if separator is None else separator
     split = sequence_split(meshes, setup, cfg, separator)
     policy = setup.precision
     built = build_model(cfg, runtime, setup, meshes, split, policy)
+    preference = build_preference_head(cfg, setup, split, built)  # train.objective dpo, ipo, simpo, orpo
+    reference = build_reference(cfg, runtime, setup, meshes, split, policy, built, preference)
     model = built.model
     optimizer = build_optimizer(model, cfg.optimizer, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg)
@@ -188,6 +192,8 @@ def run_session(
         scaler=loss_scaler(policy, cfg),
         router=build_router_loss(model, setup, cfg, meshes),
         balance=build_router_balance(built.parts, setup, cfg, meshes, runtime.device),
+        preference=preference,
+        reference=reference,
         global_sums=faults.wrap_step_sums(global_step_sums),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -22,11 +22,19 @@ from meshtron.config import EvalConfig, TrainConfig
 from meshtron.data.prefetch import StepReader
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.distributed.data_parallel import reshard_all
-from meshtron.distributed.precision import release_compute_weights
+from meshtron.distributed.precision import compute_weight, release_compute_weights
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import sequence_inputs, shard_labels
-from meshtron.train.pipeline.evaluate import pipeline_eval_loss_sum
-from meshtron.train.step import StepContext, model_head_loss, step_sequences
+from meshtron.train.pipeline.evaluate import pipeline_eval_loss_sum, pipeline_forward
+from meshtron.train.preference.targets import PairCounts
+from meshtron.train.step import (
+    StepContext,
+    device_batches,
+    model_head_loss,
+    pair_counts,
+    step_sequences,
+    with_reference_logps,
+)
 from meshtron.train.step_stats import global_loss_sum, global_target_count, host_values
 
 
@@ -36,13 +44,20 @@ class Evaluation:
     """Summed token loss over the evaluated batches / their labelled tokens (the router loss not included)."""
     tokens: int
     batches: int
+    preference: dict[str, float] = field(default_factory=dict)
+    """A preference objective's metrics (TRL's names: ``rewards/accuracies`` ...), means over the evaluated pairs;
+    empty for causal LM."""
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else math.inf
 
     def metrics(self) -> dict:
-        """The fields of the step's metrics row."""
+        """The fields of the step's metrics row (a preference objective's loss has no perplexity: its metrics
+        instead, as TRL names them on evaluation: ``eval_rewards/accuracies`` ...)."""
+        if self.preference:
+            named = {f"eval_{name}": value for name, value in self.preference.items()}
+            return {"eval_loss": self.loss, **named, "eval_tokens": self.tokens}
         return {"eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
 
 
@@ -60,6 +75,7 @@ class Evaluator:
             global_target_count,
             prefetch=False,
             pin=ctx.device.type == "cuda",
+            count_pairs=pair_counts if ctx.preference is not None else None,
         )
 
     def due(self, step: int) -> bool:
@@ -79,6 +95,8 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, model) -> Evaluation:
+        if self.ctx.preference is not None:
+            return self._evaluate_preference(model)
         ctx = self.ctx
         parts = ctx.runner.modules if ctx.runner is not None else [model]
         local = torch.zeros((), device=ctx.device)
@@ -103,6 +121,59 @@ class Evaluator:
         hidden = model(**sequence_inputs(input_ids, ctx.split))
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
             return local_tensor(model_head_loss(model, hidden, labels, ctx))
+
+    def _evaluate_preference(self, model) -> Evaluation:
+        """A preference objective's loss and metrics over the evaluated pairs, normalized by all of them at once
+        (their counts are read first), each micro-batch's reference and policy forward only."""
+        ctx, preference = self.ctx, self.ctx.preference
+        parts = ctx.runner.modules if ctx.runner is not None else [model]
+        inputs = [self.reader.get(batch) for batch in range(self.batches)]
+        counts = PairCounts(
+            sum(step.pair_counts.pairs for step in inputs), sum(step.pair_counts.chosen_tokens for step in inputs)
+        )
+        local = torch.zeros((), device=ctx.device)
+        metric_sums = torch.zeros(len(preference.objective.metric_names), device=ctx.device)
+        with _eval_mode(parts):
+            for step in inputs:
+                for input_ids, labels in step.micro_batches:
+                    batch = [(input_ids, labels)]
+                    ((input_ids, target, bounds),) = with_reference_logps(device_batches(batch, ctx), ctx)
+                    share, metrics = self._preference_sums(model, input_ids, target, bounds, counts)
+                    local += share
+                    metric_sums += metrics
+        release_compute_weights(*parts)
+        reshard_all(*parts)
+        totals = global_loss_sum(torch.cat([local.reshape(1), metric_sums]), 1, loss_copies=ctx.dims.tp)
+        loss, *values = host_values(*totals)
+        named = {name: value / counts.pairs for name, value in zip(preference.objective.metric_names, values)}
+        return Evaluation(loss, sum(step.global_targets for step in inputs), self.batches, named)
+
+    def _preference_sums(self, model, input_ids, target, bounds, counts: PairCounts):
+        """(this rank's share of the loss, of the metric sums) of one micro-batch (the last pipeline stage's)."""
+        ctx, preference = self.ctx, self.ctx.preference
+        zero = (
+            torch.zeros((), device=ctx.device),
+            torch.zeros(len(preference.objective.metric_names), device=ctx.device),
+        )
+        if ctx.runner is None:
+            hidden = model(**sequence_inputs(input_ids, ctx.split, bounds))
+            with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
+                weight, bias = ctx.adapter.head_parameters(model)
+                weight = compute_weight(model, weight)
+                bias = compute_weight(model, bias) if bias is not None else None
+                _, share, metrics = preference.loss(hidden, target, weight, bias, counts)
+            return local_tensor(share), metrics
+        runner = ctx.runner
+        parts = target.tensor_split(runner.microbatches) if runner.holds_last else None
+        found = [zero]
+
+        def on_last_stage(hidden, micro):
+            weight, bias = runner.head()
+            _, share, metrics = preference.loss(hidden, parts[micro], weight, bias, counts)
+            found.append((local_tensor(share), metrics))
+
+        pipeline_forward(runner, input_ids, on_last_stage)
+        return sum(share for share, _ in found), sum(metrics for _, metrics in found)
 
     def close(self) -> None:
         self.reader.close()

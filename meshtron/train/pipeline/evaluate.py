@@ -62,16 +62,35 @@ def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch
 
     ``runner``: the run's meshtron.train.pipeline.runner.PipelineRunner; ``input_ids`` and ``labels`` (already
     cut to this rank's context-parallel shard) are this data-parallel rank's sequences, read on every pipeline rank,
-    split into ``runner.microbatches`` microbatches as training splits them. A stage's output shapes follow from its
-    microbatch's shape: they go to the next stage's rank once per (stage, microbatch shape) in the run
-    (``runner.eval_transfer_meta``), not before every transfer.
+    split into ``runner.microbatches`` microbatches as training splits them (``pipeline_forward``).
+    """
+    targets = labels.tensor_split(runner.microbatches) if runner.holds_last else None
+    device = runner.modules[0].parameters().__next__().device
+    total = torch.zeros((), device=device)
+
+    def loss_sum(hidden: torch.Tensor, micro: int) -> None:
+        nonlocal total
+        total += local_tensor(runner.loss_sum(hidden, targets[micro]))
+
+    pipeline_forward(runner, input_ids, loss_sum)
+    return total
+
+
+@torch.no_grad()
+def pipeline_forward(runner, input_ids: torch.Tensor | None, on_last_stage) -> None:
+    """Forward only, the stages of ``runner`` in turn over ``runner.microbatches`` microbatches of ``input_ids``;
+    ``on_last_stage(hidden, microbatch)`` is called on the last stage's rank with each microbatch's final hidden
+    states (inside loss parallel's context when the run uses it).
+
+    ``runner``: a meshtron.train.pipeline.runner.PipelineRunner (its stage modules, ids and ranks; a reference
+    model's are laid out like the policy's). A stage's output shapes follow from its microbatch's shape: they go
+    to the next stage's rank once per (stage, microbatch shape) in the run (``runner.eval_transfer_meta``), not
+    before every transfer.
     """
     group, device = runner.pp_group, runner.modules[0].parameters().__next__().device
     my_rank = dist.get_rank(group)
     last_stage = max(runner.stage_ranks)
     inputs = input_ids.tensor_split(runner.microbatches)
-    targets = labels.tensor_split(runner.microbatches) if runner.holds_last else None
-    total = torch.zeros((), device=device)
     known = getattr(runner, "eval_transfer_meta", None)  # both ends of a transfer fill theirs alike
     if known is None:
         known = runner.eval_transfer_meta = {}
@@ -90,10 +109,9 @@ def pipeline_eval_loss_sum(runner, input_ids: torch.Tensor | None, labels: torch
             if stage_id == last_stage:
                 hidden = output[0] if runner.router is not None else output
                 with loss_parallel() if runner.loss_parallel else contextlib.nullcontext():
-                    total += local_tensor(runner.loss_sum(hidden, targets[micro]))
+                    on_last_stage(hidden, micro)
             elif runner.stage_ranks[stage_id + 1] == my_rank:
                 kept = output
             else:
                 key = (stage_id, tuple(inputs[micro].shape))
                 _send(output, runner.stage_ranks[stage_id + 1], group, device, known, key)
-    return total

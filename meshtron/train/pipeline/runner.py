@@ -26,6 +26,7 @@ from meshtron.train.loss.head import head_loss_sum
 from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss, StageRouting, add_share, pipeline_router_values
 from meshtron.train.moe.router_loss import router_coef, router_loss_enabled
 from meshtron.train.pipeline.rehearsal import RehearsalStage, stage_shapes
+from meshtron.train.preference.targets import PairCounts
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from meshtron.config import Config
     from meshtron.distributed.mesh import Meshes
     from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.preference.head import PreferenceHead
     from meshtron.train.setup.run_setup import RunSetup
 
 
@@ -72,13 +74,25 @@ class PipelineRunner:
     """Every stage's pipeline rank (meshtron.distributed.pipeline_parallel.local_stage_ids)."""
     stage_inputs: StageInputs | None = None
     """What the stages' forwards call for their model inputs (``run`` gives it the step's document bounds)."""
+    preference: PreferenceHead | None = None
+    """A preference objective's loss on the head (the targets are meshtron.train.preference.targets'), else None."""
+    pair_counts: PairCounts | None = None
+    """The step's global pair counts (a preference objective's; set by ``run``)."""
+    metric_sums: list[torch.Tensor] = field(default_factory=list)
+    """A preference objective's metric sums of each microbatch of the step (the last stage's)."""
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's,
         plus this rank's scaled share of the router loss (``output`` then carries the routing statistics)."""
         hidden, carry = output if self.router is not None else (output, None)
-        loss = self.loss_sum(hidden, labels)
-        self.lm_losses.append(local_tensor(loss.detach()))
+        if self.preference is not None:
+            weight, bias = self.head()
+            loss, share, metrics = self.preference.loss(hidden, labels, weight, bias, self.pair_counts)
+            self.lm_losses.append(local_tensor(share))
+            self.metric_sums.append(metrics)
+        else:
+            loss = self.loss_sum(hidden, labels)
+            self.lm_losses.append(local_tensor(loss.detach()))
         loss = loss * self.scale
         if carry is not None:
             loss = add_share(loss, self.router.micro_batch(carry).share * self.aux_scale)
@@ -106,12 +120,14 @@ class PipelineRunner:
         scale: float,
         aux_scale: float = 0.0,
         document_bounds: tuple | None = None,
+        pair_counts: PairCounts | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the local batch; returns this rank's summed token loss (0 off the last stage).
         ``aux_scale``: what this rank's share of each microbatch's router loss is multiplied by;
         ``document_bounds``: the batch's (``meshtron.train.batch.host_document_bounds``), for every stage's
-        forward."""
+        forward; ``pair_counts``: a preference objective's global counts."""
         self.scale, self.aux_scale, self.lm_losses = scale, aux_scale, []
+        self.pair_counts, self.metric_sums = pair_counts, []
         if self.router is not None:
             self.router.start_step()
         args = (input_ids,) if self.holds_first else ()
@@ -125,11 +141,21 @@ class PipelineRunner:
             self.tied_gradients()
         # torch >= 2.13 may have called loss_fn once more first, on uninitialized tensors (shape inference).
         self.lm_losses = self.lm_losses[-self.microbatches :]
+        self.metric_sums = self.metric_sums[-self.microbatches :]
         if self.router is not None:
             self.router.finish_step(self.microbatches)
         if not self.lm_losses:
             return torch.zeros((), device=input_ids.device)
         return torch.stack(self.lm_losses).sum()
+
+    def step_metric_sums(self, device: torch.device) -> torch.Tensor | None:
+        """A preference objective's metric sums of the last step on this rank (zeros off the last stage; None
+        without a preference objective)."""
+        if self.preference is None:
+            return None
+        if not self.metric_sums:
+            return torch.zeros(len(self.preference.objective.metric_names), device=device)
+        return torch.stack(self.metric_sums).sum(0)
 
     def router_values(self, device: torch.device) -> list[torch.Tensor]:
         """The step's (mean aux, max and min expert load) on every pipeline rank (meshtron.train.moe.router_loss)."""

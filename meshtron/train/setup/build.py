@@ -4,12 +4,12 @@ over the context-parallel ranks (``sequence_split``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.config import Config
+from meshtron.config import Config, LoraConfig, reference_kind
 from meshtron.data.hub import model_folder
 from meshtron.distributed.context_parallel import hybrid_groups
 from meshtron.distributed.data_parallel import parameter_device
@@ -24,7 +24,10 @@ from meshtron.models.build import build_meta_model, materialize
 from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
+from meshtron.train.loss.preference import preference_objective
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
+from meshtron.train.preference.head import HeadOptions, PreferenceHead
+from meshtron.train.preference.reference import ReferenceModel, freeze
 from meshtron.train.setup.run_setup import RunSetup, parallelize_options
 
 
@@ -65,13 +68,22 @@ def sequence_split(meshes: Meshes | None, setup: RunSetup, cfg: Config, eos_toke
 
 
 def build_model(
-    cfg: Config, runtime: Runtime, setup: RunSetup, meshes: Meshes | None, split: SequenceSplit, policy: PrecisionPolicy
+    cfg: Config,
+    runtime: Runtime,
+    setup: RunSetup,
+    meshes: Meshes | None,
+    split: SequenceSplit,
+    policy: PrecisionPolicy,
+    frozen: bool = False,
 ) -> BuiltModel:
     """Build on the meta device, parallelize (pipeline split first), materialize; the pipeline runner when pp > 1.
     Under ``precision.float8`` a run that does not resume computes its float8 weight scales from the initial weights
-    (a resume does from the restored ones: meshtron.train.run.resumable)."""
+    (a resume does from the restored ones: meshtron.train.run.resumable). ``frozen``: no parameter takes a gradient
+    (a reference model), from before the parallelisms apply."""
     dims = setup.dims
     model, adapter = build_meta_model(setup.hf_config, cfg.model)
+    if frozen:
+        model.requires_grad_(False)
     if cfg.lora.enabled:  # before the pipeline split and every parallelism: the adapters are the blocks' own
         add_lora(model, adapter, cfg.lora)
     if dims.pp == 1:
@@ -111,3 +123,52 @@ def build_model(
 
         refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights
     return built
+
+
+def build_preference_head(
+    cfg: Config, setup: RunSetup, split: SequenceSplit, built: BuiltModel
+) -> PreferenceHead | None:
+    """A preference objective's loss on the head (None for ``train.objective=causal_lm``); under pipeline
+    parallelism the runner's loss function uses it too."""
+    objective = preference_objective(cfg.train.objective, cfg.dpo, cfg.ipo, cfg.simpo, cfg.orpo)
+    if objective is None:
+        return None
+    dims = setup.dims
+    softcap = built.runner.softcap if built.runner is not None else built.adapter.logit_softcap(built.model)
+    head = HeadOptions(
+        compute_dtype=setup.precision.compute_dtype,
+        chunk_size=cfg.train.loss_chunk_size,
+        loss_parallel=dims.tp > 1 and cfg.parallel.loss_parallel,
+        softcap=softcap,
+        compiled=setup.compiled,
+    )
+    preference = PreferenceHead(objective, head, split.cp_group, dims.cp)
+    if built.runner is not None:
+        built.runner.preference = preference
+    return preference
+
+
+def build_reference(
+    cfg: Config,
+    runtime: Runtime,
+    setup: RunSetup,
+    meshes: Meshes | None,
+    split: SequenceSplit,
+    policy: PrecisionPolicy,
+    built: BuiltModel,
+    preference: PreferenceHead | None,
+) -> ReferenceModel | None:
+    """The live reference model of ``dpo`` / ``ipo`` (meshtron.train.preference.reference): the policy with its
+    adapters off (``lora_base``), or a frozen copy of the starting weights built under the run's own layout
+    (``model``, with ``preference.reference_dtype``); None without one (reference-free objectives, ``precomputed``)."""
+    kind = reference_kind(cfg)
+    if preference is None or kind not in ("model", "lora_base"):
+        return None
+    if kind == "lora_base":
+        modules = built.runner.modules if built.runner is not None else built.parts
+        return ReferenceModel(kind, modules, built.adapter, preference.head, split, built.runner)
+    model = replace(cfg.model, dtype=cfg.preference.reference_dtype or cfg.model.dtype)
+    copy = build_model(replace(cfg, model=model, lora=LoraConfig()), runtime, setup, meshes, split, policy, True)
+    freeze(copy.parts)
+    modules = copy.runner.modules if copy.runner is not None else copy.parts
+    return ReferenceModel(kind, modules, copy.adapter, preference.head, split, copy.runner)
