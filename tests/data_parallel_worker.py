@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshtron.distributed.data_parallel import replicates_only
 from meshtron.distributed.grad_norm import global_grad_norm
@@ -40,25 +40,32 @@ def with_grads(grads: list[torch.Tensor]) -> list[nn.Parameter]:
 
 def token_logps_under_tensor_parallelism(mesh) -> dict[str, list[bool]]:
     """head_token_logps with the head weight and bias split over the vocabulary (37 rows: 19 and 18, chunks of 5
-    tokens over 33) equal to the same call on whole tensors: values, hidden-state and head gradients."""
+    tokens over 33), with whole hidden states and with sequence-parallel ones (11 positions: 6 and 5), equal to the
+    same call on whole tensors: values, hidden-state and head gradients."""
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(3, 11, 8, generator=generator)
     weight, bias = torch.randn(37, 8, generator=generator) * 0.3, torch.randn(37, generator=generator) * 0.1
     labels = torch.randint(0, 37, (3, 11), generator=generator)
     labels[0, :4] = -100
     upstream = torch.randn(33, generator=generator)
-    results = []
-    for sharded in (False, True):
-        w, b = (distribute_tensor(t, mesh, [Shard(0)]) if sharded else t.clone() for t in (weight, bias))
-        h, w, b = (t.requires_grad_() for t in (hidden.clone(), w, b))
+    results = {}
+    for layout in ("one process", "tp", "tp with sequence parallelism"):
+        w, b = (
+            t.clone() if layout == "one process" else distribute_tensor(t, mesh, [Shard(0)]) for t in (weight, bias)
+        )
+        h = distribute_tensor(hidden, mesh, [Shard(1)]) if layout.endswith("parallelism") else hidden.clone()
+        h, w, b = (t.requires_grad_() for t in (h, w, b))
         logps = head_token_logps(h, labels, w, b, chunk_size=5, softcap=4.0)
         (logps * upstream).sum().backward()
-        grads = [t.grad.full_tensor() if sharded else t.grad for t in (w, b)]
-        results.append((logps.detach(), h.grad, *grads))
+        results[layout] = [
+            logps.detach(),
+            *(t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad for t in (h, w, b)),
+        ]
     names = ("token logps", "token logps hidden grad", "token logps weight grad", "token logps bias grad")
     return {
-        f"{name} under tp": [torch.allclose(got, want, rtol=1e-5, atol=1e-6), True]
-        for name, got, want in zip(names, results[1], results[0])
+        f"{name} under {layout}": [torch.allclose(got, want, rtol=1e-5, atol=1e-6), True]
+        for layout in ("tp", "tp with sequence parallelism")
+        for name, got, want in zip(names, results[layout], results["one process"])
     }
 
 

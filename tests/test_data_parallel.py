@@ -63,7 +63,7 @@ def test_two_ranks(tmp_path):
     proc = run_forked(2, ["tests/data_parallel_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     checks = json.loads(out.read_text())
-    assert len(checks) == 15
+    assert len(checks) == 19
     for name, (got, want) in checks.items():
         assert got == pytest.approx(want, rel=1e-6), name
 
