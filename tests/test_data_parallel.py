@@ -57,12 +57,13 @@ def test_loss_and_norm_in_one_process():
 
 
 def test_two_ranks(tmp_path):
-    """Replicated norm without a collective, fused loss + norm over DTensor shards, DDP or FSDP choice."""
+    """Replicated norm without a collective, fused loss + norm over DTensor shards, DDP or FSDP choice, per-token
+    log-probabilities under a vocabulary-sharded head."""
     out = tmp_path / "checks.json"
     proc = run_forked(2, ["tests/data_parallel_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     checks = json.loads(out.read_text())
-    assert len(checks) == 11
+    assert len(checks) == 19
     for name, (got, want) in checks.items():
         assert got == pytest.approx(want, rel=1e-6), name
 
