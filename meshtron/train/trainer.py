@@ -20,6 +20,7 @@ from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_dict
 from meshtron.data.chat import ChatDataset
+from meshtron.data.preference import PreferenceDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.mesh import Meshes, ParallelDims
@@ -169,8 +170,10 @@ def run_session(
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     if meshes is not None:  # a seed per pipeline stage; DTensor's RNG tracker made now, with no collective
         seed_parallel_rng(meshes, cfg.train.seed)
-    # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
-    separator = dataset.separator if isinstance(dataset, ChatDataset) else setup.tokenizer.eos_token_id
+    # Document masks cut after this token: EOS, or for chat (preference) data the token that separates conversations
+    # (a pair's sequences).
+    separated = isinstance(dataset, (ChatDataset, PreferenceDataset))
+    separator = dataset.separator if separated else setup.tokenizer.eos_token_id
     split = sequence_split(meshes, setup, cfg, separator)
     policy = setup.precision
     built = build_model(cfg, runtime, setup, meshes, split, policy)
@@ -269,6 +272,7 @@ def _load_data(cfg: Config, setup: RunSetup, runtime: Runtime, run_id: str):
         run_id=run_id,
         evaluation=cfg.eval,
         batch_rampup=cfg.train.batch_rampup,
+        preference=cfg.preference,
     )
 
 
