@@ -3,9 +3,12 @@ follows a rule the rejected one breaks, as JSON lines or a saved ``datasets`` fo
 
 ``alphabet``: the prompt counts a few letters ("count: c d e"), the chosen answer goes on with the next three
 (" f g h"), the rejected one breaks the order in one place (" f k h"). ``upper``: the prompt gives a word ("shout:
-cat"), the chosen answer is it in capitals (" CAT"), the rejected one is it as it was
-(" cat"). Both are learnt by a tiny
-model within a few dozen CPU steps from a byte- or character-level tokenizer."""
+cat"), the chosen answer is it in capitals (" CAT"), the rejected one is it as it was (" cat").
+
+How fast a tiny model learns them (TRL 1.16's DPOTrainer, tests/chat_fixture.py's two-layer Llama from its random
+initialization and its character tokenizer, 400 plain pairs, batch 16, lr 1e-3, beta 0.1, 64 held-out pairs of
+another seed; 2026-11-28): ``upper`` has held-out rewards/accuracies 1.0 from step 10 (margin 0.57, 1.01 at step
+30); ``alphabet``, which needs the order of the letters, 0.69 / 0.78 / 0.83 at steps 10 / 20 / 30."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ RULES = {"alphabet": _alphabet, "upper": _upper}
 """Each rule: a random (prompt, chosen, rejected) of plain text."""
 
 
-def preference_records(n: int, rule: str = "alphabet", conversational: bool = False, seed: int = 0) -> list[dict]:
+def preference_records(n: int, rule: str, conversational: bool = False, seed: int = 0) -> list[dict]:
     """``n`` records with prompt, chosen and rejected following ``rule`` (see the module docstring); plain strings
     (each answer starts with a space) or one user and one assistant message each."""
     rng = np.random.default_rng(seed)
@@ -60,7 +63,7 @@ def preference_records(n: int, rule: str = "alphabet", conversational: bool = Fa
     return records
 
 
-def write_preference_jsonl(path: Path, n: int, rule: str = "alphabet", conversational: bool = False, seed: int = 0):
+def write_preference_jsonl(path: Path, n: int, rule: str, conversational: bool = False, seed: int = 0):
     """``preference_records`` as a ``.jsonl`` file at ``path``; returns ``path``."""
     path = Path(path)
     records = preference_records(n, rule, conversational, seed)
@@ -68,9 +71,7 @@ def write_preference_jsonl(path: Path, n: int, rule: str = "alphabet", conversat
     return path
 
 
-def write_preference_dataset(
-    folder: Path, n: int, rule: str = "alphabet", conversational: bool = False, seed: int = 0
-) -> Path:
+def write_preference_dataset(folder: Path, n: int, rule: str, conversational: bool = False, seed: int = 0) -> Path:
     """``preference_records`` as a saved ``datasets`` folder (``save_to_disk``); returns ``folder``."""
     from datasets import Dataset
 

@@ -375,3 +375,16 @@ def test_a_prepared_text_directory_is_refused(tmp_path):
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT}))
     with pytest.raises(ConfigError, match="data.format=preference reads preference pairs"):
         check_data_sources(replace(DataConfig(format="preference"), path=str(folder)))
+
+
+def test_a_preference_checkpoint_resumes_only_with_its_seq_len(tmp_path):
+    """The rows of pairs cannot be recut to another length: as for chat, a resume keeps data.seq_len."""
+    from transformers import LlamaConfig
+
+    from meshtron.checkpoint.manager import DATA_POSITION, check_compatible, model_signature
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    meta = {"model": model_signature(config), DATA_POSITION: {}, "data.seq_len": 64, "train.global_batch_size": 4}
+    check_compatible(meta, tmp_path, config, DataConfig(format="preference", seq_len=64), 8)  # another batch: fine
+    with pytest.raises(ConfigError, match=r"data.seq_len=64 but this run has 32.*\(not with data.format=preference\)"):
+        check_compatible(meta, tmp_path, config, DataConfig(format="preference", seq_len=32), 4)
