@@ -559,8 +559,9 @@ class PreferenceConfig:
 
     max_length: int | None = None
     """Tokens of each sequence (prompt + answer) at most, as TRL's ``max_length``: longer ones are cut as
-    ``truncation_mode`` says; a pair whose prompt alone fills it is left out (counted). Unset: half a row,
-    ``(data.seq_len + 1) // 2`` (a pair's two sequences share one row of ``data.seq_len + 1`` tokens)."""
+    ``truncation_mode`` says; a pair whose prompt alone fills it is left out (counted). Unset:
+    ``(data.seq_len + 1) // 2 - 1``, so that a pair's two sequences, each followed by a separator token, fit its row
+    of ``data.seq_len + 1`` tokens (a larger one is refused)."""
     truncation_mode: str = "keep_start"
     """``keep_start``: keep the first ``max_length`` tokens of a sequence; ``keep_end``: the last (TRL's)."""
     reference: str = "auto"

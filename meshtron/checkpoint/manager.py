@@ -184,7 +184,7 @@ def check_compatible(meta: dict, path: Path, hf_config, data_cfg, global_batch_s
             setting
             for setting, used in (
                 ("data.sources", bool(data_cfg.sources)),
-                ("data.format=chat", data_cfg.format == "chat"),
+                (f"data.format={data_cfg.format}", data_cfg.format != "text"),
                 ("data.streaming", data_cfg.streaming),
             )
             if used

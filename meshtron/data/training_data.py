@@ -9,19 +9,20 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from meshtron.config import DataConfig, EvalConfig, parse_batch_rampup
+from meshtron.config import DataConfig, EvalConfig, PreferenceConfig, parse_batch_rampup
 from meshtron.data.chat import ChatDataset, build_chat_datasets
 from meshtron.data.dataset import PackedDataset, build_packed_dataset
 from meshtron.data.mixture import MixedDataset, MixtureSchedule, parse_sources
+from meshtron.data.preference import PreferenceDataset, build_preference_datasets
 from meshtron.data.sampler import BatchSizes, GlobalBatchSchedule
 from meshtron.data.streaming import StreamingDataset, StreamSchedule
 from meshtron.errors import ConfigError, MeshtronError
 
 
 class TrainingDataset(Protocol):
-    """What training and evaluation read of a dataset (packed, mixed, chat or streamed): sequences by index. One
-    whose labels are not every next token of its rows (chat, streams) also counts them, ``target_count(indices)``
-    (meshtron.train.step_stats.global_target_count)."""
+    """What training and evaluation read of a dataset (packed, mixed, chat, preference or streamed): sequences by
+    index. One whose labels are not every next token of its rows (chat, preference, streams) also counts them,
+    ``target_count(indices)`` (meshtron.train.step_stats.global_target_count)."""
 
     def rows(self, indices) -> np.ndarray:
         """The packed sequences ``indices``, one row each (``data.seq_len + 1`` tokens)."""
@@ -51,19 +52,24 @@ def build_training_data(
     run_id: str = "",
     evaluation: EvalConfig | None = None,
     batch_rampup: str = "",
+    preference: PreferenceConfig | None = None,
 ) -> RunData:
     """One corpus, or a weighted mixture of several (meshtron.data.mixture), and the evaluation data.
 
     Each source is a prepared directory or any other source, prepared into ``data.cache_dir`` first; local
     rank 0 of each machine builds what is missing (the others wait outside any collective). With ``data.streaming``
     the source is read while training runs (meshtron.data.streaming). ``batch_rampup``: ``train.batch_rampup``
-    (meshtron.data.sampler.BatchSizes)."""
+    (meshtron.data.sampler.BatchSizes). ``preference``: ``[preference]``, read with ``data.format=preference``."""
     evaluation = evaluation or EvalConfig()
     held_out = evaluation.holdout_documents
     sizes = BatchSizes(global_batch_size, parse_batch_rampup(batch_rampup, global_batch_size))
-    dataset: ChatDataset | StreamingDataset | PackedDataset | MixedDataset
-    eval_dataset: ChatDataset | PackedDataset | None = None
-    if data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
+    preference = preference or PreferenceConfig()
+    dataset: ChatDataset | PreferenceDataset | StreamingDataset | PackedDataset | MixedDataset
+    eval_dataset: ChatDataset | PreferenceDataset | PackedDataset | None = None
+    if data.format == "preference":  # one pair a row, built in memory (meshtron.data.preference)
+        dataset, eval_dataset = build_preference_datasets(data, preference, tokenizer, held_out)
+        schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed, sizes)
+    elif data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
         dataset, eval_dataset = build_chat_datasets(data, tokenizer, held_out)
         schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed, sizes)
     elif data.streaming:
@@ -85,7 +91,7 @@ def build_training_data(
         )
         dataset = MixedDataset(datasets)
     if evaluation.path:
-        eval_dataset = _build_eval_path(data, evaluation.path, tokenizer, dataset, is_builder, run_id)
+        eval_dataset = _build_eval_path(data, evaluation.path, tokenizer, dataset, is_builder, run_id, preference)
     if eval_dataset is not None and len(eval_dataset) < global_batch_size:
         source = f"eval.path '{evaluation.path}'" if evaluation.path else f"eval.holdout_documents={held_out}"
         raise ConfigError(
@@ -95,10 +101,14 @@ def build_training_data(
     return RunData(dataset, schedule, eval_dataset)
 
 
-def _build_eval_path(data: DataConfig, path: str, tokenizer, training, is_builder: bool, run_id: str):
+def _build_eval_path(
+    data: DataConfig, path: str, tokenizer, training, is_builder: bool, run_id: str, preference: PreferenceConfig
+):
     """``eval.path`` read as ``data.path`` would be (whole: ``data.max_documents`` limits the training data only)."""
     source = replace(data, path=path, max_documents=None, streaming=False, sources=[])
     try:
+        if data.format == "preference":
+            return build_preference_datasets(source, preference, tokenizer, separator=training.separator)[0]
         if data.format == "chat":
             return build_chat_datasets(source, tokenizer, separator=training.separator)[0]
         return build_packed_dataset(source, tokenizer, is_builder=is_builder, run_id=run_id, setting="eval.path")

@@ -492,8 +492,8 @@ def _global_figures(
     routed, summed = values[: len(router_tensors)], values[len(router_tensors) : len(router_tensors) + len(flag_sums)]
     metrics = {}
     if preference is not None:  # TRL's metrics: means over the global batch's pairs
-        totals = values[len(router_tensors) + len(flag_sums) :]
-        metrics = {name: total / counts.pairs for name, total in zip(preference.objective.metric_names, totals)}
+        totals = torch.tensor(values[len(router_tensors) + len(flag_sums) :])
+        metrics = preference.objective.metric_values(totals, counts.pairs)
     router = _step_router(ctx)
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
         metrics = {**metrics, **router_metrics(routed)}

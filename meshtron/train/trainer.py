@@ -20,6 +20,7 @@ from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
 from meshtron.config import Config, to_dict
 from meshtron.data.chat import ChatDataset
+from meshtron.data.preference import PreferenceDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.data.training_data import build_training_data
 from meshtron.distributed.mesh import Meshes, ParallelDims
@@ -166,13 +167,13 @@ def run_session(
     torch.manual_seed(cfg.train.seed)
     data = _load_data(cfg, setup, runtime, run_id)
     dataset, schedule = data.dataset, data.schedule
-    preference_data = cfg.data.format == "preference"  # its pairs are cut by their own separator, as chat's
     meshes = dims.build_mesh(runtime.device.type) if runtime.distributed else None
     if meshes is not None:  # a seed per pipeline stage; DTensor's RNG tracker made now, with no collective
         seed_parallel_rng(meshes, cfg.train.seed)
-    # Document masks cut after this token: EOS, or for chat data the token that separates conversations.
-    separator = getattr(dataset, "separator", None) if isinstance(dataset, ChatDataset) or preference_data else None
-    separator = setup.tokenizer.eos_token_id if separator is None else separator
+    # Document masks cut after this token: EOS, or for chat (preference) data the token that separates conversations
+    # (a pair's sequences).
+    separated = isinstance(dataset, (ChatDataset, PreferenceDataset))
+    separator = dataset.separator if separated else setup.tokenizer.eos_token_id
     split = sequence_split(meshes, setup, cfg, separator)
     policy = setup.precision
     built = build_model(cfg, runtime, setup, meshes, split, policy)
@@ -275,6 +276,7 @@ def _load_data(cfg: Config, setup: RunSetup, runtime: Runtime, run_id: str):
         run_id=run_id,
         evaluation=cfg.eval,
         batch_rampup=cfg.train.batch_rampup,
+        preference=cfg.preference,
     )
 
 

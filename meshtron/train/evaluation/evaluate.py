@@ -145,7 +145,7 @@ class Evaluator:
         reshard_all(*parts)
         totals = global_loss_sum(torch.cat([local.reshape(1), metric_sums]), 1, loss_copies=ctx.dims.tp)
         loss, *values = host_values(*totals)
-        named = {name: value / counts.pairs for name, value in zip(preference.objective.metric_names, values)}
+        named = preference.objective.metric_values(torch.tensor(values), counts.pairs)
         return Evaluation(loss, sum(step.global_targets for step in inputs), self.batches, named)
 
     def _preference_sums(self, model, input_ids, target, bounds, counts: PairCounts):

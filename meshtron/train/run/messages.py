@@ -12,6 +12,7 @@ from torch import nn
 
 from meshtron.command import meshtron_command
 from meshtron.data.chat import ChatDataset
+from meshtron.data.preference import PreferenceDataset
 from meshtron.data.streaming import StreamingDataset
 from meshtron.distributed.torchrun_env import local_world_size
 from meshtron.models.moe import is_moe, num_experts
@@ -226,7 +227,7 @@ def _optimization_notes(cfg) -> list[str]:
 
 
 def data_summary(dataset, seq_len: int) -> str:
-    if isinstance(dataset, (StreamingDataset, ChatDataset)):
+    if isinstance(dataset, (StreamingDataset, ChatDataset, PreferenceDataset)):
         return dataset.describe()
     return f"{len(dataset):,} sequences of {seq_len} tokens"
 

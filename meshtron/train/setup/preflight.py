@@ -30,6 +30,7 @@ from meshtron.config import BUILTIN_CORPUS, Config, ModelConfig, parse_batch_ram
 from meshtron.data.chat import check_chat_tokenizer
 from meshtron.data.hub import is_hub_id, main_commit, model_folder, snapshot_commit
 from meshtron.data.mixture import parse_sources
+from meshtron.data.preference import check_preference_settings
 from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
@@ -108,19 +109,18 @@ def check_output_dir(output_dir: str | None, resuming: bool = False) -> None:
 
 def check_data_sources(data) -> list[str]:
     """The data paths of the run (``data.path``, or each of ``data.sources``), each checked."""
-    if data.format == "preference":  # being built (issue 59): checked settings, no training yet
-        raise ConfigError("data.format=preference: training on preference pairs is not available yet (issue 59)")
-    if data.format == "chat":
+    if data.format in ("chat", "preference"):
+        reads = "conversations" if data.format == "chat" else "preference pairs"
         for setting, wrong, fix in (
             ("data.streaming", data.streaming, "set data.streaming=false"),
             ("data.sources", bool(data.sources), "give one data.path"),
         ):
             if wrong:
-                raise ConfigError(f"data.format=chat does not work with {setting} yet: {fix}")
+                raise ConfigError(f"data.format={data.format} does not work with {setting} yet: {fix}")
         if is_prepared(data.path):
             raise ConfigError(
-                f"data.path '{data.path}' is a prepared directory of text; data.format=chat reads "
-                "conversations (.jsonl or a saved dataset)"
+                f"data.path '{data.path}' is a prepared directory of text; data.format={data.format} reads "
+                f"{reads} (.jsonl or a saved dataset)"
             )
     if data.streaming:
         if data.sources:
@@ -187,6 +187,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     check_model_path(cfg.model)
     check_trackers(cfg.run)
     data_paths = check_data_sources(cfg.data)
+    if cfg.data.format == "preference":
+        check_preference_settings(cfg.data, cfg.preference)
     if cfg.eval.path:
         check_data_path(cfg.eval.path, setting="eval.path")
     # data.tokenizer=auto is resolved here, once: every later use takes setup.tokenizer.
