@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.command import meshtron_command
+from meshtron.config import reference_kind
 from meshtron.data.chat import ChatDataset
 from meshtron.data.preference import PreferenceDataset
 from meshtron.data.streaming import StreamingDataset
@@ -157,10 +158,35 @@ def precision_summary(cfg, policy) -> str:
     return ", ".join(parts)
 
 
+def _preference_summary(cfg) -> str:
+    """A preference objective, its main settings and its reference: ``DPO (beta 0.1, sigmoid), reference: a frozen
+    copy of the starting weights``."""
+    objective = cfg.train.objective
+    if objective == "dpo":
+        d = cfg.dpo
+        settings = f"beta {d.beta:g}, {d.loss_type}"
+        settings += f", label smoothing {d.label_smoothing:g}" if d.label_smoothing else ""
+        settings += f", rpo_alpha {d.rpo_alpha:g}" if d.rpo_alpha else ""
+    elif objective == "simpo":
+        settings = f"beta {cfg.simpo.beta:g}, gamma {cfg.simpo.gamma:g}"
+        settings += f", cpo_alpha {cfg.simpo.cpo_alpha:g}" if cfg.simpo.cpo_alpha else ""
+    else:  # ipo, orpo
+        settings = f"beta {getattr(cfg, objective).beta:g}"
+    kind = reference_kind(cfg)
+    reference = {
+        "model": "a frozen copy of the starting weights"
+        + (f" in {cfg.preference.reference_dtype}" if cfg.preference.reference_dtype else ""),
+        "lora_base": "the base model (LoRA adapters off)",
+        "precomputed": "precomputed log-probabilities",
+        "none": "none",
+    }[kind]
+    return f"{objective.upper()} ({settings}), reference: {reference}"
+
+
 def computed_summary(cfg, setup) -> str:
     """The objective and every setting that changes what a step computes or where its tensors live, briefly."""
     d, t = cfg.data, cfg.train
-    objective = "causal LM"
+    objective = "causal LM" if t.objective == "causal_lm" else _preference_summary(cfg)
     if d.format == "chat":
         objective += ", chat: loss on " + ("the assistant's tokens" if d.train_on == "assistant" else "all tokens")
     parts = [objective]

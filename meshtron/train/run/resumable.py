@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from meshtron.data.chat import ChatDataset
     from meshtron.data.dataset import PackedDataset
     from meshtron.data.mixture import MixedDataset
+    from meshtron.data.preference import PreferenceDataset
     from meshtron.data.sampler import GlobalBatchSchedule
     from meshtron.distributed.runtime import Runtime
     from meshtron.train.loss.scaling import LossScaler
@@ -54,7 +55,7 @@ class Resumable:
     """Called after each save (NonfiniteRollback.checkpoint_saved)."""
     stream: StreamingDataset | None = None
     """The StreamingDataset of a ``data.streaming`` run, whose position each rank saves and restores."""
-    dataset: PackedDataset | MixedDataset | ChatDataset | StreamingDataset | None = None
+    dataset: PackedDataset | MixedDataset | ChatDataset | PreferenceDataset | StreamingDataset | None = None
     """The training dataset; a resume with another ``data.seq_len`` gives it the rest of the epoch to read
     (meshtron.data.carry)."""
     seq_len_changes: list = field(default_factory=list)
