@@ -3,7 +3,8 @@ follows a rule the rejected one breaks, as JSON lines or a saved ``datasets`` fo
 
 ``alphabet``: the prompt counts a few letters ("count: c d e"), the chosen answer goes on with the next three
 (" f g h"), the rejected one breaks the order in one place (" f k h"). ``upper``: the prompt gives a word ("shout:
-cat"), the chosen answer is it in capitals (" CAT"), the rejected one is it as it was (" cat").
+cat"), the chosen answer is it in capitals (" CAT"), the rejected one is it as it was (" cat"); ``capitals``: the same
+with random words of 3 to 5 letters (the example's: held-out pairs are new words).
 
 How fast a tiny model learns them (TRL 1.16's DPOTrainer, tests/chat_fixture.py's two-layer Llama from its random
 initialization and its character tokenizer, 400 plain pairs, batch 16, lr 1e-3, beta 0.1, 64 held-out pairs of
@@ -39,7 +40,12 @@ def _upper(rng: np.random.Generator) -> tuple[str, str, str]:
     return f"shout: {word}", word.upper(), word
 
 
-RULES = {"alphabet": _alphabet, "upper": _upper}
+def _capitals(rng: np.random.Generator) -> tuple[str, str, str]:
+    word = "".join(LETTERS[int(i)] for i in rng.integers(0, len(LETTERS), int(rng.integers(3, 6))))
+    return f"shout: {word}", word.upper(), word
+
+
+RULES = {"alphabet": _alphabet, "upper": _upper, "capitals": _capitals}
 """Each rule: a random (prompt, chosen, rejected) of plain text."""
 
 
@@ -77,3 +83,30 @@ def write_preference_dataset(folder: Path, n: int, rule: str, conversational: bo
 
     Dataset.from_list(preference_records(n, rule, conversational, seed)).save_to_disk(str(folder))
     return Path(folder)
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "preference"
+"""The preference example's data (configs/sft-for-dpo.toml, configs/dpo.toml, docs/post-training.md), made by
+``write_example`` (``python tests/preference_fixture.py``) and checked against it by
+tests/test_preference_training.py."""
+
+
+def example_files() -> dict[str, str]:
+    """The example's files and their text: 464 ``capitals`` pairs (random words, so the 64 that configs/dpo.toml
+    holds out are new ones), and the first 400 as plain text documents (prompt and chosen answer) for the
+    fine-tuning that comes first."""
+    records = preference_records(464, "capitals", seed=1)
+    return {
+        "pairs.jsonl": "".join(json.dumps(record) + "\n" for record in records),
+        "sft.jsonl": "".join(json.dumps({"text": r["prompt"] + r["chosen"]}) + "\n" for r in records[:400]),
+    }
+
+
+def write_example(folder: Path = EXAMPLE) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in example_files().items():
+        (folder / name).write_text(text)
+
+
+if __name__ == "__main__":
+    write_example()
