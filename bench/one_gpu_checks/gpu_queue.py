@@ -70,7 +70,7 @@ CHECKS = (
         finding="issue 56 finding 5",
     ),  # fmt: skip
     Check("meshtron_check_nproc1", "gpu_training:meshtron_check_nproc1", 60, 150, ("`meshtron check [--nproc N]`",)),
-    Check("cpu_offload_one_gpu", "gpu_training:cpu_offload_one_gpu", 90, 180, ("Model state in host memory",)),
+    Check("cpu_offload_one_gpu", "gpu_training:cpu_offload_one_gpu", 90, 120, ("Model state in host memory",)),
     # never started yet
     Check(
         "gradient_widening",
