@@ -142,6 +142,34 @@ def test_forked_gpu_ranks_start_with_cuda_uninitialized_or_fresh(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_the_forkservers_probe_names_what_touched_cuda_while_the_rank_modules_were_imported(monkeypatch, capfd):
+    """meshtron check's forkserver had initialized CUDA on an H200 with torchao installed, and the launcher could only
+    say so: the probe child now names the first call that initialized CUDA or poisoned forks during the imports, and
+    the frames that made it."""
+    import multiprocessing
+
+    import torch
+
+    from meshtron.train.setup import rank_imports
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(rank_imports, "CUDA_TOUCHES", [])
+
+    def a_module_asking_the_device():
+        torch.cuda._lazy_init()
+
+    with rank_imports.noting_cuda_touches():
+        a_module_asking_the_device()
+        a_module_asking_the_device()
+    torch.cuda._lazy_init()  # after the imports: not theirs
+    assert len(rank_imports.CUDA_TOUCHES) == 1, rank_imports.CUDA_TOUCHES
+    assert rank_imports.CUDA_TOUCHES[0].startswith("torch.cuda._lazy_init() from tests/test_command_line.py:")
+    monkeypatch.setattr(rank_imports, "cuda_initialized_here", lambda: True)
+    assert rank_imports.initialized_cuda_before_forking(multiprocessing.get_context("fork"))
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("meshtron:")]
+    assert said == [f"meshtron: the forkserver's CUDA was touched by {rank_imports.CUDA_TOUCHES[0]}"], said
+
+
 def test_a_worker_error_said_in_one_line_leaves_out_torchs_report_and_a_crash_keeps_it():
     """A worker that reported its own end (note_reported_end) is not followed by torch's lines about its failure and
     the other workers' stop; a worker that crashed (no note) still is."""

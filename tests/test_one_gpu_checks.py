@@ -140,3 +140,18 @@ def test_benchmarks_md_has_the_queues_section_with_a_row_per_check():
     section = text.split(BEGIN, 1)[1].split(END, 1)[0]
     names = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
     assert names == [check.name for check in CHECKS]
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_no_check_starts_with_less_of_the_budget_left_than_its_estimate(tmp_path, monkeypatch, cuda):
+    """The first GPU run started fused_loss (a check that also runs on a CPU) with 1 s of the budget left, and failed
+    it as timed out: every check that would run is skipped instead; one whose limit the budget cuts says so."""
+    fakes = tmp_path / "fakes.py"
+    fakes.write_text(FAKES)
+    monkeypatch.setattr(gpu_queue, "cuda_available", lambda: True)
+    late = Check("late", f"{fakes}:passes", estimate_s=500, limit_s=600, cuda=cuda)
+    row = gpu_queue.run_queue([late], tmp_path / "out", tmp_path / "r.json", budget_s=60, report=lambda _: None)
+    assert row["checks"][0]["status"] == "skip" and "60 s of the queue's budget left" in row["checks"][0]["reason"]
+    slow = Check("hangs", f"{fakes}:hangs", estimate_s=1, limit_s=30, cuda=cuda)
+    row = gpu_queue.run_queue([slow], tmp_path / "out", tmp_path / "r.json", budget_s=3, report=lambda _: None)
+    assert row["checks"][0]["reason"].startswith("timed out after 3 s (the queue's budget left; its limit is 30 s)")

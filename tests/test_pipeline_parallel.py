@@ -262,3 +262,45 @@ def test_rank_seeds_are_shared_by_a_tensor_parallel_group_and_distinct_elsewhere
     assert all(len(seeds) == 1 for seeds in groups.values())
     assert len(set().union(*groups.values())) == len(groups) == 16
     assert rank_seed(7, [0, 0, 0, 0, 1], (1, 1, 1, 1, 2)) == rank_seed(7, [0] * 5, (1,) * 5) == 7
+
+
+def test_a_zero_bubble_weight_pass_finds_its_custom_function_nodes_held(tmp_path, cache_dir, monkeypatch):
+    """Rank 0 of a ZBV pipeline (stages 0 and 3) with the fused loss and tiled MLPs, whose custom autograd Function
+    nodes are where weight passes start. The input pass detaches the stage outputs; on torch 2.11 a custom Function's
+    node is then owned only by the nodes above it (its Python object refers to it weakly), and the weight pass met
+    it freed ("'_input_metadata' is invalid for this instance of _C._FunctionBase", found on an H200). So at each
+    weight pass every custom Function node of the micro-batch's parameter groups must lie below a built-in node that
+    the groups hold (torch 2.13 keeps it alive regardless, so this checks the ownership, not the crash)."""
+    from torch.autograd.function import BackwardCFunction
+    from torch.distributed.pipelining import stage as pipelining_stage
+
+    from meshtron.plan.rehearsal import rehearse
+
+    checked = []
+    weight_pass = pipelining_stage.stage_backward_weight
+
+    def checking_weight_pass(weights, param_groups, *args, **kwargs):
+        held = [n for g in param_groups for value in g.values() if isinstance(value, (list, tuple, set)) for n in value]
+        roots = [n for n in held if isinstance(n, torch.autograd.graph.Node) and not isinstance(n, BackwardCFunction)]
+        below, queue = set(), list(roots)
+        while queue:
+            for child, _ in queue.pop().next_functions:
+                if child is not None and id(child) not in below:
+                    below.add(id(child))
+                    queue.append(child)
+        custom = [n for g in param_groups for n in g["intermediates"] if isinstance(n, BackwardCFunction)]
+        checked.extend(type(n).__name__ for n in custom)
+        assert all(id(n) in below for n in custom), f"not held through the weight pass: {custom}"
+        return weight_pass(weights, param_groups, *args, **kwargs)
+
+    monkeypatch.setattr(pipelining_stage, "stage_backward_weight", checking_weight_pass)
+    settings = ["model.preset=llama-deep", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "train.mlp_tiles=2"]
+    settings += ["data.seq_len=32", "data.max_documents=40", f"data.cache_dir={cache_dir}", "train.global_batch_size=4"]
+    settings += [
+        "train.micro_batch_size=1",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.device=cpu",
+        "run.progress=false",
+    ]
+    rehearse(load_config(None, settings, env={}), world_size=2, rank=0, steps=2)
+    assert {"_FusedLinearCrossEntropyBackward", "_TiledMLPFunctionBackward"} <= set(checked), checked

@@ -94,3 +94,13 @@ def test_the_planner_models_tiles_and_emits_them(tmp_path):
     emitted = tmp_path / "tiled.toml"
     assert run_main([*args[:-1], "--mlp-tiles", "8", "--emit-config", str(emitted)]).returncode == 0
     assert load_config(emitted, env={}).train.mlp_tiles == 8  # the config trains with the tiles it was planned with
+
+
+def test_tiles_recompute_with_the_forwards_compute_dtype_weights(tmp_path, cache_dir):
+    """bf16 compute without FSDP (precision.apply_compute_casts): the block's hooks swap the bf16 weight copies in for
+    its forward only, so backward's recomputation of the tiles must use the copies the forward used (it met the
+    float32 weights and bf16 inputs: "expected mat1 and mat2 to have the same dtype", found on an H200)."""
+    bf16 = ("precision.mixed_precision=bf16", "train.compile=false")
+    plain, tiled = (train_llama_tiny(cache_dir, tmp_path / str(n), *bf16, f"train.mlp_tiles={n}") for n in (0, 4))
+    assert tiled.losses == pytest.approx(plain.losses, rel=1e-3)
+    assert tiled.grad_norms == pytest.approx(plain.grad_norms, rel=2e-2)

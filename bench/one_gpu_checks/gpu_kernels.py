@@ -52,7 +52,9 @@ def varlen_attention(out) -> dict:
     scale = dim**-0.5
 
     def run(kernel, dtype, where):
-        inputs = [t.to(where, dtype).requires_grad_() for t in leaves]
+        # detached first: on the CPU in float64 .to() returns the leaf itself, which would then require grad and
+        # make the GPU runs' inputs non-leaf copies of it, with no .grad
+        inputs = [t.detach().to(where, dtype).requires_grad_() for t in leaves]
         result = kernels.document_attention(*inputs, docs.to(where), scale, kernel=kernel)
         (result * weight.to(where, dtype)).sum().backward()
         return [result] + [t.grad for t in inputs]

@@ -98,19 +98,26 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 
 def meshtron(*args: str, env: dict | None = None) -> str:
-    """``python -m meshtron ARGS`` from the repository root; its output (stdout and stderr). A non-zero exit fails
-    the check with the output's last lines."""
-    done = subprocess.run(
+    """``python -m meshtron ARGS`` from the repository root; its output (stdout and stderr), also passed on line by
+    line to this check's log as it comes (a check the queue kills leaves there how far the command got). A non-zero
+    exit fails the check with the output's last lines."""
+    print(f"$ meshtron {' '.join(args)}", flush=True)
+    lines = []
+    with subprocess.Popen(
         [sys.executable, "-m", "meshtron", *args],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {})},
-    )
-    output = done.stdout + done.stderr
-    if done.returncode != 0:
+    ) as child:
+        for line in child.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    output = "".join(lines)
+    if child.returncode != 0:
         tail = " | ".join(output.strip().splitlines()[-6:])
-        raise AssertionError(f"meshtron {' '.join(args[:2])} ... exited {done.returncode}: {tail}")
+        raise AssertionError(f"meshtron {' '.join(args[:2])} ... exited {child.returncode}: {tail}")
     return output
 
 

@@ -275,10 +275,84 @@ def set_stage_forward(
     model.forward = types.MethodType(forward, model)
 
 
+KEPT_NODES = "meshtron_kept_nodes"
+"""Key of each parameter group (a zero-bubble stage's, between its input and weight passes) that holds the graph
+nodes keeping its custom autograd Function intermediates alive (``keep_custom_function_nodes``)."""
+
+
+def _is_custom_function_node(node) -> bool:
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+def _parents_in(roots: list) -> dict[int, list]:
+    """{id of a node: the nodes whose next functions include it} over the graph below ``roots``; every node is
+    held by the lists (so each id stays its node's)."""
+    parents: dict[int, list] = {id(node): [] for node in roots}
+    queue = list(roots)
+    while queue:
+        node = queue.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if id(child) not in parents:
+                parents[id(child)] = []
+                queue.append(child)
+            parents[id(child)].append(node)
+    return parents
+
+
+def _holders_of(parents: dict[int, list], targets: list) -> list:
+    """The built-in nodes (each owned by its Python object) nearest above each of ``targets``: while they live,
+    so do the targets."""
+    holders, climbed, climbing = {}, {id(node) for node in targets}, list(targets)
+    while climbing:
+        for parent in parents.get(id(climbing.pop()), []):
+            if not _is_custom_function_node(parent):
+                holders[id(parent)] = parent
+            elif id(parent) not in climbed:
+                climbed.add(id(parent))
+                climbing.append(parent)
+    return list(holders.values())
+
+
+def keep_custom_function_nodes(stage) -> None:
+    """Keep, from a zero-bubble schedule's input pass of a micro-batch to its weight pass, the custom autograd
+    Function nodes (the fused loss's, a tiled MLP's) where the weight pass starts (its "intermediates").
+
+    torch's input pass (``stage_backward_input``) detaches the stage outputs, which frees the graph above the
+    intermediates; it keeps each intermediate by its Python object, which owns a built-in node but only refers
+    weakly to a custom Function's (torch 2.11): the weight pass then met a freed node ("Attribute
+    '_input_metadata' is invalid for this instance of _C._FunctionBase", found on an H200). torch 2.13's object
+    keeps it. The nodes just above them (a scaling, a residual addition: little or nothing saved) stay in the
+    micro-batch's parameter groups instead, which the weight pass drops."""
+    backward = stage.backward_maybe_with_nosync
+
+    def backward_keeping_nodes(backward_type, bwd_kwargs, *args, **kwargs):
+        if backward_type != "input":
+            return backward(backward_type, bwd_kwargs, *args, **kwargs)
+        outputs = bwd_kwargs["stage_output"]
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        # walked before the input pass frees the graph above its intermediates
+        parents = _parents_in([t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None])
+        grads, param_groups = backward(backward_type, bwd_kwargs, *args, **kwargs)
+        groups = param_groups or []
+        targets = [n for group in groups for n in group.get("intermediates", ()) if _is_custom_function_node(n)]
+        if targets:
+            holders = _holders_of(parents, targets)
+            for group in groups:
+                group[KEPT_NODES] = holders
+        return grads, param_groups
+
+    stage.backward_maybe_with_nosync = backward_keeping_nodes
+
+
 def pipeline_schedule(stages: list, cfg: ParallelConfig, microbatches: int, loss_fn):
-    """torch's schedule for this rank's stages; gradients are not rescaled (the loss is already normalized)."""
+    """torch's schedule for this rank's stages; gradients are not rescaled (the loss is already normalized). The
+    stages keep their custom autograd Function nodes through a zero-bubble weight pass (keep_custom_function_nodes)."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+    for stage in stages:
+        keep_custom_function_nodes(stage)
     schedule_class = get_schedule_class(cfg.pp_schedule)
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

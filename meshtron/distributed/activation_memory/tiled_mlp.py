@@ -11,6 +11,7 @@ run per tile and hand every rank back its own tokens of the tile.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -22,15 +23,37 @@ SEQUENCE_DIM = -2
 """The tokens of a block's hidden states (batch, sequence, hidden)."""
 
 
+def _weights_of(mlp: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The tensors ``mlp``'s modules compute with now: (owner, name, tensor) of each registered parameter."""
+    return [(owner, name, t) for owner in mlp.modules() for name, t in owner._parameters.items() if t is not None]
+
+
+@contextlib.contextmanager
+def _computing_with(weights: list[tuple[nn.Module, str, torch.Tensor]]):
+    """The modules of ``weights`` compute with those tensors inside the block, with their own again after it."""
+    own = [(owner, name, owner._parameters[name]) for owner, name, _ in weights]
+    try:
+        for owner, name, tensor in weights:
+            owner._parameters[name] = tensor
+        yield
+    finally:
+        for owner, name, tensor in own:
+            owner._parameters[name] = tensor
+
+
 class _TiledMLPFunction(torch.autograd.Function):
     """``mlp(x)`` over ``tiles`` pieces of the sequence; saves only ``x``. The MLP's trained parameters are inputs too,
     so that their gradients leave backward as any function's do: autograd accumulates them where the caller's
     backward asks for them, and only there (torch.distributed.pipelining runs backward passes of its own, on made-up
-    inputs, to learn gradient shapes: gradients accumulated by hand there would land in the parameters)."""
+    inputs, to learn gradient shapes: gradients accumulated by hand there would land in the parameters).
+
+    Backward recomputes the tiles with the weights the forward computed with (``weights``): a block's compute-dtype
+    casts (meshtron.distributed.precision.apply_compute_casts) swap bf16 copies in for its forward only, so by
+    backward the MLP holds its float32 weights again, while its saved input is bf16."""
 
     @staticmethod
-    def forward(ctx, run_mlp, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.run_mlp, ctx.tiles, ctx.params = run_mlp, tiles, params
+    def forward(ctx, run_mlp, weights, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run_mlp, ctx.weights, ctx.tiles, ctx.params = run_mlp, weights, tiles, params
         ctx.save_for_backward(x)
         with torch.no_grad():
             return torch.cat([run_mlp(piece) for piece in x.chunk(tiles, dim=SEQUENCE_DIM)], dim=SEQUENCE_DIM)
@@ -43,14 +66,14 @@ class _TiledMLPFunction(torch.autograd.Function):
             x.chunk(ctx.tiles, dim=SEQUENCE_DIM), grad_output.chunk(ctx.tiles, dim=SEQUENCE_DIM), strict=True
         ):
             piece = piece.detach().requires_grad_(True)
-            with torch.enable_grad():
+            with torch.enable_grad(), _computing_with(ctx.weights):
                 output = ctx.run_mlp(piece)
             piece_grad, *tile_param_grads = torch.autograd.grad(output, (piece, *ctx.params), grad, allow_unused=True)
             grads.append(piece_grad)
             for i, tile_grad in enumerate(tile_param_grads):
                 if tile_grad is not None:
                     param_grads[i] = tile_grad if param_grads[i] is None else param_grads[i] + tile_grad
-        return None, None, torch.cat(grads, dim=SEQUENCE_DIM), *param_grads
+        return None, None, None, torch.cat(grads, dim=SEQUENCE_DIM), *param_grads
 
 
 def _tiled_call(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -58,7 +81,7 @@ def _tiled_call(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch
     if args or kwargs or not torch.is_grad_enabled() or self.mlp_tiles <= 1:
         return call(hidden, *args, **kwargs)
     params = [param for param in self.parameters() if param.requires_grad]
-    return _TiledMLPFunction.apply(call, self.mlp_tiles, hidden, *params)
+    return _TiledMLPFunction.apply(call, _weights_of(self), self.mlp_tiles, hidden, *params)
 
 
 @functools.cache

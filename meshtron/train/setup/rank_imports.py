@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 
 def import_rank_modules() -> None:
@@ -33,7 +34,7 @@ def import_rank_modules() -> None:
         lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage()
     )
 
-    with device_questions_without_cuda():
+    with device_questions_without_cuda(), noting_cuda_touches():
         import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -74,6 +75,53 @@ def device_questions_without_cuda():
         yield
     finally:
         torch.cuda.get_device_capability = asked
+
+
+CUDA_TOUCHES: list[str] = []
+"""What first initialized CUDA, or counted the devices through the CUDA runtime (after which torch marks a forked child
+as unable to use CUDA too), while this process imported the rank modules: the call and the frames that made it."""
+
+CUDA_TOUCHING_CALLS = (
+    ("torch.cuda", "_lazy_init"),
+    ("torch._C", "_cuda_getDeviceCount"),
+    ("torch._C", "_cuda_getArchFlags"),
+)
+"""torch's calls that initialize CUDA or poison forks (torch/csrc/cuda/Module.cpp: ``poison_fork()``)."""
+
+
+@contextlib.contextmanager
+def noting_cuda_touches():
+    """Within: the first of ``CUDA_TOUCHING_CALLS`` made is noted in ``CUDA_TOUCHES`` (the forkserver's probe child
+    names it when it finds CUDA initialized: ``initialized_cuda_before_forking``)."""
+    import importlib
+
+    replaced = []
+    for module_name, name in CUDA_TOUCHING_CALLS:
+        owner = importlib.import_module(module_name)
+        call = getattr(owner, name, None)
+        if call is not None:
+            replaced.append((owner, name, call))
+            setattr(owner, name, _noted(f"{module_name}.{name}", call))
+    try:
+        yield
+    finally:
+        for owner, name, call in replaced:
+            setattr(owner, name, call)
+
+
+def _noted(what: str, call):
+    def noting(*args, **kwargs):
+        if not CUDA_TOUCHES:
+            import traceback
+
+            frames = traceback.extract_stack()[-7:-1]
+            where = " < ".join(
+                f"{'/'.join(frame.filename.rsplit('/', 2)[-2:])}:{frame.lineno}" for frame in reversed(frames)
+            )
+            CUDA_TOUCHES.append(f"{what}() from {where}")
+        return call(*args, **kwargs)
+
+    return noting
 
 
 def capability_from_nvml(index: int) -> tuple[int, int] | None:
@@ -123,4 +171,8 @@ def initialized_cuda_before_forking(context) -> bool:
 
 
 def _exit_with_cuda_state() -> None:
-    os._exit(CUDA_INITIALIZED_EXIT if cuda_initialized_here() else 0)
+    if not cuda_initialized_here():
+        os._exit(0)
+    if CUDA_TOUCHES:  # the launchers' line says what follows; this one says what did it
+        print(f"meshtron: the forkserver's CUDA was touched by {CUDA_TOUCHES[0]}", file=sys.stderr, flush=True)
+    os._exit(CUDA_INITIALIZED_EXIT)
