@@ -82,6 +82,7 @@ CHECKS = (
     ),  # fmt: skip
     Check("muon", "gpu_training:muon", 20, 90, ("Muon",)),
     Check("lora", "gpu_training:lora", 20, 90, ("LoRA fine-tuning",)),
+    Check("preference_dpo", "gpu_training:preference_dpo", 45, 150, ("Preference objectives",)),
     Check("validation", "gpu_training:validation", 20, 90, ("Validation",)),
     Check("prefetch_pinning", "gpu_training:prefetch_pinning", 20, 90, ("Weighted data mixtures",)),
     Check("rope_scaling_long", "gpu_kernels:rope_scaling_long", 30, 120, ("Longer context",)),

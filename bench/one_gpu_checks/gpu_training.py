@@ -59,6 +59,45 @@ def lora(out) -> dict:
     return {"loss_rel_diff": worst}
 
 
+def _preference_pairs(path) -> str:
+    """40 pairs whose chosen answer is the prompt's word in capitals (tests/preference_fixture.py's ``upper``)."""
+    import json
+
+    words = "cat dog sun map red cup hat pen box sky fig owl bee ant elk".split()
+    lines = [
+        json.dumps({"prompt": f"shout: {w}", "chosen": " " + w.upper(), "rejected": " " + w})
+        for w in (words[(7 * i) % len(words)] for i in range(40))
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def preference_dpo(out) -> dict:
+    """``train.objective=dpo`` on the GPU against the CPU (fp32, a live reference copy; then LoRA's base as the
+    reference): losses and rewards over 3 steps; then bf16 with compiled blocks on the GPU: it learns."""
+    import torch
+
+    data = _preference_pairs(out / "pairs.jsonl")
+    dpo = ["train.objective=dpo", "dpo.beta=0.5", "data.format=preference", f"data.path={data}", "data.seq_len=32",
+           "optimizer.lr=3e-3"]  # fmt: skip
+    runs = _cpu_against_gpu(out / "model", *dpo)
+    worst = expect_close("losses", runs["gpu"].losses, runs["cpu"].losses, 1e-4)
+    lora = _cpu_against_gpu(out / "lora", *dpo, "lora.rank=4", "lora.alpha=8")
+    worst_lora = expect_close("LoRA-base losses", lora["gpu"].losses, lora["cpu"].losses, 1e-4)
+    fast = train_here(
+        cuda_device(),
+        settings_for(out / "bf16", *dpo, "precision.mixed_precision=bf16", "train.compile=true", steps=6),
+    )
+    assert all(map(torch.isfinite, map(torch.tensor, fast.losses))), fast.losses
+    assert fast.losses[-1] < fast.losses[0], f"bf16 compiled DPO did not learn: {fast.losses}"
+    return {
+        "loss_rel_diff": worst,
+        "lora_base_loss_rel_diff": worst_lora,
+        "bf16_compiled_losses": [round(x, 4) for x in fast.losses],
+    }
+
+
 def validation(out) -> dict:
     """``[eval]`` on held-out documents every 2 steps on the GPU against the CPU: the evaluation losses."""
     runs = _cpu_against_gpu(out, "eval.holdout_documents=4", "eval.interval=2", "eval.batches=2")
