@@ -388,3 +388,28 @@ def test_a_preference_checkpoint_resumes_only_with_its_seq_len(tmp_path):
     check_compatible(meta, tmp_path, config, DataConfig(format="preference", seq_len=64), 8)  # another batch: fine
     with pytest.raises(ConfigError, match=r"data.seq_len=64 but this run has 32.*\(not with data.format=preference\)"):
         check_compatible(meta, tmp_path, config, DataConfig(format="preference", seq_len=32), 4)
+
+
+def test_with_prompt_nll_the_chosen_prompts_targets_are_marked_for_the_nll_and_counted(tmp_path):
+    """ORPO's NLL (TRL's ORPOTrainer) covers the chosen sequence's prompt tokens too: with prompt_nll each row's chosen
+    prompt targets carry NLL_ONLY_LABELS_BELOW marks (their tokens, recoverable), the answers' labels are unchanged,
+    and chosen_token_count counts every target of the chosen sequence."""
+    from meshtron.train.loss.preference import PROMPT_RUN, preference_runs, target_tokens
+
+    path = write_preference_jsonl(tmp_path / "pairs.jsonl", 6, "upper")
+    config = DataConfig(path=str(path), format="preference", seq_len=64)
+    plain, _ = build_preference_datasets(config, PreferenceConfig(), ByteTokenizer())
+    marked, _ = build_preference_datasets(config, PreferenceConfig(), ByteTokenizer(), prompt_nll=True)
+    rows = np.arange(6)
+    _, labels = plain.batch(rows)
+    _, marks = marked.batch(rows)
+    assert torch.equal(torch.where(marks < IGNORE_INDEX, IGNORE_INDEX, marks), labels)  # the answers' as before
+    runs = preference_runs(marks)
+    tokens = torch.from_numpy(marked.rows(rows))
+    for row, record in enumerate(preference_records(6, "upper")):
+        chosen_length = int(marked.chosen_end[row]) - 1  # the chosen sequence's tokens
+        prompt = (runs[row] == PROMPT_RUN).nonzero().flatten().tolist()
+        assert prompt == list(range(len(record["prompt"]) - 1))  # targets 1.. of the prompt: positions 0..
+        assert torch.equal(target_tokens(marks[row, prompt]), tokens[row, 1 : len(prompt) + 1])
+        assert marked.chosen_token_count([row]) == chosen_length - 1 == plain.chosen_token_count([row]) + len(prompt)
+    assert marked.target_count(rows) == plain.target_count(rows)

@@ -16,7 +16,14 @@ import torch
 
 from meshtron.config import DpoConfig, IpoConfig, OrpoConfig, SimpoConfig
 from meshtron.data.labels import IGNORE_INDEX
-from meshtron.train.loss.preference import preference_objective, preference_runs, sequence_sums
+from meshtron.train.loss.preference import (
+    PROMPT_RUN,
+    preference_objective,
+    preference_runs,
+    prompt_sums,
+    sequence_sums,
+    target_tokens,
+)
 
 trl = pytest.importorskip("trl")
 from trl import DPOTrainer  # noqa: E402
@@ -272,6 +279,20 @@ def test_runs_number_the_chosen_and_rejected_answers():
     sums, counts = sequence_sums(logps, want)
     assert torch.equal(sums, torch.tensor([[5.0, 7 + 8 + 9], [13.0, sum(range(17, 24))]]))
     assert torch.equal(counts, torch.tensor([[2.0, 3.0], [1.0, 7.0]]))
+
+
+def test_nll_only_marks_form_the_prompt_run_outside_the_two_answers():
+    """ORPO's chosen prompt targets (labels below IGNORE_INDEX) are run PROMPT_RUN, summed apart by prompt_sums and
+    turned back into their tokens by target_tokens; the answers' runs and sums are unchanged."""
+    mark = IGNORE_INDEX - 1  # token t is labelled mark - t
+    labels = torch.tensor([[mark - 7, mark - 0, 4, 5, -100, -100, 6, 7, -100]])
+    runs = preference_runs(labels)
+    assert runs.tolist() == [[PROMPT_RUN, PROMPT_RUN, 0, 0, -1, -1, 1, 1, -1]]
+    assert target_tokens(labels).tolist() == [[7, 0, 4, 5, -100, -100, 6, 7, -100]]
+    logps = torch.arange(9, dtype=torch.float32)[None]
+    sums, counts = sequence_sums(logps, runs)
+    assert sums.tolist() == [[5.0, 13.0]] and counts.tolist() == [[2.0, 2.0]]
+    assert prompt_sums(logps, runs).tolist() == [1.0]
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,13 @@ whose prompt alone fills ``max_length`` under ``keep_start`` is left out, as TRL
 The row of a pair (``data.seq_len + 1`` tokens): prompt + chosen, a separator token, prompt + rejected, a separator
 token, then separator padding. Labels are set only where the target is an answer's token of the same sequence (TRL's
 completion mask, shifted: a sequence's first token and the separators are never targets), so each row's labels form
-two runs, the chosen answer's and then the rejected answer's. The separator is where document masks cut
-(``data.mask_documents``, required), so the rejected sequence sees nothing of the chosen one and its positions
-restart at 0, as TRL's separate rows do: EOS when no sequence contains it, else a token none contains (plain answers
-end with EOS, so usually not EOS). The rows are built in memory at the start, on every rank (fine-tuning sets).
+two runs, the chosen answer's and then the rejected answer's. With ``prompt_nll`` (ORPO, whose NLL term TRL takes
+over the chosen sequence's prompt and answer) the chosen sequence's prompt targets carry a label of their own below
+IGNORE_INDEX (meshtron.data.labels.NLL_ONLY_LABELS_BELOW) that only the NLL term counts. The separator is where
+document masks cut (``data.mask_documents``, required), so the rejected sequence sees nothing of the chosen one and
+its positions restart at 0, as TRL's separate rows do: EOS when no sequence contains it, else a token none contains
+(plain answers end with EOS, so usually not EOS). The rows are built in memory at the start, on every rank
+(fine-tuning sets).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from meshtron.config import DataConfig, PreferenceConfig
 from meshtron.data.chat import ROLES, _json_lines
-from meshtron.data.labels import IGNORE_INDEX
+from meshtron.data.labels import IGNORE_INDEX, NLL_ONLY_LABELS_BELOW
 from meshtron.data.sources import _is_saved_dataset, _load_saved, utf8_only
 from meshtron.errors import ConfigError, MeshtronError
 
@@ -309,6 +312,8 @@ class PreferenceDataset:
         identical: int = 0,
         prompt_too_long: int = 0,
         truncated: int = 0,
+        chosen_prompt: np.ndarray | None = None,
+        prompt_nll: bool = False,
     ):
         self.tokens, self.trained = tokens, trained
         self.chosen_end = chosen_end
@@ -318,6 +323,12 @@ class PreferenceDataset:
         self.seq_len = tokens.shape[1] - 1
         self.max_length = max_length
         self.identical, self.prompt_too_long, self.truncated = identical, prompt_too_long, truncated
+        self.chosen_prompt = np.zeros_like(trained) if chosen_prompt is None else chosen_prompt
+        """Per row, the chosen sequence's prompt tokens but its first (the targets of TRL's ORPO NLL besides the
+        chosen answer's)."""
+        self.prompt_nll = prompt_nll
+        """Whether ``batch`` labels the ``chosen_prompt`` targets for the NLL term (NLL_ONLY_LABELS_BELOW) and
+        ``chosen_token_count`` counts them (``train.objective=orpo``)."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -327,10 +338,13 @@ class PreferenceDataset:
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, labels): the row's first ``seq_len`` tokens, and its last where an answer's token is the
-        target, IGNORE_INDEX elsewhere."""
+        target, IGNORE_INDEX elsewhere (with ``prompt_nll``: the chosen prompt's targets marked for the NLL term)."""
         indices = _indices(indices)
         rows, trained = self.tokens[indices], self.trained[indices]
         labels = np.where(trained[:, 1:], rows[:, 1:], IGNORE_INDEX)
+        if self.prompt_nll:
+            nll_only = NLL_ONLY_LABELS_BELOW - 1 - rows[:, 1:]
+            labels = np.where(self.chosen_prompt[indices, 1:], nll_only, labels)
         return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(labels)
 
     def target_count(self, indices) -> int:
@@ -338,10 +352,12 @@ class PreferenceDataset:
         return int(self.trained[_indices(indices), 1:].sum())
 
     def chosen_token_count(self, indices) -> int:
-        """Labelled tokens of the chosen answers of the rows ``indices`` (the denominator of the NLL terms)."""
+        """Labelled tokens of the chosen answers of the rows ``indices`` (the denominator of the NLL terms), with
+        ``prompt_nll`` also the chosen prompts' targets."""
         indices = _indices(indices)
         before = np.arange(self.tokens.shape[1])[None, :] < self.chosen_end[indices][:, None]
-        return int((self.trained[indices] & before).sum())
+        prompts = int(self.chosen_prompt[indices].sum()) if self.prompt_nll else 0
+        return int((self.trained[indices] & before).sum()) + prompts
 
     def describe(self) -> str:
         left_out = [
@@ -362,12 +378,29 @@ def _indices(indices) -> np.ndarray:
     return np.asarray(indices, dtype=np.int64).reshape(-1)
 
 
+def chosen_prompt_targets(chosen_mask: list[int], width: int) -> np.ndarray:
+    """The positions of a row (``width``) whose target is a prompt token of the chosen sequence (its completion mask
+    ``chosen_mask``; the sequence's first token is never a target)."""
+    prompt: np.ndarray = np.zeros(width, dtype=bool)
+    prompt[: len(chosen_mask)] = np.asarray(chosen_mask, dtype=bool) == 0
+    prompt[0] = False
+    return prompt
+
+
 def pack_pairs(
-    pairs: list[Pair], separator: int, width: int, max_length: int, truncation_mode: str, **counts: int
+    pairs: list[Pair],
+    separator: int,
+    width: int,
+    max_length: int,
+    truncation_mode: str,
+    prompt_nll: bool = False,
+    **counts: int,
 ) -> PreferenceDataset:
-    """The rows of ``pairs``, each sequence cut to ``max_length`` (TRL's collator)."""
+    """The rows of ``pairs``, each sequence cut to ``max_length`` (TRL's collator); ``prompt_nll``: see
+    PreferenceDataset."""
     tokens: np.ndarray = np.full((len(pairs), width), separator, dtype=np.int64)
     trained: np.ndarray = np.zeros((len(pairs), width), dtype=bool)
+    chosen_prompt: np.ndarray = np.zeros((len(pairs), width), dtype=bool)
     chosen_end: np.ndarray = np.zeros(len(pairs), dtype=np.int64)
     cut = 0
     for row, pair in enumerate(pairs):
@@ -376,15 +409,32 @@ def pack_pairs(
             cut += len(pair.prompt_ids) + len(answer) > max_length
             sequences.append(truncated(pair.prompt_ids, answer, max_length, truncation_mode))
         tokens[row], trained[row], chosen_end[row] = pair_row(sequences[0], sequences[1], separator, width)
-    return PreferenceDataset(tokens, trained, chosen_end, separator, max_length, truncated=cut, **counts)
+        chosen_prompt[row] = chosen_prompt_targets(sequences[0][1], width)
+    return PreferenceDataset(
+        tokens,
+        trained,
+        chosen_end,
+        separator,
+        max_length,
+        truncated=cut,
+        chosen_prompt=chosen_prompt,
+        prompt_nll=prompt_nll,
+        **counts,
+    )
 
 
 def build_preference_datasets(
-    data: DataConfig, preference: PreferenceConfig, tokenizer, held_out: int = 0, separator: int | None = None
+    data: DataConfig,
+    preference: PreferenceConfig,
+    tokenizer,
+    held_out: int = 0,
+    separator: int | None = None,
+    prompt_nll: bool = False,
 ) -> tuple[PreferenceDataset, PreferenceDataset | None]:
     """(the pairs of ``data.path``, None), or with ``held_out`` (``eval.holdout_documents``) all but the last
     ``held_out`` usable pairs and, apart, those last ones. Both use one separator: ``separator`` when given
-    (evaluation data takes the training data's), else one chosen here."""
+    (evaluation data takes the training data's), else one chosen here. ``prompt_nll``: the chosen prompts' targets
+    labelled for the NLL term (``train.objective=orpo``; see PreferenceDataset)."""
     check_preference_settings(data, preference)
     max_length = resolved_max_length(data.seq_len, preference.max_length)
     read = read_pairs(data, tokenizer, max_length, preference.truncation_mode)
@@ -408,9 +458,17 @@ def build_preference_datasets(
     width, mode = data.seq_len + 1, preference.truncation_mode
     kept = read.pairs[: len(read.pairs) - held_out]
     training = pack_pairs(
-        kept, separator, width, max_length, mode, identical=read.identical, prompt_too_long=read.prompt_too_long
+        kept,
+        separator,
+        width,
+        max_length,
+        mode,
+        prompt_nll,
+        identical=read.identical,
+        prompt_too_long=read.prompt_too_long,
     )
-    evaluation = pack_pairs(read.pairs[len(kept) :], separator, width, max_length, mode) if held_out else None
+    held = read.pairs[len(kept) :]
+    evaluation = pack_pairs(held, separator, width, max_length, mode, prompt_nll) if held_out else None
     return training, evaluation
 
 

@@ -53,13 +53,15 @@ def build_training_data(
     evaluation: EvalConfig | None = None,
     batch_rampup: str = "",
     preference: PreferenceConfig | None = None,
+    prompt_nll: bool = False,
 ) -> RunData:
     """One corpus, or a weighted mixture of several (meshtron.data.mixture), and the evaluation data.
 
     Each source is a prepared directory or any other source, prepared into ``data.cache_dir`` first; local
     rank 0 of each machine builds what is missing (the others wait outside any collective). With ``data.streaming``
     the source is read while training runs (meshtron.data.streaming). ``batch_rampup``: ``train.batch_rampup``
-    (meshtron.data.sampler.BatchSizes). ``preference``: ``[preference]``, read with ``data.format=preference``."""
+    (meshtron.data.sampler.BatchSizes). ``preference``: ``[preference]``, read with ``data.format=preference``;
+    ``prompt_nll``: its pairs' chosen prompts labelled for the NLL term (ORPO's; meshtron.data.preference)."""
     evaluation = evaluation or EvalConfig()
     held_out = evaluation.holdout_documents
     sizes = BatchSizes(global_batch_size, parse_batch_rampup(batch_rampup, global_batch_size))
@@ -67,7 +69,7 @@ def build_training_data(
     dataset: ChatDataset | PreferenceDataset | StreamingDataset | PackedDataset | MixedDataset
     eval_dataset: ChatDataset | PreferenceDataset | PackedDataset | None = None
     if data.format == "preference":  # one pair a row, built in memory (meshtron.data.preference)
-        dataset, eval_dataset = build_preference_datasets(data, preference, tokenizer, held_out)
+        dataset, eval_dataset = build_preference_datasets(data, preference, tokenizer, held_out, prompt_nll=prompt_nll)
         schedule = GlobalBatchSchedule(len(dataset), global_batch_size, data.shuffle, data.seed, sizes)
     elif data.format == "chat":  # fine-tuning conversations, packed in memory (meshtron.data.chat)
         dataset, eval_dataset = build_chat_datasets(data, tokenizer, held_out)
@@ -91,7 +93,9 @@ def build_training_data(
         )
         dataset = MixedDataset(datasets)
     if evaluation.path:
-        eval_dataset = _build_eval_path(data, evaluation.path, tokenizer, dataset, is_builder, run_id, preference)
+        eval_dataset = _build_eval_path(
+            data, evaluation.path, tokenizer, dataset, is_builder, run_id, preference, prompt_nll
+        )
     if eval_dataset is not None and len(eval_dataset) < global_batch_size:
         source = f"eval.path '{evaluation.path}'" if evaluation.path else f"eval.holdout_documents={held_out}"
         raise ConfigError(
@@ -102,13 +106,22 @@ def build_training_data(
 
 
 def _build_eval_path(
-    data: DataConfig, path: str, tokenizer, training, is_builder: bool, run_id: str, preference: PreferenceConfig
+    data: DataConfig,
+    path: str,
+    tokenizer,
+    training,
+    is_builder: bool,
+    run_id: str,
+    preference: PreferenceConfig,
+    prompt_nll: bool = False,
 ):
     """``eval.path`` read as ``data.path`` would be (whole: ``data.max_documents`` limits the training data only)."""
     source = replace(data, path=path, max_documents=None, streaming=False, sources=[])
     try:
         if data.format == "preference":
-            return build_preference_datasets(source, preference, tokenizer, separator=training.separator)[0]
+            return build_preference_datasets(
+                source, preference, tokenizer, separator=training.separator, prompt_nll=prompt_nll
+            )[0]
         if data.format == "chat":
             return build_chat_datasets(source, tokenizer, separator=training.separator)[0]
         return build_packed_dataset(source, tokenizer, is_builder=is_builder, run_id=run_id, setting="eval.path")

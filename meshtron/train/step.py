@@ -40,7 +40,7 @@ from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
 from meshtron.train.loss.head import head_loss_sum
-from meshtron.train.loss.preference import preference_runs
+from meshtron.train.loss.preference import preference_runs, target_tokens
 from meshtron.train.loss.scaling import LossScaler, unscale_gradients
 from meshtron.train.moe.router_balance import RouterBalance
 from meshtron.train.moe.router_loss import RouterLoss, StepRouting, router_metrics
@@ -337,10 +337,10 @@ def _device_targets(labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """This rank's labels on the device; a preference objective's packed with each position's answer, found on the
     whole rows before the context-parallel cut (meshtron.train.preference.targets)."""
     device = ctx.device
-    local = shard_labels(labels.to(device, non_blocking=True), ctx.split)
     if ctx.preference is None:
-        return local
+        return shard_labels(labels.to(device, non_blocking=True), ctx.split)
     runs = shard_labels(preference_runs(labels).to(device, non_blocking=True), ctx.split)
+    local = shard_labels(target_tokens(labels).to(device, non_blocking=True), ctx.split)
     return pack_targets(local, runs)
 
 

@@ -35,6 +35,7 @@ from meshtron.metrics.trackers import build_trackers
 from meshtron.resilience.faults import fault_plan
 from meshtron.resilience.guard import RunGuard
 from meshtron.train.evaluation.evaluate import Evaluator, build_evaluator
+from meshtron.train.loss.preference import nll_covers_prompt
 from meshtron.train.loss.scaling import loss_scaler
 from meshtron.train.moe.router_balance import build_router_balance
 from meshtron.train.moe.router_loss import build_router_loss
@@ -277,6 +278,7 @@ def _load_data(cfg: Config, setup: RunSetup, runtime: Runtime, run_id: str):
         evaluation=cfg.eval,
         batch_rampup=cfg.train.batch_rampup,
         preference=cfg.preference,
+        prompt_nll=nll_covers_prompt(cfg.train.objective),
     )
 
 

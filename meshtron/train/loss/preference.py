@@ -2,8 +2,10 @@
 
 A preference row holds one pair (the row contract of ``data.format=preference``): the chosen sequence, a separator,
 the rejected sequence, a separator, padding; its labels are set only on the two answers' tokens, so they form two
-runs of labelled positions. ``preference_runs`` numbers them (0 chosen, 1 rejected, -1 no label), ``sequence_sums``
-adds each answer's per-token log-probabilities (meshtron.train.loss.token_logps) and tokens, and a
+runs of labelled positions. ``preference_runs`` numbers them (0 chosen, 1 rejected, -1 no label; 2 the chosen
+prompt's targets that only ORPO's NLL counts, marked below IGNORE_INDEX: ``target_tokens`` turns them back into
+tokens), ``sequence_sums`` adds each answer's per-token log-probabilities (meshtron.train.loss.token_logps) and
+tokens, ``prompt_sums`` the chosen prompts', and a
 ``PreferenceObjective`` turns the sums into this micro-batch's share of the global loss and the metric sums.
 
 TRL averages over its batch (pairs, or the batch's chosen tokens for the NLL terms); here each average is a sum over
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.config import DpoConfig, IpoConfig, OrpoConfig, SimpoConfig
-from meshtron.data.labels import IGNORE_INDEX
+from meshtron.data.labels import IGNORE_INDEX, NLL_ONLY_LABELS_BELOW
 
 REWARD_METRICS = (
     "rewards/chosen",
@@ -33,13 +35,29 @@ REWARD_METRICS = (
 )
 
 
-def preference_runs(labels: torch.Tensor) -> torch.Tensor:
-    """Each position's run of labels (B, S): 0 in the chosen answer's, 1 in the rejected answer's, -1 unlabelled.
+PROMPT_RUN = 2
+"""The run of the chosen prompt's targets that only the NLL term counts (ORPO's; meshtron.data.labels)."""
 
-    ``labels``: a micro-batch's whole rows (before any context-parallel cut). A row whose labelled positions do not
-    form exactly two runs is not a preference row: ValueError.
+
+def nll_covers_prompt(objective: str) -> bool:
+    """Whether ``train.objective``'s NLL term covers the chosen sequence's prompt tokens as well as its answer's
+    (ORPO: TRL's ORPOTrainer takes it "over the full prompt and response"), so its data labels them."""
+    return objective == "orpo"
+
+
+def target_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` with the NLL-only marks (meshtron.data.labels.NLL_ONLY_LABELS_BELOW) turned back into their tokens."""
+    return torch.where(labels < NLL_ONLY_LABELS_BELOW, NLL_ONLY_LABELS_BELOW - 1 - labels, labels)
+
+
+def preference_runs(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's run of labels (B, S): 0 in the chosen answer's, 1 in the rejected answer's, -1 unlabelled,
+    ``PROMPT_RUN`` where the label marks a chosen prompt's target for the NLL term only.
+
+    ``labels``: a micro-batch's whole rows (before any context-parallel cut). A row whose answers' labelled positions
+    do not form exactly two runs is not a preference row: ValueError.
     """
-    labelled = labels != IGNORE_INDEX
+    labelled = labels > IGNORE_INDEX
     before = torch.zeros_like(labelled[:, :1])
     starts = labelled & ~torch.cat([before, labelled[:, :-1]], dim=1)
     counts = starts.sum(1)
@@ -50,7 +68,7 @@ def preference_runs(labels: torch.Tensor) -> torch.Tensor:
             "exactly two (the chosen answer's, then the rejected answer's)"
         )
     runs = starts.cumsum(1) - 1
-    return torch.where(labelled, runs, -1)
+    return torch.where(labelled, runs, torch.where(labels < NLL_ONLY_LABELS_BELOW, PROMPT_RUN, -1))
 
 
 def sequence_sums(token_logps: torch.Tensor, runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +79,13 @@ def sequence_sums(token_logps: torch.Tensor, runs: torch.Tensor) -> tuple[torch.
     sums = torch.stack([torch.where(answer, logps, 0).sum(1) for answer in answers], dim=1)
     counts = torch.stack([answer.sum(1) for answer in answers], dim=1).to(torch.float32)
     return sums, counts
+
+
+def prompt_sums(token_logps: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+    """Per row (B,) the summed log-probabilities of the chosen prompt's NLL-only targets (``PROMPT_RUN``; zeros
+    without them) over this rank's positions."""
+    logps = token_logps.reshape(runs.shape)
+    return torch.where(runs == PROMPT_RUN, logps, 0).sum(1)
 
 
 @dataclass(frozen=True)

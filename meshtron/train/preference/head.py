@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshtron.train.loss.preference import PreferenceObjective, sequence_sums
+from meshtron.train.loss.preference import PreferenceObjective, prompt_sums, sequence_sums
 from meshtron.train.loss.token_logps import head_token_logps
 from meshtron.train.preference.targets import PairCounts, unpack_targets
 
@@ -63,6 +63,21 @@ def answer_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row (B, 2) summed log-probabilities of the chosen and rejected answers and their (B, 2) token counts,
     whole over the context-parallel ranks (``cp_group``)."""
+    sums, lengths, _ = pair_logps(hidden, labels, runs, weight, bias, head, cp_group)
+    return sums, lengths
+
+
+def pair_logps(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    runs: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    head: HeadOptions,
+    cp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``answer_logps``'s sums and counts and, per row (B,), the summed log-probabilities of the chosen prompt's
+    NLL-only targets (ORPO's; zeros without them), all whole over the context-parallel ranks in one all-reduce."""
     token_logps = head_token_logps(
         hidden,
         labels,
@@ -75,10 +90,11 @@ def answer_logps(
         compiled=head.compiled,
     )
     sums, lengths = sequence_sums(token_logps.view(labels.shape), runs)
+    sums = torch.cat([sums, prompt_sums(token_logps, runs)[:, None]], dim=1)
     if cp_group is not None:
         sums = sum_over_group(sums, cp_group)
         lengths = sum_over_group(lengths, cp_group)
-    return sums, lengths
+    return sums[:, :2], lengths, sums[:, 2]
 
 
 @dataclass(frozen=True)
@@ -102,12 +118,13 @@ class PreferenceHead:
         sums) of one micro-batch whose ``target`` is a ``pack_targets`` tensor. Every context-parallel rank
         computes the whole loss (its answers' sums are all-reduced), so each reports a ``1 / cp`` share."""
         labels, runs, reference = unpack_targets(target)
-        sums, lengths = answer_logps(hidden, labels, runs, weight, bias, self.head, self.cp_group)
+        sums, lengths, prompts = pair_logps(hidden, labels, runs, weight, bias, self.head, self.cp_group)
         loss, metrics = self.objective.loss(
             sums,
             lengths,
             reference if self.objective.uses_reference else None,
             global_pairs=counts.pairs,
             global_chosen_tokens=counts.chosen_tokens,
+            nll_logps=sums[:, 0] + prompts,
         )
         return loss, loss.detach() / self.cp, metrics.detach() / self.cp
