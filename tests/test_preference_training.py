@@ -117,6 +117,11 @@ def test_a_dpo_run_resumes_under_another_layout_exactly(tmp_path):
     for step, row in got.items():
         for key in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected"):
             assert row[key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-6), (step, key)
+    # meshtron eval on a preference set: the objective's loss and TRL's metrics, its accuracy in the last line.
+    evaluated = run_main(["eval", str(checkpoint), f"--eval.path={data}", f"--run.output_dir={tmp_path / 'eval'}"])
+    assert evaluated.returncode == 0 and "rewards/accuracies" in evaluated.stdout, evaluated.stderr[-3000:]
+    (row,) = [row for row in _rows(tmp_path / "eval") if "eval_loss" in row]
+    assert 0 < row["eval_loss"] < 1 and 0 <= row["eval_rewards/accuracies"] <= 1
 
 
 @pytest.mark.parametrize(

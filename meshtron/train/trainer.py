@@ -84,6 +84,8 @@ class TrainResult:
     offloaded_bytes: int = 0
     """With ``train.activation_offload``: this rank's peak bytes of activations in host memory, same step."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    eval_preference: dict[str, float] = field(default_factory=dict)
+    """A preference objective's metrics of the last evaluation (``rewards/accuracies`` ...); empty otherwise."""
     """(step, evaluation loss) of each evaluation of this start (``[eval]``; meshtron.train.evaluation.evaluate)."""
 
     def record(self, outcome, seconds: float) -> None:
@@ -362,6 +364,7 @@ def evaluate_model(loop: _Loop, step: int, model, result: TrainResult) -> dict:
     loop.guard.evaluating(step)
     evaluated = loop.evaluator.evaluate(model)
     result.eval_losses.append((step, evaluated.loss))
+    result.eval_preference = evaluated.preference
     return evaluated.metrics()
 
 

@@ -24,9 +24,14 @@ from meshtron.train.moe.router_loss import router_loss_enabled
 def evaluated_message(result) -> str:
     """The last line of meshtron eval (``result``: its TrainResult)."""
     step, loss = result.eval_losses[-1]
+    preference = getattr(result, "eval_preference", {})
+    if preference:  # a preference objective's loss has no perplexity: its pairs ranked right instead
+        figure = f"rewards/accuracies {preference['rewards/accuracies']:.4f}"
+    else:
+        figure = f"perplexity {math.exp(min(loss, 700)):.2f}"
     return (
-        f"meshtron: evaluated the model after step {step}: evaluation loss {loss:.4f}, perplexity "
-        f"{math.exp(min(loss, 700)):.2f}; outputs in {result.output_dir}/ (config.toml, metrics.jsonl)"
+        f"meshtron: evaluated the model after step {step}: evaluation loss {loss:.4f}, {figure}; outputs in "
+        f"{result.output_dir}/ (config.toml, metrics.jsonl)"
     )
 
 
