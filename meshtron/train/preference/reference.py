@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtron.distributed.data_parallel import reshard_all
 from meshtron.distributed.precision import compute_weight, release_compute_weights
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -79,6 +80,10 @@ class ReferenceModel:
                 result = answer_logps(hidden, labels, runs, weight, bias, self.head, self.split.cp_group)[0]
         if self.kind == "model":
             release_compute_weights(*self.modules)
+        # As after evaluation: FSDP modules that stay gathered after a forward (the root, the last block) are sharded
+        # again, so that a reference copy does not hold them gathered all step and the policy's own forward (lora_base)
+        # starts as after a backward (gathered ones left some gradients undivided: meshtron.distributed.data_parallel).
+        reshard_all(*self.modules)
         return result
 
     def _pipeline(self, input_ids, labels, runs, bounds) -> torch.Tensor:
