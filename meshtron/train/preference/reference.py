@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtron.distributed.data_parallel import reshard_all
 from meshtron.distributed.precision import compute_weight, release_compute_weights
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -79,6 +80,10 @@ class ReferenceModel:
                 result = answer_logps(hidden, labels, runs, weight, bias, self.head, self.split.cp_group)[0]
         if self.kind == "model":
             release_compute_weights(*self.modules)
+        # FSDP keeps the root's and the last block's parameters gathered after forward for the backward that follows;
+        # none follows here: a frozen copy would keep them gathered for the whole run, and the policy (lora_base)
+        # must enter its training forward sharded, as after evaluation (reshard_all's docstring).
+        reshard_all(*self.modules)
         return result
 
     def _pipeline(self, input_ids, labels, runs, bounds) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The live reference model (meshtron.train.preference.reference) under FSDP: a model that never runs backward must
+not keep the parameters that FSDP gathers for backward (the root's, the last block's) gathered after its forward."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from meshtron.config import FSDPConfig
+from meshtron.data.labels import IGNORE_INDEX
+from meshtron.distributed.data_parallel import apply_fsdp
+from meshtron.train.batch import SequenceSplit
+from meshtron.train.loss.preference import preference_runs
+from meshtron.train.preference.head import HeadOptions
+from meshtron.train.preference.reference import ReferenceModel, freeze
+
+VOCAB, WIDTH, SEQ = 40, 8, 12
+
+
+class Decoder(nn.Module):
+    """Embeddings, three blocks, a head that the loss applies (as meshtron's models return hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = torch.tanh(layer(hidden))
+        return hidden
+
+
+ADAPTER = SimpleNamespace(
+    named_blocks=lambda model: list(model.layers.named_children()),
+    head_parameters=lambda model: (model.head.weight, None),
+)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo process group in this process and its mesh, destroyed after the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def preference_rows(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels of ``rows`` rows, each labelled in two runs (a chosen and a rejected answer)."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
+    labels = torch.full((rows, SEQ), IGNORE_INDEX)
+    labels[:, 2:5] = input_ids[:, 3:6]
+    labels[:, 8:11] = input_ids[:, 9:12]
+    return input_ids, labels
+
+
+@pytest.mark.parametrize("kind", ["model", "lora_base"])
+def test_a_sharded_reference_leaves_every_parameter_sharded_after_its_forward(one_rank_mesh, kind):
+    """FSDP keeps the root's and the last block's parameters gathered after forward for the backward that follows;
+    a reference runs none, so without a reshard a frozen copy (``model``) kept them gathered for the whole run (a
+    whole embedding, head and block on every rank), and the policy (``lora_base``) entered its training forward
+    gathered, as evaluation once did (meshtron.distributed.data_parallel.reshard_all). FSDP over one rank is a
+    real layout: ``fsdp.cpu_offload`` on one process."""
+    torch.manual_seed(0)
+    model = Decoder()
+    apply_fsdp(model, ADAPTER, one_rank_mesh, FSDPConfig(cpu_offload=True), MixedPrecisionPolicy())
+    if kind == "model":
+        freeze([model])
+    reference = ReferenceModel(kind, [model], ADAPTER, HeadOptions(), SequenceSplit())
+    input_ids, labels = preference_rows(2)
+    logps = reference.answer_logps(input_ids, labels, preference_runs(labels))
+    assert logps.shape == (2, 2) and bool(torch.isfinite(logps).all()) and bool((logps < 0).all())
+    gathered = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered, f"gathered after the reference's forward: {gathered}"
+    again = reference.answer_logps(input_ids, labels, preference_runs(labels))
+    assert torch.equal(again, logps)
