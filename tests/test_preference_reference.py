@@ -87,3 +87,30 @@ def test_a_sharded_reference_leaves_every_parameter_sharded_after_its_forward(on
     assert not gathered, f"gathered after the reference's forward: {gathered}"
     again = reference.answer_logps(input_ids, labels, preference_runs(labels))
     assert torch.equal(again, logps)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_resumed_runs_reference_gets_its_float8_scales_at_build(monkeypatch, frozen):
+    """Under float8 tensorwise the FSDP all-gathers use weight scales computed once (``refresh_float8_scales``):
+    a resumed policy gets them from its restored weights (meshtron.train.run.resumable), but a reference copy,
+    whose weights are always its initial ones, got them from nobody on a resume, and FSDP then scaled each weight
+    at each all-gather by its own shard's maximum under tensor parallelism (another rounding than the run before
+    the resume). build_model's set-up around the check is stood in for."""
+    from meshtron.config import load_config
+    from meshtron.distributed import float8
+    from meshtron.train.setup import build
+
+    refreshed = []
+    model = nn.Linear(4, 4)
+    adapter = SimpleNamespace(return_hidden_states=lambda m: None)
+    monkeypatch.setattr(build, "build_meta_model", lambda hf_config, model_cfg: (model, adapter))
+    monkeypatch.setattr(build, "moe_layer_indices", lambda m: [])
+    monkeypatch.setattr(build, "parallelize_options", lambda cfg, setup: None)
+    monkeypatch.setattr(build, "parallelize", lambda m, *rest: [(0, m)])
+    monkeypatch.setattr(build, "materialize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(float8, "refresh_float8_scales", lambda parts: refreshed.append(parts))
+    cfg = load_config(None, ["precision.float8=true"], env={})
+    setup = SimpleNamespace(dims=SimpleNamespace(pp=1), hf_config=None, resume_from="runs/a/checkpoints/step-2")
+    runtime = SimpleNamespace(device=torch.device("cpu"), rehearsal=False)
+    build.build_model(cfg, runtime, setup, None, SequenceSplit(), None, frozen)
+    assert refreshed == ([[model]] if frozen else [])  # the policy's come from the checkpoint
