@@ -73,7 +73,8 @@ def test_a_sharded_reference_leaves_every_parameter_sharded_after_its_forward(on
     a reference runs none, so without a reshard a frozen copy (``model``) kept them gathered for the whole run (a
     whole embedding, head and block on every rank), and the policy (``lora_base``) entered its training forward
     gathered, as evaluation once did (meshtron.distributed.data_parallel.reshard_all). FSDP over one rank is a
-    real layout: ``fsdp.cpu_offload`` on one process."""
+    real layout: ``fsdp.cpu_offload`` on one process. A frozen copy also clears FSDP2's record of its forwards,
+    which only a backward clears (it grew by an entry per FSDP module and forward for the whole run)."""
     torch.manual_seed(0)
     model = Decoder()
     apply_fsdp(model, ADAPTER, one_rank_mesh, FSDPConfig(cpu_offload=True), MixedPrecisionPolicy())
@@ -87,6 +88,11 @@ def test_a_sharded_reference_leaves_every_parameter_sharded_after_its_forward(on
     assert not gathered, f"gathered after the reference's forward: {gathered}"
     again = reference.answer_logps(input_ids, labels, preference_runs(labels))
     assert torch.equal(again, logps)
+    if kind == "model":  # FSDP2's record of forwards, which only a backward clears, stays empty (see forget_forwards)
+        state = model._get_fsdp_state()
+        groups = [group for s in state._state_ctx.all_states for group in s._fsdp_param_groups]
+        assert len(groups) == 4 and not any(group._post_forward_indices for group in groups)
+        assert not state._comm_ctx.post_forward_order
 
 
 @pytest.mark.parametrize("frozen", [False, True])

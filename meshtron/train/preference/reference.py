@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtron.distributed.data_parallel import reshard_all
+from meshtron.distributed.data_parallel import forget_forwards, reshard_all
 from meshtron.distributed.precision import compute_weight, release_compute_weights
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -84,6 +84,8 @@ class ReferenceModel:
         # none follows here: a frozen copy would keep them gathered for the whole run, and the policy (lora_base)
         # must enter its training forward sharded, as after evaluation (reshard_all's docstring).
         reshard_all(*self.modules)
+        if self.kind == "model":  # no backward ever clears a frozen copy's record of its forwards
+            forget_forwards(*self.modules)
         return result
 
     def _pipeline(self, input_ids, labels, runs, bounds) -> torch.Tensor:
