@@ -70,6 +70,26 @@ def reshard_all(*models: nn.Module) -> None:
                 module.reshard()
 
 
+def forget_forwards(*models: nn.Module) -> None:
+    """Drop FSDP2's record of the forwards run since the last backward (the order in which its backward prefetches),
+    which only a backward clears: for a model that never runs one (a preference reference) it would grow by an entry
+    per FSDP module and forward for the whole run. FSDP2's private state, read defensively (a torch that keeps it
+    elsewhere keeps its record)."""
+    for model in models:
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            for group in groups:
+                indices = getattr(group, "_post_forward_indices", None)
+                if indices is not None:
+                    indices.clear()
+            order = getattr(getattr(state, "_comm_ctx", None), "post_forward_order", None)
+            if order is not None:
+                order.clear()
+
+
 def check_data_parallel(fsdp_cfg: FSDPConfig, dims) -> None:
     """Refuse FSDP settings the layout cannot honour (``dims``: the run's ParallelDims)."""
     if fsdp_cfg.cpu_offload and not dims.fsdp_applied(fsdp_cfg.cpu_offload):

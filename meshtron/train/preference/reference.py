@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtron.distributed.data_parallel import reshard_all
+from meshtron.distributed.data_parallel import forget_forwards, reshard_all
 from meshtron.distributed.precision import compute_weight, release_compute_weights
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -80,10 +80,12 @@ class ReferenceModel:
                 result = answer_logps(hidden, labels, runs, weight, bias, self.head, self.split.cp_group)[0]
         if self.kind == "model":
             release_compute_weights(*self.modules)
-        # As after evaluation: FSDP modules that stay gathered after a forward (the root, the last block) are sharded
-        # again, so that a reference copy does not hold them gathered all step and the policy's own forward (lora_base)
-        # starts as after a backward (gathered ones left some gradients undivided: meshtron.distributed.data_parallel).
+        # FSDP keeps the root's and the last block's parameters gathered after forward for the backward that follows;
+        # none follows here: a frozen copy would keep them gathered for the whole run, and the policy (lora_base)
+        # must enter its training forward sharded, as after evaluation (reshard_all's docstring).
         reshard_all(*self.modules)
+        if self.kind == "model":  # no backward ever clears a frozen copy's record of its forwards
+            forget_forwards(*self.modules)
         return result
 
     def _pipeline(self, input_ids, labels, runs, bounds) -> torch.Tensor:

@@ -118,7 +118,7 @@ def build_model(
         # Tied embeddings: the last stage's head copy gets the first stage's gradient added after backward.
         attach_tied_embedding_sync(runner, parts, [stage_id for stage_id, _ in stages], cfg.parallel, meshes)
         built = BuiltModel(model, parts, adapter, runner, meshes.pp.get_group())
-    if cfg.precision.float8 and not setup.resume_from:
+    if cfg.precision.float8 and (frozen or not setup.resume_from):  # a reference's weights are its initial ones
         from meshtron.distributed.float8 import refresh_float8_scales
 
         refresh_float8_scales(parts)  # FSDP's float8 all-gather: weight scales from the initial weights
