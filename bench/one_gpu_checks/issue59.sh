@@ -32,7 +32,7 @@ rm -f "$LOGS/skipped.txt"
 T0=$(date +%s)
 DEADLINE=$((T0 + ${BUDGET_S:-400}))
 ONLY=" $* "
-QUEUE_CHECKS="varlen_attention tiled_mlp pp_zero_bubble_offload cpu_offload_one_gpu meshtron_check_nproc1 fused_loss
+QUEUE_CHECKS="preference_dpo varlen_attention tiled_mlp pp_zero_bubble_offload cpu_offload_one_gpu meshtron_check_nproc1 fused_loss
   gradient_widening muon lora validation prefetch_pinning rope_scaling_long float8_rowwise cp_hybrid_rehearsal
   nccl_start_up"
 if [[ -z ${TINY:-} ]]; then  # TINY=1: the CPU run below; TINY=0: the GPU's steps, wherever it runs
