@@ -215,3 +215,41 @@ def test_rehearse_layouts_tiny_on_cpu(tmp_path, cache_dir, capsys, monkeypatch):
     balanced, worst = rows[-2]["measured"], rows[-1]["measured"]
     assert worst["activation_bytes"] > balanced["activation_bytes"]  # every rank's tokens on this rank's experts
     assert worst["state_bytes"] == balanced["state_bytes"]
+
+
+def _rehearse(overrides: list[str], world: int, rank: int) -> dict:
+    """Rehearse rank ``rank`` of a ``world``-rank run; its report as JSON."""
+    from meshtron.config import load_config
+    from meshtron.plan.rehearsal import rehearse
+
+    return rehearse(load_config(None, overrides, env={}), world, rank, steps=2).to_json()
+
+
+def test_a_dpo_rehearsal_holds_the_planned_reference(tmp_path):
+    """DPO with a frozen-copy reference, rehearsed as the last stage's rank of pp 2 x FSDP 2 x TP 2: the reference
+    runs as a forward-only pipeline whose stages receive nothing on the fake process group (the last stage makes up
+    its input, as a rehearsed training stage does; before, it failed on metadata that never came), and the rank holds
+    the reference's parameters the planner plans for it, and the policy's state, exactly."""
+    from preference_fixture import write_preference_jsonl
+
+    pairs = tmp_path / "pairs.jsonl"
+    write_preference_jsonl(pairs, 16, "alphabet")
+    overrides = [
+        "--model.preset=llama-deep",
+        "--parallel.pp=2",
+        "--parallel.dp_shard=2",
+        "--parallel.tp=2",
+        "--train.objective=dpo",
+        "--data.format=preference",
+        f"--data.path={pairs}",
+        "--data.seq_len=64",
+        "--train.global_batch_size=4",
+        f"--run.output_dir={tmp_path / 'out'}",
+        "--run.device=cpu",
+    ]
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # DTensor's caches keyed by mesh stay in the fork
+        got = pool.apply(_rehearse, (overrides, 8, 7))
+    measured, planned = got["measured"], got["planned"]
+    assert measured["reference_bytes"] == planned["reference_bytes"] > 0
+    assert measured["state_bytes"] == planned["state_bytes"]
+    assert abs(planned["activation_bytes"] / measured["activation_bytes"] - 1) <= 0.10

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.errors import MeshtronError
 from meshtron.tensors import local_tensor
+from meshtron.train.pipeline.rehearsal import rehearsed_inputs
 
 
 def _send(tensors: tuple, to_rank: int, group, device: torch.device, known: dict, key) -> None:
@@ -101,6 +102,8 @@ def pipeline_forward(runner, input_ids: torch.Tensor | None, on_last_stage) -> N
                 args = (inputs[micro],)
             elif kept is not None:
                 args = kept
+            elif stage_id in runner.rehearsal_inputs:  # --rehearse: nothing arrives on a fake process group
+                args = rehearsed_inputs(runner.rehearsal_inputs[stage_id], device)
             else:
                 key = (stage_id - 1, tuple(inputs[micro].shape))
                 args = _recv(runner.stage_ranks[stage_id - 1], group, device, known, key)
