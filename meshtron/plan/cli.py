@@ -457,7 +457,7 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
     where = (
         f"{args.model} ({_count(shape.total_params)} parameters{f', LoRA rank {args.lora_rank}' if lora else ''}) on "
         f"{args.gpus} x {hw.name} ({hw.memory_gb:g} GB, {hw.host_memory_gb:g} GB of host memory each), global "
-        f"batch {args.global_batch}"
+        f"batch {args.global_batch}{describe_objective(base)}"
     )
     if found.candidate is None:
         if not args.json:
@@ -495,7 +495,8 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --max-seq-len --global-batch "
             f"{args.global_batch} --gpu {args.gpu}{f' --lora-rank {args.lora_rank}' if lora else ''}"
-            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}\n"
+            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}"
+            f"{objective_flags(workload)}\n"
             f"# The longest sequence that fits: {found.seq_len} tokens. Set data.path and data.tokenizer.\n\n"
         )
         out = emit_config(layout, workload, model_cfg, args.emit_config, header, lora)
