@@ -6,7 +6,9 @@ memory, and the step without communication (eager unless ``--compile``) against 
 ``MEM!`` flags a memory figure more than 10% off the plan, ``TIME!`` a step more than 15% off (the planner times
 only GPUs it knows; on CPU peak memory is the process's resident size and is not compared). Pipeline layouts
 rehearse the first, a middle and the last stage and report the skew of peak memory across them
-(``(max - min) / max``, measured and planned); expert-parallel layouts rehearse balanced routing and the worst
+(``(max - min) / max``, measured and planned); the DPO layout trains a preference objective with a live reference
+model (a frozen copy laid out like the policy, on ``meshtron check``'s pairs) and compares the reference's bytes too;
+expert-parallel layouts rehearse balanced routing and the worst
 case, every token routed to the rehearsed rank's experts by every rank (its received rows x ep), forced here by
 a hook on the experts' forward and the count exchange.
 
@@ -53,6 +55,9 @@ class Layout:
     max_positions: int | None = None
     """The preset's max_position_embeddings raised to this (rotary positions only; the shapes of every weight are
     the preset's): llama-8b's preset says 8192 (Llama 3), the context-parallel rows rehearse 32768 tokens."""
+    pairs: bool = False
+    """Trains DPO with a frozen-copy reference on preference pairs (meshtron.check.layouts.write_pairs) instead of the
+    corpus."""
 
 
 def _llama8b(seq: int, batch: int) -> tuple[str, ...]:
@@ -126,6 +131,14 @@ LAYOUTS = [
             "--parallel.pp=8",
         ),
         tiny=dict(world=4, ranks=(0, 2), overrides=(*TINY_DEEP, "--parallel.tp=2", "--parallel.pp=2")),
+    ),
+    Layout(
+        "dpo-pp2xfsdp4",
+        8,
+        (0, 7),  # first and last stage: the reference runs as a forward-only pipeline
+        (*_llama8b(4096, 8), "--parallel.pp=2", "--parallel.dp_shard=4"),
+        pairs=True,
+        tiny=dict(world=4, ranks=(0, 3), overrides=(*TINY_DEEP, "--parallel.pp=2", "--parallel.dp_shard=2")),
     ),
     Layout(
         "ep8-qwen3moe",
@@ -267,6 +280,7 @@ def summarize(job: dict, result: dict) -> dict:
     measured, planned = report["measured"], report["planned"]
     on_gpu = report["device"].startswith("cuda")
     compared = ["state_bytes", "activation_bytes"] + (["peak_bytes"] if on_gpu else [])
+    compared += ["reference_bytes"] if planned.get("reference_bytes") else []
     diffs = {key: _diff(measured[key], planned[key]) for key in compared}
     diffs["step_s"] = _diff(measured["step_s"], planned.get("compute_s"))
     flags = []
@@ -351,6 +365,11 @@ def jobs_of(
         overrides.append("--train.compile=false")
     if cache_dir:
         overrides.append(f"--data.cache_dir={cache_dir}")
+    if layout.pairs:
+        from meshtron.check.layouts import DPO_OVERRIDES, write_pairs
+
+        pairs = write_pairs(output_root / "pairs.jsonl")
+        overrides += [f"--{setting}" for setting in DPO_OVERRIDES] + [f"--data.path={pairs}"]
     return [
         {
             "layout": layout.name,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,10 @@ from conftest import run_main
 
 import meshtron.check.layouts as check_layouts
 from meshtron.check.compare import CPU, compare
-from meshtron.check.layouts import CheckCase, base_overrides, candidate_degrees, layouts_for
+from meshtron.check.layouts import CheckCase, base_overrides, candidate_degrees, layouts_for, write_pairs
 from meshtron.check.worker import BREAK_ENV
 
-TWO_PROCESS_LAYOUTS = ["ddp2", "fsdp2", "tp2", "cp2_ring", "cp2_ulysses", "pp2", "ep2"]
+TWO_PROCESS_LAYOUTS = ["ddp2", "fsdp2", "tp2", "cp2_ring", "cp2_ulysses", "pp2", "ep2", "dpo_tp2"]
 
 
 def test_two_processes_run_each_parallelism_alone():
@@ -26,6 +27,7 @@ def test_two_processes_run_each_parallelism_alone():
     assert {layout.reference.key for layout in layouts_for(2, "cpu")} == {
         "1proc-llama-tiny-cpu",
         "1proc-qwen3moe-tiny-cpu",
+        "1proc-dpo-llama-tiny-cpu",
     }
 
 
@@ -33,6 +35,7 @@ def test_more_processes_add_combinations_up_to_4_d():
     """4 ranks add HSDP and the 2-D layouts; 8 the 3-D ones; 16 a 4-D one. Every layout uses all N ranks."""
     four = {layout.name for layout in layouts_for(4, "cpu")}
     assert {"hsdp2x2", "fsdp2_tp2", "cp2_tp2_ring", "pp2_tp2", "pp2_fsdp2", "ep2_tp2", "pp4", "tp4"} <= four
+    assert "dpo_fsdp2_tp2" in four and [row.name for row in layouts_for(3, "cpu")][-1] == "dpo_fsdp3"
     for n in (4, 8, 16):
         dims = [
             sum(d > 1 for d in (x.dp_replicate * x.dp_shard, x.tp, x.cp, x.pp))
@@ -50,9 +53,11 @@ def test_every_layout_passes_preflight(n, tmp_path):
     from meshtron.config import load_config
     from meshtron.train.setup.preflight import preflight
 
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
     for layout in layouts_for(n, "cpu"):
         for run in (layout.run, layout.reference):
             settings = base_overrides(n, 3, str(tmp_path)) + [f"model.preset={run.model}", *run.overrides]
+            settings += [f"data.path={pairs}"] if run.pairs else []
             preflight(load_config(None, settings, env={}), run.world, "cpu")
 
 
@@ -118,7 +123,7 @@ def test_check_on_2_cpu_processes_matches_one_process():
     # Differences are rounding, not zero everywhere: the layouts did split the work (TP's matmuls, CP's attention).
     assert float(rows["tp2"][3]) > 0 and float(rows["cp2_ring"][3]) > 0
     assert "backend gloo on CPU" in done.stdout and f"torch {torch.__version__}" in done.stdout
-    assert "all 7 layouts match one process" in done.stdout
+    assert "all 8 layouts match one process" in done.stdout
 
 
 @pytest.mark.slow
@@ -134,6 +139,21 @@ def test_a_broken_layout_fails_the_check(monkeypatch):
     assert "1 of 2 layouts differ: fsdp2 (losses, gradient norms, weights)" in done.stdout
     kept = re.search(r"kept in (\S+)", done.stdout).group(1)
     shutil.rmtree(kept)
+
+
+@pytest.mark.slow
+def test_the_dpo_row_trains_dpo_with_a_reference_and_fails_when_broken(monkeypatch):
+    """The DPO row (DPO, a frozen-copy reference, the check's pairs) fails when one rank's linear outputs are off by
+    1% (MESHTRON_CHECK_BREAK=dpo_tp2), and its ranks trained DPO with the reference."""
+    monkeypatch.setenv(BREAK_ENV, "dpo_tp2")
+    done = run_main(["check", "--nproc", "2", "--only", "dpo_tp2", "--steps", "2"])
+    print(done.stdout)
+    assert done.returncode == 1 and _rows(done.stdout)["dpo_tp2"][5] == "FAIL"
+    assert "1 of 1 layouts differ: dpo_tp2" in done.stdout
+    kept = re.search(r"kept in (\S+)", done.stdout).group(1)
+    logs = " ".join(log.read_text() for log in Path(kept).glob("dpo_tp2/rank*.log"))
+    shutil.rmtree(kept)
+    assert "DPO (beta 0.1" in logs and "reference: a frozen copy" in logs, logs[-2000:]
 
 
 def test_gpu_ranks_start_as_fresh_interpreters_when_the_forkserver_initialized_cuda(monkeypatch, tmp_path, capsys):

@@ -332,6 +332,9 @@ NON_DEFAULT_SETTINGS = {
     "train.mlp_tiles": 4,
     "train.activation_offload": True,
     "fsdp.cpu_offload": True,
+    "train.objective": "dpo",
+    "preference.reference": "precomputed",
+    "preference.reference_dtype": "bfloat16",
 }
 """A value other than the default for every setting the planner's Workload holds."""
 
@@ -736,7 +739,14 @@ def test_rehearse_prints_measured_next_to_planned_and_writes_rehearsal_json(tmp_
     assert "measured" in proc.stdout and "planned" in proc.stdout
     got = json.loads((out / "rehearsal.json").read_text())
     assert (got["rank"], got["world_size"]) == (1, 2)
-    assert set(got["measured"]) == {"state_bytes", "activation_bytes", "host_activation_bytes", "peak_bytes", "step_s"}
+    assert set(got["measured"]) == {
+        "state_bytes",
+        "activation_bytes",
+        "host_activation_bytes",
+        "reference_bytes",
+        "peak_bytes",
+        "step_s",
+    }
     assert got["measured"]["host_activation_bytes"] == got["planned"]["host_activation_bytes"] == 0  # no offloading
     assert (
         got["measured"]["state_bytes"] > 0 and got["measured"]["activation_bytes"] > 0 and got["measured"]["step_s"] > 0
@@ -1139,3 +1149,119 @@ def test_the_planner_costs_an_optimizer_from_its_registry_entry(monkeypatch):
     monkeypatch.setitem(registry.OPTIMIZERS, "one-copy", one_copy)
     two, one = (estimate_memory(shape, single, w).optimizer for w in (adamw, replace(adamw, optimizer="one-copy")))
     assert two == 2 * one > 0
+
+
+# ------------------------------------------------------------------------------------------- preference objectives
+
+
+def _pairs_config(tmp_path, *overrides: str):
+    """llama-deep, 8 pairs (or sequences) of 64 tokens a step, one process on CPU."""
+    from preference_fixture import write_preference_jsonl
+
+    from meshtron.config import load_config
+
+    pairs = tmp_path / "pairs.jsonl"
+    if not pairs.exists():
+        write_preference_jsonl(pairs, 16, "alphabet")
+    settings = ["model.preset=llama-deep", "data.seq_len=64", "train.steps=2", "train.global_batch_size=8"]
+    settings += ["run.progress=false", f"run.output_dir={tmp_path / overrides[0].replace('=', '-')}"]
+    if any(o.startswith("train.objective") for o in overrides):
+        settings += ["data.format=preference", f"data.path={pairs}"]
+    return load_config(None, settings + list(overrides), env={})
+
+
+def test_planned_preference_memory_matches_a_cpu_run(tmp_path, cache_dir):
+    """DPO with a live reference (a frozen copy) and the same model as causal LM, one process on CPU: the planner's
+    reference bytes are the reference's own parameters, and its activations (a pair a row: nothing doubles; the
+    per-token log-probability head keeps the head's input, no fused-loss gradient) within 10% of what autograd
+    kept, as for causal LM."""
+    import torch
+
+    import meshtron.train.trainer as trainer
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.plan.memory import activation_bytes, config_view, estimate_memory
+
+    cpu = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    causal = _pairs_config(tmp_path, "data.max_documents=40", f"data.cache_dir={cache_dir}")
+    dpo = _pairs_config(tmp_path, "train.objective=dpo", "preference.reference=model")
+    for cfg in (causal, dpo):
+        result = trainer.train(cfg, cpu)
+        shape, layout, workload = config_view(cfg, 1, device="cpu")
+        planned = max(activation_bytes(shape, layout, workload))
+        measured = result.activation_bytes
+        print(f"{cfg.train.objective}: activations measured {measured:,} B, planned {planned:,.0f} B")
+        assert abs(planned / measured - 1) <= 0.10
+        memory = estimate_memory(shape, layout, workload)
+        assert result.reference_bytes == memory.reference
+    assert result.reference_bytes > 0 and workload.reference == "model"
+    assert memory.reference == memory.params  # the same parameters in the same dtype, no LoRA
+
+
+def test_the_planner_counts_each_reference_and_its_forward():
+    """A frozen-copy reference adds its parameters (in reference_dtype, sharded like the policy) and no gradients or
+    optimizer state; lora_base and precomputed add no bytes; a live reference's forward adds its FLOPs."""
+    import dataclasses
+
+    from meshtron.config import LoraConfig
+    from meshtron.distributed.mesh import ParallelDims
+    from meshtron.errors import ConfigError
+    from meshtron.plan.hardware import hardware
+    from meshtron.plan.layout import Layout, Workload
+    from meshtron.plan.memory import estimate_memory
+    from meshtron.plan.model_shape import ModelShape
+    from meshtron.plan.throughput import estimate_step
+
+    hf_config, shape = _llama_1b()
+    causal = Workload(2048, 16)
+    layouts = [Layout(ParallelDims(dp_shard=8)), Layout(ParallelDims(dp_shard=2, tp=2, pp=2), micro_batch=1)]
+    for layout in layouts:
+        base = estimate_memory(shape, layout, causal)
+        model = estimate_memory(shape, layout, dataclasses.replace(causal, objective="dpo", reference="model"))
+        assert model.reference == base.params and model.state == base.state
+        half = dataclasses.replace(causal, objective="dpo", reference="model", reference_dtype="bfloat16")
+        assert estimate_memory(shape, layout, half).reference == base.params // 2
+        for objective, reference in (("dpo", "precomputed"), ("simpo", "none"), ("orpo", "none")):
+            other = estimate_memory(
+                shape, layout, dataclasses.replace(causal, objective=objective, reference=reference)
+            )
+            assert other.reference == other.reference_forward == 0
+        assert model.total > base.total and model.reference_forward > 0
+    lora = ModelShape.from_hf_config(hf_config, None, LoraConfig(rank=8, alpha=16))
+    lora_base = dataclasses.replace(causal, objective="dpo", reference="lora_base")
+    assert estimate_memory(lora, layouts[0], lora_base).reference == 0
+    hw = hardware("h100")
+    seconds = {
+        reference: estimate_step(
+            shape, layouts[0], dataclasses.replace(causal, objective="dpo", reference=reference), hw, hf_config
+        ).seconds
+        for reference in ("model", "precomputed")
+    }
+    plain = estimate_step(shape, layouts[0], causal, hw, hf_config).seconds
+    assert plain < seconds["precomputed"] < seconds["model"] < 1.5 * seconds["precomputed"]
+    for bad in (dict(objective="dpo"), dict(objective="simpo", reference="model"), dict(reference="model")):
+        with pytest.raises(ConfigError, match="reference"):
+            dataclasses.replace(causal, **bad)
+
+
+def test_plan_objective_flags_and_the_emitted_config(tmp_path, capsys):
+    """``meshtron plan --objective dpo``: the reference in the first line and the JSON, refused where the objective
+    takes none; the emitted config trains DPO on preference data with its reference."""
+    from meshtron.config import load_config
+    from meshtron.plan.layout import Workload
+
+    args = ["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "16"]
+    code, out, _ = plan_cli(capsys, *args, "--objective", "dpo", "--reference-dtype", "bfloat16", "--json")
+    best = json.loads(out)["candidates"][0]["memory_gb"]
+    assert code == 0 and best["reference"] > 0
+    code, out, _ = plan_cli(capsys, *args, "--objective", "orpo")
+    assert code == 0 and "ORPO on pairs (one a row), reference: none" in out
+    assert "takes no reference" in plan_cli(capsys, *args, "--objective", "simpo", "--reference", "model")[2]
+    assert "add --lora-rank" in plan_cli(capsys, *args, "--objective", "dpo", "--reference", "lora_base")[2]
+    emitted = tmp_path / "dpo.toml"
+    code, out, _ = plan_cli(
+        capsys, *args, "--objective", "ipo", "--reference", "precomputed", "--emit-config", str(emitted)
+    )
+    assert code == 0 and "--objective ipo --reference precomputed" in emitted.read_text()
+    cfg = load_config(str(emitted), ["data.path=pairs.jsonl"], env={})
+    assert (cfg.train.objective, cfg.data.format, cfg.preference.reference) == ("ipo", "preference", "precomputed")
+    assert Workload.from_config(cfg).reference == "precomputed"

@@ -179,9 +179,10 @@ def test_rehearsal_is_finite_when_fake_collectives_leave_nan(name, tmp_path, cac
 
 
 def test_rehearse_layouts_tiny_on_cpu(tmp_path, cache_dir, capsys, monkeypatch):
-    """``bench/rehearse_layouts.py --tiny``: a TP rank, three pipeline stages and an EP rank under balanced and
-    worst-case routing, each rehearsed in a fork, printed as rows and written as JSON; the state each holds is what
-    the planner says, the pipeline's skew is reported, and worst-case routing keeps more activations than balanced."""
+    """``bench/rehearse_layouts.py --tiny``: a TP rank, three pipeline stages, the first and last stage of a DPO run
+    with a frozen-copy reference and an EP rank under balanced and worst-case routing, each rehearsed in a fork,
+    printed as rows and written as JSON; the state each holds (and the DPO ranks' reference) is what the planner says,
+    the pipeline's skew is reported, and worst-case routing keeps more activations than balanced."""
     import importlib
 
     from conftest import REPO
@@ -190,7 +191,7 @@ def test_rehearse_layouts_tiny_on_cpu(tmp_path, cache_dir, capsys, monkeypatch):
     bench = importlib.import_module("rehearse_layouts")
     out = tmp_path / "rows.json"
     result = bench.main(
-        ["--tiny", "--only", "tp8,pp8-1F1B,ep8-qwen3moe", f"--cache-dir={cache_dir}", f"--json={out}"]
+        ["--tiny", "--only", "tp8,pp8-1F1B,dpo-pp2xfsdp4,ep8-qwen3moe", f"--cache-dir={cache_dir}", f"--json={out}"]
         + [f"--output-dir={tmp_path / 'runs'}"]
     )
     printed = capsys.readouterr().out
@@ -201,15 +202,21 @@ def test_rehearse_layouts_tiny_on_cpu(tmp_path, cache_dir, capsys, monkeypatch):
         ("pp8-1F1B", 0, "balanced"),
         ("pp8-1F1B", 2, "balanced"),
         ("pp8-1F1B", 3, "balanced"),
+        ("dpo-pp2xfsdp4", 0, "balanced"),
+        ("dpo-pp2xfsdp4", 3, "balanced"),
         ("ep8-qwen3moe", 0, "balanced"),
         ("ep8-qwen3moe", 0, "worst"),
     ]
     assert all("error" not in row for row in rows), [row.get("error") for row in rows]
-    assert sum(line.startswith(("tp8 ", "pp8-1F1B ", "ep8-qwen3moe ")) for line in printed.splitlines()) == 6
+    assert sum(line.startswith(("tp8 ", "pp8-1F1B ", "dpo-", "ep8-qwen3moe ")) for line in printed.splitlines()) == 8
     for row in rows:
         assert abs(row["diffs"]["state_bytes"]) <= bench.MEMORY_TOLERANCE, row
         assert row["measured"]["step_s"] > 0
-    assert set(result["pipeline_skew"]) == {"pp8-1F1B"}
+    # DPO with a frozen-copy reference: the first and the last stage (whose reference forward receives nothing on the
+    # fake process group) hold the reference's planned bytes exactly
+    for row in rows[4:6]:
+        assert row["measured"]["reference_bytes"] == row["planned"]["reference_bytes"] > 0, row
+    assert set(result["pipeline_skew"]) == {"pp8-1F1B", "dpo-pp2xfsdp4"}
     skew = result["pipeline_skew"]["pp8-1F1B"]
     assert 0 < skew["measured"] < 1 and 0 < skew["planned"] < 1
     balanced, worst = rows[-2]["measured"], rows[-1]["measured"]

@@ -5,13 +5,17 @@ N as FSDP (``parallel.dp_shard``). The degrees respect the tiny models: 4 query 
 Ulysses' cp x tp divide 4), 32 tokens (ring cp up to 8: 2 x cp chunks), 2 layers (``llama-tiny``) or 8
 (``llama-deep``, for pp > 2), 4 experts (ep divides 4). Names follow the parity suite's: ``ddp2``, ``fsdp2``,
 ``hsdp2x2``, ``tp2``, ``cp2_ring``, ``cp2_ulysses``, ``pp2``, ``ep2``, and joined for combinations
-(``pp2_fsdp2_tp2``).
+(``pp2_fsdp2_tp2``). One more row trains a preference objective: ``dpo_`` and its layout (DPO with a live reference
+model, a frozen copy laid out like the policy, on the check's own pairs: ``write_pairs``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshtron.distributed.mesh import ParallelDims
 
@@ -37,6 +41,8 @@ class Run:
     model: str
     device: str
     overrides: tuple[str, ...] = ()
+    pairs: bool = False
+    """Trains DPO on the check's preference pairs (``write_pairs``, in the run's folder) instead of the corpus."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,34 @@ def candidate_degrees(n: int) -> list[Degrees]:
     return list(chosen.values())
 
 
+PAIRS = 64
+"""Preference pairs the DPO row trains on (``data.max_documents`` of the base settings takes the first of them)."""
+
+DPO_OVERRIDES = ("train.objective=dpo", "data.format=preference", "preference.reference=model")
+"""The DPO row's settings besides its layout and ``data.path``: DPO with a frozen copy as the reference model."""
+
+
+def write_pairs(path: Path) -> Path:
+    """The DPO row's pairs at ``path`` (JSON lines; the same on every call): a prompt of letters, the chosen answer
+    them sorted, the rejected one reversed, short enough for ``SEQ_LEN`` byte tokens per pair."""
+    rng = random.Random(0)
+    with open(path, "w") as handle:
+        for _ in range(PAIRS):
+            letters = rng.sample("abcdefghij", 4)
+            record = {"prompt": "".join(letters) + ":", "chosen": "".join(sorted(letters))}
+            record["rejected"] = record["chosen"][::-1]
+            handle.write(json.dumps(record) + "\n")
+    return path
+
+
+def dpo_degrees(n: int) -> Degrees | None:
+    """The DPO row's layout on ``n`` ranks: tensor parallelism over 2 under FSDP over the rest where ``n`` hosts it,
+    else FSDP over all; None for one rank."""
+    if n == 1:
+        return None
+    return _filled(n, tp=2) or _filled(n)
+
+
 def batch_size(n: int) -> int:
     return math.lcm(BATCH, n)
 
@@ -183,7 +217,17 @@ def layouts_for(n: int, device: str) -> list[CheckCase]:
         for degrees in candidate_degrees(n):
             run = Run(degrees.name(), n, degrees.model, device, degrees.overrides())
             rows.append(CheckCase(degrees.name(), run, references[degrees.model]))
+        rows.append(dpo_row(n, device))
     return rows
+
+
+def dpo_row(n: int, device: str) -> CheckCase:
+    """DPO with a live reference under ``dpo_degrees(n)`` against one process training the same."""
+    degrees = dpo_degrees(n)
+    name = f"dpo_{degrees.name()}"
+    run = Run(name, n, DENSE, device, degrees.overrides() + DPO_OVERRIDES, pairs=True)
+    reference = Run(f"1proc-dpo-{DENSE}-{device}", 1, DENSE, device, DPO_OVERRIDES, pairs=True)
+    return CheckCase(name, run, reference, "the preference loss or the reference model differs")
 
 
 def base_overrides(n: int, steps: int, cache_dir: str) -> list[str]:

@@ -22,7 +22,7 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 
 from meshtron.check.compare import CPU, CUDA, compare
-from meshtron.check.layouts import DEFAULT_STEPS, CheckCase, Run, base_overrides, layouts_for
+from meshtron.check.layouts import DEFAULT_STEPS, CheckCase, Run, base_overrides, layouts_for, write_pairs
 from meshtron.check.report import COLUMNS, LEGEND, Row, environment_lines, verdict
 from meshtron.check.worker import BREAK_ENV, COLLECTIVE_TIMEOUT_S, run_rank
 from meshtron.distributed.torchrun_env import launched_by_torchrun
@@ -129,6 +129,8 @@ class _Launcher:
             f"run.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
             *run.overrides,
         ]
+        if run.pairs:
+            overrides.append(f"data.path={write_pairs(directory / 'pairs.jsonl')}")
         # The ranks' rendezvous store is served from here, bound at once to a port the OS picks (no port is chosen
         # first and bound later, which another process could take in between); the ranks join it as clients, as
         # torchrun's workers join their agent's store.

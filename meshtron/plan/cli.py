@@ -11,7 +11,17 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from meshtron.config import ATTN_IMPLEMENTATIONS, FLOAT8_RECIPES, Config, LoraConfig, ModelConfig, TrainConfig
+from meshtron.config import (
+    ATTN_IMPLEMENTATIONS,
+    FLOAT8_RECIPES,
+    OBJECTIVES,
+    REFERENCE_FREE_OBJECTIVES,
+    REFERENCES,
+    Config,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from meshtron.errors import ConfigError
 from meshtron.plan.hardware import GPUS, Hardware, hardware, parse_gigabytes
 from meshtron.plan.layout import MIXED_PRECISION_DTYPES
@@ -151,6 +161,26 @@ def add_plan_parser(sub) -> None:
         help="plan a LoRA run (lora.rank, adapters on every projection): the base frozen (no gradients or AdamW "
         "state), its weight gradients skipped (default 0: full training)",
     )
+    plan.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="causal_lm",
+        help="train.objective: causal_lm (default), or a preference objective on pairs (one pair a row of --seq-len "
+        "tokens; --global-batch counts pairs): dpo / ipo with a reference model (--reference), simpo / orpo without "
+        "(docs/post-training.md)",
+    )
+    plan.add_argument(
+        "--reference",
+        choices=REFERENCES[1:],
+        help="preference.reference of dpo / ipo: model (a frozen copy laid out like the policy: its parameters and a "
+        "forward per micro-batch), lora_base (with --lora-rank: the policy with its adapters off, a forward, no "
+        "copy), precomputed (nothing); default lora_base with --lora-rank, else model",
+    )
+    plan.add_argument(
+        "--reference-dtype",
+        choices=("float32", "bfloat16"),
+        help="preference.reference_dtype: a model reference's storage dtype (default --model-dtype's)",
+    )
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
     plan.add_argument(
@@ -248,6 +278,48 @@ def extended_model(hf_config, model_cfg: ModelConfig, positions: int | None, rop
     return model_cfg
 
 
+def plan_reference(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(the Workload's reference, reference dtype) of ``--objective``, ``--reference``, ``--reference-dtype`` and
+    ``--lora-rank``, as meshtron.config validates and resolves ``[preference]``."""
+    takes_reference = args.objective not in ("causal_lm", *REFERENCE_FREE_OBJECTIVES)
+    if not takes_reference and (args.reference or args.reference_dtype):
+        given = "--reference" if args.reference else "--reference-dtype"
+        raise ConfigError(f"{given}: --objective {args.objective} takes no reference model; use dpo or ipo")
+    if not takes_reference:
+        return "none", None
+    reference = args.reference or ("lora_base" if args.lora_rank else "model")
+    if reference == "lora_base" and not args.lora_rank:
+        raise ConfigError("--reference lora_base is the policy with its LoRA adapters off: add --lora-rank")
+    if args.reference_dtype and reference != "model":
+        raise ConfigError(f"--reference-dtype: a {reference} reference holds no weights of its own; remove it")
+    return reference, args.reference_dtype
+
+
+def describe_objective(workload) -> str:
+    """`` | DPO, reference: ...`` for the plan's first line (nothing for causal_lm)."""
+    if not workload.preference:
+        return ""
+    reference = {
+        "none": "none",
+        "model": f"a frozen copy ({workload.reference_dtype or workload.model_dtype})",
+        "lora_base": "the base (adapters off)",
+        "precomputed": "precomputed",
+    }[workload.reference]
+    return f" | {workload.objective.upper()} on pairs (one a row), reference: {reference}"
+
+
+def objective_flags(workload) -> str:
+    """The ``meshtron plan`` flags of the workload's objective, for an emitted config's header."""
+    if not workload.preference:
+        return ""
+    flags = f" --objective {workload.objective}"
+    if workload.reference != "none":
+        flags += f" --reference {workload.reference}"
+    if workload.reference_dtype:
+        flags += f" --reference-dtype {workload.reference_dtype}"
+    return flags
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from meshtron.models.build import check_seq_len
     from meshtron.models.families import resolve_attn_implementation
@@ -297,6 +369,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--lora-rank must be >= 0 (0: full training), got {args.lora_rank}")
     lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     shape = ModelShape.from_hf_config(hf_config, model_cfg, lora)
+    reference, reference_dtype = plan_reference(args)
     workload = Workload(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
@@ -312,6 +385,9 @@ def run_plan(args: argparse.Namespace) -> int:
         mlp_tiles=args.mlp_tiles,
         activation_offload=args.activation_offload,
         cpu_offload=args.cpu_offload,
+        objective=args.objective,
+        reference=reference,
+        reference_dtype=reference_dtype,
     )
     if args.max_seq_len:
         return _print_longest(args, shape, hf_config, workload, hw, model_cfg, lora)
@@ -336,6 +412,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{hw.name}{f' with {hw.memory_gb:g} GB' if args.gpu_memory else ''}, {hw.gpus_per_node} per node | "
             f"{_describe_batch(args, defaulted)} | "
             f"{_describe_precision(workload)}{f' | LoRA rank {args.lora_rank}' if lora else ''}"
+            f"{describe_objective(workload)}"
         )
         print(format_table(candidates, args.gpus, hw, args.top))
     fitting = [c for c in candidates if c.fits]
@@ -351,7 +428,8 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{f' --float8-recipe {args.float8_recipe}' * (args.float8 and args.float8_recipe != 'tensorwise')} "
             f"--attn-implementation {attn_implementation}"
             f"{f' --lora-rank {args.lora_rank}' if lora else ''}"
-            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}\n"
+            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}"
+            f"{objective_flags(workload)}\n"
             f"# Predicted per GPU: {best.memory.total / 1e9:.1f} GB, {best.step.tokens_per_s / args.gpus:,.0f} "
             "tokens/s, "
             f"MFU {best.step.mfu:.1%}. Set data.path and data.tokenizer for your data before training.\n\n"
@@ -379,7 +457,7 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
     where = (
         f"{args.model} ({_count(shape.total_params)} parameters{f', LoRA rank {args.lora_rank}' if lora else ''}) on "
         f"{args.gpus} x {hw.name} ({hw.memory_gb:g} GB, {hw.host_memory_gb:g} GB of host memory each), global "
-        f"batch {args.global_batch}"
+        f"batch {args.global_batch}{describe_objective(base)}"
     )
     if found.candidate is None:
         if not args.json:
@@ -417,7 +495,8 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         header = (
             f"# Written by: meshtron plan --model {args.model} --gpus {args.gpus} --max-seq-len --global-batch "
             f"{args.global_batch} --gpu {args.gpu}{f' --lora-rank {args.lora_rank}' if lora else ''}"
-            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}\n"
+            f"{f' --model-dtype {args.model_dtype}' if args.model_dtype != 'float32' else ''}"
+            f"{objective_flags(workload)}\n"
             f"# The longest sequence that fits: {found.seq_len} tokens. Set data.path and data.tokenizer.\n\n"
         )
         out = emit_config(layout, workload, model_cfg, args.emit_config, header, lora)
@@ -431,7 +510,8 @@ def run_dry_run(cfg: Config, world_size: int, rank: int) -> int:
     from meshtron.plan.memory import config_view, param_bytes_of_rank
 
     report = dry_run(cfg, world_size, rank)
-    planned = param_bytes_of_rank(*config_view(cfg, world_size), rank)
+    shape, layout, workload = config_view(cfg, world_size)
+    planned = param_bytes_of_rank(shape, layout, workload, rank)
     print(
         f"meshtron dry run: rank {report.rank} of {report.world_size} ({report.layout}), pipeline stages "
         f"{list(report.stages)}: parameters {report.params / 1e9:.3f} GB, gradients {report.grads / 1e9:.3f} GB, "
@@ -440,4 +520,19 @@ def run_dry_run(cfg: Config, world_size: int, rank: int) -> int:
         f"meshtron plan estimate for this rank: parameters {planned / 1e9:.3f} GB "
         f"(dry run vs plan: {(report.params - planned) / planned:+.2%})"
     )
+    if workload.reference == "model":
+        print(_reference_line(shape, layout, workload, rank))
     return 0
+
+
+def _reference_line(shape, layout, workload, rank: int) -> str:
+    """A ``model`` reference's bytes on ``rank``: the planner's (its parameters sharded like the policy's, in
+    ``preference.reference_dtype``), which ``meshtron train --rehearse`` measures."""
+    from meshtron.plan.memory import reference_param_bytes
+
+    pp_rank = rank // (layout.dims.world_size // layout.dims.pp)
+    planned = reference_param_bytes(shape, layout, workload)[pp_rank]
+    return (
+        f"meshtron plan estimate for this rank's reference model (preference.reference=model: a frozen copy laid out "
+        f"like the policy, no gradients or optimizer state): parameters {planned / 1e9:.3f} GB"
+    )

@@ -31,7 +31,8 @@ def gpu_key(device_name: str) -> str | None:
 def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.device, hf_config):
     """``(planned, notes)``: the planner's bytes and seconds for global rank ``rank`` (its pipeline position) of a
     ``world_size``-rank run of ``cfg`` on ``device``: ``state_bytes`` (as measured after the first update),
-    ``activation_bytes``, ``host_activation_bytes``, ``peak_bytes``, and ``step_s`` / ``compute_s`` for a GPU the
+    ``activation_bytes``, ``host_activation_bytes``, ``reference_bytes`` (a ``model`` reference's parameters),
+    ``peak_bytes``, and ``step_s`` / ``compute_s`` for a GPU the
     planner knows (else None, with a note). ``hf_config``: the run's model config (preflight's)."""
     from meshtron.plan.memory import config_view, memory_per_pipeline_rank
     from meshtron.plan.throughput import estimate_step
@@ -45,6 +46,7 @@ def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.devi
         "state_bytes": 2 * memory.params + memory.optimizer,
         "activation_bytes": memory.activations,
         "host_activation_bytes": memory.host_activations,
+        "reference_bytes": memory.reference,
         "peak_bytes": memory.total,
         "step_s": None,
         "compute_s": None,

@@ -6,11 +6,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshtron.config import Config, ParallelConfig, ParallelOptions
+from meshtron.config import (
+    OBJECTIVES,
+    REFERENCE_FREE_OBJECTIVES,
+    Config,
+    ParallelConfig,
+    ParallelOptions,
+    reference_kind,
+)
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+REFERENCE_KINDS = ("none", "model", "lora_base", "precomputed")
+"""A Workload's ``reference``: ``preference.reference`` resolved (meshtron.config.reference_kind)."""
 
 MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """``precision.mixed_precision`` values and the compute dtype each one means."""
@@ -73,6 +83,16 @@ class Workload:
     cpu_offload: bool = False
     """``fsdp.cpu_offload``: parameters, gradients and optimizer state in host memory (FSDP, over one rank in a
     world of one); layouts without FSDP are refused with it, as preflight does."""
+    objective: str = "causal_lm"
+    """``train.objective``: ``causal_lm``, or a preference objective (``dpo``, ``ipo``, ``simpo``, ``orpo``), whose
+    rows each hold one pair (two sequences in ``seq_len + 1`` tokens) and whose head computes per-token
+    log-probabilities (meshtron.train.loss.token_logps) instead of the fused cross-entropy."""
+    reference: str = "none"
+    """The reference model of ``dpo`` / ``ipo`` (``preference.reference`` resolved, meshtron.config.reference_kind):
+    ``model`` (a frozen copy laid out like the policy: its parameters and a forward per micro-batch), ``lora_base``
+    (the policy with its adapters off: a forward, no bytes), ``precomputed`` (nothing); ``none`` for the others."""
+    reference_dtype: str | None = None
+    """``preference.reference_dtype``: a ``model`` reference's storage dtype; None: ``model_dtype``."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -80,6 +100,27 @@ class Workload:
                 f"compute dtype {self.compute_dtype} with model dtype {self.model_dtype}: "
                 f"mixed precision computes in {' or '.join(MIXED_PRECISION_DTYPES.values())}"
             )
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective {self.objective}: one of {', '.join(OBJECTIVES)}")
+        takes_reference = self.preference and self.objective not in REFERENCE_FREE_OBJECTIVES
+        if takes_reference != (self.reference != "none") or self.reference not in REFERENCE_KINDS:
+            wanted = ", ".join(REFERENCE_KINDS[1:]) if takes_reference else "none"
+            raise ConfigError(f"objective {self.objective} takes reference {wanted}, not {self.reference}")
+
+    @property
+    def preference(self) -> bool:
+        """Whether the objective is a preference objective (pairs, per-token log-probabilities on the head)."""
+        return self.objective != "causal_lm"
+
+    @property
+    def live_reference(self) -> bool:
+        """Whether each micro-batch runs a reference forward first (``model`` or ``lora_base``)."""
+        return self.reference in ("model", "lora_base")
+
+    @property
+    def reference_bytes_per_param(self) -> int:
+        """Bytes of a parameter of a ``model`` reference (``reference_dtype``, else the model's dtype)."""
+        return DTYPE_BYTES[self.reference_dtype or self.model_dtype]
 
     @property
     def mixed_precision(self) -> str:
@@ -122,6 +163,19 @@ def _compile_setting(compiled: bool, _workload: Workload) -> str:
     return "auto" if compiled else "false"
 
 
+def _reference_kind(_setting: str, cfg: Config, _device: str) -> str:
+    return reference_kind(cfg)
+
+
+def _reference_setting(kind: str, _workload: Workload) -> str:
+    return "auto" if kind == "none" else kind
+
+
+def _preference_data(objective: str) -> dict[str, Any]:
+    """The settings a run of ``objective`` needs besides it: preference objectives train on pairs."""
+    return {"data.format": "preference"} if objective != "causal_lm" else {}
+
+
 def _optimizer_settings(_given: dict, cfg: Config, _device: str) -> Any:
     # Here, not at the top: the registry imports torch, which `meshtron --help` and `meshtron data` never need.
     from meshtron.train.optim.registry import optimizer_settings
@@ -150,14 +204,17 @@ class WorkloadSetting:
     """(the setting's value, the whole config, the device) -> the field's value."""
     to_setting: Callable[[Any, Workload], Any] = _same
     """(the field's value, the workload) -> the setting's value."""
+    implies: Callable[[Any], dict[str, Any]] = lambda _value: {}
+    """(the setting's value) -> other settings (``section.name``: value) a run of it needs, written with it."""
 
     def read(self, cfg: Config) -> Any:
         section, name = self.key.split(".")
         return getattr(getattr(cfg, section), name)
 
     def write(self, cfg: Config, value: Any) -> None:
-        section, name = self.key.split(".")
-        setattr(getattr(cfg, section), name, value)
+        for key, setting in {self.key: value, **self.implies(value)}.items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, setting)
 
 
 WORKLOAD_SETTINGS = (
@@ -177,6 +234,9 @@ WORKLOAD_SETTINGS = (
     WorkloadSetting("train.mlp_tiles", "mlp_tiles"),
     WorkloadSetting("train.activation_offload", "activation_offload"),
     WorkloadSetting("fsdp.cpu_offload", "cpu_offload"),
+    WorkloadSetting("train.objective", "objective", implies=_preference_data),
+    WorkloadSetting("preference.reference", "reference", _reference_kind, _reference_setting),
+    WorkloadSetting("preference.reference_dtype", "reference_dtype"),
 )
 """The one map between a Config and a Workload, read by ``Workload.from_config`` and written by
 ``Workload.write_to``: every Workload field but ``device`` (where the run is planned, not a setting)."""

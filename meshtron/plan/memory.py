@@ -53,6 +53,12 @@ class MemoryEstimate:
     """Gradient bytes live while the activations peak (at the turn from forward to backward): none with one
     micro-batch a step (meshtron frees gradients after each update and backward makes them as it frees
     activations), ``grads`` when micro-batches accumulate. None: ``grads``."""
+    reference: int = 0
+    """A ``model`` reference's parameters (``preference.reference=model``: laid out like the policy, no gradients or
+    optimizer state), held through the whole step."""
+    reference_forward: int = 0
+    """What a live reference's forward (``model`` or ``lora_base``, no_grad, before each micro-batch's policy forward)
+    holds at once: one block's working set, its FSDP-gathered blocks, one chunk of the head's logits."""
 
     @property
     def host(self) -> int:
@@ -70,15 +76,16 @@ class MemoryEstimate:
         if self.state_on_host:
             return 0
         held = self.grads if self.grads_in_forward is None else self.grads_in_forward
-        return self.params + self.optimizer + held
+        return self.params + self.optimizer + held + self.reference
 
     @property
     def total(self) -> int:
-        """The device's peak: the larger of the forward's end (``peak_state``, activations, FSDP's buffers and the
-        loss's temporaries) and the backward's end (parameters, optimizer state, FSDP's buffers and all gradients)."""
+        """The device's peak: the largest of the forward's end (``peak_state``, activations, FSDP's buffers and the
+        loss's temporaries), the backward's end (parameters, optimizer state, FSDP's buffers and all gradients) and a
+        live reference's forward (``peak_state`` and what that forward holds)."""
         forward_end = self.peak_state + self.activations + self.gathered + self.temporaries
-        backward_end = (0 if self.state_on_host else self.state) + self.gathered
-        return max(forward_end, backward_end)
+        backward_end = (0 if self.state_on_host else self.state) + self.reference + self.gathered
+        return max(forward_end, backward_end, self.peak_state + self.reference_forward)
 
 
 def stage_layout(
@@ -197,8 +204,14 @@ def fused_loss_vocab(shape: ModelShape, layout: Layout) -> int:
 
 
 def fused_loss_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> int:
-    """The fused loss's float32 head-weight gradient, kept from its forward to its backward."""
-    return FP32 * fused_loss_vocab(shape, layout) * shape.hidden if fused_loss(workload) else 0
+    """The fused loss's float32 head-weight gradient, kept from its forward to its backward (a preference objective's
+    head makes its own in backward: ``head_weight_gradient_bytes``)."""
+    return head_weight_gradient_bytes(shape, layout) if fused_loss(workload) and not workload.preference else 0
+
+
+def head_weight_gradient_bytes(shape: ModelShape, layout: Layout) -> int:
+    """The head's float32 weight gradient summed over the loss's chunks (this rank's vocabulary slice)."""
+    return FP32 * fused_loss_vocab(shape, layout) * shape.hidden
 
 
 def _local_numel(specs, layout: Layout, shape: ModelShape) -> int:
@@ -341,7 +354,7 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         total += (
             _norm(shape.hidden, e, shape.frozen_norms) / stream_split + e * shape.hidden + INDEX
         )  # norm, head, labels
-        if not fused_loss(workload):
+        if not fused_loss(workload) and not workload.preference:
             total += FP32 * loss_vocab(shape, layout) * (1 + shape.logit_softcap)  # log-softmax output, capped logits
     return total
 
@@ -611,13 +624,68 @@ def gathered_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages
 def logits_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
     """The loss's transient logits on the rank with the head. Fused: one chunk's compute-dtype logits, their fp32
     copy (exponentiated in place; soft-capping keeps one more) and their compute-dtype gradient. Unfused: all
-    tokens' logits, their fp32 copy and fp32 gradient."""
+    tokens' logits, their fp32 copy and fp32 gradient. A preference objective's head
+    (meshtron.train.loss.token_logps) recomputes one chunk in backward, as the fused loss computes one (its chunk:
+    ``train.loss_chunk_size``, 0 meaning all tokens), and sums the head's float32 weight gradient there."""
     tokens = head_tokens(layout, workload)
     e = compute_bytes(workload)
+    if workload.preference:
+        chunk = min(tokens, workload.loss_chunk_size or tokens)
+        logits = chunk * fused_loss_vocab(shape, layout) * (2 * e + FP32 * (1 + shape.logit_softcap))
+        return logits + head_weight_gradient_bytes(shape, layout)
     if fused_loss(workload):
         chunk = min(tokens, workload.loss_chunk_size)
         return chunk * fused_loss_vocab(shape, layout) * (2 * e + FP32 * (1 + shape.logit_softcap))
     return tokens * loss_vocab(shape, layout) * (e + 2 * FP32)
+
+
+def reference_shape(shape: ModelShape) -> ModelShape:
+    """The model a ``model`` reference copies: the policy's parameters without LoRA's adapters."""
+    from meshtron.models.lora import is_lora_parameter
+
+    def base(specs) -> tuple:
+        return tuple(p for p in specs if not is_lora_parameter(p.name))
+
+    return dataclasses.replace(
+        shape,
+        block=base(shape.block),
+        dense_block=base(shape.dense_block),
+        embedding=base(shape.embedding),
+        final=base(shape.final),
+    )
+
+
+def reference_param_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> list[int]:
+    """Per pipeline rank: a ``model`` reference's parameter bytes, sharded as the policy is (FSDP, TP, PP stages), in
+    ``preference.reference_dtype``; 0 for every other reference."""
+    if workload.reference != "model":
+        return [0] * layout.dims.pp
+    numels = state_numel(reference_shape(shape), layout, workload)
+    return [numel * workload.reference_bytes_per_param for numel in numels]
+
+
+def reference_forward_bytes(shape: ModelShape, layout: Layout, workload: Workload, stages) -> float:
+    """What a live reference's forward holds at once on a rank holding ``stages`` (under no_grad nothing is kept
+    for backward): one block's working set (bounded by what a block keeps for backward), the reference's blocks
+    FSDP gathers (its ``gathered_bytes``, no gradients), the head's one chunk of logits, and without FSDP under mixed
+    precision the reference's compute-dtype weight copies (released after its forward); 0 without one."""
+    if not workload.live_reference:
+        return 0.0
+    model = reference_shape(shape) if workload.reference == "model" else shape
+    plain = dataclasses.replace(layout, activation_checkpointing="none")
+    tokens = head_tokens(layout, workload)
+    working = tokens * block_activation_per_token(model, plain, workload)
+    frozen = dataclasses.replace(model, block=tuple(dataclasses.replace(p, trained=False) for p in model.block))
+    gathered = gathered_bytes(frozen, layout, workload, stages)
+    holds_head = any(last for _, _, last in stages)
+    logits = logits_bytes(model, layout, workload) - head_weight_gradient_bytes(model, layout) if holds_head else 0.0
+    copies = 0.0
+    if casts_weights(layout, workload):
+        layers = sum(n for n, _, _ in stages)
+        copies = (layers * _local_numel(model.block, layout, model) + head_numel(model, layout)) * compute_bytes(
+            workload
+        )
+    return working + gathered + logits + copies
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryEstimate:
@@ -667,7 +735,8 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         muon_numel(shape, layout, workload),
         trained_numel(shape, layout, workload),
     )
-    for stages, numel, acts, host_acts, pinning, held_grads, muon, trained in per_rank:
+    references = reference_param_bytes(shape, layout, workload)
+    for (stages, numel, acts, host_acts, pinning, held_grads, muon, trained), reference in zip(per_rank, references):
         holds_head = any(last for _, _, last in stages)
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
@@ -685,6 +754,8 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
                 gathered=int(gathered_bytes(shape, layout, workload, stages)),
                 temporaries=int(temporaries + (logits if holds_head else 0) + copies * compute_bytes(workload)),
                 grads_in_forward=grads if accumulates else 0,
+                reference=reference,
+                reference_forward=int(reference_forward_bytes(shape, layout, workload, stages)),
             )
         )
     return estimates

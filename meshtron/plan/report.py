@@ -42,6 +42,8 @@ def candidate_record(c: Candidate, gpus: int) -> dict:
             "activations": m.activations / GB,
             "gathered": m.gathered / GB,
             "temporaries": m.temporaries / GB,
+            "reference": m.reference / GB,
+            "reference_forward": m.reference_forward / GB,
             "total": m.total / GB,
             "state_at_peak": m.peak_state / GB,
             "host": m.host / GB,

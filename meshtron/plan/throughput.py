@@ -126,6 +126,18 @@ def expert_all_to_all_bytes(shape: ModelShape, layout: Layout, workload: Workloa
     return 4 * _dispatched_bytes(shape, layout, workload) * (layout.dims.ep - 1) / layout.dims.ep
 
 
+def preference_flops_per_token(hf_config, workload: Workload) -> float:
+    """Matmul FLOPs per token a preference objective adds to ``flops_per_token``'s: its head
+    (meshtron.train.loss.token_logps) computes each chunk's logits again in backward (one more head matmul), and a
+    live reference (``model`` or ``lora_base``) runs the model's forward (a third of its training FLOPs) before each
+    micro-batch."""
+    if not workload.preference:
+        return 0.0
+    head = 2 * hf_config.hidden_size * hf_config.vocab_size
+    reference = flops_per_token(hf_config, workload.seq_len) / 3 if workload.live_reference else 0.0
+    return head + reference
+
+
 def bubble_fraction(layout: Layout, workload: Workload) -> float:
     """Idle fraction added to a pipeline rank's compute: (pp - 1) / (microbatches x stages per rank),
     a third of that for the zero-bubble schedules (their weight-gradient work fills most of it)."""
@@ -170,6 +182,8 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         compute = model_flops * recompute / (peak * efficiency)
         if layout.dims.cp > 1 and not ulysses:
             compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
+    # A preference objective's head recomputes its logits in backward; a live reference runs a forward first.
+    compute += preference_flops_per_token(hf_config, workload) * tokens / world / (peak * efficiency)
     compute *= 1 + bubble_fraction(layout, workload)
 
     forwards = layout.microbatches(workload)
@@ -218,7 +232,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     expert = expert_shard_numel(shape, layout, workload) if layout.dims.ep > 1 else 0
     groups = [(shard - expert, layout.fsdp_size), (expert, layout.efsdp_size)]
     fsdp_span = layout.fsdp_size * layout.dims.tp
-    gathers = forwards * (2 if layout.dims.pp == 1 else 1)
+    gathers = forwards * (2 if layout.dims.pp == 1 else 1) + forwards * workload.live_reference  # + its forward
     reduce_scatters = 1 if layout.dims.pp > 1 or workload.accumulate_unsharded else forwards
     fsdp_s = 0.0
     for numel, group in groups:

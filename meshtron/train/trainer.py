@@ -83,6 +83,8 @@ class TrainResult:
     also holds torch.distributed.pipelining's set-up forward); see meshtron.distributed.activation_memory.measure."""
     offloaded_bytes: int = 0
     """With ``train.activation_offload``: this rank's peak bytes of activations in host memory, same step."""
+    reference_bytes: int = 0
+    """This rank's bytes of a ``model`` reference's parameters (``preference.reference=model``; else 0)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     eval_preference: dict[str, float] = field(default_factory=dict)
     """A preference objective's metrics of the last evaluation (``rewards/accuracies`` ...); empty otherwise."""
@@ -206,6 +208,7 @@ def run_session(
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
     logger.message(startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_once))
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
+    result.reference_bytes = reference.param_bytes() if reference is not None else 0
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(
         dataset, schedule, step_context, cfg.data.prefetch

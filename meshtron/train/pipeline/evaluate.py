@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtron.errors import MeshtronError
 from meshtron.tensors import local_tensor
+from meshtron.train.pipeline.rehearsal import rehearsed_inputs
 
 
 def _send(tensors: tuple, to_rank: int, group, device: torch.device, known: dict, key) -> None:
@@ -92,6 +93,7 @@ def pipeline_forward(runner, input_ids: torch.Tensor | None, on_last_stage) -> N
     last_stage = max(runner.stage_ranks)
     inputs = input_ids.tensor_split(runner.microbatches)
     known = getattr(runner, "eval_transfer_meta", None)  # both ends of a transfer fill theirs alike
+    rehearsed = getattr(runner, "rehearsal_inputs", {})  # --rehearse: what a stage would receive, made up
     if known is None:
         known = runner.eval_transfer_meta = {}
     for micro in range(runner.microbatches):
@@ -101,6 +103,8 @@ def pipeline_forward(runner, input_ids: torch.Tensor | None, on_last_stage) -> N
                 args = (inputs[micro],)
             elif kept is not None:
                 args = kept
+            elif stage_id in rehearsed:  # nothing arrives on a fake process group
+                args = rehearsed_inputs(rehearsed[stage_id], device)
             else:
                 key = (stage_id - 1, tuple(inputs[micro].shape))
                 args = _recv(runner.stage_ranks[stage_id - 1], group, device, known, key)

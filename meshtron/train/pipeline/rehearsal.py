@@ -64,6 +64,19 @@ class RehearsalStage(PipelineStage):
         return grads
 
 
+def rehearsed_inputs(meta_inputs: tuple, device: torch.device) -> tuple:
+    """What a rehearsed stage "receives" in a forward-only pass (meshtron.train.pipeline.evaluate.pipeline_forward:
+    a reference model, pipeline evaluation), where nothing arrives: tensors of ``meta_inputs``' shapes
+    (``stage_shapes``' inputs) filled as ``RehearsalStage`` fills its buffers (activations unit normal, token ids
+    zeros)."""
+    tensors = []
+    for index, meta in enumerate(meta_inputs):
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        tensor.zero_() if index == TOKEN_IDS_INDEX else tensor.normal_()
+        tensors.append(tensor)
+    return tuple(tensors)
+
+
 def stage_shapes(
     first: bool,
     last: bool,

@@ -78,6 +78,9 @@ class PipelineRunner:
     """A preference objective's loss on the head (the targets are meshtron.train.preference.targets'), else None."""
     pair_counts: PairCounts | None = None
     """The step's global pair counts (a preference objective's; set by ``run``)."""
+    rehearsal_inputs: dict[int, tuple] = field(default_factory=dict)
+    """Under ``--rehearse`` (a fake process group): each of this rank's stages' inputs as meta tensors
+    (meshtron.train.pipeline.rehearsal.stage_shapes), which forward-only passes make instead of receiving them."""
     metric_sums: list[torch.Tensor] = field(default_factory=list)
     """A preference objective's metric sums of each microbatch of the step (the last stage's)."""
 
@@ -190,6 +193,7 @@ def build_pipeline_runner(
     hf_config = setup.hf_config
     routes = router_loss_enabled(cfg.moe.router_aux_loss, hf_config)
     pipeline_stages = []
+    rehearsal_inputs = {}
     stage_inputs = StageInputs(split)
     for stage_id, module in stages:
         first, last = stage_id == 0, stage_id == num_stages - 1
@@ -209,6 +213,7 @@ def build_pipeline_runner(
                 dtype=compute_dtype or next(module.parameters()).dtype,
                 carry_shape=(hf_config.num_hidden_layers, 2 * num_experts(hf_config) + 1) if routes else None,
             )
+            rehearsal_inputs[stage_id] = inputs
             pipeline_stages.append(
                 RehearsalStage(
                     module,
@@ -240,6 +245,7 @@ def build_pipeline_runner(
         stage_ids=[stage_id for stage_id, _ in stages],
         stage_ranks={stage: rank for rank in range(dims.pp) for stage in local_stage_ids(rank, cfg.parallel)},
         stage_inputs=stage_inputs,
+        rehearsal_inputs=rehearsal_inputs,
     )
     if routes:
         dp_cp = meshes.dp_cp.get_group() if dims.dp * dims.cp > 1 else None

@@ -22,6 +22,7 @@ from torch import nn
 
 from meshtron.distributed.data_parallel import forget_forwards, reshard_all
 from meshtron.distributed.precision import compute_weight, release_compute_weights
+from meshtron.metrics.memory import local_bytes
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
 from meshtron.train.pipeline.evaluate import pipeline_forward
@@ -56,6 +57,13 @@ class ReferenceModel:
     head: HeadOptions
     split: SequenceSplit
     runner: PipelineRunner | None = None
+
+    def param_bytes(self) -> int:
+        """This rank's bytes of the reference's own parameters (their local shards): a ``model`` copy's; 0 for
+        ``lora_base``, which is the policy."""
+        if self.kind != "model":
+            return 0
+        return sum(local_bytes(p) for module in self.modules for p in module.parameters())
 
     def _switched(self):
         return adapters_off(self.modules) if self.kind == "lora_base" else contextlib.nullcontext()
