@@ -26,6 +26,7 @@ its positions restart at 0, as TRL's separate rows do: EOS when no sequence cont
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -329,6 +330,9 @@ class PreferenceDataset:
         self.prompt_nll = prompt_nll
         """Whether ``batch`` labels the ``chosen_prompt`` targets for the NLL term (NLL_ONLY_LABELS_BELOW) and
         ``chosen_token_count`` counts them (``train.objective=orpo``)."""
+        self.reference_logps: np.ndarray | None = None
+        """With ``preference.reference=precomputed``: each row's (chosen, rejected) reference log-probabilities,
+        float64 (meshtron.data.reference_logps; set by ``attach_reference``)."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -346,6 +350,28 @@ class PreferenceDataset:
             nll_only = NLL_ONLY_LABELS_BELOW - 1 - rows[:, 1:]
             labels = np.where(self.chosen_prompt[indices, 1:], nll_only, labels)
         return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(labels)
+
+    def attach_reference(self, logps: np.ndarray) -> None:
+        """Read the reference's log-probabilities ``logps`` (rows, 2) with the rows from now on."""
+        if logps.shape != (len(self), 2):
+            raise MeshtronError(
+                f"reference log-probabilities of shape {logps.shape} for {len(self)} preference pairs; compute them "
+                "again (delete the run's reference_logps.npz)"
+            )
+        self.reference_logps = np.asarray(logps, dtype=np.float64)
+
+    def reference_rows(self, indices) -> torch.Tensor:
+        """(B, 2) float64: the attached reference log-probabilities of the rows ``indices``."""
+        return torch.from_numpy(self.reference_logps[_indices(indices)])
+
+    def checksum(self) -> str:
+        """A digest of the rows (their tokens and which carry loss): what precomputed reference log-probabilities
+        were computed for."""
+        digest = hashlib.sha256()
+        for array in (self.tokens, self.trained):
+            digest.update(str(array.shape).encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
 
     def target_count(self, indices) -> int:
         """Labelled tokens of the rows ``indices``, both answers (every rank counts the global batch itself)."""

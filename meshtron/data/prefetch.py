@@ -26,6 +26,8 @@ class StepInputs:
     """Labelled tokens of the whole global batch (every rank counts them itself)."""
     pair_counts: Any = None
     """A preference objective's counts of the global batch (``StepReader``'s ``count_pairs``), else None."""
+    references: list[torch.Tensor] | None = None
+    """With ``StepReader``'s ``references``: each micro-batch's (B, 2) precomputed reference log-probabilities."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,9 @@ class StepReader:
     ``sequences(step)`` says which sequences a step reads (a StepSequences); ``dataset`` is the PackedDataset;
     ``count_targets(dataset, indices)`` counts labelled tokens (meshtron.train.step_stats.global_target_count);
     ``pin`` pins the host tensors (for non-blocking copies to a GPU); ``count_pairs(dataset, indices)``: a
-    preference objective's counts of the global batch (meshtron.train.preference.targets.PairCounts).
+    preference objective's counts of the global batch (meshtron.train.preference.targets.PairCounts);
+    ``references``: read each micro-batch's precomputed reference log-probabilities too
+    (``dataset.reference_rows``: meshtron.data.reference_logps).
     """
 
     def __init__(
@@ -61,9 +65,10 @@ class StepReader:
         prefetch: bool = True,
         pin: bool = False,
         count_pairs: Callable | None = None,
+        references: bool = False,
     ):
         self.dataset, self.sequences, self.count_targets, self.pin = dataset, sequences, count_targets, pin
-        self.count_pairs = count_pairs
+        self.count_pairs, self.references = count_pairs, references
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshtron-prefetch") if prefetch else None
         self._ahead: tuple[int, StepSequences, Future] | None = None
 
@@ -73,7 +78,8 @@ class StepReader:
             input_ids, labels = self.dataset.batch(indices)
             pairs.append((input_ids.pin_memory(), labels.pin_memory()) if self.pin else (input_ids, labels))
         counts = self.count_pairs(self.dataset, sequences.global_batch) if self.count_pairs is not None else None
-        return StepInputs(pairs, self.count_targets(self.dataset, sequences.global_batch), counts)
+        references = [self.dataset.reference_rows(i) for i in sequences.micro_batches] if self.references else None
+        return StepInputs(pairs, self.count_targets(self.dataset, sequences.global_batch), counts, references)
 
     def get(self, step: int) -> StepInputs:
         wanted = self.sequences(step)

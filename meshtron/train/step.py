@@ -114,6 +114,9 @@ class StepContext:
     """A preference objective's loss on the head (``train.objective`` dpo, ipo, simpo, orpo), else None."""
     reference: ReferenceModel | None = None
     """The reference model of ``dpo`` / ``ipo`` computed live (meshtron.train.preference.reference)."""
+    precomputed_reference: bool = False
+    """``preference.reference=precomputed``: the reference's log-probabilities come with the data's rows
+    (meshtron.train.preference.precomputed)."""
     global_sums: Callable[..., tuple] = global_step_sums
     """The step's one all-reduce: (global loss, gradient norm, summed flags) (step_stats.global_step_sums, which the
     run's set-up may wrap)."""
@@ -256,6 +259,7 @@ def step_reader(dataset, schedule, ctx: StepContext, prefetch: bool) -> StepRead
         prefetch=prefetch,
         pin=ctx.device.type == "cuda",
         count_pairs=pair_counts if ctx.preference is not None else None,
+        references=ctx.precomputed_reference,
     )
 
 
@@ -283,7 +287,7 @@ def train_step(
     ranks into ``StepResult.flag_sums``: no collective or host sync of their own.
     """
     step_inputs = inputs.get(step)
-    batches = with_reference_logps(device_batches(step_inputs.micro_batches, ctx), ctx)
+    batches = with_reference_logps(device_batches(step_inputs.micro_batches, ctx, step_inputs.references), ctx)
     counts = step_inputs.pair_counts
     scales = _step_scales(ctx, step_inputs.global_targets, len(batches))
     routing = StepRouting() if ctx.router is not None else None
@@ -319,29 +323,34 @@ def train_step(
     return replace(result, metrics=metrics, state_bytes=state_bytes)
 
 
-def device_batches(micro_batches, ctx: StepContext) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+def device_batches(
+    micro_batches, ctx: StepContext, references: Sequence[torch.Tensor] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
     """(token ids, this rank's labels, their document bounds) of each micro-batch, moved to the device; the tile
-    plan's document bounds come from the host copy: no device sync in the forwards."""
+    plan's document bounds come from the host copy: no device sync in the forwards. ``references``: each
+    micro-batch's precomputed reference log-probabilities (StepInputs.references), packed into its targets."""
     device = ctx.device
+    references = references if references is not None else [None] * len(micro_batches)
     return [
         (
             input_ids.to(device, non_blocking=True),
-            _device_targets(labels, ctx),
+            _device_targets(labels, ctx, reference),
             host_document_bounds(input_ids, ctx.split),
         )
-        for input_ids, labels in micro_batches
+        for (input_ids, labels), reference in zip(micro_batches, references)
     ]
 
 
-def _device_targets(labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+def _device_targets(labels: torch.Tensor, ctx: StepContext, reference: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's labels on the device; a preference objective's packed with each position's answer, found on the
-    whole rows before the context-parallel cut (meshtron.train.preference.targets)."""
+    whole rows before the context-parallel cut, and ``reference``, the rows' precomputed reference
+    log-probabilities (meshtron.train.preference.targets)."""
     device = ctx.device
     if ctx.preference is None:
         return shard_labels(labels.to(device, non_blocking=True), ctx.split)
     runs = shard_labels(preference_runs(labels).to(device, non_blocking=True), ctx.split)
     local = shard_labels(target_tokens(labels).to(device, non_blocking=True), ctx.split)
-    return pack_targets(local, runs)
+    return pack_targets(local, runs, reference)
 
 
 def with_reference_logps(batches, ctx: StepContext):

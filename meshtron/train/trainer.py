@@ -18,7 +18,7 @@ from torch import nn
 from meshtron.checkpoint.earlier_runs import earlier_run_notice
 from meshtron.checkpoint.manager import CheckpointManager, checkpoint_directory
 from meshtron.checkpoint.state import TrainingState
-from meshtron.config import Config, to_dict
+from meshtron.config import Config, reference_kind, to_dict
 from meshtron.data.chat import ChatDataset
 from meshtron.data.preference import PreferenceDataset
 from meshtron.data.streaming import StreamingDataset
@@ -40,6 +40,7 @@ from meshtron.train.loss.scaling import loss_scaler
 from meshtron.train.moe.router_balance import build_router_balance
 from meshtron.train.moe.router_loss import build_router_loss
 from meshtron.train.optim.build import build_optimizer, build_scheduler
+from meshtron.train.preference.precomputed import attach_precomputed_reference
 from meshtron.train.run.messages import done_message, startup_message
 from meshtron.train.run.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.run.resumable import Resumable
@@ -200,6 +201,7 @@ def run_session(
         balance=build_router_balance(built.parts, setup, cfg, meshes, runtime.device),
         preference=preference,
         reference=reference,
+        precomputed_reference=reference_kind(cfg) == "precomputed",
         global_sums=faults.wrap_step_sums(global_step_sums),
     )
     logger = _metrics_logger(cfg, runtime, output_dir, dims)
@@ -207,6 +209,11 @@ def run_session(
     evaluator = build_evaluator(data.eval_dataset, step_context, cfg.eval, cfg.train) if not runtime.rehearsal else None
     profiler = StepProfiler(cfg.run, output_dir, runtime.rank, runtime.device)
     logger.message(startup_message(cfg, setup, built, policy, dataset, evaluator, evaluates_once))
+    if step_context.precomputed_reference:  # before the checkpoint is restored: the starting weights' log-probabilities
+        datasets = (dataset, data.eval_dataset)
+        attach_precomputed_reference(
+            cfg, runtime, built, step_context, datasets, bool(setup.resume_from), logger.message
+        )
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     result.reference_bytes = reference.param_bytes() if reference is not None else 0
     schedule.skip(cfg.data.skip_batches)

@@ -76,6 +76,7 @@ class Evaluator:
             prefetch=False,
             pin=ctx.device.type == "cuda",
             count_pairs=pair_counts if ctx.preference is not None else None,
+            references=ctx.precomputed_reference,
         )
 
     def due(self, step: int) -> bool:
@@ -101,7 +102,7 @@ class Evaluator:
         parts = ctx.runner.modules if ctx.runner is not None else [model]
         local = torch.zeros((), device=ctx.device)
         targets = 0
-        with _eval_mode(parts):
+        with eval_mode(parts):
             for batch in range(self.batches):
                 inputs = self.reader.get(batch)
                 targets += inputs.global_targets
@@ -133,11 +134,12 @@ class Evaluator:
         )
         local = torch.zeros((), device=ctx.device)
         metric_sums = torch.zeros(len(preference.objective.metric_names), device=ctx.device)
-        with _eval_mode(parts):
+        with eval_mode(parts):
             for step in inputs:
-                for input_ids, labels in step.micro_batches:
-                    batch = [(input_ids, labels)]
-                    ((input_ids, target, bounds),) = with_reference_logps(device_batches(batch, ctx), ctx)
+                references = step.references or [None] * len(step.micro_batches)
+                for (input_ids, labels), reference in zip(step.micro_batches, references):
+                    batch = device_batches([(input_ids, labels)], ctx, [reference] if reference is not None else None)
+                    ((input_ids, target, bounds),) = with_reference_logps(batch, ctx)
                     share, metrics = self._preference_sums(model, input_ids, target, bounds, counts)
                     local += share
                     metric_sums += metrics
@@ -195,7 +197,7 @@ def build_evaluator(dataset, ctx: StepContext, evaluation: EvalConfig, train: Tr
 
 
 @contextlib.contextmanager
-def _eval_mode(modules):
+def eval_mode(modules):
     """The modules in eval mode, then back in the mode each was in."""
     modes = [module.training for module in modules]
     for module in modules:
