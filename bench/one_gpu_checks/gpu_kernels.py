@@ -168,7 +168,8 @@ def fused_loss(out) -> dict:
         loss.backward()
         return loss, leaves
 
-    if cuda:
+    if cuda:  # the allocator's statistics exist once CUDA is initialized ("Invalid device argument" before)
+        torch.empty(1, device=device)
         torch.cuda.reset_peak_memory_stats(device)
     loss, leaves = fused(tokens // 8)
     figures = {"loss_error": abs(float(loss) - float(want_loss)) / abs(float(want_loss))}
