@@ -82,6 +82,12 @@ def test_the_example_learns_from_an_sft_checkpoint(tmp_path):
     assert evaluations and evaluations[-1]["step"] == 10
     assert evaluations[-1]["eval_rewards/accuracies"] >= 0.9, evaluations[-1]
     assert evaluations[-1]["eval_rewards/margins"] > 0
+    # meshtron plot reads TRL's metric (a panel of its own) from the run.
+    from meshtron.metrics.runs import read_run
+
+    assert read_run(dpo).column("rewards/accuracies")[-1] >= 0.9
+    drawn = run_main(["plot", str(dpo), "--out", str(tmp_path / "curves.png")])
+    assert drawn.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, drawn.stderr[-2000:]
 
 
 DPO_RUN = [

@@ -25,6 +25,7 @@ PANELS = (  # (title, y key, x axis)
     ("peak memory per rank (GB)", "max_memory_gb", "step"),
     ("gradient norm (before clipping)", "grad_norm", "step"),
     ("learning rate", "lr", "step"),
+    ("reward accuracy (preference objectives)", "rewards/accuracies", "step"),
 )
 FORMATS = (".png", ".svg", ".html")
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -64,9 +65,11 @@ def _figure(runs: list[Run], dpi: int):
             ax.text(
                 0.5,
                 0.5,
-                {"mfu": "not measured (no GPU peak known)", "eval_loss": "no evaluation ([eval])"}.get(
-                    key, "not measured"
-                ),
+                {
+                    "mfu": "not measured (no GPU peak known)",
+                    "eval_loss": "no evaluation ([eval])",
+                    "rewards/accuracies": "no preference objective (train.objective)",
+                }.get(key, "not measured"),
                 ha="center",
                 va="center",
                 transform=ax.transAxes,

@@ -101,7 +101,17 @@ def _tokens_per_step_from_config(path: Path) -> int | None:
     return cfg.train.global_batch_size * cfg.data.seq_len
 
 
-NUMBERS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "max_memory_gb", "eval_loss", "eval_perplexity")
+NUMBERS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+    "max_memory_gb",
+    "eval_loss",
+    "eval_perplexity",
+    "rewards/accuracies",
+)
 """The columns of a metrics row that ``meshtron plot`` and ``compare`` read: each a number when present."""
 
 
