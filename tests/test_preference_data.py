@@ -413,3 +413,14 @@ def test_with_prompt_nll_the_chosen_prompts_targets_are_marked_for_the_nll_and_c
         assert torch.equal(target_tokens(marks[row, prompt]), tokens[row, 1 : len(prompt) + 1])
         assert marked.chosen_token_count([row]) == chosen_length - 1 == plain.chosen_token_count([row]) + len(prompt)
     assert marked.target_count(rows) == plain.target_count(rows)
+
+
+def test_a_pair_that_keeps_no_token_of_an_answer_is_refused_while_the_data_is_built():
+    """Every rank builds every row, so the refusal comes before any collective (a row of one label run would
+    otherwise stop only the rank that holds it, mid-step)."""
+    from meshtron.data.preference import Pair, pack_pairs
+    from meshtron.errors import MeshtronError
+
+    assert len(pack_pairs([Pair([1, 2], [5], [6, 7])], 0, 33, 15, "keep_start")) == 1
+    with pytest.raises(MeshtronError, match="pair 1 .* no token of its chosen answer"):
+        pack_pairs([Pair([], [5], [6, 7])], 0, 33, 15, "keep_start")

@@ -413,6 +413,18 @@ def chosen_prompt_targets(chosen_mask: list[int], width: int) -> np.ndarray:
     return prompt
 
 
+def _check_both_answers_trained(row: int, trained: np.ndarray, chosen_end: int, truncation_mode: str) -> None:
+    """Refuse, on every rank while the data is built, a pair one of whose answers kept no target token (a one-token
+    answer after an empty prompt, or one cut away): the loss needs a log-probability of each answer."""
+    for answer, marks in (("chosen", trained[:chosen_end]), ("rejected", trained[chosen_end:])):
+        if not marks.any():
+            raise MeshtronError(
+                f"data.path: pair {row + 1} (counting usable pairs) keeps no token of its {answer} answer to score "
+                f"(an answer of one token after an empty prompt, or cut away by preference.truncation_mode="
+                f"{truncation_mode}); give it a prompt, lengthen the answer or raise preference.max_length"
+            )
+
+
 def pack_pairs(
     pairs: list[Pair],
     separator: int,
@@ -436,6 +448,7 @@ def pack_pairs(
             sequences.append(truncated(pair.prompt_ids, answer, max_length, truncation_mode))
         tokens[row], trained[row], chosen_end[row] = pair_row(sequences[0], sequences[1], separator, width)
         chosen_prompt[row] = chosen_prompt_targets(sequences[0][1], width)
+        _check_both_answers_trained(row, trained[row], int(chosen_end[row]), truncation_mode)
     return PreferenceDataset(
         tokens,
         trained,

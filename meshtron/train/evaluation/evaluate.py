@@ -128,14 +128,19 @@ class Evaluator:
         (their counts are read first), each micro-batch's reference and policy forward only."""
         ctx, preference = self.ctx, self.ctx.preference
         parts = ctx.runner.modules if ctx.runner is not None else [model]
-        inputs = [self.reader.get(batch) for batch in range(self.batches)]
-        counts = PairCounts(
-            sum(step.pair_counts.pairs for step in inputs), sum(step.pair_counts.chosen_tokens for step in inputs)
-        )
+        # The counts from the batches' indices alone: each batch is read (and pinned) only when it is evaluated.
+        batch_counts = [
+            pair_counts(self.reader.dataset, step_sequences(self.order, batch, ctx).global_batch)
+            for batch in range(self.batches)
+        ]
+        counts = PairCounts(sum(c.pairs for c in batch_counts), sum(c.chosen_tokens for c in batch_counts))
         local = torch.zeros((), device=ctx.device)
         metric_sums = torch.zeros(len(preference.objective.metric_names), device=ctx.device)
+        tokens = 0
         with eval_mode(parts):
-            for step in inputs:
+            for batch in range(self.batches):
+                step = self.reader.get(batch)
+                tokens += step.global_targets
                 references = step.references or [None] * len(step.micro_batches)
                 for (input_ids, labels), reference in zip(step.micro_batches, references):
                     batch = device_batches([(input_ids, labels)], ctx, [reference] if reference is not None else None)
@@ -148,7 +153,7 @@ class Evaluator:
         totals = global_loss_sum(torch.cat([local.reshape(1), metric_sums]), 1, loss_copies=ctx.dims.tp)
         loss, *values = host_values(*totals)
         named = preference.objective.metric_values(torch.tensor(values), counts.pairs)
-        return Evaluation(loss, sum(step.global_targets for step in inputs), self.batches, named)
+        return Evaluation(loss, tokens, self.batches, named)
 
     def _preference_sums(self, model, input_ids, target, bounds, counts: PairCounts):
         """(this rank's share of the loss, of the metric sums) of one micro-batch (the last pipeline stage's)."""

@@ -56,15 +56,13 @@ def attach_precomputed_reference(
     path = Path(cfg.run.output_dir) / FILE_NAME
     identity = _identity(cfg, train, evaluation)
     started = time.perf_counter()
-    if path.exists():
-        logps = load_reference_logps(path, identity)
+    # Rank 0 alone looks at the file and every rank follows its choice: ranks that saw it differently (another node's
+    # cache of a shared directory, a directory local to each node) would otherwise run different collectives.
+    choice, problem, logps = _agreed_choice(path, identity, resuming, runtime, train, evaluation)
+    if choice == "error":
+        raise MeshtronError(problem)
+    if choice == "load":
         announce(f"meshtron: reference log-probabilities of {len(train):,} pairs read from {path}")
-    elif resuming:
-        raise MeshtronError(
-            f"preference.reference=precomputed: {path} is missing, and this run resumes from a checkpoint whose "
-            "weights are not the starting ones; restore the file, or set preference.reference=model (computed live "
-            "from the starting weights)"
-        )
     else:
         logps = _compute(cfg, runtime, built, ctx, train, evaluation, identity)
         if runtime.is_main and not runtime.rehearsal:  # a rehearsal's zeros are not kept
@@ -77,6 +75,60 @@ def attach_precomputed_reference(
     train.attach_reference(logps.train)
     if evaluation is not None:  # the identity holds the evaluation rows' count: so does the file
         evaluation.attach_reference(logps.evaluation)
+
+
+def _agreed_choice(
+    path: Path,
+    identity: dict,
+    resuming: bool,
+    runtime: Runtime,
+    train: PreferenceDataset,
+    evaluation: PreferenceDataset | None,
+) -> tuple[str, str, ReferenceLogps | None]:
+    """(``load`` | ``compute`` | ``error``, the error's line, the loaded log-probabilities): rank 0's decision,
+    broadcast, and with ``load`` the file's arrays broadcast from rank 0 (the other ranks need not see the file)."""
+    choice, problem, logps = "compute", "", None
+    if runtime.is_main:
+        if path.exists():
+            try:
+                logps, choice = load_reference_logps(path, identity), "load"
+            except MeshtronError as err:
+                choice, problem = "error", str(err)
+        elif resuming:
+            choice = "error"
+            problem = (
+                f"preference.reference=precomputed: {path} is missing, and this run resumes from a checkpoint whose "
+                "weights are not the starting ones; restore the file, or set preference.reference=model (computed "
+                "live from the starting weights)"
+            )
+    if not runtime.distributed:
+        return choice, problem, logps
+    device = runtime.device if runtime.device.type == "cuda" else None  # where NCCL stages the objects
+    decided = [choice, problem]
+    dist.broadcast_object_list(decided, src=0, device=device)
+    choice, problem = decided
+    if choice == "load":
+        logps = _broadcast_logps(logps, identity, runtime, train, evaluation)
+    return choice, problem, logps
+
+
+def _broadcast_logps(
+    logps: ReferenceLogps | None,
+    identity: dict,
+    runtime: Runtime,
+    train: PreferenceDataset,
+    evaluation: PreferenceDataset | None,
+) -> ReferenceLogps:
+    """Rank 0's loaded arrays on every rank (one broadcast of float64 on the run's device)."""
+    rows = len(train) + (len(evaluation) if evaluation is not None else 0)
+    if runtime.is_main:
+        parts = [logps.train] + ([logps.evaluation] if evaluation is not None else [])
+        both = torch.from_numpy(np.concatenate(parts)).to(runtime.device)
+    else:
+        both = torch.zeros(rows, 2, dtype=torch.float64, device=runtime.device)
+    dist.broadcast(both, src=0)
+    values = both.cpu().numpy()
+    return ReferenceLogps(values[: len(train)], values[len(train) :] if evaluation is not None else None, identity)
 
 
 def _identity(cfg: Config, train: PreferenceDataset, evaluation: PreferenceDataset | None) -> dict:
@@ -122,20 +174,25 @@ def reference_logps(
     count = len(dataset)
     batches = -(-count // global_batch)
     positions = GlobalBatchSchedule(batches * global_batch, global_batch, shuffle=False, seed=0)
-    found = torch.zeros(count, 3, dtype=torch.float64)  # the summed (chosen, rejected) and how many ranks gave them
+    # On the device, the summed (chosen, rejected) and how many ranks gave them: rows picked on the host (no device
+    # sync per micro-batch), added with index_add_ (a row is at most once in a micro-batch once the fill-up is dropped).
+    found = torch.zeros(count, 3, dtype=torch.float64, device=ctx.device)
     holds_result = ctx.runner is None or ctx.runner.holds_last
     for number in range(batches):
         for where in step_sequences(positions, number, ctx).micro_batches:
-            rows = torch.from_numpy(where % count)
-            ((input_ids, target, bounds),) = device_batches([dataset.batch(rows)], ctx)
+            ((input_ids, target, bounds),) = device_batches([dataset.batch(where % count)], ctx)
             labels, runs, _ = unpack_targets(target)
             logps = reference.answer_logps(input_ids, labels, runs, bounds)
-            if holds_result:
-                kept = torch.from_numpy(where < count)
-                found[rows[kept], :2] += logps[kept].float().double().cpu()
-                found[rows[kept], 2] += 1
+            kept = np.nonzero(where < count)[0]
+            if holds_result and len(kept):
+                rows = torch.from_numpy(where[kept]).to(ctx.device, non_blocking=True)
+                picked = torch.from_numpy(kept).to(ctx.device, non_blocking=True)
+                values = logps.index_select(0, picked).double()
+                ones = torch.ones(len(kept), 1, dtype=torch.float64, device=ctx.device)
+                found.index_add_(0, rows, torch.cat([values, ones], dim=1))
     if runtime.distributed:
-        summed = found.to(ctx.device)
-        dist.all_reduce(summed)
-        found = summed.cpu()
+        dist.all_reduce(found)
+    found = found.cpu()
+    if bool((found[:, 2] == 0).any()):  # every row is some rank's: a gap is a bug, never a silent zero reference
+        raise MeshtronError(f"preference.reference=precomputed: {int((found[:, 2] == 0).sum())} rows got no value")
     return (found[:, :2] / found[:, 2:].clamp(min=1)).numpy()
