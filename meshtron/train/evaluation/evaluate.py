@@ -143,8 +143,10 @@ class Evaluator:
                 tokens += step.global_targets
                 references = step.references or [None] * len(step.micro_batches)
                 for (input_ids, labels), reference in zip(step.micro_batches, references):
-                    batch = device_batches([(input_ids, labels)], ctx, [reference] if reference is not None else None)
-                    ((input_ids, target, bounds),) = with_reference_logps(batch, ctx)
+                    on_device = device_batches(
+                        [(input_ids, labels)], ctx, [reference] if reference is not None else None
+                    )
+                    ((input_ids, target, bounds),) = with_reference_logps(on_device, ctx)
                     share, metrics = self._preference_sums(model, input_ids, target, bounds, counts)
                     local += share
                     metric_sums += metrics

@@ -21,6 +21,7 @@ loss-parallel one in both cases.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,30 @@ from meshtron.data.labels import IGNORE_INDEX
 from meshtron.tensors import local_tensor
 
 
-def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_grads: bool):
-    """Summed loss of one chunk and, with ``with_grads``, the gradient of that sum with respect to the
-    chunk's logits (compute dtype); ``group``: the vocabulary-split ranks to reduce statistics over."""
+@dataclass
+class ChunkStatistics:
+    """One chunk's softmax statistics over the whole vocabulary (reduced over its split under tensor parallelism)."""
+
+    probs: torch.Tensor
+    """``exp(logits - row_max)``, float32, this rank's vocabulary slice (the logits' own storage)."""
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    target: torch.Tensor
+    """Each token's label logit (0 where ignored)."""
+    valid: torch.Tensor
+    """Tokens whose label is not IGNORE_INDEX."""
+    owned: torch.Tensor
+    """Valid tokens whose label is in this rank's vocabulary slice."""
+    index: torch.Tensor
+    """(tokens, 1) the label's column in this slice (0 where not owned)."""
+    capped: torch.Tensor | None
+    """``tanh(logits / softcap)`` with soft-capping, else None."""
+
+
+def chunk_statistics(hidden, weight, bias, labels, vocab_start: int, softcap, group) -> ChunkStatistics:
+    """The chunk's logits (compute dtype, then float32, soft-capped), their row maxima, exponential sums and label
+    logits, reduced over ``group`` (the vocabulary-split ranks; None: whole here). Shared by the fused loss and the
+    per-token log-probabilities (meshtron.train.loss.token_logps)."""
     logits = F.linear(hidden, weight, bias).float()
     capped = None
     if softcap:  # the model's final logit soft-capping (adapter.logit_softcap)
@@ -52,8 +74,22 @@ def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_
     sums = torch.stack([probs.sum(1), target])
     if group is not None:
         dist.all_reduce(sums, group=group)
-    sum_exp, target = sums[0], sums[1]
-    loss = ((row_max + sum_exp.log() - target) * valid).sum()
+    return ChunkStatistics(probs, row_max, sums[0], sums[1], valid, owned, index, capped)
+
+
+def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_grads: bool):
+    """Summed loss of one chunk and, with ``with_grads``, the gradient of that sum with respect to the
+    chunk's logits (compute dtype); ``group``: the vocabulary-split ranks to reduce statistics over."""
+    stats = chunk_statistics(hidden, weight, bias, labels, vocab_start, softcap, group)
+    probs, sum_exp, valid, owned, index, capped = (
+        stats.probs,
+        stats.sum_exp,
+        stats.valid,
+        stats.owned,
+        stats.index,
+        stats.capped,
+    )
+    loss = ((stats.row_max + sum_exp.log() - stats.target) * valid).sum()
     if not with_grads:
         return loss, None
     probs.div_(sum_exp.unsqueeze(1))

@@ -18,13 +18,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from meshtron.data.labels import IGNORE_INDEX
 from meshtron.tensors import local_tensor
-from meshtron.train.loss.fused import _add_float32, _vocabulary_split
+from meshtron.train.loss.fused import _add_float32, _vocabulary_split, chunk_statistics
 from meshtron.train.loss.head import _replicated
 
 
@@ -32,25 +29,16 @@ def _chunk_logps(hidden, weight, bias, labels, vocab_start: int, softcap, group,
     """Float32 log-probabilities of one chunk's labels and, given ``upstream`` (the chunk's per-token gradient),
     the gradient of ``sum(upstream * logps)`` with respect to the chunk's logits (in ``weight``'s dtype);
     ``group``: the vocabulary-split ranks to reduce statistics over."""
-    logits = F.linear(hidden, weight, bias).float()
-    capped = None
-    if softcap:  # the model's final logit soft-capping (adapter.logit_softcap)
-        capped = torch.tanh(logits / softcap)
-        logits = capped * softcap
-    valid = labels != IGNORE_INDEX
-    local = labels - vocab_start
-    owned = valid & (local >= 0) & (local < logits.shape[1])
-    index = torch.where(owned, local, 0).unsqueeze(1)
-    target = logits.gather(1, index).squeeze(1) * owned
-    row_max = logits.detach().amax(1)
-    if group is not None:
-        dist.all_reduce(row_max, dist.ReduceOp.MAX, group=group)
-    probs = logits.sub_(row_max.unsqueeze(1)).exp_()  # in place: the float32 logits are not needed again
-    sums = torch.stack([probs.sum(1), target])
-    if group is not None:
-        dist.all_reduce(sums, group=group)
-    sum_exp, target = sums[0], sums[1]
-    logps = (target - row_max - sum_exp.log()) * valid
+    stats = chunk_statistics(hidden, weight, bias, labels, vocab_start, softcap, group)
+    probs, sum_exp, valid, owned, index, capped = (
+        stats.probs,
+        stats.sum_exp,
+        stats.valid,
+        stats.owned,
+        stats.index,
+        stats.capped,
+    )
+    logps = (stats.target - stats.row_max - sum_exp.log()) * valid
     if upstream is None:
         return logps, None
     scale = upstream.float() * valid
