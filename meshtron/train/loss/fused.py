@@ -187,6 +187,22 @@ def _vocabulary_split(weight: torch.Tensor):
     return dim, weight.device_mesh.get_group(dim), offset[0]
 
 
+def vocabulary_slices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(hidden, weight, bias, group, vocab_start) as a chunked head computes with them: next to a vocabulary-sharded
+    DTensor ``weight``, this rank's slices of the weight and bias as plain tensors, the hidden states whole (their
+    gradient leaving as a partial sum over the split), the split's process group and this rank's first vocabulary
+    row; otherwise the inputs themselves, None and 0."""
+    if not isinstance(weight, DTensor):
+        return hidden, weight, bias, None, 0
+    dim, group, vocab_start = _vocabulary_split(weight)
+    mesh = weight.device_mesh
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    # Each rank's hidden-state gradient is its vocabulary slice's share: a partial sum over the split.
+    hidden = hidden.to_local(grad_placements=[Partial() if i == dim else Replicate() for i in range(mesh.ndim)])
+    return hidden, weight.to_local(), local_tensor(bias), group, vocab_start
+
+
 def fused_head_loss_sum(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -204,16 +220,7 @@ def fused_head_loss_sum(
     DTensor; ``labels``: (tokens,). The result is a plain tensor, the whole loss on every rank. Without
     autograd (evaluation) only the loss is computed.
     """
-    group, vocab_start = None, 0
-    if isinstance(weight, DTensor):
-        dim, group, vocab_start = _vocabulary_split(weight)
-        mesh = weight.device_mesh
-        if not isinstance(hidden, DTensor):
-            hidden = DTensor.from_local(hidden, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        # Each rank's hidden-state gradient is its vocabulary slice's share: a partial sum over the split.
-        hidden = hidden.to_local(grad_placements=[Partial() if i == dim else Replicate() for i in range(mesh.ndim)])
-        weight = weight.to_local()
-        bias = local_tensor(bias)
+    hidden, weight, bias, group, vocab_start = vocabulary_slices(hidden, weight, bias)
     chunk_size = chunk_size if chunk_size > 0 else max(labels.shape[0], 1)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:

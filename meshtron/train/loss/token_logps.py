@@ -18,10 +18,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from meshtron.tensors import local_tensor
-from meshtron.train.loss.fused import _add_float32, _vocabulary_split, chunk_statistics
+from meshtron.train.loss.fused import _add_float32, chunk_statistics, vocabulary_slices
 from meshtron.train.loss.head import _replicated
 
 
@@ -143,14 +141,7 @@ def head_token_logps(
     del loss_parallel  # the same arithmetic with or without it (see the docstring)
     hidden = _replicated(hidden, weight).flatten(0, 1)
     labels = labels.flatten()
-    group, vocab_start = None, 0
-    if isinstance(weight, DTensor):
-        dim, group, vocab_start = _vocabulary_split(weight)
-        mesh = weight.device_mesh
-        # Each rank's hidden-state gradient is its vocabulary slice's share: a partial sum over the split.
-        hidden = hidden.to_local(grad_placements=[Partial() if i == dim else Replicate() for i in range(mesh.ndim)])
-        weight = weight.to_local()
-        bias = local_tensor(bias)
+    hidden, weight, bias, group, vocab_start = vocabulary_slices(hidden, weight, bias)
     chunk_size = chunk_size if chunk_size > 0 else max(labels.shape[0], 1)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:
