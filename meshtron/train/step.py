@@ -348,8 +348,12 @@ def _device_targets(labels: torch.Tensor, ctx: StepContext, reference: torch.Ten
     device = ctx.device
     if ctx.preference is None:
         return shard_labels(labels.to(device, non_blocking=True), ctx.split)
-    runs = shard_labels(preference_runs(labels).to(device, non_blocking=True), ctx.split)
-    local = shard_labels(target_tokens(labels).to(device, non_blocking=True), ctx.split)
+    runs, tokens = preference_runs(labels), target_tokens(labels)  # new host tensors: pinned, the copies are async
+    if device.type == "cuda":
+        runs, tokens = runs.pin_memory(), tokens.pin_memory()
+        reference = reference.pin_memory() if reference is not None else None
+    runs = shard_labels(runs.to(device, non_blocking=True), ctx.split)
+    local = shard_labels(tokens.to(device, non_blocking=True), ctx.split)
     return pack_targets(local, runs, reference)
 
 

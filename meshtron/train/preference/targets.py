@@ -28,7 +28,7 @@ def pack_targets(labels: torch.Tensor, runs: torch.Tensor, reference: torch.Tens
     """``(B, 2 S + 2)`` int64: ``labels`` and ``runs`` (B, S) and ``reference`` (B, 2) (None: zeros)."""
     if reference is None:
         reference = torch.zeros(labels.shape[0], 2, dtype=torch.float64, device=labels.device)
-    bits = reference.to(device=labels.device, dtype=torch.float64).contiguous().view(torch.int64)
+    bits = reference.to(torch.float64).to(labels.device, non_blocking=True).contiguous().view(torch.int64)
     return torch.cat([labels, runs.to(labels.dtype), bits], dim=1)
 
 
