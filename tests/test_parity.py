@@ -725,8 +725,9 @@ REFERENCES["llama-simpo"] = [
     "simpo.cpo_alpha=0.5",
     *_PREFERENCE,
 ]
-# ORPO on llama-deep: on llama-tiny its fsdp2_tp2 weights drift 4.9e-4 relative L2 in 4 steps (losses and gradient
-# norms within bounds): the odds ratio's log(1 - p) amplifies rounding where an answer's average probability is high.
+# ORPO on llama-deep: on llama-tiny (lr 3e-3) its fsdp2_tp2 weights drift 4.9e-4 relative L2 in 4 steps, with losses
+# 3e-6 and gradient norms 1e-5 from one process (FSDP alone: weights 1.9e-5): TP's rounding, grown by Adam, is the
+# likely reason but not shown (2026-11-28); on llama-deep every ORPO layout is within the usual bounds.
 REFERENCES["llama-orpo"] = ["model.preset=llama-deep", "train.objective=orpo", "orpo.beta=0.5", *_PREFERENCE]
 for _objective in ("simpo", "orpo"):
     LAYOUTS[f"fsdp2_tp2_{_objective}"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], f"llama-{_objective}")
