@@ -81,22 +81,14 @@ def _chunk(hidden, weight, bias, labels, vocab_start: int, softcap, group, with_
     """Summed loss of one chunk and, with ``with_grads``, the gradient of that sum with respect to the
     chunk's logits (compute dtype); ``group``: the vocabulary-split ranks to reduce statistics over."""
     stats = chunk_statistics(hidden, weight, bias, labels, vocab_start, softcap, group)
-    probs, sum_exp, valid, owned, index, capped = (
-        stats.probs,
-        stats.sum_exp,
-        stats.valid,
-        stats.owned,
-        stats.index,
-        stats.capped,
-    )
-    loss = ((stats.row_max + sum_exp.log() - stats.target) * valid).sum()
+    loss = ((stats.row_max + stats.sum_exp.log() - stats.target) * stats.valid).sum()
     if not with_grads:
         return loss, None
-    probs.div_(sum_exp.unsqueeze(1))
-    probs.scatter_add_(1, index, -owned.unsqueeze(1).to(probs.dtype))  # softmax - one_hot (where owned)
-    probs.mul_(valid.unsqueeze(1))
-    if capped is not None:
-        probs.mul_(1 - capped * capped)
+    probs = stats.probs.div_(stats.sum_exp.unsqueeze(1))
+    probs.scatter_add_(1, stats.index, -stats.owned.unsqueeze(1).to(probs.dtype))  # softmax - one_hot (where owned)
+    probs.mul_(stats.valid.unsqueeze(1))
+    if stats.capped is not None:
+        probs.mul_(1 - stats.capped * stats.capped)
     return loss, probs.to(weight.dtype)
 
 

@@ -28,22 +28,14 @@ def _chunk_logps(hidden, weight, bias, labels, vocab_start: int, softcap, group,
     the gradient of ``sum(upstream * logps)`` with respect to the chunk's logits (in ``weight``'s dtype);
     ``group``: the vocabulary-split ranks to reduce statistics over."""
     stats = chunk_statistics(hidden, weight, bias, labels, vocab_start, softcap, group)
-    probs, sum_exp, valid, owned, index, capped = (
-        stats.probs,
-        stats.sum_exp,
-        stats.valid,
-        stats.owned,
-        stats.index,
-        stats.capped,
-    )
-    logps = (stats.target - stats.row_max - sum_exp.log()) * valid
+    logps = (stats.target - stats.row_max - stats.sum_exp.log()) * stats.valid
     if upstream is None:
         return logps, None
-    scale = upstream.float() * valid
-    probs.mul_((-scale / sum_exp).unsqueeze(1))  # -g * softmax
-    probs.scatter_add_(1, index, (scale * owned).unsqueeze(1))  # + g * one_hot (where owned)
-    if capped is not None:
-        probs.mul_(1 - capped * capped)
+    scale = upstream.float() * stats.valid
+    probs = stats.probs.mul_((-scale / stats.sum_exp).unsqueeze(1))  # -g * softmax
+    probs.scatter_add_(1, stats.index, (scale * stats.owned).unsqueeze(1))  # + g * one_hot (where owned)
+    if stats.capped is not None:
+        probs.mul_(1 - stats.capped * stats.capped)
     return logps, probs.to(weight.dtype)
 
 

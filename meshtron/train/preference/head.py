@@ -90,11 +90,9 @@ def pair_logps(
         compiled=head.compiled,
     )
     sums, lengths = sequence_sums(token_logps.view(labels.shape), runs)
-    sums = torch.cat([sums, prompt_sums(token_logps, runs)[:, None]], dim=1)
-    if cp_group is not None:
-        sums = sum_over_group(sums, cp_group)
-        lengths = sum_over_group(lengths, cp_group)
-    return sums[:, :2], lengths, sums[:, 2]
+    # (B, 5): the answers' sums, the prompt's, the answers' counts (no gradient), in one all-reduce over cp.
+    both = sum_over_group(torch.cat([sums, prompt_sums(token_logps, runs)[:, None], lengths], dim=1), cp_group)
+    return both[:, :2], both[:, 3:], both[:, 2]
 
 
 @dataclass(frozen=True)
