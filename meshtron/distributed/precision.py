@@ -296,6 +296,14 @@ def compute_weight(model: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weights.copy_of(weight)
 
 
+def compute_head(model: nn.Module, adapter) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``model``'s head (weight, bias or None; ``adapter``: its meshtron.models.adapter.DecoderAdapter) as a loss
+    applies it after the forward: ``compute_weight``'s copies (a tied head's gradient joins the embedding's, as under
+    FSDP)."""
+    weight, bias = adapter.head_parameters(model)
+    return compute_weight(model, weight), (compute_weight(model, bias) if bias is not None else None)
+
+
 def release_compute_weights(*models: nn.Module) -> None:
     """Drop the compute-dtype weight copies of ``models`` (after a step's last backward)."""
     for model in models:

@@ -32,7 +32,7 @@ from meshtron.distributed.data_parallel import set_gradient_sync
 from meshtron.distributed.float8 import refresh_float8_scales
 from meshtron.distributed.grad_norm import clip_gradients
 from meshtron.distributed.mesh import ParallelDims
-from meshtron.distributed.precision import PrecisionPolicy, compute_weight, release_compute_weights
+from meshtron.distributed.precision import PrecisionPolicy, compute_head, release_compute_weights
 from meshtron.distributed.tensor_parallel import reduce_partial_gradients, shard_replicated_gradients
 from meshtron.errors import MeshtronError
 from meshtron.metrics.gradient_memory import held_gradient_bytes
@@ -161,9 +161,7 @@ class StepResult:
 
 def model_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """The summed token loss of ``model``'s head on ``hidden`` (the caller holds loss parallel's context)."""
-    weight, bias = ctx.adapter.head_parameters(model)
-    # Without FSDP: the copy the forward's casts made (a tied head's gradient joins the embedding's, as under FSDP).
-    weight, bias = compute_weight(model, weight), (compute_weight(model, bias) if bias is not None else None)
+    weight, bias = compute_head(model, ctx.adapter)
     return head_loss_sum(
         hidden,
         labels,
@@ -213,7 +211,7 @@ def _forward_backward(
         # Vocab-sharded logits under loss parallel: forward and backward of the loss inside its context.
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
             if ctx.preference is not None:
-                loss_sum, share, metrics = _preference_loss(model, hidden, labels, ctx, counts)
+                loss_sum, share, metrics = preference_loss(model, hidden, labels, ctx, counts)
                 metric_sums = metrics if metric_sums is None else metric_sums + metrics
             else:
                 loss_sum = share = model_head_loss(model, hidden, labels, ctx)
@@ -231,11 +229,10 @@ def _forward_backward(
     return local_loss_sum, metric_sums
 
 
-def _preference_loss(model, hidden, target, ctx: StepContext, counts: PairCounts | None):
-    """(loss to back-propagate, this rank's share of it, metric sums) of a preference micro-batch."""
-    weight, bias = ctx.adapter.head_parameters(model)
-    weight, bias = compute_weight(model, weight), (compute_weight(model, bias) if bias is not None else None)
-    return ctx.preference.loss(hidden, target, weight, bias, counts)
+def preference_loss(model, hidden, target, ctx: StepContext, counts: PairCounts | None):
+    """(loss to back-propagate, this rank's share of it, metric sums) of a preference micro-batch (the caller holds
+    loss parallel's context)."""
+    return ctx.preference.loss(hidden, target, *compute_head(model, ctx.adapter), counts)
 
 
 def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:

@@ -22,7 +22,7 @@ from meshtron.config import EvalConfig, TrainConfig
 from meshtron.data.prefetch import StepReader
 from meshtron.data.sampler import GlobalBatchSchedule
 from meshtron.distributed.data_parallel import reshard_all
-from meshtron.distributed.precision import compute_weight, release_compute_weights
+from meshtron.distributed.precision import release_compute_weights
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import sequence_inputs, shard_labels
 from meshtron.train.pipeline.evaluate import pipeline_eval_loss_sum, pipeline_forward
@@ -32,6 +32,7 @@ from meshtron.train.step import (
     device_batches,
     model_head_loss,
     pair_counts,
+    preference_loss,
     step_sequences,
     with_reference_logps,
 )
@@ -167,10 +168,7 @@ class Evaluator:
         if ctx.runner is None:
             hidden = model(**sequence_inputs(input_ids, ctx.split, bounds))
             with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
-                weight, bias = ctx.adapter.head_parameters(model)
-                weight = compute_weight(model, weight)
-                bias = compute_weight(model, bias) if bias is not None else None
-                _, share, metrics = preference.loss(hidden, target, weight, bias, counts)
+                _, share, metrics = preference_loss(model, hidden, target, ctx, counts)
             return local_tensor(share), metrics
         runner = ctx.runner
         parts = target.tensor_split(runner.microbatches) if runner.holds_last else None

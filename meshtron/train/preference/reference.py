@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from meshtron.distributed.data_parallel import forget_forwards, reshard_all
-from meshtron.distributed.precision import compute_weight, release_compute_weights
+from meshtron.distributed.precision import compute_head, release_compute_weights
 from meshtron.metrics.memory import local_bytes
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
@@ -82,9 +82,7 @@ class ReferenceModel:
             else:
                 (model,) = self.modules
                 hidden = model(**sequence_inputs(input_ids, self.split, bounds))
-                weight, bias = self.adapter.head_parameters(model)
-                weight = compute_weight(model, weight)
-                bias = compute_weight(model, bias) if bias is not None else None
+                weight, bias = compute_head(model, self.adapter)
                 result = answer_logps(hidden, labels, runs, weight, bias, self.head, self.split.cp_group)[0]
         if self.kind == "model":
             release_compute_weights(*self.modules)
