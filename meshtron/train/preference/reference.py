@@ -96,27 +96,20 @@ class ReferenceModel:
 
     def _pipeline(self, input_ids, labels, runs, bounds) -> torch.Tensor:
         runner = self.runner
-        result = torch.zeros(input_ids.shape[0], 2, device=input_ids.device)
-        if not runner.holds_last:
-            stage_bounds = runner.stage_inputs.during(bounds) if runner.stage_inputs else contextlib.nullcontext()
-            with stage_bounds:
-                pipeline_forward(runner, input_ids, lambda hidden, micro: None)
-            return result
         label_parts, run_parts = labels.tensor_split(runner.microbatches), runs.tensor_split(runner.microbatches)
-        rows = [part.shape[0] for part in label_parts]
-        starts = [sum(rows[:i]) for i in range(len(rows))]
+        found: list[torch.Tensor] = []  # the last stage's, one per microbatch in order
 
         def on_last_stage(hidden: torch.Tensor, micro: int) -> None:
             weight, bias = runner.head()
-            sums = answer_logps(
-                hidden, label_parts[micro], run_parts[micro], weight, bias, self.head, self.split.cp_group
-            )[0]
-            result[starts[micro] : starts[micro] + rows[micro]] = sums
+            found.append(
+                answer_logps(
+                    hidden, label_parts[micro], run_parts[micro], weight, bias, self.head, self.split.cp_group
+                )[0]
+            )
 
-        stage_bounds = runner.stage_inputs.during(bounds) if runner.stage_inputs else contextlib.nullcontext()
-        with stage_bounds:
+        with runner.stage_inputs.during(bounds) if runner.stage_inputs else contextlib.nullcontext():
             pipeline_forward(runner, input_ids, on_last_stage)
-        return result
+        return torch.cat(found) if found else torch.zeros(input_ids.shape[0], 2, device=input_ids.device)
 
 
 def freeze(modules: list[nn.Module]) -> None:
