@@ -26,7 +26,6 @@ from meshtron.config import Config
 from meshtron.data.preference import PreferenceDataset
 from meshtron.data.reference_logps import FILE_NAME, ReferenceLogps, load_reference_logps, reference_identity
 from meshtron.data.sampler import GlobalBatchSchedule
-from meshtron.distributed.data_parallel import reshard_all
 from meshtron.distributed.precision import release_compute_weights
 from meshtron.distributed.runtime import Runtime
 from meshtron.errors import MeshtronError
@@ -160,8 +159,7 @@ def _compute(
             reference_logps(dataset, reference, ctx, batch, runtime) if dataset is not None else None
             for dataset in (train, evaluation)
         ]
-    release_compute_weights(*modules)
-    reshard_all(*modules)  # as evaluation leaves them: the first step finds them as usual
+    release_compute_weights(*modules)  # (each reference forward resharded its FSDP modules: ReferenceModel)
     return ReferenceLogps(logps[0], logps[1], identity)
 
 
@@ -195,4 +193,4 @@ def reference_logps(
     found = found.cpu()
     if bool((found[:, 2] == 0).any()):  # every row is some rank's: a gap is a bug, never a silent zero reference
         raise MeshtronError(f"preference.reference=precomputed: {int((found[:, 2] == 0).sum())} rows got no value")
-    return (found[:, :2] / found[:, 2:].clamp(min=1)).numpy()
+    return (found[:, :2] / found[:, 2:]).numpy()
