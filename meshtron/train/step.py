@@ -443,7 +443,7 @@ def _pipeline_forward_backward(
     ((input_ids, labels, bounds),) = batches
     with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
         loss = ctx.runner.run(input_ids, labels, scales.loss, scales.aux, bounds, counts)
-    return loss, ctx.runner.step_metric_sums(ctx.device)
+    return loss, ctx.runner.step_metric_sums()
 
 
 @dataclass(frozen=True)

@@ -151,14 +151,10 @@ class PipelineRunner:
             return torch.zeros((), device=input_ids.device)
         return torch.stack(self.lm_losses).sum()
 
-    def step_metric_sums(self, device: torch.device) -> torch.Tensor | None:
-        """A preference objective's metric sums of the last step on this rank (zeros off the last stage; None
-        without a preference objective)."""
-        if self.preference is None:
-            return None
-        if not self.metric_sums:
-            return torch.zeros(len(self.preference.objective.metric_names), device=device)
-        return torch.stack(self.metric_sums).sum(0)
+    def step_metric_sums(self) -> torch.Tensor | None:
+        """A preference objective's metric sums of the last step on this rank (None off the last stage, whose zeros
+        the step's all-reduce supplies, and without a preference objective)."""
+        return torch.stack(self.metric_sums).sum(0) if self.metric_sums else None
 
     def router_values(self, device: torch.device) -> list[torch.Tensor]:
         """The step's (mean aux, max and min expert load) on every pipeline rank (meshtron.train.moe.router_loss)."""
