@@ -11,7 +11,6 @@ import torch
 
 import meshtron.distributed.precision as precision
 import meshtron.train.loss.fused as fused_loss
-import meshtron.train.step as step_module
 from meshtron.config import load_config
 from meshtron.data.tokenizer import load_tokenizer
 from meshtron.distributed.parallelize import parallelize_model
@@ -73,7 +72,7 @@ def previous_path(monkeypatch):
 
     def use():
         monkeypatch.setattr(precision._ComputeCast, "apply", lambda param, dtype: param.to(dtype))
-        monkeypatch.setattr(step_module, "compute_weight", lambda model, weight: weight)
+        monkeypatch.setattr(precision, "compute_weight", lambda model, weight: weight)  # compute_head's
         monkeypatch.setattr(
             fused_loss,
             "_add_float32",
