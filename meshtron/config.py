@@ -41,7 +41,10 @@ MIXED_PRECISION = ("auto", "bf16", "fp16", "none")
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 DATA_FORMATS = ("text", "chat", "preference")
-OBJECTIVES = ("causal_lm", "dpo", "ipo", "simpo", "orpo")
+OBJECTIVES = ("causal_lm", "dpo", "ipo", "simpo", "orpo", "distill")
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+"""The objectives that train on pairs of answers (``data.format=preference``)."""
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 REFERENCE_FREE_OBJECTIVES = ("simpo", "orpo")
 """Preference objectives that compare the policy with no reference model."""
 REFERENCES = ("auto", "model", "lora_base", "precomputed")
@@ -71,6 +74,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "preference.reference_dtype": DTYPES,
     "preference.truncation_mode": TRUNCATION_MODES,
     "dpo.loss_type": DPO_LOSS_TYPES,
+    "distill.divergence": DIVERGENCES,
+    "distill.teacher_dtype": DTYPES,
     "schedule.kind": LR_SCHEDULES,
     "schedule.decay_shape": DECAY_SHAPES,
     "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
@@ -242,7 +247,8 @@ class TrainConfig:
     """What the run minimizes: ``causal_lm`` (next-token cross-entropy), or a preference objective on
     ``data.format=preference`` pairs (docs/post-training.md): ``dpo`` and ``ipo`` (against a reference model,
     ``[preference]``), ``simpo`` and ``orpo`` (reference-free); each has its own section of settings. With a
-    preference objective ``global_batch_size`` counts pairs."""
+    preference objective ``global_batch_size`` counts pairs. ``distill``: the model learns from a frozen teacher
+    model's next-token distributions on the data (``[distill]``, docs/post-training.md#distillation)."""
 
     def validate(self) -> None:
         for key in ("steps", "global_batch_size", "max_rollbacks"):
@@ -622,6 +628,46 @@ class OrpoConfig:
 
 
 @dataclass
+class DistillConfig:
+    """``train.objective=distill``: the model (the student) learns a frozen teacher's next-token distributions on the
+    data (text or chat), the divergences defined as TRL's GKDTrainer defines them (docs/post-training.md)."""
+
+    teacher: str | None = None
+    """The teacher: a local Hugging Face model folder (a larger model of the same tokenizer), or a from-scratch
+    preset name (for tests and planning: its weights are random). Built under the run's own layout, frozen, forward
+    only; not saved in checkpoints (the run's config.toml records it)."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the divergence's softmaxes (> 0)."""
+    alpha: float = 0.0
+    """Weight of the ordinary next-token cross-entropy on the data's labels, in [0, 1]; the divergence takes
+    ``1 - alpha``. 0: the divergence alone (TRL's GKD loss)."""
+    divergence: str = "forward_kl"
+    """``forward_kl`` (KL(teacher || student), TRL's beta=0), ``reverse_kl`` (KL(student || teacher), beta=1) or
+    ``jsd`` (the generalized Jensen-Shannon divergence of weight ``beta``)."""
+    beta: float = 0.5
+    """With ``divergence=jsd``: the teacher's weight in the mixture, in (0, 1) (TRL's ``beta``)."""
+    teacher_dtype: str | None = None
+    """Storage dtype of the teacher's weights (``bfloat16`` halves them while the student keeps float32 master
+    weights); unset: ``model.dtype``."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"distill.alpha: the cross-entropy's weight must be in [0, 1], got {self.alpha}")
+        if not self.temperature > 0:
+            raise ConfigError(f"distill.temperature: must be > 0, got {self.temperature}")
+        if self.divergence == "jsd" and not 0.0 < self.beta < 1.0:
+            raise ConfigError(
+                f"distill.beta: the jsd mixture's teacher weight must be in (0, 1), got {self.beta}; "
+                "use divergence=forward_kl (beta 0) or reverse_kl (beta 1) for the ends"
+            )
+        if self.divergence != "jsd" and self.beta != DistillConfig.beta:
+            raise ConfigError(
+                f"distill.beta is the weight of divergence=jsd, but distill.divergence={self.divergence}; set "
+                "distill.divergence=jsd or remove distill.beta"
+            )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -637,6 +683,7 @@ class Config:
     ipo: IpoConfig = field(default_factory=IpoConfig)
     simpo: SimpoConfig = field(default_factory=SimpoConfig)
     orpo: OrpoConfig = field(default_factory=OrpoConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -1001,6 +1048,7 @@ def validate_config(cfg: Config) -> None:
         cfg.precision,
         cfg.moe,
         cfg.preference,
+        cfg.distill,
     ):
         section.validate()
     _validate_parallel(cfg.parallel)
@@ -1116,8 +1164,14 @@ def _validate_lora(cfg: Config) -> None:
         )
 
 
-OBJECTIVE_SECTIONS = {"dpo": DpoConfig, "ipo": IpoConfig, "simpo": SimpoConfig, "orpo": OrpoConfig}
-"""Each preference objective's own section of settings."""
+OBJECTIVE_SECTIONS = {
+    "dpo": DpoConfig,
+    "ipo": IpoConfig,
+    "simpo": SimpoConfig,
+    "orpo": OrpoConfig,
+    "distill": DistillConfig,
+}
+"""Each objective's own section of settings."""
 
 
 def uses_reference(cfg: Config) -> bool:
@@ -1148,11 +1202,11 @@ def _validate_objective(cfg: Config) -> None:
                 f"{name}.{changed[0]} is a setting of train.objective={name}, but train.objective={objective}; set "
                 f"train.objective={name} or remove the [{name}] settings"
             )
-    if objective == "causal_lm":
+    if objective not in PREFERENCE_OBJECTIVES:
         if cfg.data.format == "preference":
             raise ConfigError(
                 "data.format=preference holds pairs of answers for a preference objective, not for "
-                "train.objective=causal_lm; set train.objective=dpo (or ipo, simpo, orpo), or use data.format=chat"
+                f"train.objective={objective}; set train.objective=dpo (or ipo, simpo, orpo), or use data.format=chat"
             )
         changed = [
             f.name
@@ -1161,8 +1215,13 @@ def _validate_objective(cfg: Config) -> None:
         ]
         if changed:
             raise ConfigError(
-                f"preference.{changed[0]} is a setting of the preference objectives, but train.objective=causal_lm; "
+                f"preference.{changed[0]} is a setting of the preference objectives, but train.objective={objective}; "
                 "set train.objective=dpo (or ipo, simpo, orpo) or remove the [preference] settings"
+            )
+        if objective == "distill" and not cfg.distill.teacher:
+            raise ConfigError(
+                "train.objective=distill needs its teacher: set distill.teacher=FOLDER (a Hugging Face model folder "
+                "with the student's tokenizer)"
             )
         return
     if cfg.data.format != "preference":

@@ -50,9 +50,13 @@ def test_every_setting_and_section_has_a_docstring():
 
 def _companions(key: str, value: str) -> list[str]:
     """The settings without which ``key=value`` cannot stand: a preference objective and its data come together,
-    a LoRA-base reference needs LoRA."""
+    a LoRA-base reference needs LoRA, distillation its teacher."""
+    if key == "train.objective" and value == "distill":
+        return ["distill.teacher=llama-small"]
     if key == "train.objective" and value != "causal_lm":
         return ["data.format=preference"]
+    if key.startswith("distill."):
+        return ["train.objective=distill", "distill.teacher=llama-small"]
     if key == "data.format" and value == "preference":
         return ["train.objective=dpo"]
     if key.startswith(("preference.", "dpo.")):

@@ -30,6 +30,9 @@ from meshtron.models.presets import make_preset_config
 from meshtron.tensors import dtensor_like, local_tensor
 
 DEFAULT_PRESET = "tiny"
+CHECKPOINT_VOCAB_ATTRIBUTE = "meshtron_checkpoint_vocab_size"
+"""Set on a model's config built at a smaller vocabulary than its checkpoint's (a distillation teacher padded
+further than the student, meshtron.models.teacher): the embedding and head rows beyond ``vocab_size`` are not read."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -309,6 +312,8 @@ def _weight_for(
         if candidate not in reader:
             continue
         shape = reader.shape(candidate)
+        if first_row is None and _vocabulary_prefix(shape, wanted, config):
+            first_row = 0  # the checkpoint's first vocab_size rows
         if first_row is None:
             fits = shape == wanted
         else:  # rows first_row.. of a fused tensor
@@ -328,6 +333,18 @@ def _weight_for(
     if experts is not None:
         return experts
     raise MeshtronError(f"model.name_or_path: the checkpoint has no weight '{name}'; it does not match config.json")
+
+
+def _vocabulary_prefix(shape: tuple[int, ...], wanted: tuple[int, ...], config) -> bool:
+    """Whether a checkpoint tensor of ``shape`` is an embedding or head padded to the checkpoint's larger vocabulary
+    (``CHECKPOINT_VOCAB_ATTRIBUTE``), of which the model holds the first ``config.vocab_size`` rows."""
+    checkpoint_vocab = getattr(config, CHECKPOINT_VOCAB_ATTRIBUTE, None)
+    return (
+        checkpoint_vocab is not None
+        and shape[:1] == (checkpoint_vocab,)
+        and wanted[:1] == (config.vocab_size,)
+        and shape[1:] == wanted[1:]
+    )
 
 
 @torch.no_grad()

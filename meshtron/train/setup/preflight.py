@@ -35,8 +35,11 @@ from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import (
+    HFTokenizer,
     check_byte_fallback,
+    has_tokenizer,
     load_tokenizer,
+    tokenizer_fingerprint,
     tokenizer_notice,
 )
 from meshtron.distributed.activation_memory.tiled_mlp import check_mlp_tiles
@@ -52,6 +55,7 @@ from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
+from meshtron.models.teacher import load_teacher_config, teacher_model_config
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
@@ -213,6 +217,9 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         micro_batch_size=cfg.train.micro_batch_size,
         device_type=device_type,
     )
+    teacher_model, teacher_config = None, None
+    if cfg.train.objective == "distill":
+        teacher_model, teacher_config = _teacher(cfg, dims, tokenizer, hf_config, micro, device_type)
     check_mlp_tiles(cfg.train.mlp_tiles, hf_config)
     check_router_balance(cfg.moe.router_balance, hf_config)
     router_loss_enabled(cfg.moe.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
@@ -236,6 +243,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         tokenizer=tokenizer,
         hf_config=hf_config,
         model=cfg.model,
+        teacher_model=teacher_model,
+        teacher_config=teacher_config,
         precision=precision,
         compiled=compile_enabled(cfg.train.compile, device_type),
         attention_kernel=resolve_kernel(cfg.model.attention_kernel, device_type),
@@ -246,6 +255,41 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
         resume_agreed=not by_rank_0,
         resume_error=error,
     )
+
+
+def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_batch: int, device_type: str):
+    """(the teacher's model settings, its Hugging Face config) of ``train.objective=distill``, refused in one line
+    where its folder, tokenizer, vocabulary or shape does not fit the student and the run's layout."""
+    teacher_model = teacher_model_config(cfg.distill, cfg.model)
+    teacher_config = load_teacher_config(teacher_model, tokenizer.vocab_size, student_config)
+    folder = model_folder(teacher_model)
+    if folder and has_tokenizer(folder) and isinstance(tokenizer, HFTokenizer):
+        own = HFTokenizer(folder, teacher_model.trust_remote_code, setting="distill.teacher")
+        if tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
+            raise ConfigError(
+                f"distill.teacher: its tokenizer ({own.vocab_size} ids) is not the student's data.tokenizer "
+                f"({tokenizer.vocab_size} ids); a teacher must share the student's token ids: use a teacher of the "
+                "same tokenizer"
+            )
+    check_seq_len(teacher_config, cfg.data.seq_len, setting="data.seq_len (the teacher's positions)")
+    # The teacher splits its own layers evenly over the pipeline stages (the student's split is the student's).
+    own_split = replace(cfg.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None, pp_stage_layers=None)
+    try:
+        check_rope_layout(teacher_config, cfg.data.seq_len, dims.cp, cfg.data.mask_documents)
+        check_layout(
+            teacher_config,
+            own_split,
+            dims,
+            seq_len=cfg.data.seq_len,
+            mask_documents=cfg.data.mask_documents,
+            attn_implementation=cfg.model.attn_implementation,
+            local_batch=local_batch,
+            micro_batch_size=cfg.train.micro_batch_size,
+            device_type=device_type,
+        )
+    except ConfigError as err:
+        raise ConfigError(f"distill.teacher: {err}") from None
+    return teacher_model, teacher_config
 
 
 def _resume_point(cfg: Config, hf_config, altered: dict[Path, str] | None = None) -> tuple[Path | None, list[str]]:

@@ -54,6 +54,10 @@ class RunSetup:
     model: ModelConfig
     """``[model]`` resolved: a local folder absolute, a hub id pinned to the commit it was fetched at
     (``model.revision``; a resume keeps its checkpoint's). The run's settings take it (``resolved_config``)."""
+    teacher_model: ModelConfig | None = None
+    """``train.objective=distill``: the teacher's model settings (meshtron.models.teacher), else None."""
+    teacher_config: PretrainedConfig | None = None
+    """``train.objective=distill``: the teacher's Hugging Face config, at the student's vocabulary size."""
     precision: PrecisionPolicy
     """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
     compiled: bool
