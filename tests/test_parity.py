@@ -732,6 +732,44 @@ REFERENCES["llama-orpo"] = ["model.preset=llama-deep", "train.objective=orpo", "
 for _objective in ("simpo", "orpo"):
     LAYOUTS[f"fsdp2_tp2_{_objective}"] = (4, ["parallel.dp_shard=2", "parallel.tp=2"], f"llama-{_objective}")
     LAYOUTS[f"pp2_{_objective}"] = (2, ["parallel.pp=2"], f"llama-{_objective}")
+# Distillation (train.objective=distill, docs/post-training.md#distillation): a frozen teacher of another depth, width
+# and head count (llama-small: 4 layers, hidden 192, 6 heads) built under the layout's own sharding (a forward-only
+# pipeline under PP, its own layer split), its final hidden states carried with the labels to the student's loss,
+# where both heads are applied chunk by chunk (vocabulary-parallel under TP). The cross-entropy (alpha 0.3) and the
+# divergence (jsd, temperature 2) both on.
+_DISTILL = [
+    "train.objective=distill",
+    "distill.teacher=llama-small",
+    "distill.alpha=0.3",
+    "distill.divergence=jsd",
+    "distill.beta=0.3",
+    "distill.temperature=2.0",
+    "optimizer.lr=3e-3",
+]
+REFERENCES["llama-distill"] = ["model.preset=llama-tiny", *_DISTILL]
+REFERENCES["llama-deep-distill"] = [
+    "model.preset=llama-deep",
+    *_DISTILL,
+    "distill.divergence=forward_kl",
+    "distill.beta=0.5",
+]
+for _name, _overrides in TWO_RANK_LAYOUTS.items():
+    LAYOUTS[f"{_name}_distill"] = (2, _overrides, "llama-distill")
+LAYOUTS["hsdp2x2_distill"] = (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], "llama-distill")
+LAYOUTS["cp2_ulysses_distill"] = (2, ["parallel.cp=2", "parallel.cp_method=ulysses"], "llama-distill")
+LAYOUTS["pp2_zbv_distill"] = (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "llama-deep-distill")
+LAYOUTS["pp2_dp2_tp2_distill"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-distill")
+# The unfused divergence (whole logits, plain autograd) against the fused reference, under FSDP x TP.
+LAYOUTS["fsdp2_tp2_distill_unfused"] = (
+    4,
+    ["parallel.dp_shard=2", "parallel.tp=2", "train.loss_chunk_size=0"],
+    "llama-distill",
+)
+# An MoE student (experts all-to-all'd, router loss on) learning from a dense teacher.
+REFERENCES["moe-aux-distill"] = [*_MOE_AUX, *_DISTILL]
+LAYOUTS["ep2_moe_aux_distill"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-distill")
+REFERENCES["llama-distill-lora"] = [*REFERENCES["llama-distill"], *_LORA, "optimizer.lr=5e-3"]
+LAYOUTS["fsdp2_distill_lora"] = (2, ["parallel.dp_shard=2"], "llama-distill-lora")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
 REFERENCES["llama-muon-wsd"] = ["model.preset=llama-tiny", *_MUON, *_WSD]
 LAYOUTS["pp2_dp2_tp2_muon_wsd"] = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], "llama-muon-wsd")

@@ -39,6 +39,7 @@ from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
+from meshtron.train.distill.targets import pack_targets as pack_distill_targets
 from meshtron.train.loss.head import head_loss_sum
 from meshtron.train.loss.preference import preference_runs, target_tokens
 from meshtron.train.loss.scaling import LossScaler, unscale_gradients
@@ -49,6 +50,7 @@ from meshtron.train.step_stats import global_step_sums, global_target_count, hos
 
 if TYPE_CHECKING:
     from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.distill.head import DistillHead
     from meshtron.train.moe.pipeline_router_loss import PipelineRouterLoss
     from meshtron.train.pipeline.runner import PipelineRunner
     from meshtron.train.preference.head import PreferenceHead
@@ -114,6 +116,9 @@ class StepContext:
     """A preference objective's loss on the head (``train.objective`` dpo, ipo, simpo, orpo), else None."""
     reference: ReferenceModel | None = None
     """The reference model of ``dpo`` / ``ipo`` computed live (meshtron.train.preference.reference)."""
+    distill: DistillHead | None = None
+    """``train.objective=distill``: the loss on the student's and the teacher's heads, with the teacher
+    (meshtron.train.distill), else None."""
     precomputed_reference: bool = False
     """``preference.reference=precomputed``: the reference's log-probabilities come with the data's rows
     (meshtron.train.preference.precomputed)."""
@@ -198,6 +203,8 @@ def _forward_backward(
     for index, (input_ids, labels, bounds) in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.options.accumulate_unsharded)
+        if ctx.distill is not None:  # the teacher's forward first: only its final hidden states stay
+            labels = with_teacher_hidden(input_ids, labels, bounds, ctx)
         with contextlib.ExitStack() as recording:
             if routing is not None:
                 recording.enter_context(ctx.router.recording())
@@ -212,6 +219,10 @@ def _forward_backward(
         with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
             if ctx.preference is not None:
                 loss_sum, share, metrics = preference_loss(model, hidden, labels, ctx, counts)
+                metric_sums = metrics if metric_sums is None else metric_sums + metrics
+            elif ctx.distill is not None:
+                loss_sum, metrics = distill_loss(model, hidden, labels, ctx)
+                share = loss_sum
                 metric_sums = metrics if metric_sums is None else metric_sums + metrics
             else:
                 loss_sum = share = model_head_loss(model, hidden, labels, ctx)
@@ -233,6 +244,22 @@ def preference_loss(model, hidden, target, ctx: StepContext, counts: PairCounts 
     """(loss to back-propagate, this rank's share of it, metric sums) of a preference micro-batch (the caller holds
     loss parallel's context)."""
     return ctx.preference.loss(hidden, target, *compute_head(model, ctx.adapter), counts)
+
+
+def with_teacher_hidden(input_ids, labels, bounds, ctx: StepContext) -> torch.Tensor | None:
+    """A distillation micro-batch's targets: its labels with the teacher's final hidden states of its sequences
+    (meshtron.train.distill.targets); under pipeline parallelism the batch's, on the last stage's rank (None on
+    the others, whose schedule takes no targets)."""
+    teacher_hidden = ctx.distill.teacher.hidden_states(input_ids, bounds)
+    return pack_distill_targets(labels, teacher_hidden) if teacher_hidden is not None else None
+
+
+def distill_loss(model, hidden, target, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss to back-propagate, its cross-entropy and divergence sums) of a distillation micro-batch (the
+    caller holds loss parallel's context); the teacher is sharded again once its head is used."""
+    result = ctx.distill.loss(hidden, target, *compute_head(model, ctx.adapter))
+    ctx.distill.teacher.release()
+    return result
 
 
 def step_sequences(schedule, step: int, ctx: StepContext) -> StepSequences:
@@ -441,8 +468,12 @@ def _pipeline_forward_backward(
     """The pipeline schedule over this rank's whole batch, which it splits into microbatches itself; the summed
     token loss (and a preference objective's metric sums)."""
     ((input_ids, labels, bounds),) = batches
+    if ctx.distill is not None:  # the teacher's pipeline forward over the whole batch, then the student's schedule
+        labels = with_teacher_hidden(input_ids, labels, bounds, ctx)
     with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
         loss = ctx.runner.run(input_ids, labels, scales.loss, scales.aux, bounds, counts)
+    if ctx.distill is not None:
+        ctx.distill.teacher.release()
     return loss, ctx.runner.step_metric_sums()
 
 
@@ -479,9 +510,10 @@ def _global_figures(
     if not dims.fsdp_applied(ctx.options.cpu_offload):  # FSDP sums partial tensor-parallel gradients itself
         reduce_partial_gradients(parameters)
     flags = list(shared_flags()) if shared_flags is not None else []
-    preference = ctx.preference
-    if preference is not None and metric_sums is None:  # a pipeline rank without the last stage
-        metric_sums = torch.zeros(len(preference.objective.metric_names), device=local_loss_sum.device)
+    preference, distill = ctx.preference, ctx.distill
+    metric_names = preference.objective.metric_names if preference else distill.metric_names if distill else ()
+    if metric_names and metric_sums is None:  # a pipeline rank without the last stage
+        metric_sums = torch.zeros(len(metric_names), device=local_loss_sum.device)
     loss, grad_norm, summed_values = ctx.global_sums(
         local_loss_sum,
         parameters,
@@ -501,9 +533,11 @@ def _global_figures(
     )
     routed, summed = values[: len(router_tensors)], values[len(router_tensors) : len(router_tensors) + len(flag_sums)]
     metrics = {}
+    totals = torch.tensor(values[len(router_tensors) + len(flag_sums) :])
     if preference is not None:  # TRL's metrics: means over the global batch's pairs
-        totals = torch.tensor(values[len(router_tensors) + len(flag_sums) :])
         metrics = preference.objective.metric_values(totals, counts.pairs)
+    elif distill is not None:  # means over the global batch's labelled tokens
+        metrics = distill.metric_values(totals, global_targets)
     router = _step_router(ctx)
     if router is not None:  # the reported loss is transformers': LM loss + coef x aux
         metrics = {**metrics, **router_metrics(routed)}

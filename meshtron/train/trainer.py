@@ -45,7 +45,13 @@ from meshtron.train.run.messages import done_message, startup_message
 from meshtron.train.run.planned import PlannedFigures, PlannedVsMeasured
 from meshtron.train.run.resumable import Resumable
 from meshtron.train.run.segments import resume_run, start_segment
-from meshtron.train.setup.build import build_model, build_preference_head, build_reference, sequence_split
+from meshtron.train.setup.build import (
+    build_distill,
+    build_model,
+    build_preference_head,
+    build_reference,
+    sequence_split,
+)
 from meshtron.train.setup.preflight import agree_resume_point, preflight, verified_resume_point
 from meshtron.train.setup.run_setup import RunSetup, resolved_config
 from meshtron.train.step import StepContext, step_options, step_reader, train_step
@@ -86,6 +92,8 @@ class TrainResult:
     """With ``train.activation_offload``: this rank's peak bytes of activations in host memory, same step."""
     reference_bytes: int = 0
     """This rank's bytes of a ``model`` reference's parameters (``preference.reference=model``; else 0)."""
+    teacher_bytes: int = 0
+    """This rank's bytes of a distillation teacher's parameters (``train.objective=distill``; else 0)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     eval_preference: dict[str, float] = field(default_factory=dict)
     """A preference objective's metrics of the last evaluation (``rewards/accuracies`` ...); empty otherwise."""
@@ -185,6 +193,7 @@ def run_session(
     built = build_model(cfg, runtime, setup, meshes, split, policy)
     preference = build_preference_head(cfg, setup, split, built)  # train.objective dpo, ipo, simpo, orpo
     reference = build_reference(cfg, runtime, setup, meshes, split, policy, built, preference)
+    distill = build_distill(cfg, runtime, setup, meshes, split, policy, built)  # train.objective distill
     model = built.model
     optimizer = build_optimizer(model, cfg.optimizer, built.parts, built.adapter, policy.compute_dtype)
     scheduler = build_scheduler(optimizer, cfg)
@@ -201,6 +210,7 @@ def run_session(
         balance=build_router_balance(built.parts, setup, cfg, meshes, runtime.device),
         preference=preference,
         reference=reference,
+        distill=distill,
         precomputed_reference=reference_kind(cfg) == "precomputed",
         global_sums=faults.wrap_step_sums(global_step_sums),
     )
@@ -216,6 +226,7 @@ def run_session(
         )
     result = TrainResult(output_dir=output_dir, model=model, model_parts=built.parts, optimizer=optimizer)
     result.reference_bytes = reference.param_bytes() if reference is not None else 0
+    result.teacher_bytes = distill.teacher.param_bytes() if distill is not None else 0
     schedule.skip(cfg.data.skip_batches)
     inputs = step_reader(
         dataset, schedule, step_context, cfg.data.prefetch

@@ -30,11 +30,13 @@ from meshtron.train.preference.targets import PairCounts
 from meshtron.train.step import (
     StepContext,
     device_batches,
+    distill_loss,
     model_head_loss,
     pair_counts,
     preference_loss,
     step_sequences,
     with_reference_logps,
+    with_teacher_hidden,
 )
 from meshtron.train.step_stats import global_loss_sum, global_target_count, host_values
 
@@ -48,10 +50,15 @@ class Evaluation:
     preference: dict[str, float] = field(default_factory=dict)
     """A preference objective's metrics (TRL's names: ``rewards/accuracies`` ...), means over the evaluated pairs;
     empty for causal LM."""
+    distill: dict[str, float] = field(default_factory=dict)
+    """``train.objective=distill``: the held-out cross-entropy (``nll_loss``) and divergence, means over the
+    evaluated tokens (``loss`` is the objective's: their ``alpha`` mix); empty otherwise."""
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        """exp of the held-out cross-entropy (a distillation's ``nll_loss``, not its mixed loss)."""
+        loss = self.distill.get("nll_loss", self.loss)
+        return math.exp(loss) if loss < 700 else math.inf
 
     def metrics(self) -> dict:
         """The fields of the step's metrics row (a preference objective's loss has no perplexity: its metrics
@@ -59,7 +66,8 @@ class Evaluation:
         if self.preference:
             named = {f"eval_{name}": value for name, value in self.preference.items()}
             return {"eval_loss": self.loss, **named, "eval_tokens": self.tokens}
-        return {"eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
+        named = {f"eval_{name}": value for name, value in self.distill.items()}
+        return {"eval_loss": self.loss, **named, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
 
 
 class Evaluator:
@@ -99,6 +107,8 @@ class Evaluator:
     def evaluate(self, model) -> Evaluation:
         if self.ctx.preference is not None:
             return self._evaluate_preference(model)
+        if self.ctx.distill is not None:
+            return self._evaluate_distill(model)
         ctx = self.ctx
         parts = ctx.runner.modules if ctx.runner is not None else [model]
         local = torch.zeros((), device=ctx.device)
@@ -181,6 +191,46 @@ class Evaluator:
 
         pipeline_forward(runner, input_ids, on_last_stage)
         return sum(share for share, _ in found), sum(metrics for _, metrics in found)
+
+    def _evaluate_distill(self, model) -> Evaluation:
+        """A distillation's held-out loss, cross-entropy and divergence, means over the evaluated tokens, the
+        teacher's and the student's forwards only."""
+        ctx = self.ctx
+        parts = ctx.runner.modules if ctx.runner is not None else [model]
+        local = torch.zeros(3, device=ctx.device)  # the loss, the cross-entropy, the divergence
+        targets = 0
+        with eval_mode(parts):
+            for batch in range(self.batches):
+                inputs = self.reader.get(batch)
+                targets += inputs.global_targets
+                for input_ids, labels, bounds in device_batches(inputs.micro_batches, ctx):
+                    local += self._distill_sums(model, input_ids, labels, bounds)
+        release_compute_weights(*parts)
+        reshard_all(*parts)
+        loss, nll, divergence = host_values(*global_loss_sum(local, targets, loss_copies=ctx.dims.tp))
+        return Evaluation(loss, targets, self.batches, distill={"nll_loss": nll, "divergence": divergence})
+
+    def _distill_sums(self, model, input_ids, labels, bounds) -> torch.Tensor:
+        """(3,) this rank's summed loss, cross-entropy and divergence of one micro-batch (the last pipeline
+        stage's; zeros on the other stages)."""
+        ctx, distill = self.ctx, self.ctx.distill
+        target = with_teacher_hidden(input_ids, labels, bounds, ctx)
+        if ctx.runner is None:
+            hidden = model(**sequence_inputs(input_ids, ctx.split, bounds))
+            with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
+                loss, sums = distill_loss(model, hidden, target, ctx)
+            return torch.cat([local_tensor(loss).reshape(1), sums])
+        runner = ctx.runner
+        parts = target.tensor_split(runner.microbatches) if runner.holds_last else None
+        found = [torch.zeros(3, device=ctx.device)]
+
+        def on_last_stage(hidden, micro):
+            loss, sums = distill.loss(hidden, parts[micro], *runner.head())
+            found.append(torch.cat([local_tensor(loss).reshape(1), sums]))
+
+        pipeline_forward(runner, input_ids, on_last_stage)
+        distill.teacher.release()
+        return sum(found)
 
     def close(self) -> None:
         self.reader.close()

@@ -231,7 +231,7 @@ class PreferenceObjective:
 def preference_objective(
     objective: str, dpo: DpoConfig, ipo: IpoConfig, simpo: SimpoConfig, orpo: OrpoConfig
 ) -> PreferenceObjective | None:
-    """``train.objective``'s preference objective from its section; None for ``causal_lm``."""
+    """``train.objective``'s preference objective from its section; None for ``causal_lm`` and ``distill``."""
     if objective == "dpo":
         return PreferenceObjective("dpo", True, REWARD_METRICS, _dpo_terms(dpo), dpo.rpo_alpha)
     if objective == "ipo":
@@ -241,6 +241,6 @@ def preference_objective(
     if objective == "orpo":
         metrics = (*REWARD_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
         return PreferenceObjective("orpo", False, metrics, _orpo_terms(orpo), 1.0)
-    if objective == "causal_lm":
+    if objective in ("causal_lm", "distill"):
         return None
     raise ValueError(f"unknown train.objective {objective!r}")

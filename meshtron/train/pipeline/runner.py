@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from meshtron.config import Config
     from meshtron.distributed.mesh import Meshes
     from meshtron.models.adapter import DecoderAdapter
+    from meshtron.train.distill.head import DistillHead
     from meshtron.train.preference.head import PreferenceHead
     from meshtron.train.setup.run_setup import RunSetup
 
@@ -81,8 +82,11 @@ class PipelineRunner:
     rehearsal_inputs: dict[int, tuple] = field(default_factory=dict)
     """Under ``--rehearse`` (a fake process group): each of this rank's stages' inputs as meta tensors
     (meshtron.train.pipeline.rehearsal.stage_shapes), which forward-only passes make instead of receiving them."""
+    distill: DistillHead | None = None
+    """``train.objective=distill``'s loss on both heads (the targets are meshtron.train.distill.targets'), else
+    None."""
     metric_sums: list[torch.Tensor] = field(default_factory=list)
-    """A preference objective's metric sums of each microbatch of the step (the last stage's)."""
+    """A preference or distillation objective's metric sums of each microbatch of the step (the last stage's)."""
 
     def loss_fn(self, output, labels: torch.Tensor) -> torch.Tensor:
         """Per microbatch: summed token loss, scaled so that the gradients add up to the global-mean loss's,
@@ -92,6 +96,10 @@ class PipelineRunner:
             weight, bias = self.head()
             loss, share, metrics = self.preference.loss(hidden, labels, weight, bias, self.pair_counts)
             self.lm_losses.append(local_tensor(share))
+            self.metric_sums.append(metrics)
+        elif self.distill is not None:
+            loss, metrics = self.distill.loss(hidden, labels, *self.head())
+            self.lm_losses.append(local_tensor(loss.detach()))
             self.metric_sums.append(metrics)
         else:
             loss = self.loss_sum(hidden, labels)
@@ -152,8 +160,8 @@ class PipelineRunner:
         return torch.stack(self.lm_losses).sum()
 
     def step_metric_sums(self) -> torch.Tensor | None:
-        """A preference objective's metric sums of the last step on this rank (None off the last stage, whose zeros
-        the step's all-reduce supplies, and without a preference objective)."""
+        """A preference or distillation objective's metric sums of the last step on this rank (None off the last
+        stage, whose zeros the step's all-reduce supplies, and without such an objective)."""
         return torch.stack(self.metric_sums).sum(0) if self.metric_sums else None
 
     def router_values(self, device: torch.device) -> list[torch.Tensor]:

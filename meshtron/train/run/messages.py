@@ -188,10 +188,25 @@ def _preference_summary(cfg) -> str:
     return f"{objective.upper()} ({settings}), reference: {reference}"
 
 
+def _distill_summary(cfg, setup) -> str:
+    """``distill from <teacher> (<layers> layers, hidden <h>, <dtype>; forward_kl, T 1, alpha 0)``."""
+    d = cfg.distill
+    if setup.teacher_config is None:
+        return f"distill from {d.teacher}"
+    shape = setup.teacher_config
+    divergence = d.divergence + (f" beta {d.beta:g}" if d.divergence == "jsd" else "")
+    return (
+        f"distill from {d.teacher} ({shape.num_hidden_layers} layers, hidden {shape.hidden_size}, "
+        f"{d.teacher_dtype or cfg.model.dtype}; {divergence}, temperature {d.temperature:g}, alpha {d.alpha:g})"
+    )
+
+
 def computed_summary(cfg, setup) -> str:
     """The objective and every setting that changes what a step computes or where its tensors live, briefly."""
     d, t = cfg.data, cfg.train
-    objective = "causal LM" if t.objective == "causal_lm" else _preference_summary(cfg)
+    objective = {"causal_lm": "causal LM", "distill": _distill_summary(cfg, setup)}.get(t.objective) or (
+        _preference_summary(cfg)
+    )
     if d.format == "chat":
         objective += ", chat: loss on " + ("the assistant's tokens" if d.train_on == "assistant" else "all tokens")
     parts = [objective]

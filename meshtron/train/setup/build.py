@@ -24,6 +24,10 @@ from meshtron.models.build import build_meta_model, materialize
 from meshtron.models.lora import add_lora
 from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
+from meshtron.train.distill.head import DistillHead
+from meshtron.train.distill.teacher import TeacherModel
+from meshtron.train.distill.teacher import freeze as freeze_teacher
+from meshtron.train.loss.distill import DistillOptions
 from meshtron.train.loss.preference import preference_objective
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
 from meshtron.train.preference.head import HeadOptions, PreferenceHead
@@ -133,16 +137,7 @@ def build_preference_head(
     objective = preference_objective(cfg.train.objective, cfg.dpo, cfg.ipo, cfg.simpo, cfg.orpo)
     if objective is None:
         return None
-    dims = setup.dims
-    softcap = built.runner.softcap if built.runner is not None else built.adapter.logit_softcap(built.model)
-    head = HeadOptions(
-        compute_dtype=setup.precision.compute_dtype,
-        chunk_size=cfg.train.loss_chunk_size,
-        loss_parallel=dims.tp > 1 and cfg.parallel.loss_parallel,
-        softcap=softcap,
-        compiled=setup.compiled,
-    )
-    preference = PreferenceHead(objective, head, split.cp_group, dims.cp)
+    preference = PreferenceHead(objective, _head_options(cfg, setup, built), split.cp_group, setup.dims.cp)
     if built.runner is not None:
         built.runner.preference = preference
     return preference
@@ -172,3 +167,55 @@ def build_reference(
     freeze(copy.parts)
     modules = copy.runner.modules if copy.runner is not None else copy.parts
     return ReferenceModel(kind, modules, copy.adapter, preference.head, split, copy.runner)
+
+
+def build_distill(
+    cfg: Config,
+    runtime: Runtime,
+    setup: RunSetup,
+    meshes: Meshes | None,
+    split: SequenceSplit,
+    policy: PrecisionPolicy,
+    built: BuiltModel,
+) -> DistillHead | None:
+    """``train.objective=distill``'s loss with its teacher (meshtron.train.distill.teacher) built under the run's own
+    layout: its own shape (``setup.teacher_config``), no LoRA, no router loss, an even split of its layers over the
+    pipeline stages, ``distill.teacher_dtype``; None for other objectives. Under pipeline parallelism the student's
+    runner's loss function uses it too."""
+    if cfg.train.objective != "distill":
+        return None
+    teacher_cfg = replace(
+        cfg,
+        model=setup.teacher_model,
+        lora=LoraConfig(),
+        moe=replace(cfg.moe, router_aux_loss="false"),  # forward only: no load-balancing loss
+        parallel=replace(cfg.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None, pp_stage_layers=None),
+        train=replace(
+            cfg.train, seed=cfg.train.seed + 1
+        ),  # a preset teacher's random weights differ from the student's
+    )
+    teacher_setup = replace(setup, hf_config=setup.teacher_config, model=setup.teacher_model)
+    copy = build_model(teacher_cfg, runtime, teacher_setup, meshes, split, policy, frozen=True)
+    freeze_teacher(copy.parts)
+    modules = copy.runner.modules if copy.runner is not None else copy.parts
+    teacher = TeacherModel(cfg.distill.teacher or "", modules, copy.adapter, split, copy.runner)
+    teacher_softcap = copy.runner.softcap if copy.runner is not None else copy.adapter.logit_softcap(copy.model)
+    distill = cfg.distill
+    options = DistillOptions(distill.divergence, distill.beta, distill.temperature, distill.alpha)
+    head = _head_options(cfg, setup, built)
+    result = DistillHead(options, head, teacher, teacher_softcap)
+    if built.runner is not None:
+        built.runner.distill = result
+    return result
+
+
+def _head_options(cfg: Config, setup: RunSetup, built: BuiltModel) -> HeadOptions:
+    """How the student's head computes in a loss of its own (preference, distillation)."""
+    softcap = built.runner.softcap if built.runner is not None else built.adapter.logit_softcap(built.model)
+    return HeadOptions(
+        compute_dtype=setup.precision.compute_dtype,
+        chunk_size=cfg.train.loss_chunk_size,
+        loss_parallel=setup.dims.tp > 1 and cfg.parallel.loss_parallel,
+        softcap=softcap,
+        compiled=setup.compiled,
+    )

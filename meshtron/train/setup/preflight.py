@@ -55,6 +55,7 @@ from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
+from meshtron.models.moe import is_moe
 from meshtron.models.teacher import load_teacher_config, teacher_model_config
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
@@ -274,12 +275,14 @@ def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_b
     check_seq_len(teacher_config, cfg.data.seq_len, setting="data.seq_len (the teacher's positions)")
     # The teacher splits its own layers evenly over the pipeline stages (the student's split is the student's).
     own_split = replace(cfg.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None, pp_stage_layers=None)
+    # Expert parallelism splits the experts of an MoE teacher; a dense teacher under an MoE student's ep has none.
+    teacher_dims = dims if is_moe(teacher_config) else replace(dims, ep=1)
     try:
         check_rope_layout(teacher_config, cfg.data.seq_len, dims.cp, cfg.data.mask_documents)
         check_layout(
             teacher_config,
             own_split,
-            dims,
+            teacher_dims,
             seq_len=cfg.data.seq_len,
             mask_documents=cfg.data.mask_documents,
             attn_implementation=cfg.model.attn_implementation,

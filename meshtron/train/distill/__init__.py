@@ -1,0 +1,1 @@
+"""Distillation (``train.objective=distill``): the frozen teacher under the run's layout and the loss on both heads."""
