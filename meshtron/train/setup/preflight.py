@@ -55,7 +55,12 @@ from meshtron.metrics.trackers import check_trackers
 from meshtron.models.attention_kernels import check_attention_kernel, resolve_kernel
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
-from meshtron.models.teacher import load_teacher_config, teacher_model_config
+from meshtron.models.teacher import (
+    check_teacher_positions,
+    load_teacher_config,
+    pinned_teacher,
+    teacher_model_config,
+)
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
@@ -260,10 +265,10 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
 def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_batch: int, device_type: str):
     """(the teacher's model settings, its Hugging Face config) of ``train.objective=distill``, refused in one line
     where its folder, tokenizer, vocabulary or shape does not fit the student and the run's layout."""
-    teacher_model = teacher_model_config(cfg.distill, cfg.model)
+    teacher_model = pinned_teacher(teacher_model_config(cfg.distill, cfg.model))
     teacher_config = load_teacher_config(teacher_model, tokenizer.vocab_size, student_config)
     folder = model_folder(teacher_model)
-    if folder and has_tokenizer(folder) and isinstance(tokenizer, HFTokenizer):
+    if folder and has_tokenizer(folder):  # a student on the byte tokenizer has another fingerprint too
         own = HFTokenizer(folder, teacher_model.trust_remote_code, setting="distill.teacher")
         if tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
             raise ConfigError(
@@ -271,7 +276,7 @@ def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_b
                 f"({tokenizer.vocab_size} ids); a teacher must share the student's token ids: use a teacher of the "
                 "same tokenizer"
             )
-    check_seq_len(teacher_config, cfg.data.seq_len, setting="data.seq_len (the teacher's positions)")
+    check_teacher_positions(teacher_config, cfg.data.seq_len)
     # The teacher splits its own layers evenly over the pipeline stages (the student's split is the student's).
     own_split = replace(cfg.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None, pp_stage_layers=None)
     try:
