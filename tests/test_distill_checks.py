@@ -86,6 +86,8 @@ def models(tmp_path_factory) -> Path:
     save_llama(root / "short", positions=16)
     save_llama(root / "byte-sized", vocab_size=320)  # fits a byte-tokenizer student's vocabulary, not its tokens
     save_llama(root / "wide-vocab-student", vocab_size=192)
+    save_llama(root / "bare-wide", vocab_size=448, tokens=None)  # no tokenizer, more ids than a model made for bytes
+    save_llama(root / "bare-bytes", vocab_size=320, tokens=None)  # as meshtron exports a run on bytes
     (root / "empty").mkdir()
     (root / "no-weights").mkdir()
     (root / "no-weights" / "config.json").write_text((root / "teacher" / "config.json").read_text())
@@ -156,6 +158,16 @@ def test_a_teacher_with_a_tokenizer_for_a_student_on_bytes(models):
     other tokens, refused rather than distilled."""
     message = refusal(models, "byte-sized", "data.tokenizer=byte", student=None)
     assert message.startswith("distill.teacher: its tokenizer (97 ids) is not the student's data.tokenizer (257 ids)")
+
+
+def test_a_teacher_without_a_tokenizer_made_for_another_than_bytes(models):
+    """No tokenizer to compare, but more ids than a model made for bytes (320) for a student on bytes: refused; a
+    bare teacher of 320 ids (as meshtron exports a run on bytes) is taken."""
+    message = refusal(models, "bare-wide", "data.tokenizer=byte", student=None)
+    assert message.startswith(f"distill.teacher: {models / 'bare-wide'} has no tokenizer and its model has 448 ids")
+    assert "student's byte tokenizer (257 ids); use a teacher of the student's tokenizer" in message, message
+    setup = preflight(distill_config(None, models / "bare-bytes", "data.tokenizer=byte"), 1, "cpu")
+    assert setup.teacher_config.vocab_size == 320
 
 
 def test_a_teacher_whose_heads_tp_does_not_divide(models):
