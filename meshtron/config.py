@@ -633,9 +633,11 @@ class DistillConfig:
     data (text or chat), the divergences defined as TRL's GKDTrainer defines them (docs/post-training.md)."""
 
     teacher: str | None = None
-    """The teacher: a local Hugging Face model folder (a larger model of the same tokenizer), or a from-scratch
-    preset name (for tests and planning: its weights are random). Built under the run's own layout, frozen, forward
-    only; not saved in checkpoints (the run's config.toml records it)."""
+    """The teacher: a local Hugging Face model folder or hub id (a larger model of the same tokenizer), or a
+    from-scratch preset name (for tests and planning: its weights are random). Built under the run's own layout,
+    frozen, forward only; not saved in checkpoints (the run's config.toml records it). It takes the student's
+    ``model.trust_remote_code`` and attention settings, not ``model.rope_scaling`` / ``max_position_embeddings``
+    (its own positions apply)."""
     temperature: float = 1.0
     """Both models' logits are divided by it before the divergence's softmaxes (> 0)."""
     alpha: float = 0.0

@@ -8,11 +8,14 @@ The teacher is built at the student's vocabulary size: a teacher whose checkpoin
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
 
 from meshtron.config import DistillConfig, ModelConfig
-from meshtron.errors import ConfigError
-from meshtron.models.build import CHECKPOINT_VOCAB_ATTRIBUTE, check_model_path, load_hf_config
+from meshtron.data.hub import is_hub_id, local_folder, model_folder, snapshot_commit
+from meshtron.errors import ConfigError, MeshtronError
+from meshtron.models.build import CHECKPOINT_VOCAB_ATTRIBUTE, CheckpointReader, check_model_path, load_hf_config
 from meshtron.models.presets import ALIASES, PRESETS
 
 SETTING = "distill.teacher"
@@ -20,8 +23,8 @@ SETTING = "distill.teacher"
 
 def teacher_model_config(distill: DistillConfig, student: ModelConfig) -> ModelConfig:
     """``[model]`` of the teacher: a preset by name, else a model folder (or hub id); the student's attention
-    settings, ``distill.teacher_dtype`` (or the student's dtype) for its weights, never the student's context
-    extension (the teacher's own positions apply)."""
+    settings and ``model.trust_remote_code``, ``distill.teacher_dtype`` (or the student's dtype) for its weights,
+    never the student's context extension (the teacher's own positions apply)."""
     name = distill.teacher or ""
     is_preset = (name in PRESETS or name in ALIASES) and not Path(name).expanduser().exists()
     return ModelConfig(
@@ -34,15 +37,35 @@ def teacher_model_config(distill: DistillConfig, student: ModelConfig) -> ModelC
     )
 
 
+def pinned_teacher(teacher: ModelConfig) -> ModelConfig:
+    """A teacher named by hub id fixed to the commit its snapshot resolved to (fetched once per machine, as the
+    student's is), so that every later load reads the same weights; a local folder made absolute (as the student's:
+    found from any working directory); a preset as it is. One line naming ``distill.teacher`` where the id is
+    neither cached nor fetched."""
+    if not teacher.name_or_path:
+        return teacher
+    if not is_hub_id(teacher.name_or_path):
+        return replace(teacher, name_or_path=os.path.abspath(os.path.expanduser(teacher.name_or_path)))
+    folder = local_folder(teacher.name_or_path, teacher.revision, teacher.trust_remote_code, SETTING)
+    return replace(teacher, revision=snapshot_commit(folder))
+
+
 def load_teacher_config(teacher: ModelConfig, tokenizer_vocab_size: int, student_config):
     """The teacher's Hugging Face config, at the student's vocabulary size; a one-line ConfigError where the
-    teacher's folder is not a causal LM or its vocabulary cannot hold the student's."""
+    teacher's folder is not a causal LM or its vocabulary cannot hold the student's (``tokenizer_vocab_size``, the
+    data's tokenizer's, is within the student's)."""
+    teacher = pinned_teacher(teacher)
     check_model_path(teacher, SETTING)
+    if teacher.name_or_path:
+        _check_weights(model_folder(teacher))
+    student_vocab = student_config.vocab_size
+    # A preset is made at the student's vocabulary. A folder's is compared with the student's below, in the
+    # teacher's words: 0 skips load_hf_config's comparison with the tokenizer, worded for the student's model.
     try:
-        config = load_hf_config(teacher, tokenizer_vocab_size)
+        config = load_hf_config(teacher, 0 if teacher.name_or_path else max(student_vocab, tokenizer_vocab_size))
     except ConfigError as err:
         raise ConfigError(f"{SETTING}: {err}") from None
-    student_vocab, teacher_vocab = student_config.vocab_size, config.vocab_size
+    teacher_vocab = config.vocab_size
     if teacher_vocab < student_vocab:
         raise ConfigError(
             f"{SETTING}: the teacher's vocabulary has {teacher_vocab} ids but the student's has {student_vocab}; "
@@ -52,4 +75,31 @@ def load_teacher_config(teacher: ModelConfig, tokenizer_vocab_size: int, student
     if teacher_vocab > student_vocab:  # padded further: its first rows are the shared ids
         setattr(config, CHECKPOINT_VOCAB_ATTRIBUTE, teacher_vocab)
         config.vocab_size = student_vocab
+        if isinstance(getattr(config, "pad_token_id", None), int) and config.pad_token_id >= student_vocab:
+            # A padding id among the rows left unread (no student id reaches it) would be out of the embedding's
+            # range; it only shapes the embedding's gradient, which a frozen teacher never has.
+            config.pad_token_id = None
     return config
+
+
+def _check_weights(folder: str) -> None:
+    """Refuse a teacher folder without weights now, in the teacher's words, rather than when the run builds it."""
+    try:
+        CheckpointReader(folder)
+    except MeshtronError:
+        raise ConfigError(
+            f"{SETTING}: '{folder}' has no model.safetensors or pytorch_model.bin weights; a teacher needs its trained "
+            "weights (a preset name gives random ones, for tests)"
+        ) from None
+
+
+def check_teacher_positions(teacher_config, seq_len: int) -> None:
+    """Refuse sequences longer than the teacher's positions: the student's ``model.rope_scaling`` does not extend
+    the teacher's, whose own ``max_position_embeddings`` apply."""
+    positions = getattr(teacher_config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise ConfigError(
+            f"{SETTING}: data.seq_len {seq_len} is longer than the teacher's max_position_embeddings {positions} "
+            f"(the student's model.rope_scaling does not apply to the teacher); use data.seq_len <= {positions}, "
+            "or a teacher of a longer context"
+        )

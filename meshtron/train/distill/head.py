@@ -7,13 +7,25 @@ labelled tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from meshtron.train.distill.targets import unpack_targets
-from meshtron.train.distill.teacher import TeacherModel
 from meshtron.train.loss.distill import DistillOptions, distill_loss_sum
 from meshtron.train.preference.head import HeadOptions
+
+
+class Teacher(Protocol):
+    """What the loss and the step use of the teacher (meshtron.train.distill.teacher.TeacherModel)."""
+
+    def hidden_states(self, input_ids: torch.Tensor, bounds=None) -> torch.Tensor | None: ...
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def release(self) -> None: ...
+
+    def param_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -22,7 +34,7 @@ class DistillHead:
 
     options: DistillOptions
     head: HeadOptions
-    teacher: TeacherModel
+    teacher: Teacher
     teacher_softcap: float | None = None
 
     metric_names = ("nll_loss", "divergence")

@@ -35,10 +35,13 @@ from meshtron.data.shards import check_prepared_tokenizer, is_prepared
 from meshtron.data.sources import check_data_path
 from meshtron.data.streaming import check_stream_checkpoint
 from meshtron.data.tokenizer import (
+    BYTE_MODEL_VOCAB,
+    ByteTokenizer,
     HFTokenizer,
     check_byte_fallback,
     has_tokenizer,
     load_tokenizer,
+    model_vocab_size,
     tokenizer_fingerprint,
     tokenizer_notice,
 )
@@ -56,7 +59,12 @@ from meshtron.models.attention_kernels import check_attention_kernel, resolve_ke
 from meshtron.models.build import check_model_path, check_seq_len, load_hf_config
 from meshtron.models.context_extension import check_rope_layout
 from meshtron.models.moe import is_moe
-from meshtron.models.teacher import load_teacher_config, teacher_model_config
+from meshtron.models.teacher import (
+    check_teacher_positions,
+    load_teacher_config,
+    pinned_teacher,
+    teacher_model_config,
+)
 from meshtron.resilience.restart import restart_count
 from meshtron.train.moe.router_balance import check_router_balance
 from meshtron.train.moe.router_loss import router_loss_enabled
@@ -261,18 +269,12 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
 def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_batch: int, device_type: str):
     """(the teacher's model settings, its Hugging Face config) of ``train.objective=distill``, refused in one line
     where its folder, tokenizer, vocabulary or shape does not fit the student and the run's layout."""
-    teacher_model = teacher_model_config(cfg.distill, cfg.model)
+    teacher_model = pinned_teacher(teacher_model_config(cfg.distill, cfg.model))
     teacher_config = load_teacher_config(teacher_model, tokenizer.vocab_size, student_config)
     folder = model_folder(teacher_model)
-    if folder and has_tokenizer(folder) and isinstance(tokenizer, HFTokenizer):
-        own = HFTokenizer(folder, teacher_model.trust_remote_code, setting="distill.teacher")
-        if tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
-            raise ConfigError(
-                f"distill.teacher: its tokenizer ({own.vocab_size} ids) is not the student's data.tokenizer "
-                f"({tokenizer.vocab_size} ids); a teacher must share the student's token ids: use a teacher of the "
-                "same tokenizer"
-            )
-    check_seq_len(teacher_config, cfg.data.seq_len, setting="data.seq_len (the teacher's positions)")
+    if folder:
+        _check_teacher_tokenizer(folder, teacher_model.trust_remote_code, tokenizer, student_config.vocab_size)
+    check_teacher_positions(teacher_config, cfg.data.seq_len)
     # The teacher splits its own layers evenly over the pipeline stages (the student's split is the student's).
     own_split = replace(cfg.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None, pp_stage_layers=None)
     # Expert parallelism splits the experts of an MoE teacher; a dense teacher under an MoE student's ep has none.
@@ -293,6 +295,27 @@ def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_b
     except ConfigError as err:
         raise ConfigError(f"distill.teacher: {err}") from None
     return teacher_model, teacher_config
+
+
+def _check_teacher_tokenizer(folder: str, trust_remote_code: bool, tokenizer, student_vocab: int) -> None:
+    """Refuse a teacher folder made for another tokenizer than the student's data.tokenizer: its own tokenizer of
+    another vocabulary (a student on the byte tokenizer too), or, with none, more ids than a model made for bytes
+    where the student is one."""
+    if has_tokenizer(folder):
+        own = HFTokenizer(folder, trust_remote_code, setting="distill.teacher")
+        if tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
+            raise ConfigError(
+                f"distill.teacher: its tokenizer ({own.vocab_size} ids) is not the student's data.tokenizer "
+                f"({tokenizer.vocab_size} ids); a teacher must share the student's token ids: use a teacher of the "
+                "same tokenizer"
+            )
+        return
+    size = model_vocab_size(folder)
+    if isinstance(tokenizer, ByteTokenizer) and student_vocab <= BYTE_MODEL_VOCAB < (size or 0):
+        raise ConfigError(
+            f"distill.teacher: {folder} has no tokenizer and its model has {size:,} ids, made for another tokenizer "
+            f"than the student's byte tokenizer ({tokenizer.vocab_size} ids); use a teacher of the student's tokenizer"
+        )
 
 
 def _resume_point(cfg: Config, hf_config, altered: dict[Path, str] | None = None) -> tuple[Path | None, list[str]]:
