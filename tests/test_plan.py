@@ -335,8 +335,21 @@ NON_DEFAULT_SETTINGS = {
     "train.objective": "dpo",
     "preference.reference": "precomputed",
     "preference.reference_dtype": "bfloat16",
+    "distill.teacher": None,
+    "distill.teacher_dtype": None,
 }
-"""A value other than the default for every setting the planner's Workload holds."""
+"""A value other than the default for every setting the planner's Workload holds but the teacher's, which a
+preference objective cannot take (``DISTILL_SETTINGS``)."""
+
+DISTILL_SETTINGS = {
+    **NON_DEFAULT_SETTINGS,
+    "train.objective": "distill",
+    "preference.reference": "auto",
+    "preference.reference_dtype": None,
+    "distill.teacher": "llama-mini",
+    "distill.teacher_dtype": "float32",
+}
+"""The other settings of ``NON_DEFAULT_SETTINGS`` with a distillation teacher instead of a preference objective."""
 
 
 def test_config_and_workload_map_each_other_through_one_table():
@@ -349,16 +362,20 @@ def test_config_and_workload_map_each_other_through_one_table():
     from meshtron.plan.report import train_config
 
     assert {s.field_name for s in WORKLOAD_SETTINGS} == {f.name for f in dataclasses.fields(Workload)} - {"device"}
-    assert [s.key for s in WORKLOAD_SETTINGS] == list(NON_DEFAULT_SETTINGS)
-    cfg, defaults = Config(), Config()
+    assert [s.key for s in WORKLOAD_SETTINGS] == list(NON_DEFAULT_SETTINGS) == list(DISTILL_SETTINGS)
+    defaults = Config()
     for setting in WORKLOAD_SETTINGS:
-        setting.write(cfg, NON_DEFAULT_SETTINGS[setting.key])
-        assert setting.read(cfg) != setting.read(defaults), setting.key
-    for device in ("cuda", "cpu"):
-        workload = Workload.from_config(cfg, device)
-        back = train_config(Layout(), workload, ModelConfig())
-        assert {s.key: s.read(back) for s in WORKLOAD_SETTINGS} == NON_DEFAULT_SETTINGS
-        assert Workload.from_config(back, device) == workload
+        given = (NON_DEFAULT_SETTINGS[setting.key], DISTILL_SETTINGS[setting.key])
+        assert any(value != setting.read(defaults) for value in given), setting.key
+    for settings in (NON_DEFAULT_SETTINGS, DISTILL_SETTINGS):
+        cfg = Config()
+        for setting in WORKLOAD_SETTINGS:
+            setting.write(cfg, settings[setting.key])
+        for device in ("cuda", "cpu"):
+            workload = Workload.from_config(cfg, device)
+            back = train_config(Layout(), workload, ModelConfig())
+            assert {s.key: s.read(back) for s in WORKLOAD_SETTINGS} == settings
+            assert Workload.from_config(back, device) == workload
 
 
 def test_the_planners_layout_is_degrees_and_options_without_copies():

@@ -65,10 +65,16 @@ def load_teacher_config(teacher: ModelConfig, tokenizer_vocab_size: int, student
         config = load_hf_config(teacher, 0 if teacher.name_or_path else max(student_vocab, tokenizer_vocab_size))
     except ConfigError as err:
         raise ConfigError(f"{SETTING}: {err}") from None
-    teacher_vocab = config.vocab_size
+    return at_student_vocabulary(config, student_config)
+
+
+def at_student_vocabulary(config, student_config, setting: str = SETTING):
+    """The teacher's Hugging Face ``config``, changed in place to the student's vocabulary size (a larger padded
+    vocabulary's first rows are read); a one-line ConfigError naming ``setting`` where it is smaller."""
+    student_vocab, teacher_vocab = student_config.vocab_size, config.vocab_size
     if teacher_vocab < student_vocab:
         raise ConfigError(
-            f"{SETTING}: the teacher's vocabulary has {teacher_vocab} ids but the student's has {student_vocab}; "
+            f"{setting}: the teacher's vocabulary has {teacher_vocab} ids but the student's has {student_vocab}; "
             "distillation compares their next-token distributions id by id: use a teacher of the student's "
             "tokenizer (the same vocabulary, or a larger padded one)"
         )

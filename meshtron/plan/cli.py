@@ -15,6 +15,7 @@ from meshtron.config import (
     ATTN_IMPLEMENTATIONS,
     FLOAT8_RECIPES,
     OBJECTIVES,
+    PREFERENCE_OBJECTIVES,
     REFERENCE_FREE_OBJECTIVES,
     REFERENCES,
     Config,
@@ -167,7 +168,7 @@ def add_plan_parser(sub) -> None:
         default="causal_lm",
         help="train.objective: causal_lm (default), or a preference objective on pairs (one pair a row of --seq-len "
         "tokens; --global-batch counts pairs): dpo / ipo with a reference model (--reference), simpo / orpo without "
-        "(docs/post-training.md)",
+        "(docs/post-training.md); or distill from a frozen --teacher",
     )
     plan.add_argument(
         "--reference",
@@ -181,6 +182,17 @@ def add_plan_parser(sub) -> None:
         choices=("float32", "bfloat16"),
         help="preference.reference_dtype: a model reference's storage dtype (default --model-dtype's)",
     )
+    plan.add_argument(
+        "--teacher",
+        help="distill.teacher of --objective distill: a preset, a local Hugging Face model directory or a config.json "
+        "(read as --model is, at the student's vocabulary size): its parameters laid out like the student's, its "
+        "forward per micro-batch, its final hidden states and both heads' logits in the divergence",
+    )
+    plan.add_argument(
+        "--teacher-dtype",
+        choices=("float32", "bfloat16"),
+        help="distill.teacher_dtype: the teacher's storage dtype (default --model-dtype's)",
+    )
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
     plan.add_argument(
@@ -188,13 +200,14 @@ def add_plan_parser(sub) -> None:
     )
 
 
-def resolve_model(spec: str):
-    """(Hugging Face config, ModelConfig for a train config) of a preset name, model directory or config.json."""
+def resolve_model(spec: str, flag: str = "--model", vocab_size: int | None = None):
+    """(Hugging Face config, ModelConfig for a train config) of a preset name, model directory or config.json given
+    as ``flag``; ``vocab_size``: a preset's vocabulary (default: the byte tokenizer's)."""
     from meshtron.data.tokenizer import load_tokenizer
     from meshtron.models.presets import ALIASES, PRESETS, make_preset_config, preset_names
 
     if spec in PRESETS or spec in ALIASES:
-        return make_preset_config(spec, load_tokenizer("byte").vocab_size), ModelConfig(preset=spec)
+        return make_preset_config(spec, vocab_size or load_tokenizer("byte").vocab_size), ModelConfig(preset=spec)
     path = Path(spec).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
         from transformers import AutoConfig
@@ -202,23 +215,23 @@ def resolve_model(spec: str):
         from meshtron.models.build import check_causal_lm_config, check_model_path
 
         if path.is_dir():
-            check_model_path(ModelConfig(name_or_path=str(path)), setting="--model")
+            check_model_path(ModelConfig(name_or_path=str(path)), setting=flag)
             directory = path
         else:
-            check_causal_lm_config(path, setting="--model")
+            check_causal_lm_config(path, setting=flag)
             directory = path.parent
         try:
             config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as err:
-            raise ConfigError(f"--model: '{spec}' is not a Hugging Face config ({err})") from None
+            raise ConfigError(f"{flag}: '{spec}' is not a Hugging Face config ({err})") from None
         return config, ModelConfig(name_or_path=str(directory))
     if not path.exists() and (path.suffix == ".json" or os.sep in spec):
         raise ConfigError(
-            f"--model: '{spec}' does not exist; give a meshtron preset, a local Hugging Face model directory or a "
+            f"{flag}: '{spec}' does not exist; give a meshtron preset, a local Hugging Face model directory or a "
             "config.json"
         )
     raise ConfigError(
-        f"--model: '{spec}' is neither a preset ({', '.join(preset_names())}) nor a model directory or config.json"
+        f"{flag}: '{spec}' is neither a preset ({', '.join(preset_names())}) nor a model directory or config.json"
     )
 
 
@@ -281,7 +294,7 @@ def extended_model(hf_config, model_cfg: ModelConfig, positions: int | None, rop
 def plan_reference(args: argparse.Namespace) -> tuple[str, str | None]:
     """(the Workload's reference, reference dtype) of ``--objective``, ``--reference``, ``--reference-dtype`` and
     ``--lora-rank``, as meshtron.config validates and resolves ``[preference]``."""
-    takes_reference = args.objective not in ("causal_lm", *REFERENCE_FREE_OBJECTIVES)
+    takes_reference = args.objective in PREFERENCE_OBJECTIVES and args.objective not in REFERENCE_FREE_OBJECTIVES
     if not takes_reference and (args.reference or args.reference_dtype):
         given = "--reference" if args.reference else "--reference-dtype"
         raise ConfigError(f"{given}: --objective {args.objective} takes no reference model; use dpo or ipo")
@@ -295,8 +308,33 @@ def plan_reference(args: argparse.Namespace) -> tuple[str, str | None]:
     return reference, args.reference_dtype
 
 
+def plan_teacher(args: argparse.Namespace, student_config, attn_implementation: str):
+    """The Workload's teacher (meshtron.plan.teacher) and teacher dtype of ``--objective distill``, ``--teacher`` and
+    ``--teacher-dtype``: the teacher read as ``--model`` is, at the student's vocabulary size; refused in one line
+    where one comes without the other."""
+    distill = args.objective == "distill"
+    if not distill and (args.teacher or args.teacher_dtype):
+        given = "--teacher" if args.teacher else "--teacher-dtype"
+        raise ConfigError(f"{given}: --objective {args.objective} has no teacher; use --objective distill")
+    if not distill:
+        return None, None
+    if not args.teacher:
+        raise ConfigError("--objective distill learns from a teacher: add --teacher PRESET|DIR|CONFIG.json")
+    from meshtron.models.teacher import at_student_vocabulary
+    from meshtron.plan.teacher import teacher_of
+
+    hf_config, model_cfg = resolve_model(args.teacher, "--teacher", vocab_size=student_config.vocab_size)
+    hf_config = at_student_vocabulary(hf_config, student_config, setting="--teacher")
+    name = model_cfg.preset or model_cfg.name_or_path
+    return teacher_of(name, hf_config, attn_implementation), args.teacher_dtype
+
+
 def describe_objective(workload) -> str:
-    """`` | DPO, reference: ...`` for the plan's first line (nothing for causal_lm)."""
+    """`` | DPO, reference: ...`` or `` | DISTILL from ...`` for the plan's first line (nothing for causal_lm)."""
+    if workload.distill:
+        teacher = workload.teacher
+        dtype = workload.teacher_dtype or workload.model_dtype
+        return f" | DISTILL from {teacher.name} ({teacher.params / 1e9:.2f} B params, {dtype})"
     if not workload.preference:
         return ""
     reference = {
@@ -310,6 +348,9 @@ def describe_objective(workload) -> str:
 
 def objective_flags(workload) -> str:
     """The ``meshtron plan`` flags of the workload's objective, for an emitted config's header."""
+    if workload.distill:
+        dtype = f" --teacher-dtype {workload.teacher_dtype}" if workload.teacher_dtype else ""
+        return f" --objective distill --teacher {shlex.quote(workload.teacher.name)}{dtype}"
     if not workload.preference:
         return ""
     flags = f" --objective {workload.objective}"
@@ -318,6 +359,14 @@ def objective_flags(workload) -> str:
     if workload.reference_dtype:
         flags += f" --reference-dtype {workload.reference_dtype}"
     return flags
+
+
+def workload_record(workload) -> dict:
+    """The workload as ``--json`` writes it: its fields, the teacher by its name and parameter count."""
+    record = dict(workload.__dict__)
+    if workload.teacher is not None:
+        record["teacher"] = {"name": workload.teacher.name, "parameters": workload.teacher.params}
+    return record
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -370,6 +419,9 @@ def run_plan(args: argparse.Namespace) -> int:
     lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
     shape = ModelShape.from_hf_config(hf_config, model_cfg, lora)
     reference, reference_dtype = plan_reference(args)
+    teacher, teacher_dtype = plan_teacher(args, hf_config, attn_implementation)
+    if teacher is not None and not args.max_seq_len:
+        check_seq_len(teacher.hf_config, args.seq_len, setting="--seq-len (the teacher's positions)")
     workload = Workload(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
@@ -388,6 +440,8 @@ def run_plan(args: argparse.Namespace) -> int:
         objective=args.objective,
         reference=reference,
         reference_dtype=reference_dtype,
+        teacher=teacher,
+        teacher_dtype=teacher_dtype,
     )
     if args.max_seq_len:
         return _print_longest(args, shape, hf_config, workload, hw, model_cfg, lora)
@@ -400,7 +454,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     "parameters": shape.total_params,
                     "gpus": args.gpus,
                     "hardware": hw.__dict__,
-                    "workload": workload.__dict__,
+                    "workload": workload_record(workload),
                     "candidates": [candidate_record(c, args.gpus) for c in candidates],
                 },
                 indent=1,
@@ -451,7 +505,7 @@ def _print_longest(args, shape, hf_config, base, hw: Hardware, model_cfg, lora) 
         record = {"model": args.model, "gpus": args.gpus, "hardware": hw.__dict__, "seq_len": found.seq_len}
         record["bound"] = found.bound
         if found.candidate is not None:
-            record["workload"] = found.workload.__dict__
+            record["workload"] = workload_record(found.workload)
             record["candidate"] = candidate_record(found.candidate, args.gpus)
         print(json.dumps(record, indent=1))
     where = (
@@ -522,6 +576,8 @@ def run_dry_run(cfg: Config, world_size: int, rank: int) -> int:
     )
     if workload.reference == "model":
         print(_reference_line(shape, layout, workload, rank))
+    if workload.teacher is not None:
+        print(_teacher_line(layout, workload, rank))
     return 0
 
 
@@ -535,4 +591,16 @@ def _reference_line(shape, layout, workload, rank: int) -> str:
     return (
         f"meshtron plan estimate for this rank's reference model (preference.reference=model: a frozen copy laid out "
         f"like the policy, no gradients or optimizer state): parameters {planned / 1e9:.3f} GB"
+    )
+
+
+def _teacher_line(layout, workload, rank: int) -> str:
+    """A distillation teacher's bytes on ``rank``: the planner's (its parameters laid out like the student's, its own
+    even pipeline split, in ``distill.teacher_dtype``), which the run measures as ``TrainResult.teacher_bytes``."""
+    from meshtron.plan.memory import teacher_bytes_of_rank
+
+    planned = teacher_bytes_of_rank(layout, workload, rank)
+    return (
+        f"meshtron plan estimate for this rank's teacher ({workload.teacher.name}: frozen, laid out like the student, "
+        f"no gradients or optimizer state): parameters {planned / 1e9:.3f} GB"
     )

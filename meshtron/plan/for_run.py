@@ -32,7 +32,7 @@ def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.devi
     """``(planned, notes)``: the planner's bytes and seconds for global rank ``rank`` (its pipeline position) of a
     ``world_size``-rank run of ``cfg`` on ``device``: ``state_bytes`` (as measured after the first update),
     ``activation_bytes``, ``host_activation_bytes``, ``reference_bytes`` (a ``model`` reference's parameters),
-    ``peak_bytes``, and ``step_s`` / ``compute_s`` for a GPU the
+    ``teacher_bytes`` (a distillation teacher's), ``peak_bytes``, and ``step_s`` / ``compute_s`` for a GPU the
     planner knows (else None, with a note). ``hf_config``: the run's model config (preflight's)."""
     from meshtron.plan.memory import config_view, memory_per_pipeline_rank
     from meshtron.plan.throughput import estimate_step
@@ -47,6 +47,7 @@ def planned_for_rank(cfg: Config, world_size: int, rank: int, device: torch.devi
         "activation_bytes": memory.activations,
         "host_activation_bytes": memory.host_activations,
         "reference_bytes": memory.reference,
+        "teacher_bytes": memory.teacher,
         "peak_bytes": memory.total,
         "step_s": None,
         "compute_s": None,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from meshtron.config import (
     OBJECTIVES,
+    PREFERENCE_OBJECTIVES,
     REFERENCE_FREE_OBJECTIVES,
     Config,
     ParallelConfig,
@@ -16,6 +17,9 @@ from meshtron.config import (
 )
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshtron.plan.teacher import Teacher
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -86,13 +90,18 @@ class Workload:
     objective: str = "causal_lm"
     """``train.objective``: ``causal_lm``, or a preference objective (``dpo``, ``ipo``, ``simpo``, ``orpo``), whose
     rows each hold one pair (two sequences in ``seq_len + 1`` tokens) and whose head computes per-token
-    log-probabilities (meshtron.train.loss.token_logps) instead of the fused cross-entropy."""
+    log-probabilities (meshtron.train.loss.token_logps) instead of the fused cross-entropy, or ``distill`` (a frozen
+    ``teacher``'s forward per micro-batch, a fused chunked divergence on both heads)."""
     reference: str = "none"
     """The reference model of ``dpo`` / ``ipo`` (``preference.reference`` resolved, meshtron.config.reference_kind):
     ``model`` (a frozen copy laid out like the policy: its parameters and a forward per micro-batch), ``lora_base``
     (the policy with its adapters off: a forward, no bytes), ``precomputed`` (nothing); ``none`` for the others."""
     reference_dtype: str | None = None
     """``preference.reference_dtype``: a ``model`` reference's storage dtype; None: ``model_dtype``."""
+    teacher: Teacher | None = None
+    """``distill.teacher`` resolved (meshtron.plan.teacher): the teacher of ``distill``, None for the others."""
+    teacher_dtype: str | None = None
+    """``distill.teacher_dtype``: the teacher's storage dtype; None: ``model_dtype``."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -106,11 +115,35 @@ class Workload:
         if takes_reference != (self.reference != "none") or self.reference not in REFERENCE_KINDS:
             wanted = ", ".join(REFERENCE_KINDS[1:]) if takes_reference else "none"
             raise ConfigError(f"objective {self.objective} takes reference {wanted}, not {self.reference}")
+        if self.distill != (self.teacher is not None):
+            wanted = "a teacher" if self.distill else "no teacher"
+            raise ConfigError(f"objective {self.objective} takes {wanted} (distill.teacher)")
+        if self.teacher_dtype is not None and not self.distill:
+            raise ConfigError(f"objective {self.objective} has no teacher to store in {self.teacher_dtype}")
 
     @property
     def preference(self) -> bool:
         """Whether the objective is a preference objective (pairs, per-token log-probabilities on the head)."""
-        return self.objective != "causal_lm"
+        return self.objective in PREFERENCE_OBJECTIVES
+
+    @property
+    def distill(self) -> bool:
+        """Whether the objective is ``distill``: a frozen teacher's forward per micro-batch, a divergence on the
+        heads."""
+        return self.objective == "distill"
+
+    @property
+    def teacher_bytes_per_param(self) -> int:
+        """Bytes of a parameter of the teacher (``teacher_dtype``, else the model's dtype)."""
+        return DTYPE_BYTES[self.teacher_dtype or self.model_dtype]
+
+    @property
+    def teacher_compute_dtype(self) -> str:
+        """The dtype the teacher computes in, and its final hidden states have: the compute dtype under mixed
+        precision, else the teacher's own storage dtype."""
+        if self.compute_dtype != self.model_dtype:
+            return self.compute_dtype
+        return self.teacher_dtype or self.model_dtype
 
     @property
     def live_reference(self) -> bool:
@@ -173,7 +206,18 @@ def _reference_setting(kind: str, _workload: Workload) -> str:
 
 def _preference_data(objective: str) -> dict[str, Any]:
     """The settings a run of ``objective`` needs besides it: preference objectives train on pairs."""
-    return {"data.format": "preference"} if objective != "causal_lm" else {}
+    return {"data.format": "preference"} if objective in PREFERENCE_OBJECTIVES else {}
+
+
+def _teacher(_name: str | None, cfg: Config, _device: str) -> Teacher | None:
+    # Here, not at the top: building the teacher's shape imports torch and transformers.
+    from meshtron.plan.teacher import config_teacher
+
+    return config_teacher(cfg)
+
+
+def _teacher_name(teacher: Teacher | None, _workload: Workload) -> str | None:
+    return teacher.name if teacher is not None else None
 
 
 def _optimizer_settings(_given: dict, cfg: Config, _device: str) -> Any:
@@ -237,6 +281,8 @@ WORKLOAD_SETTINGS = (
     WorkloadSetting("train.objective", "objective", implies=_preference_data),
     WorkloadSetting("preference.reference", "reference", _reference_kind, _reference_setting),
     WorkloadSetting("preference.reference_dtype", "reference_dtype"),
+    WorkloadSetting("distill.teacher", "teacher", _teacher, _teacher_name),
+    WorkloadSetting("distill.teacher_dtype", "teacher_dtype"),
 )
 """The one map between a Config and a Workload, read by ``Workload.from_config`` and written by
 ``Workload.write_to``: every Workload field but ``device`` (where the run is planned, not a setting)."""
@@ -295,24 +341,44 @@ class Layout:
     def check(self, hf_config, workload: Workload) -> None:
         """Raise ConfigError where ``meshtron train``'s preflight would refuse this layout for ``hf_config`` and
         ``workload``: the degrees (``ParallelDims.from_config``: their product, ``ep`` dividing ``dp_shard x cp``)
-        and ``check_layout``, the checks preflight runs (family, experts, context, attention, pipeline, tensor)."""
+        and ``check_layout``, the checks preflight runs (family, experts, context, attention, pipeline, tensor), on
+        the model and on a distillation teacher under its own even pipeline split (refused naming distill.teacher)."""
         from meshtron.config import FSDPConfig
         from meshtron.distributed.data_parallel import check_data_parallel
         from meshtron.distributed.layout_checks import check_layout
 
         parallel = self.parallel_config(workload)
         check_data_parallel(FSDPConfig(cpu_offload=workload.cpu_offload), self.dims)
-        check_layout(
-            hf_config,
-            parallel,
-            ParallelDims.from_config(parallel, self.dims.world_size),
-            seq_len=workload.seq_len,
-            mask_documents=workload.mask_documents,
-            attn_implementation=workload.attn_implementation,
-            local_batch=self.local_batch(workload),
-            micro_batch_size=None,  # the planner's micro_batch is the pipeline microbatch: pp_microbatches says it
-            device_type=workload.device,
+        dims = ParallelDims.from_config(parallel, self.dims.world_size)
+        models = [("", hf_config, parallel)]
+        if workload.teacher is not None:  # as preflight checks the teacher: its own even pipeline split
+            models.append(
+                ("distill.teacher: ", workload.teacher.hf_config, self.teacher_layout().parallel_config(workload))
+            )
+        for prefix, config, model_parallel in models:
+            try:
+                check_layout(
+                    config,
+                    model_parallel,
+                    dims,
+                    seq_len=workload.seq_len,
+                    mask_documents=workload.mask_documents,
+                    attn_implementation=workload.attn_implementation,
+                    local_batch=self.local_batch(workload),
+                    micro_batch_size=None,  # the planner's micro_batch is the pipeline microbatch (pp_microbatches)
+                    device_type=workload.device,
+                )
+            except ConfigError as err:
+                raise ConfigError(f"{prefix}{err}") from None
+
+    def teacher_layout(self) -> "Layout":
+        """The layout a distillation teacher runs under: these degrees and options, but its own layers split evenly
+        over the same pipeline stages (no ``pp_first_stage_layers``, ``pp_last_stage_layers`` or
+        ``pp_stage_layers``)."""
+        even = dataclasses.replace(
+            self.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None, pp_stage_layers=None
         )
+        return dataclasses.replace(self, parallel=even)
 
     def write_to(self, cfg: Config) -> None:
         """Set ``cfg``'s ``[parallel]``, ``train.micro_batch_size`` and ``train.activation_checkpointing`` to run this

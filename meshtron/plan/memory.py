@@ -59,6 +59,18 @@ class MemoryEstimate:
     reference_forward: int = 0
     """What a live reference's forward (``model`` or ``lora_base``, no_grad, before each micro-batch's policy forward)
     holds at once: one block's working set, its FSDP-gathered blocks, one chunk of the head's logits."""
+    teacher: int = 0
+    """A distillation teacher's parameters (``train.objective=distill``: laid out like the student with its own even
+    pipeline split, in ``distill.teacher_dtype``, no gradients or optimizer state), held through the whole step."""
+    teacher_hidden: int = 0
+    """The teacher's final hidden states kept for the student's loss (its compute dtype, whole over tp): one
+    micro-batch's, and under pipelining all of the last stage's microbatches' at once."""
+    teacher_head: int = 0
+    """The teacher's root parameters FSDP keeps gathered from its forward to the end of the student's loss (embedding,
+    final norm, head; without FSDP under mixed precision the head's compute-dtype copy)."""
+    teacher_forward: int = 0
+    """What the teacher's forward (no_grad, before each micro-batch's student forward) holds at once: one block's
+    working set, its FSDP-gathered blocks and root, or without FSDP its compute-dtype weight copies."""
 
     @property
     def host(self) -> int:
@@ -76,16 +88,19 @@ class MemoryEstimate:
         if self.state_on_host:
             return 0
         held = self.grads if self.grads_in_forward is None else self.grads_in_forward
-        return self.params + self.optimizer + held + self.reference
+        return self.params + self.optimizer + held + self.reference + self.teacher
 
     @property
     def total(self) -> int:
-        """The device's peak: the largest of the forward's end (``peak_state``, activations, FSDP's buffers and the
-        loss's temporaries), the backward's end (parameters, optimizer state, FSDP's buffers and all gradients) and a
-        live reference's forward (``peak_state`` and what that forward holds)."""
-        forward_end = self.peak_state + self.activations + self.gathered + self.temporaries
-        backward_end = (0 if self.state_on_host else self.state) + self.reference + self.gathered
-        return max(forward_end, backward_end, self.peak_state + self.reference_forward)
+        """The device's peak: the largest of the forward's end (``peak_state``, activations, FSDP's buffers, the
+        loss's temporaries and what the teacher leaves for the loss), the backward's end (parameters, optimizer state,
+        FSDP's buffers and all gradients), a live reference's forward and a teacher's forward (``peak_state`` and
+        what that forward holds)."""
+        teacher_for_loss = self.teacher_hidden + self.teacher_head
+        forward_end = self.peak_state + self.activations + self.gathered + self.temporaries + teacher_for_loss
+        backward_end = (0 if self.state_on_host else self.state) + self.reference + self.teacher + self.gathered
+        teacher_end = self.peak_state + self.teacher_forward + self.teacher_hidden
+        return max(forward_end, backward_end, self.peak_state + self.reference_forward, teacher_end)
 
 
 def stage_layout(
@@ -205,8 +220,10 @@ def fused_loss_vocab(shape: ModelShape, layout: Layout) -> int:
 
 def fused_loss_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> int:
     """The fused loss's float32 head-weight gradient, kept from its forward to its backward (a preference objective's
-    head makes its own in backward: ``head_weight_gradient_bytes``)."""
-    return head_weight_gradient_bytes(shape, layout) if fused_loss(workload) and not workload.preference else 0
+    head makes its own in backward: ``head_weight_gradient_bytes``; distillation's divergence, fused at any chunk
+    size, writes it in its forward as the fused cross-entropy does)."""
+    writes_in_forward = (fused_loss(workload) and not workload.preference) or workload.distill
+    return head_weight_gradient_bytes(shape, layout) if writes_in_forward else 0
 
 
 def head_weight_gradient_bytes(shape: ModelShape, layout: Layout) -> int:
@@ -354,7 +371,7 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         total += (
             _norm(shape.hidden, e, shape.frozen_norms) / stream_split + e * shape.hidden + INDEX
         )  # norm, head, labels
-        if not fused_loss(workload) and not workload.preference:
+        if not fused_loss(workload) and not workload.preference and not workload.distill:
             total += FP32 * loss_vocab(shape, layout) * (1 + shape.logit_softcap)  # log-softmax output, capped logits
     return total
 
@@ -629,6 +646,8 @@ def logits_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float
     ``train.loss_chunk_size``, 0 meaning all tokens), and sums the head's float32 weight gradient there."""
     tokens = head_tokens(layout, workload)
     e = compute_bytes(workload)
+    if workload.distill:
+        return divergence_logits_bytes(shape, layout, workload)
     if workload.preference:
         chunk = min(tokens, workload.loss_chunk_size or tokens)
         logits = chunk * fused_loss_vocab(shape, layout) * (2 * e + FP32 * (1 + shape.logit_softcap))
@@ -688,6 +707,100 @@ def reference_forward_bytes(shape: ModelShape, layout: Layout, workload: Workloa
     return working + gathered + logits + copies
 
 
+def divergence_logits_bytes(shape: ModelShape, layout: Layout, workload: Workload) -> float:
+    """Distillation's fused chunked divergence on the rank with the heads: per chunk of tokens
+    (``train.loss_chunk_size``, 0 meaning all of them) both heads' logits over this rank's vocabulary slice at once,
+    each in its compute dtype and as float32, with each one's float32 probabilities, and the student's compute-dtype
+    gradient (soft-capping keeps one more float32 copy per capped head); the fused cross-entropy holds one head's."""
+    teacher = workload.teacher.shape
+    tokens = head_tokens(layout, workload)
+    chunk = min(tokens, workload.loss_chunk_size or tokens)
+    e, teacher_e = compute_bytes(workload), DTYPE_BYTES[workload.teacher_compute_dtype]
+    per_logit = 2 * e + teacher_e + FP32 * (4 + shape.logit_softcap + teacher.logit_softcap)
+    return chunk * fused_loss_vocab(shape, layout) * per_logit
+
+
+def teacher_workload(workload: Workload) -> Workload:
+    """The workload as the teacher runs it: its own storage dtype and compute dtype (``teacher_compute_dtype``)."""
+    return dataclasses.replace(
+        workload,
+        model_dtype=workload.teacher_dtype or workload.model_dtype,
+        compute_dtype=workload.teacher_compute_dtype,
+    )
+
+
+def teacher_param_bytes(layout: Layout, workload: Workload) -> list[int]:
+    """Per pipeline rank: a distillation teacher's parameter bytes, sharded as the student's are (FSDP over
+    ``dp_shard x cp``, TP, EP for experts) over its own even split into the same pipeline stages, in
+    ``distill.teacher_dtype``; 0 without a teacher."""
+    if workload.teacher is None:
+        return [0] * layout.dims.pp
+    numels = state_numel(workload.teacher.shape, layout.teacher_layout(), workload)
+    return [numel * workload.teacher_bytes_per_param for numel in numels]
+
+
+def teacher_hidden_bytes(layout: Layout, workload: Workload, holds_head: bool) -> int:
+    """The teacher's final hidden states the rank with the head keeps for the student's loss: ``(rows, S / cp, H)``
+    in the teacher's compute dtype, whole over tp; the rows are one micro-batch's, or under pipelining the rank's
+    whole local batch (the teacher's pipeline runs all microbatches before the student's)."""
+    if workload.teacher is None or not holds_head:
+        return 0
+    rows = layout.local_batch(workload) if layout.dims.pp > 1 else layout.micro_batch
+    tokens = rows * workload.seq_len // layout.dims.cp
+    return tokens * workload.teacher.shape.hidden * DTYPE_BYTES[workload.teacher_compute_dtype]
+
+
+def teacher_head_bytes(layout: Layout, workload: Workload, stages) -> int:
+    """The teacher's root parameters gathered from its forward to the end of the student's loss on a rank holding the
+    teacher's ``stages``: under FSDP its embedding, final norm and head (compute dtype, this tp rank's slice);
+    without FSDP under mixed precision the final norm's and head's compute-dtype copies; else nothing."""
+    teacher, own, run = workload.teacher.shape, layout.teacher_layout(), teacher_workload(workload)
+    if own.dims.fsdp_applied(run.cpu_offload) and not ddp_replication(own, run):
+        numel = sum(
+            _local_numel(teacher.embedding, own, teacher) * first
+            + _local_numel(_final_specs(teacher, first, last), own, teacher)
+            for _, first, last in stages
+        )
+    elif casts_weights(own, run) and any(last for _, _, last in stages):
+        numel = head_numel(teacher, own)
+    else:
+        numel = 0
+    return numel * compute_bytes(run)
+
+
+def teacher_forward_bytes(layout: Layout, workload: Workload, stages) -> float:
+    """What the teacher's forward holds at once on a rank holding the teacher's ``stages`` (no_grad: nothing kept for
+    backward; the head waits for the divergence): one block's working set (bounded by what a block keeps for
+    backward), its blocks and root FSDP gathers (``gathered_bytes``, no gradients), and without FSDP under mixed
+    precision its blocks' compute-dtype weight copies."""
+    teacher, run = workload.teacher.shape, teacher_workload(workload)
+    plain = dataclasses.replace(layout.teacher_layout(), activation_checkpointing="none")
+    working = head_tokens(plain, run) * block_activation_per_token(teacher, plain, run)
+    frozen = dataclasses.replace(teacher, block=tuple(dataclasses.replace(p, trained=False) for p in teacher.block))
+    gathered = gathered_bytes(frozen, plain, run, stages)
+    copies = 0
+    if casts_weights(plain, run):
+        copies = sum(n for n, _, _ in stages) * _local_numel(teacher.block, plain, teacher) * compute_bytes(run)
+    return working + gathered + copies
+
+
+def teacher_per_pipeline_rank(layout: Layout, workload: Workload) -> list[dict[str, int]]:
+    """Per pipeline rank: the teacher's ``MemoryEstimate`` terms (``teacher``, ``teacher_hidden``, ``teacher_head``,
+    ``teacher_forward``); all 0 without a teacher."""
+    if workload.teacher is None:
+        return [{} for _ in range(layout.dims.pp)]
+    stages_per_rank = stage_layout(workload.teacher.shape, layout.teacher_layout(), workload)
+    return [
+        {
+            "teacher": params,
+            "teacher_hidden": teacher_hidden_bytes(layout, workload, any(last for _, _, last in stages)),
+            "teacher_head": teacher_head_bytes(layout, workload, stages),
+            "teacher_forward": int(teacher_forward_bytes(layout, workload, stages)),
+        }
+        for stages, params in zip(stages_per_rank, teacher_param_bytes(layout, workload))
+    ]
+
+
 def estimate_memory(shape: ModelShape, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Memory of the busiest rank of ``layout`` (the pipeline rank with the most bytes)."""
     return max(memory_per_pipeline_rank(shape, layout, workload), key=lambda m: m.total)
@@ -736,7 +849,10 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
         trained_numel(shape, layout, workload),
     )
     references = reference_param_bytes(shape, layout, workload)
-    for (stages, numel, acts, host_acts, pinning, held_grads, muon, trained), reference in zip(per_rank, references):
+    teachers = teacher_per_pipeline_rank(layout, workload)
+    for (stages, numel, acts, host_acts, pinning, held_grads, muon, trained), reference, teacher in zip(
+        per_rank, references, teachers
+    ):
         holds_head = any(last for _, _, last in stages)
         copies = (
             sum(layers for layers, _, _ in stages) * _local_numel(shape.block, layout, shape) if casts_per_step else 0
@@ -756,6 +872,7 @@ def memory_per_pipeline_rank(shape: ModelShape, layout: Layout, workload: Worklo
                 grads_in_forward=grads if accumulates else 0,
                 reference=reference,
                 reference_forward=int(reference_forward_bytes(shape, layout, workload, stages)),
+                **teacher,
             )
         )
     return estimates
@@ -782,6 +899,20 @@ def param_bytes_of_rank(shape: ModelShape, layout: Layout, workload: Workload, r
     """Parameter bytes the planner expects global rank ``rank`` to hold (pp is the outermost mesh dim)."""
     pp_rank = rank // (layout.dims.world_size // layout.dims.pp)
     return state_numel(shape, layout, workload)[pp_rank] * DTYPE_BYTES[workload.model_dtype]
+
+
+def teacher_bytes_of_rank(layout: Layout, workload: Workload, rank: int) -> int:
+    """The teacher's parameter bytes the planner expects global rank ``rank`` to hold (0 without a teacher)."""
+    pp_rank = rank // (layout.dims.world_size // layout.dims.pp)
+    return teacher_param_bytes(layout, workload)[pp_rank]
+
+
+def planned_teacher_bytes(cfg, world_size: int, rank: int, hf_config=None) -> int:
+    """The planner's bytes of a ``train.objective=distill`` teacher's parameters on global rank ``rank`` of a
+    ``world_size``-rank run of ``cfg`` (a meshtron Config; 0 for other objectives): what the run measures as
+    ``TrainResult.teacher_bytes``. ``hf_config``: the student's model config where the caller has it."""
+    _, layout, workload = config_view(cfg, world_size, "cpu", hf_config)
+    return teacher_bytes_of_rank(layout, workload, rank)
 
 
 def ep_rows_per_token(shape: ModelShape) -> int:

@@ -41,6 +41,9 @@ class StepEstimate:
     """Communication on the critical path (TP, EP all-to-alls, un-hidden CP / FSDP / HSDP, pipeline transfers)."""
     tokens_per_s: float
     mfu: float
+    """The model's training FLOPs (6 x parameters + attention, LoRA's change) over the step at the compute dtype's
+    peak: what is trained only, so a live reference's or a distillation teacher's forward (time the step spends) and
+    a preference head's second matmul are not counted in it."""
     all_to_all_s: float = 0.0
     """Expert parallelism's all-to-alls (token dispatch and combine, forward and backward), part of
     ``exposed_comm_s``; 0 without EP."""
@@ -138,6 +141,42 @@ def preference_flops_per_token(hf_config, workload: Workload) -> float:
     return head + reference
 
 
+def teacher_flops_per_token(workload: Workload) -> float:
+    """Matmul FLOPs per token a distillation teacher adds to ``flops_per_token``'s: its forward (2 x its matmul
+    parameters and attention, a third of its training FLOPs), whose head's matmul runs in the student's divergence
+    (meshtron.metrics.flops counts the head among the matmuls); 0 without a teacher."""
+    if workload.teacher is None:
+        return 0.0
+    return flops_per_token(workload.teacher.hf_config, workload.seq_len) / 3
+
+
+def teacher_forward_comm_s(layout: Layout, workload: Workload, hw: Hardware) -> float:
+    """The teacher's forwards' communication on the critical path of one step: tensor parallelism's collectives of
+    each of its blocks (one pass) and under pipelining its hidden states sent on at each stage boundary; its FSDP
+    all-gathers are with the student's (``fsdp_s``) and its ring exchanges hide behind its attention."""
+    if workload.teacher is None:
+        return 0.0
+    teacher, e = workload.teacher.shape, DTYPE_BYTES[workload.teacher_compute_dtype]
+    forwards = layout.microbatches(workload)
+    layers = max(sum(n for n, _, _ in stages) for stages in stage_layout(teacher, layout.teacher_layout(), workload))
+    nbytes = layout.micro_batch * workload.seq_len / layout.dims.cp * teacher.hidden * e
+    sequence_parallel = layout.parallel.sequence_parallel
+    one = _collective_s(nbytes, layout.dims.tp, layout.dims.tp, hw, 1.0 if sequence_parallel else 2.0)
+    tp_s = one * (4 if sequence_parallel else 2) * layers * forwards
+    pp_s = 0.0
+    if layout.dims.pp > 1:
+        pp_s = _collective_s(nbytes * 2, 2, layout.dims.world_size, hw) * forwards * layout.stages_per_rank
+    return tp_s + pp_s
+
+
+def fsdp_shard_groups(shape: ModelShape, layout: Layout, workload: Workload) -> list[tuple[int, int]]:
+    """``(elements, ranks)`` of the busiest rank's FSDP shard: its non-expert parameters over ``dp_shard x cp``, its
+    experts' over ``efsdp``."""
+    shard = max(state_numel(shape, layout, workload))
+    expert = expert_shard_numel(shape, layout, workload) if layout.dims.ep > 1 else 0
+    return [(shard - expert, layout.fsdp_size), (expert, layout.efsdp_size)]
+
+
 def bubble_fraction(layout: Layout, workload: Workload) -> float:
     """Idle fraction added to a pipeline rank's compute: (pp - 1) / (microbatches x stages per rank),
     a third of that for the zero-bubble schedules (their weight-gradient work fills most of it)."""
@@ -182,8 +221,10 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
         compute = model_flops * recompute / (peak * efficiency)
         if layout.dims.cp > 1 and not ulysses:
             compute += attention_flops * recompute * (1 / attention_peak - 1 / peak) / efficiency
-    # A preference objective's head recomputes its logits in backward; a live reference runs a forward first.
-    compute += preference_flops_per_token(hf_config, workload) * tokens / world / (peak * efficiency)
+    # A preference objective's head recomputes its logits in backward; a live reference runs a forward first; a
+    # distillation teacher runs its forward (its head's matmul in the divergence).
+    objective_flops = preference_flops_per_token(hf_config, workload) + teacher_flops_per_token(workload)
+    compute += objective_flops * tokens / world / (peak * efficiency)
     compute *= 1 + bubble_fraction(layout, workload)
 
     forwards = layout.microbatches(workload)
@@ -229,8 +270,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
     # experts' E / ep are gathered and reduced over efsdp = dp_shard x cp / ep (whose ranks are ep x tp apart:
     # the same span), the other parameters over dp_shard x cp.
     shard = max(state_numel(shape, layout, workload))  # a rank's shard of its stages
-    expert = expert_shard_numel(shape, layout, workload) if layout.dims.ep > 1 else 0
-    groups = [(shard - expert, layout.fsdp_size), (expert, layout.efsdp_size)]
+    groups = fsdp_shard_groups(shape, layout, workload)
     fsdp_span = layout.fsdp_size * layout.dims.tp
     gathers = forwards * (2 if layout.dims.pp == 1 else 1) + forwards * workload.live_reference  # + its forward
     reduce_scatters = 1 if layout.dims.pp > 1 or workload.accumulate_unsharded else forwards
@@ -240,6 +280,11 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
             continue
         fsdp_s += gathers * _collective_s(numel * group * e, group, fsdp_span, hw)
         fsdp_s += reduce_scatters * _collective_s(numel * group * FP32, group, fsdp_span, hw)
+    if workload.teacher is not None and layout.dims.fsdp_applied(workload.cpu_offload):  # its forward's all-gathers
+        teacher_e = DTYPE_BYTES[workload.teacher_compute_dtype]
+        for numel, group in fsdp_shard_groups(workload.teacher.shape, layout.teacher_layout(), workload):
+            if numel:
+                fsdp_s += forwards * _collective_s(numel * group * teacher_e, group, fsdp_span, hw)
     replicate_span = layout.dims.dp_replicate * fsdp_span
     fsdp_s += _collective_s(shard * FP32, layout.dims.dp_replicate, replicate_span, hw, 2.0)
     if workload.cpu_offload:  # shards cross PCIe: to the GPU for each gather, gradients back once reduced
@@ -256,7 +301,7 @@ def estimate_step(shape: ModelShape, layout: Layout, workload: Workload, hw: Har
 
     offload_s = activation_offload_s(shape, layout, workload, hw, compute)
 
-    exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s + offload_s
+    exposed = tp_s + a2a_s + cp_s + fsdp_exposed + pp_s + offload_s + teacher_forward_comm_s(layout, workload, hw)
     optimizer_s = matrix_step_s(shape, layout, workload, hw)
     if workload.cpu_offload:  # the optimizer steps on the host, after the backward
         host_rate = hw.host_step_gbps * 1e9
