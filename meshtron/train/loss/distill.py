@@ -15,7 +15,9 @@ exactly TRL's ``GKDTrainer.generalized_jsd_loss`` (no temperature^2 factor), and
 tokens, both models' logits (float32 statistics), the loss and at once its gradient with respect to the student's
 logits, which is turned into the chunk's hidden-state gradient and added into a float32 weight-gradient
 accumulator; both logits are dropped before the next chunk, and backward only scales the stored gradients. The
-gradients, written by hand (w.r.t. the student's logits before the temperature, times the soft-cap derivative):
+peak is about eight chunk-sized float32 buffers and the two gradient buffers, against about fifteen whole
+``tokens x vocab`` float32 tensors unfused (bench/distill_memory.py). The gradients, written by hand (w.r.t. the
+student's soft-capped logits, then times the soft-cap derivative):
 forward KL ``(p_s - p_t) / T``; reverse KL and JSD ``p_s (g - sum_v p_s g) / T`` with ``g = log p_s - log p_t``
 (reverse) or ``(1 - beta)(log p_s - m)`` (JSD); the cross-entropy's ``softmax - one_hot``. Under tensor parallelism
 both heads are split over the vocabulary alike (``Shard(0)``): row maxima, exponential sums and the per-token
@@ -71,9 +73,31 @@ def _reduced(tensor: torch.Tensor, op, group) -> torch.Tensor:
     return tensor
 
 
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each row's ``sum_v a * b``, without a ``tokens x vocab`` product."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _divergence_parts(log_ps, log_pt, ps, pt, options: DistillOptions) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(this vocabulary slice's per-token sums whose total is the divergence, the last being sum_v p_s g; g, or for
+    the forward KL p_t). Overwrites ``log_ps`` and ``log_pt``, which are not needed again."""
+    if options.divergence == "forward_kl":
+        return [_row_dot(pt, log_pt.sub_(log_ps))], pt
+    if options.divergence == "reverse_kl":
+        g = log_ps.sub_(log_pt)
+        return [_row_dot(ps, g)], g
+    beta = options.beta
+    mixture = log_ps + math.log1p(-beta)  # log((1 - beta) p_s + beta p_t), a log-sum-exp as TRL computes it
+    torch.logaddexp(mixture, log_pt + math.log(beta), out=mixture)
+    teacher_part = beta * _row_dot(pt, log_pt.sub_(mixture))
+    g = log_ps.sub_(mixture).mul_(1 - beta)
+    return [teacher_part, _row_dot(ps, g)], g
+
+
 def _distill_chunk(h, w, b, th, tw, tb, labels, vocab_start: int, softcaps, options: DistillOptions, group, grads):
     """([CE sum, divergence sum], gradient of alpha CE + (1 - alpha) divergence w.r.t. the chunk's student logits in
-    ``w``'s dtype, or None without ``grads``) of one chunk; ``group``: the vocabulary-split ranks to reduce over."""
+    ``w``'s dtype, or None without ``grads``) of one chunk; ``group``: the vocabulary-split ranks to reduce over.
+    Float32, in place where it can."""
     student, capped = head_logits(h, w, b, softcaps[0])
     teacher, _ = head_logits(th, tw, tb, softcaps[1])
     temperature, alpha = options.temperature, options.alpha
@@ -83,42 +107,35 @@ def _distill_chunk(h, w, b, th, tw, tb, labels, vocab_start: int, softcaps, opti
     index = torch.where(owned, local, 0).unsqueeze(1)
     target = student.gather(1, index).squeeze(1) * owned
     maxima = _reduced(torch.stack([student.amax(1), teacher.amax(1)]), dist.ReduceOp.MAX, group)
-    student.sub_(maxima[0].unsqueeze(1))  # in place: s - max(s); max(s / T) = max(s) / T
-    teacher.sub_(maxima[1].unsqueeze(1)).div_(temperature)
-    plain_exp = student.exp()  # temperature 1, the cross-entropy's
-    scaled = student.div_(temperature)
-    sums = [scaled.exp().sum(1) if temperature != 1 else plain_exp.sum(1), teacher.exp().sum(1), plain_exp.sum(1)]
-    sums = _reduced(torch.stack([*sums, target]), dist.ReduceOp.SUM, group)
-    log_ps = scaled.sub_(sums[0].log().unsqueeze(1))
-    log_pt = teacher.sub_(sums[1].log().unsqueeze(1))
-    ce = (maxima[0] + sums[2].log() - sums[3]) * valid
-    ps, pt = log_ps.exp(), log_pt.exp()
-    if options.divergence == "forward_kl":
-        parts = [(pt * (log_pt - log_ps)).sum(1)]
-    elif options.divergence == "reverse_kl":
-        g = log_ps - log_pt
-        parts = [(ps * g).sum(1)]
-    else:
-        beta = options.beta
-        mixture = torch.logaddexp(log_ps + math.log1p(-beta), log_pt + math.log(beta))
-        g = (log_ps - mixture).mul_(1 - beta)
-        parts = [beta * (pt * (log_pt - mixture)).sum(1), (ps * g).sum(1)]
+    student.sub_(maxima[0].unsqueeze(1))  # s - max(s); max(s / T) = max(s) / T
+    log_pt = teacher.sub_(maxima[1].unsqueeze(1)).div_(temperature)
+    plain = student.exp() if grads and alpha else None  # temperature 1: the cross-entropy's softmax
+    plain_sum = None if temperature == 1 else (plain if plain is not None else student.exp()).sum(1)
+    log_ps = student.div_(temperature)
+    ps, pt = log_ps.exp(), log_pt.exp()  # not yet normalized
+    sums = [ps.sum(1), pt.sum(1)]
+    sums = _reduced(torch.stack([*sums, sums[0] if plain_sum is None else plain_sum, target]), dist.ReduceOp.SUM, group)
+    log_ps.sub_(sums[0].log().unsqueeze(1))
+    log_pt.sub_(sums[1].log().unsqueeze(1))
+    ps.div_(sums[0].unsqueeze(1))
+    pt = None if options.divergence == "reverse_kl" else pt.div_(sums[1].unsqueeze(1))
+    parts, g = _divergence_parts(log_ps, log_pt, ps, pt, options)
     parts = _reduced(torch.stack(parts), dist.ReduceOp.SUM, group)
-    divergence = parts.sum(0) * valid
-    statistics = torch.stack([ce.sum(), divergence.sum()])
+    ce = (maxima[0] + sums[2].log() - sums[3]) * valid
+    statistics = torch.stack([ce.sum(), (parts.sum(0) * valid).sum()])
     if not grads:
         return statistics, None
     if options.divergence == "forward_kl":
-        grad = ps.sub_(pt)
-    else:  # p_s (g - sum_v p_s g); sum_v p_s g is the reverse KL itself, or JSD's second term
+        grad = ps.sub_(g)  # p_s - p_t
+    else:  # p_s (g - sum_v p_s g)
         grad = ps.mul_(g.sub_(parts[-1].unsqueeze(1)))
     grad.mul_((1 - alpha) / temperature)
-    if alpha:
-        grad.add_(plain_exp.div_(sums[2].unsqueeze(1)), alpha=alpha)
+    if plain is not None:
+        grad.add_(plain.div_(sums[2].unsqueeze(1)), alpha=alpha)
         grad.scatter_add_(1, index, (-alpha * owned).unsqueeze(1).to(grad.dtype))
     grad.mul_(valid.unsqueeze(1))
     if capped is not None:
-        grad.mul_(1 - capped * capped)
+        grad.mul_(capped.mul_(capped).neg_().add_(1))  # the soft-cap's derivative, 1 - tanh^2
     return statistics, grad.to(w.dtype)
 
 
