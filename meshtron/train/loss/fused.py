@@ -53,15 +53,22 @@ class ChunkStatistics:
     """``tanh(logits / softcap)`` with soft-capping, else None."""
 
 
-def chunk_statistics(hidden, weight, bias, labels, vocab_start: int, softcap, group) -> ChunkStatistics:
-    """The chunk's logits (compute dtype, then float32, soft-capped), their row maxima, exponential sums and label
-    logits, reduced over ``group`` (the vocabulary-split ranks; None: whole here). Shared by the fused loss and the
-    per-token log-probabilities (meshtron.train.loss.token_logps)."""
+def head_logits(hidden, weight, bias, softcap) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 logits of ``hidden @ weight.T (+ bias)``, soft-capped; ``tanh(logits / softcap)`` or None): the
+    chunk's logits as every chunked head loss computes them (in the inputs' dtype, then float32)."""
     logits = F.linear(hidden, weight, bias).float()
     capped = None
     if softcap:  # the model's final logit soft-capping (adapter.logit_softcap)
         capped = torch.tanh(logits / softcap)
         logits = capped * softcap
+    return logits, capped
+
+
+def chunk_statistics(hidden, weight, bias, labels, vocab_start: int, softcap, group) -> ChunkStatistics:
+    """The chunk's logits (compute dtype, then float32, soft-capped), their row maxima, exponential sums and label
+    logits, reduced over ``group`` (the vocabulary-split ranks; None: whole here). Shared by the fused loss and the
+    per-token log-probabilities (meshtron.train.loss.token_logps)."""
+    logits, capped = head_logits(hidden, weight, bias, softcap)
     valid = labels != IGNORE_INDEX
     local = labels - vocab_start
     owned = valid & (local >= 0) & (local < logits.shape[1])
