@@ -69,3 +69,39 @@ def test_a_distillation_run_resumes_under_another_layout_exactly(tmp_path):
     assert exported.returncode == 0, exported.stderr[-3000:]
     config = json.loads((tmp_path / "student" / "config.json").read_text())
     assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2  # the student, not the teacher
+
+
+def _last_evaluation(run: Path) -> dict:
+    return [row for row in _rows(run) if "eval_loss" in row][-1]
+
+
+@pytest.mark.slow
+def test_the_example_student_learns_more_from_its_teacher_than_from_the_data(tmp_path):
+    """configs/distill-teacher.toml (llama-small, 1.7M parameters, 100 steps), exported, then configs/distill.toml
+    (llama-deep, 386K: a quarter of it, 120 steps) against the same student trained on the data alone (distill.toml
+    without its objective and [distill]). Held-out cross-entropy measured 2026-11-28: teacher 2.938, distilled
+    student 3.048, student on the data alone 3.170: the distilled student ends 0.11 from its teacher, the other 0.23
+    (the threshold: 0.9 of it). 44 s on CPU."""
+    teacher, model, student, alone = (tmp_path / name for name in ("teacher", "model", "student", "alone"))
+    common = [f"--data.cache_dir={tmp_path / 'cache'}", "--run.progress=false"]
+    done = run_main(["train", "--config", str(REPO / "configs/distill-teacher.toml"), f"--run.output_dir={teacher}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = run_main(["export", str(teacher / "checkpoints/step-00000100"), str(model)])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    distill = REPO / "configs/distill.toml"
+    done = run_main(
+        ["train", "--config", str(distill), f"--distill.teacher={model}", f"--run.output_dir={student}", *common]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The same file without the teacher: the objective line and the [distill] section left out.
+    text = distill.read_text()
+    without = text[: text.index("\n[distill]\n")] + text[text.index("\n[optimizer]\n") :]
+    (tmp_path / "alone.toml").write_text(without.replace('objective = "distill"\n', ""))
+    done = run_main(["train", "--config", str(tmp_path / "alone.toml"), f"--run.output_dir={alone}", *common])
+    assert done.returncode == 0, done.stderr[-3000:]
+    teacher_loss = _last_evaluation(teacher)["eval_loss"]
+    distilled = _last_evaluation(student)
+    on_data_alone = _last_evaluation(alone)["eval_loss"]
+    assert distilled["step"] == 120 and distilled["eval_divergence"] > 0
+    assert teacher_loss < distilled["eval_nll_loss"] < on_data_alone, (teacher_loss, distilled, on_data_alone)
+    assert distilled["eval_nll_loss"] - teacher_loss < 0.9 * (on_data_alone - teacher_loss)
