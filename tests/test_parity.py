@@ -768,6 +768,9 @@ LAYOUTS["fsdp2_tp2_distill_unfused"] = (
 # An MoE student (experts all-to-all'd, router loss on) learning from a dense teacher.
 REFERENCES["moe-aux-distill"] = [*_MOE_AUX, *_DISTILL]
 LAYOUTS["ep2_moe_aux_distill"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-distill")
+# And from an MoE teacher of twice the depth, its experts split over ep as the student's.
+REFERENCES["moe-aux-moe-teacher"] = [*REFERENCES["moe-aux-distill"], f"distill.teacher={{cache_dir}}/{MOE4_AUX}"]
+LAYOUTS["ep2_moe_teacher_distill"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-moe-teacher")
 REFERENCES["llama-distill-lora"] = [*REFERENCES["llama-distill"], *_LORA, "optimizer.lr=5e-3"]
 LAYOUTS["fsdp2_distill_lora"] = (2, ["parallel.dp_shard=2"], "llama-distill-lora")
 # 3-D: Muon and the WSD schedule (its cooldown from step 2) in one 8-process layout.
