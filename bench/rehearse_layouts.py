@@ -7,8 +7,9 @@ memory, and the step without communication (eager unless ``--compile``) against 
 only GPUs it knows; on CPU peak memory is the process's resident size and is not compared). Pipeline layouts
 rehearse the first, a middle and the last stage and report the skew of peak memory across them
 (``(max - min) / max``, measured and planned); the DPO layout trains a preference objective with a live reference
-model (a frozen copy laid out like the policy, on ``meshtron check``'s pairs) and compares the reference's bytes too;
-expert-parallel layouts rehearse balanced routing and the worst
+model (a frozen copy laid out like the policy, on ``meshtron check``'s pairs) and compares the reference's bytes too,
+the distillation layout a student learning from a frozen teacher of another shape (its own shards and pipeline split,
+in bf16) and compares the teacher's bytes; expert-parallel layouts rehearse balanced routing and the worst
 case, every token routed to the rehearsed rank's experts by every rank (its received rows x ep), forced here by
 a hook on the experts' forward and the count exchange.
 
@@ -71,6 +72,10 @@ DEEPSEEK = ("--model.preset=deepseekv3-small", "--data.seq_len=4096", "--train.g
 TINY_QWEN3MOE = ("--model.preset=qwen3moe-tiny", "--data.seq_len=32", "--train.global_batch_size=4")
 TINY_DEEPSEEK = ("--model.preset=deepseekv3-tiny", "--data.seq_len=32", "--train.global_batch_size=4")
 EP_ROUTING = ("balanced", "worst")
+_DISTILL = ("--train.objective=distill", "--distill.teacher_dtype=bfloat16")
+_LLAMA1B_FROM_8B = ("--model.preset=llama-1b", "--distill.teacher=llama-8b", *_DISTILL)
+"""Distillation: a llama-1b student (fp32 master weights) from a frozen llama-8b teacher stored in bf16."""
+TINY_FROM_SMALL = (*TINY, "--distill.teacher=llama-small", *_DISTILL)
 
 LAYOUTS = [
     Layout(
@@ -139,6 +144,24 @@ LAYOUTS = [
         (*_llama8b(4096, 8), "--parallel.pp=2", "--parallel.dp_shard=4"),
         pairs=True,
         tiny=dict(world=4, ranks=(0, 3), overrides=(*TINY_DEEP, "--parallel.pp=2", "--parallel.dp_shard=2")),
+    ),
+    Layout(
+        "distill-pp2xfsdp2xtp2",
+        8,
+        (0, 7),  # first and last stage: the teacher runs as a forward-only pipeline of its own split
+        (
+            *_LLAMA1B_FROM_8B,
+            "--data.seq_len=4096",
+            "--train.global_batch_size=8",
+            "--parallel.pp=2",
+            "--parallel.dp_shard=2",
+            "--parallel.tp=2",
+        ),
+        tiny=dict(
+            world=8,
+            ranks=(0, 7),
+            overrides=(*TINY_FROM_SMALL, "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2"),
+        ),
     ),
     Layout(
         "ep8-qwen3moe",
@@ -280,7 +303,7 @@ def summarize(job: dict, result: dict) -> dict:
     measured, planned = report["measured"], report["planned"]
     on_gpu = report["device"].startswith("cuda")
     compared = ["state_bytes", "activation_bytes"] + (["peak_bytes"] if on_gpu else [])
-    compared += ["reference_bytes"] if planned.get("reference_bytes") else []
+    compared += [key for key in ("reference_bytes", "teacher_bytes") if planned.get(key)]
     diffs = {key: _diff(measured[key], planned[key]) for key in compared}
     diffs["step_s"] = _diff(measured["step_s"], planned.get("compute_s"))
     flags = []

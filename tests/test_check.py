@@ -17,7 +17,7 @@ from meshtron.check.compare import CPU, compare
 from meshtron.check.layouts import CheckCase, base_overrides, candidate_degrees, layouts_for, write_pairs
 from meshtron.check.worker import BREAK_ENV
 
-TWO_PROCESS_LAYOUTS = ["ddp2", "fsdp2", "tp2", "cp2_ring", "cp2_ulysses", "pp2", "ep2", "dpo_tp2"]
+TWO_PROCESS_LAYOUTS = ["ddp2", "fsdp2", "tp2", "cp2_ring", "cp2_ulysses", "pp2", "ep2", "dpo_tp2", "distill_tp2"]
 
 
 def test_two_processes_run_each_parallelism_alone():
@@ -28,6 +28,7 @@ def test_two_processes_run_each_parallelism_alone():
         "1proc-llama-tiny-cpu",
         "1proc-qwen3moe-tiny-cpu",
         "1proc-dpo-llama-tiny-cpu",
+        "1proc-distill-llama-tiny-cpu",
     }
 
 
@@ -35,7 +36,7 @@ def test_more_processes_add_combinations_up_to_4_d():
     """4 ranks add HSDP and the 2-D layouts; 8 the 3-D ones; 16 a 4-D one. Every layout uses all N ranks."""
     four = {layout.name for layout in layouts_for(4, "cpu")}
     assert {"hsdp2x2", "fsdp2_tp2", "cp2_tp2_ring", "pp2_tp2", "pp2_fsdp2", "ep2_tp2", "pp4", "tp4"} <= four
-    assert "dpo_fsdp2_tp2" in four and [row.name for row in layouts_for(3, "cpu")][-1] == "dpo_fsdp3"
+    assert "dpo_fsdp2_tp2" in four and [row.name for row in layouts_for(3, "cpu")][-2] == "dpo_fsdp3"
     for n in (4, 8, 16):
         dims = [
             sum(d > 1 for d in (x.dp_replicate * x.dp_shard, x.tp, x.cp, x.pp))
@@ -123,7 +124,7 @@ def test_check_on_2_cpu_processes_matches_one_process():
     # Differences are rounding, not zero everywhere: the layouts did split the work (TP's matmuls, CP's attention).
     assert float(rows["tp2"][3]) > 0 and float(rows["cp2_ring"][3]) > 0
     assert "backend gloo on CPU" in done.stdout and f"torch {torch.__version__}" in done.stdout
-    assert "all 8 layouts match one process" in done.stdout
+    assert "all 9 layouts match one process" in done.stdout
 
 
 @pytest.mark.slow
@@ -154,6 +155,42 @@ def test_the_dpo_row_trains_dpo_with_a_reference_and_fails_when_broken(monkeypat
     logs = " ".join(log.read_text() for log in Path(kept).glob("dpo_tp2/rank*.log"))
     shutil.rmtree(kept)
     assert "DPO (beta 0.1" in logs and "reference: a frozen copy" in logs, logs[-2000:]
+
+
+def test_the_distillation_row_has_a_teacher_of_another_shape_under_tp_fsdp_and_pp():
+    """The distillation row: a teacher of another shape than the student (its own shards and pipeline split) under
+    tensor parallelism with FSDP (4 ranks and more) and a pipeline too (8 and 16), against one process distilling."""
+    from meshtron.models.presets import PRESETS
+
+    rows = {n: layouts_for(n, "cpu")[-1] for n in (2, 3, 4, 8, 16)}
+    assert [row.name for row in rows.values()] == [
+        "distill_tp2",
+        "distill_fsdp3",
+        "distill_fsdp2_tp2",
+        "distill_pp2_fsdp2_tp2",
+        "distill_pp2_fsdp4_tp2",
+    ]
+    teacher, student = PRESETS[check_layouts.DISTILL_TEACHER], PRESETS[check_layouts.DENSE]
+    assert all(teacher[key] != student[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads"))
+    for row in rows.values():
+        assert row.run.model == row.reference.model == check_layouts.DENSE
+        assert "train.objective=distill" in row.run.overrides and row.reference.key == "1proc-distill-llama-tiny-cpu"
+        assert set(check_layouts.DISTILL_OVERRIDES) <= set(row.reference.overrides) and row.reference.world == 1
+
+
+@pytest.mark.slow
+def test_the_distillation_row_distills_from_the_teacher_and_fails_when_broken(monkeypatch):
+    """The distillation row fails when one rank's linear outputs (the student's and the teacher's) are off by 1%
+    (MESHTRON_CHECK_BREAK=distill_tp2), and its ranks distilled from the teacher."""
+    monkeypatch.setenv(BREAK_ENV, "distill_tp2")
+    done = run_main(["check", "--nproc", "2", "--only", "distill_tp2", "--steps", "2"])
+    print(done.stdout)
+    assert done.returncode == 1 and _rows(done.stdout)["distill_tp2"][5] == "FAIL"
+    assert "1 of 1 layouts differ: distill_tp2" in done.stdout
+    kept = re.search(r"kept in (\S+)", done.stdout).group(1)
+    logs = " ".join(log.read_text() for log in Path(kept).glob("distill_tp2/rank*.log"))
+    shutil.rmtree(kept)
+    assert "distill from llama-small (4 layers, hidden 192" in logs, logs[-2000:]
 
 
 def test_gpu_ranks_start_as_fresh_interpreters_when_the_forkserver_initialized_cuda(monkeypatch, tmp_path, capsys):

@@ -761,6 +761,7 @@ def test_rehearse_prints_measured_next_to_planned_and_writes_rehearsal_json(tmp_
         "activation_bytes",
         "host_activation_bytes",
         "reference_bytes",
+        "teacher_bytes",
         "peak_bytes",
         "step_s",
     }

@@ -1,6 +1,7 @@
 """meshtron plan for ``train.objective=distill`` (issue 60): the teacher's parameter bytes per rank against its
 Hugging Face model built on the meta device and split by hand (FSDP, TP, its own even pipeline split, EP), the
-``--objective distill --teacher`` flags, the emitted config, and what a teacher adds to the memory and the step."""
+``--objective distill --teacher`` flags, the emitted config and its dry run, what a teacher adds to the memory and the
+step, and the planned teacher bytes against rehearsed ranks and a one-process run."""
 
 from __future__ import annotations
 
@@ -124,6 +125,64 @@ def test_planned_teacher_bytes_of_a_config_rank():
     assert planned_teacher_bytes(causal, 1, 0) == 0
 
 
+def _one_process_teacher_bytes(settings: list[str]) -> tuple[int, int]:
+    """(measured, planned) teacher bytes of a one-process CPU run of ``settings`` (run in a fork, so that the test's
+    process keeps none of the run's state)."""
+    import torch
+
+    import meshtron.train.trainer as trainer
+    from meshtron.config import load_config
+    from meshtron.distributed.runtime import Runtime
+    from meshtron.plan.memory import planned_teacher_bytes
+
+    cfg = load_config(None, settings, env={})
+    result = trainer.train(cfg, Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    return result.teacher_bytes, planned_teacher_bytes(cfg, 1, 0)
+
+
+def test_planned_teacher_bytes_within_10_percent_of_the_measured(tmp_path, cache_dir, monkeypatch):
+    """The issue's acceptance: the planner's teacher bytes within 10% of the measured (they are exact). The first
+    and the last rank of pp2 x fsdp2 x tp2 (a bf16 llama-small teacher of llama-tiny, its own pipeline split),
+    rehearsed by ``bench/rehearse_layouts.py``'s distillation row, and a one-process run with an fp32 teacher;
+    ``planned_teacher_bytes`` and the rehearsal's planned figure for each."""
+    import importlib
+    import multiprocessing
+
+    from conftest import REPO
+
+    from meshtron.config import load_config
+    from meshtron.plan.memory import planned_teacher_bytes
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    bench = importlib.import_module("rehearse_layouts")
+    layout = "distill-pp2xfsdp2xtp2"
+    result = bench.main(["--tiny", "--only", layout, f"--cache-dir={cache_dir}", f"--output-dir={tmp_path / 'runs'}"])
+    (rehearsed,) = bench.select(layout)
+    cfg = load_config(None, bench.jobs_of(rehearsed, True, 2, tmp_path, None)[0]["overrides"], env={})
+    figures = {}
+    for row in result["rows"]:
+        assert "error" not in row, row["error"]
+        measured, planned = row["measured"]["teacher_bytes"], planned_teacher_bytes(cfg, 8, row["rank"])
+        assert row["planned"]["teacher_bytes"] == planned and row["diffs"]["teacher_bytes"] is not None
+        figures[f"{layout} rank {row['rank']}"] = (measured, planned)
+    settings = ["model.preset=llama-tiny", "data.seq_len=32", "data.max_documents=40", f"data.cache_dir={cache_dir}"]
+    settings += [
+        "train.global_batch_size=4",
+        "train.steps=2",
+        "run.progress=false",
+        f"run.output_dir={tmp_path / 'one'}",
+    ]
+    settings += ["train.objective=distill", "distill.teacher=llama-small", "run.device=cpu"]
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        figures["one process"] = pool.apply(_one_process_teacher_bytes, (settings,))
+    for name, (measured, planned) in figures.items():
+        print(
+            f"{name}: teacher bytes measured {measured:,}, planned {planned:,} ({(planned - measured) / measured:+.2%})"
+        )
+        assert measured > 0 and abs(planned - measured) <= 0.10 * measured, (name, measured, planned)
+    assert list(figures) == [f"{layout} rank 0", f"{layout} rank 7", "one process"]
+
+
 def test_a_distillation_config_maps_to_a_workload_and_back():
     """A ``train.objective=distill`` config becomes a Workload with its teacher (refused on 84e9dc8: the planner took
     distill for a preference objective wanting a reference) and comes back as the same settings, on text data."""
@@ -220,9 +279,13 @@ def test_the_planner_refuses_a_layout_the_teachers_shape_cannot_take():
 def test_plan_objective_distill_flags_line_json_and_emitted_config(tmp_path, capsys):
     """``meshtron plan --objective distill --teacher``: refused in one line without its teacher or with a teacher and
     another objective; the first line names the teacher, its size and dtype; --json carries its bytes; the emitted
-    config validates, trains distill on text data and names the teacher and its dtype."""
+    config validates, trains distill on text data and names the teacher and its dtype, and its ``meshtron train
+    --dry-run`` prints the rank's planned teacher bytes."""
+    from conftest import run_main
+
     from meshtron.config import load_config
     from meshtron.plan.layout import Workload
+    from meshtron.plan.memory import planned_teacher_bytes
 
     args = ["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "16"]
     for bad, message in (
@@ -247,6 +310,15 @@ def test_plan_objective_distill_flags_line_json_and_emitted_config(tmp_path, cap
     assert (cfg.train.objective, cfg.distill.teacher, cfg.distill.teacher_dtype) == ("distill", "llama-8b", "bfloat16")
     assert cfg.data.format == "text"
     assert Workload.from_config(cfg).teacher == _teacher_at("llama-8b", "llama-1b")
+    dry = run_main(["train", "--dry-run", "--config", str(emitted), "--dry-run-rank", "7"])
+    planned = planned_teacher_bytes(cfg, 8, 7)
+    assert dry.returncode == 0 and "rank 7 of 8" in dry.stdout, dry.stderr[-2000:]
+    assert (
+        f"this rank's teacher (llama-8b: frozen, laid out like the student, no gradients or optimizer state): "
+        f"parameters {planned / 1e9:.3f} GB"
+        in dry.stdout
+        and planned > 10**9
+    )
 
 
 def _teacher_at(name: str, student: str):

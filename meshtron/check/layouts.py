@@ -6,7 +6,8 @@ Ulysses' cp x tp divide 4), 32 tokens (ring cp up to 8: 2 x cp chunks), 2 layers
 (``llama-deep``, for pp > 2), 4 experts (ep divides 4). Names follow the parity suite's: ``ddp2``, ``fsdp2``,
 ``hsdp2x2``, ``tp2``, ``cp2_ring``, ``cp2_ulysses``, ``pp2``, ``ep2``, and joined for combinations
 (``pp2_fsdp2_tp2``). One more row trains a preference objective: ``dpo_`` and its layout (DPO with a live reference
-model, a frozen copy laid out like the policy, on the check's own pairs: ``write_pairs``).
+model, a frozen copy laid out like the policy, on the check's own pairs: ``write_pairs``), and one distillation:
+``distill_`` and its layout (a frozen ``DISTILL_TEACHER`` of another shape teaching ``llama-tiny`` on the corpus).
 """
 
 from __future__ import annotations
@@ -195,6 +196,29 @@ def dpo_degrees(n: int) -> Degrees | None:
     return _filled(n, tp=2) or _filled(n)
 
 
+DISTILL_TEACHER = "llama-small"
+"""The distillation row's teacher: 4 layers, hidden 192, 6 query and 2 KV heads (tp 2 and pp 2 divide it as they
+divide the student), so that the teacher's own shards, pipeline split and head differ from the student's."""
+
+DISTILL_OVERRIDES = (
+    "train.objective=distill",
+    f"distill.teacher={DISTILL_TEACHER}",
+    "distill.alpha=0.3",
+    "distill.divergence=jsd",
+    "distill.temperature=2.0",
+)
+"""The distillation row's settings besides its layout: the cross-entropy and the divergence both weighted."""
+
+
+def distill_degrees(n: int) -> Degrees | None:
+    """The distillation row's layout on ``n`` ranks: pipeline 2 x FSDP x tensor 2 where ``n`` hosts FSDP over 2 or
+    more beside them (the teacher a forward-only pipeline of its own split), else tensor 2 x FSDP over the rest, else
+    FSDP over all; None for one rank."""
+    if n == 1:
+        return None
+    return (_filled(n, pp=2, tp=2) if n % 8 == 0 else None) or _filled(n, tp=2) or _filled(n)
+
+
 def batch_size(n: int) -> int:
     return math.lcm(BATCH, n)
 
@@ -217,7 +241,7 @@ def layouts_for(n: int, device: str) -> list[CheckCase]:
         for degrees in candidate_degrees(n):
             run = Run(degrees.name(), n, degrees.model, device, degrees.overrides())
             rows.append(CheckCase(degrees.name(), run, references[degrees.model]))
-        rows.append(dpo_row(n, device))
+        rows += [dpo_row(n, device), distill_row(n, device)]
     return rows
 
 
@@ -228,6 +252,16 @@ def dpo_row(n: int, device: str) -> CheckCase:
     run = Run(name, n, DENSE, device, degrees.overrides() + DPO_OVERRIDES, pairs=True)
     reference = Run(f"1proc-dpo-{DENSE}-{device}", 1, DENSE, device, DPO_OVERRIDES, pairs=True)
     return CheckCase(name, run, reference, "the preference loss or the reference model differs")
+
+
+def distill_row(n: int, device: str) -> CheckCase:
+    """Distillation from a frozen ``DISTILL_TEACHER`` under ``distill_degrees(n)`` against one process training the
+    same."""
+    degrees = distill_degrees(n)
+    name = f"distill_{degrees.name()}"
+    run = Run(name, n, DENSE, device, degrees.overrides() + DISTILL_OVERRIDES)
+    reference = Run(f"1proc-distill-{DENSE}-{device}", 1, DENSE, device, DISTILL_OVERRIDES)
+    return CheckCase(name, run, reference, "the distillation loss or the teacher differs")
 
 
 def base_overrides(n: int, steps: int, cache_dir: str) -> list[str]:

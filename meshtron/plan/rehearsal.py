@@ -52,7 +52,8 @@ class Rehearsal:
     measured: dict
     """``state_bytes`` (parameters + gradients + optimizer state), ``activation_bytes`` (autograd's peak on the
     device), ``host_activation_bytes`` (what ``train.activation_offload`` held in host memory at its peak),
-    ``reference_bytes`` (a ``model`` reference's parameters: ``preference.reference=model``),
+    ``reference_bytes`` (a ``model`` reference's parameters: ``preference.reference=model``), ``teacher_bytes``
+    (a distillation teacher's parameters on this rank: ``train.objective=distill``),
     ``peak_bytes`` (the device's peak allocation; on CPU the process's peak resident memory), ``step_s``
     (median step time after the first, communication excluded)."""
     planned: dict
@@ -124,6 +125,7 @@ def rehearse(cfg: Config, world_size: int, rank: int = 0, steps: int = DEFAULT_S
         "activation_bytes": result.activation_bytes,
         "host_activation_bytes": result.offloaded_bytes,
         "reference_bytes": result.reference_bytes,
+        "teacher_bytes": result.teacher_bytes,
         "peak_bytes": int(max_memory_gb(device) * 2**30),
         "step_s": statistics.median(timed),
     }
@@ -158,6 +160,8 @@ def format_rehearsal(report: Rehearsal) -> str:
         rows.insert(2, ("activations in host memory", "host_activation_bytes"))
     if report.planned.get("reference_bytes") or report.measured.get("reference_bytes"):
         rows.insert(1, ("reference model (parameters)", "reference_bytes"))
+    if report.planned.get("teacher_bytes") or report.measured.get("teacher_bytes"):
+        rows.insert(1, ("teacher (parameters)", "teacher_bytes"))
     lines = [
         f"meshtron rehearsal: rank {report.rank} of {report.world_size} ({report.layout}) on {report.device}",
         f"{'':36} {'measured':>12} {'planned':>12} {'diff':>8}",
