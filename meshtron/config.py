@@ -650,7 +650,7 @@ class DistillConfig:
     """With ``divergence=jsd``: the teacher's weight in the mixture, in (0, 1) (TRL's ``beta``)."""
     teacher_dtype: str | None = None
     """Storage dtype of the teacher's weights (``bfloat16`` halves them while the student keeps float32 master
-    weights); unset: ``model.dtype``."""
+    weights); unset: ``bfloat16`` under bf16 mixed precision (the teacher only computes in it), else ``model.dtype``."""
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -667,6 +667,15 @@ class DistillConfig:
                 f"distill.beta is the weight of divergence=jsd, but distill.divergence={self.divergence}; set "
                 "distill.divergence=jsd or remove distill.beta"
             )
+
+
+def teacher_storage_dtype(teacher_dtype: str | None, model_dtype: str, compute_dtype: str | None) -> str:
+    """The teacher's storage dtype: ``distill.teacher_dtype``; unset, bfloat16 where the run computes in bfloat16
+    (the frozen teacher only ever computes in it: stored so, it needs no compute copies and half the bytes, and its
+    matmuls see the same bfloat16 weights), else ``model.dtype``."""
+    if teacher_dtype is not None:
+        return teacher_dtype
+    return "bfloat16" if compute_dtype == "bfloat16" else model_dtype
 
 
 @dataclass

@@ -34,15 +34,17 @@ def compile_enabled(setting: str, device_type: str) -> bool:
     return setting == "true" or (setting == "auto" and device_type == "cuda")
 
 
-def apply_compile(model: nn.Module, adapter: DecoderAdapter) -> None:
+def apply_compile(model: nn.Module, adapter: DecoderAdapter, static_shapes: bool = False) -> None:
     """Compile each decoder block's forward in place (parameter names unchanged).
 
     Only ``forward`` is compiled, as torchtitan compiles a block before FSDP wraps it: the block's hooks (FSDP's
     all-gathers, meshtron's compute casts) run outside the compiled code, so dynamo never guards on one
-    block's parameters and every block reuses the first one's graph.
+    block's parameters and every block reuses the first one's graph. ``static_shapes``: a graph per shape, never a
+    dynamic one: two models of one block class (a distillation's teacher and student) share the compiled code's
+    cache, where a second width would otherwise make dynamo recompile both with symbolic sizes.
     """
     for _, block in adapter.named_blocks(model):
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, dynamic=False if static_shapes else None)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class ParallelizeOptions:
     """``precision.mixed_precision`` resolved (meshtron.distributed.precision)."""
     compiled: bool
     """``train.compile`` resolved: the decoder blocks are compiled."""
+    static_shapes: bool = False
+    """Compiled blocks get a graph per shape, never a dynamic one (``apply_compile``; set for distillation)."""
     float8: bool = False
     """``precision.float8``."""
     float8_recipe: str = "tensorwise"
@@ -138,7 +142,7 @@ def parallelize_model(
     apply_tiled_mlp(adapter.named_blocks(model), adapter.block_tp_roles, options.mlp_tiles)
     apply_activation_checkpointing(model, adapter, options.activation_checkpointing)
     if options.compiled:
-        apply_compile(model, adapter)
+        apply_compile(model, adapter, options.static_shapes)
     if dims.fsdp_applied(options.fsdp.cpu_offload):
         if meshes is None:
             raise ConfigError(

@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from meshtron.config import DistillConfig, ModelConfig
+from meshtron.config import DistillConfig, ModelConfig, teacher_storage_dtype
 from meshtron.data.hub import is_hub_id, local_folder, model_folder, snapshot_commit
 from meshtron.errors import ConfigError, MeshtronError
 from meshtron.models.build import CHECKPOINT_VOCAB_ATTRIBUTE, CheckpointReader, check_model_path, load_hf_config
@@ -21,16 +21,17 @@ from meshtron.models.presets import ALIASES, PRESETS
 SETTING = "distill.teacher"
 
 
-def teacher_model_config(distill: DistillConfig, student: ModelConfig) -> ModelConfig:
+def teacher_model_config(distill: DistillConfig, student: ModelConfig, compute_dtype: str | None = None) -> ModelConfig:
     """``[model]`` of the teacher: a preset by name, else a model folder (or hub id); the student's attention
-    settings and ``model.trust_remote_code``, ``distill.teacher_dtype`` (or the student's dtype) for its weights,
-    never the student's context extension (the teacher's own positions apply)."""
+    settings and ``model.trust_remote_code``, its storage dtype (``teacher_storage_dtype``; ``compute_dtype``: the
+    run's under mixed precision, None without), never the student's context extension (the teacher's own positions
+    apply)."""
     name = distill.teacher or ""
     is_preset = (name in PRESETS or name in ALIASES) and not Path(name).expanduser().exists()
     return ModelConfig(
         name_or_path=None if is_preset else name,
         preset=name if is_preset else None,
-        dtype=distill.teacher_dtype or student.dtype,
+        dtype=teacher_storage_dtype(distill.teacher_dtype, student.dtype, compute_dtype),
         attn_implementation=student.attn_implementation,
         attention_kernel=student.attention_kernel,
         trust_remote_code=student.trust_remote_code,

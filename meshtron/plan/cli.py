@@ -333,7 +333,7 @@ def describe_objective(workload) -> str:
     """`` | DPO, reference: ...`` or `` | DISTILL from ...`` for the plan's first line (nothing for causal_lm)."""
     if workload.distill:
         teacher = workload.teacher
-        dtype = workload.teacher_dtype or workload.model_dtype
+        dtype = workload.teacher_storage_dtype
         return f" | DISTILL from {teacher.name} ({teacher.params / 1e9:.2f} B params, {dtype})"
     if not workload.preference:
         return ""

@@ -14,6 +14,7 @@ from meshtron.config import (
     ParallelConfig,
     ParallelOptions,
     reference_kind,
+    teacher_storage_dtype,
 )
 from meshtron.distributed.mesh import ParallelDims
 from meshtron.errors import ConfigError
@@ -133,9 +134,15 @@ class Workload:
         return self.objective == "distill"
 
     @property
+    def teacher_storage_dtype(self) -> str:
+        """The teacher's storage dtype as a run resolves it (meshtron.config.teacher_storage_dtype)."""
+        mixed = self.compute_dtype if self.compute_dtype != self.model_dtype else None
+        return teacher_storage_dtype(self.teacher_dtype, self.model_dtype, mixed)
+
+    @property
     def teacher_bytes_per_param(self) -> int:
-        """Bytes of a parameter of the teacher (``teacher_dtype``, else the model's dtype)."""
-        return DTYPE_BYTES[self.teacher_dtype or self.model_dtype]
+        """Bytes of a parameter of the teacher (``teacher_storage_dtype``)."""
+        return DTYPE_BYTES[self.teacher_storage_dtype]
 
     @property
     def teacher_compute_dtype(self) -> str:
@@ -143,7 +150,7 @@ class Workload:
         precision, else the teacher's own storage dtype."""
         if self.compute_dtype != self.model_dtype:
             return self.compute_dtype
-        return self.teacher_dtype or self.model_dtype
+        return self.teacher_storage_dtype
 
     @property
     def live_reference(self) -> bool:

@@ -74,8 +74,10 @@ class MemoryEstimate:
 
     @property
     def host(self) -> int:
-        """Bytes in host memory: offloaded activations, and the state under ``fsdp.cpu_offload``, as pinned."""
-        return self.host_activations + (self.state if self.state_on_host else 0) + self.host_pinning
+        """Bytes in host memory: offloaded activations, and the state (a teacher's parameters too, which FSDP offloads
+        alike) under ``fsdp.cpu_offload``, as pinned."""
+        on_host = self.state + self.teacher if self.state_on_host else 0
+        return self.host_activations + on_host + self.host_pinning
 
     @property
     def state(self) -> int:
@@ -98,7 +100,7 @@ class MemoryEstimate:
         what that forward holds)."""
         teacher_for_loss = self.teacher_hidden + self.teacher_head
         forward_end = self.peak_state + self.activations + self.gathered + self.temporaries + teacher_for_loss
-        backward_end = (0 if self.state_on_host else self.state) + self.reference + self.teacher + self.gathered
+        backward_end = (0 if self.state_on_host else self.state + self.teacher) + self.reference + self.gathered
         teacher_end = self.peak_state + self.teacher_forward + self.teacher_hidden
         return max(forward_end, backward_end, self.peak_state + self.reference_forward, teacher_end)
 
@@ -724,7 +726,7 @@ def teacher_workload(workload: Workload) -> Workload:
     """The workload as the teacher runs it: its own storage dtype and compute dtype (``teacher_compute_dtype``)."""
     return dataclasses.replace(
         workload,
-        model_dtype=workload.teacher_dtype or workload.model_dtype,
+        model_dtype=workload.teacher_storage_dtype,
         compute_dtype=workload.teacher_compute_dtype,
     )
 

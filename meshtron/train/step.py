@@ -39,7 +39,6 @@ from meshtron.metrics.gradient_memory import held_gradient_bytes
 from meshtron.metrics.memory import model_state_bytes
 from meshtron.tensors import local_tensor
 from meshtron.train.batch import SequenceSplit, host_document_bounds, sequence_inputs, shard_labels
-from meshtron.train.distill.targets import pack_targets as pack_distill_targets
 from meshtron.train.loss.head import head_loss_sum
 from meshtron.train.loss.preference import preference_runs, target_tokens
 from meshtron.train.loss.scaling import LossScaler, unscale_gradients
@@ -250,8 +249,7 @@ def with_teacher_hidden(input_ids, labels, bounds, ctx: StepContext) -> torch.Te
     """A distillation micro-batch's targets: its labels with the teacher's final hidden states of its sequences
     (meshtron.train.distill.targets); under pipeline parallelism the batch's, on the last stage's rank (None on
     the others, whose schedule takes no targets)."""
-    teacher_hidden = ctx.distill.teacher.hidden_states(input_ids, bounds)
-    return pack_distill_targets(labels, teacher_hidden) if teacher_hidden is not None else None
+    return ctx.distill.teacher.targets(input_ids, labels, bounds)
 
 
 def distill_loss(model, hidden, target, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:

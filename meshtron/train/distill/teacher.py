@@ -20,12 +20,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meshtron.distributed.data_parallel import forget_forwards, reshard_all
+from meshtron.distributed.precision import compute_head, release_compute_weights
 from meshtron.metrics.memory import local_bytes
 from meshtron.models.adapter import DecoderAdapter
 from meshtron.train.batch import SequenceSplit, sequence_inputs
+from meshtron.train.distill.targets import empty_targets, pack_targets
 from meshtron.train.pipeline.evaluate import pipeline_forward
 from meshtron.train.pipeline.runner import PipelineRunner
 
@@ -51,30 +54,65 @@ class TeacherModel:
         return sum(local_bytes(p) for module in self.modules for p in module.parameters())
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, bounds=None) -> torch.Tensor | None:
-        """The teacher's final hidden states of ``input_ids`` (this rank's rows, whole sequences: cut over the
-        context-parallel ranks as the student's are; ``bounds``: their document bounds), ``(B, S / cp, H)``. Under
-        pipeline parallelism: all the rows' on the last stage's rank, None on the others."""
+    def targets(self, input_ids: torch.Tensor, labels: torch.Tensor, bounds=None) -> torch.Tensor | None:
+        """The micro-batch's targets (meshtron.train.distill.targets): ``labels`` (this rank's context-parallel
+        shard) with the teacher's final hidden states of ``input_ids`` (this rank's rows, whole sequences: cut over the
+        context-parallel ranks as the student's are; ``bounds``: their document bounds), ``(B, S / cp, H + w)``.
+        Under pipeline parallelism: all the rows' on the last stage's rank (written microbatch by microbatch into
+        one tensor), None on the others. Every FSDP module of the teacher but the head's is sharded again."""
         if self.runner is None:
             (model,) = self.modules
-            return _whole(model(**sequence_inputs(input_ids, self.split, bounds)))
+            target = pack_targets(labels, _whole(model(**sequence_inputs(input_ids, self.split, bounds))))
+        else:
+            target = self._pipeline_targets(input_ids, labels, bounds)
+        self._reshard_all_but_head()
+        return target
+
+    def _pipeline_targets(self, input_ids, labels, bounds) -> torch.Tensor | None:
         runner = self.runner
-        found: list[torch.Tensor] = []  # the last stage's, one per microbatch in order
+        rows = [part.shape[0] for part in labels.tensor_split(runner.microbatches)]
+        starts = [sum(rows[:micro]) for micro in range(len(rows))]
+        written: list[torch.Tensor] = []  # the targets, made at the first microbatch's hidden states
+
+        def on_last_stage(hidden: torch.Tensor, micro: int) -> None:
+            hidden = _whole(hidden)
+            if not written:
+                written.append(empty_targets(labels, hidden.shape[-1], hidden.dtype))
+            written[0][starts[micro] : starts[micro] + rows[micro], ..., : hidden.shape[-1]] = hidden
+
         with runner.stage_inputs.during(bounds) if runner.stage_inputs else contextlib.nullcontext():
-            pipeline_forward(runner, input_ids, lambda hidden, micro: found.append(_whole(hidden)))
-        return torch.cat(found) if found else None
+            pipeline_forward(runner, input_ids, on_last_stage)
+        return written[0] if written else None
+
+    def _head_module(self) -> nn.Module | None:
+        """The module that holds the teacher's head on this rank (None: a pipeline rank without the last stage)."""
+        if self.runner is None:
+            return self.modules[0]
+        return self.modules[-1] if self.runner.holds_last else None
+
+    def _reshard_all_but_head(self) -> None:
+        """After the teacher's forward: FSDP keeps the root and (without ``fsdp.reshard_after_forward``, as under
+        pipeline parallelism) every block gathered for a backward that never comes; only the head's module is needed
+        until the student's loss (``release``)."""
+        head_module = self._head_module()
+        for module in self.modules:
+            for part in module.modules():
+                if isinstance(part, FSDPModule) and part is not head_module:
+                    part.reshard()
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The teacher's head (weight, bias or None): as gathered by its forward; on the last stage's rank under
-        pipeline parallelism."""
-        if self.runner is not None:
-            return self.runner.head()
-        return self.adapter.head_parameters(self.modules[0])
+        """The teacher's head (weight, bias or None) in the compute dtype, as gathered by its forward; on the last
+        stage's rank under pipeline parallelism."""
+        head_module = self._head_module()
+        if head_module is None:
+            raise RuntimeError("the teacher's head is on the last pipeline stage's rank")
+        return compute_head(head_module, self.adapter)
 
     def release(self) -> None:
-        """Shard the teacher again after the student's loss used its head: FSDP keeps the root (and the last block)
-        gathered after a forward for a backward that never comes; its record of forwards, which only a backward
-        clears, is dropped too."""
+        """Shard the teacher again after the student's loss used its head, and drop its compute-dtype weight copies:
+        FSDP keeps the root gathered after a forward for a backward that never comes; its record of forwards, which
+        only a backward clears, is dropped too."""
+        release_compute_weights(*self.modules)
         reshard_all(*self.modules)
         forget_forwards(*self.modules)
 

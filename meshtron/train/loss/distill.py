@@ -88,8 +88,9 @@ def _divergence_parts(log_ps, log_pt, ps, pt, options: DistillOptions) -> tuple[
         return [_row_dot(ps, g)], g
     beta = options.beta
     mixture = log_ps + math.log1p(-beta)  # log((1 - beta) p_s + beta p_t), a log-sum-exp as TRL computes it
-    torch.logaddexp(mixture, log_pt + math.log(beta), out=mixture)
-    teacher_part = beta * _row_dot(pt, log_pt.sub_(mixture))
+    log_beta = math.log(beta)
+    torch.logaddexp(mixture, log_pt.add_(log_beta), out=mixture)  # log_pt shifted in place, not copied
+    teacher_part = beta * _row_dot(pt, log_pt.sub_(log_beta).sub_(mixture))
     g = log_ps.sub_(mixture).mul_(1 - beta)
     return [teacher_part, _row_dot(ps, g)], g
 
@@ -99,7 +100,7 @@ def _distill_chunk(h, w, b, th, tw, tb, labels, vocab_start: int, softcaps, opti
     ``w``'s dtype, or None without ``grads``) of one chunk; ``group``: the vocabulary-split ranks to reduce over.
     Float32, in place where it can."""
     student, capped = head_logits(h, w, b, softcaps[0])
-    teacher, _ = head_logits(th, tw, tb, softcaps[1])
+    teacher = head_logits(th, tw, tb, softcaps[1])[0]  # its tanh (soft cap) not kept: no gradient goes through it
     temperature, alpha = options.temperature, options.alpha
     valid = labels != IGNORE_INDEX
     local = labels - vocab_start

@@ -197,7 +197,7 @@ def _distill_summary(cfg, setup) -> str:
     divergence = d.divergence + (f" beta {d.beta:g}" if d.divergence == "jsd" else "")
     return (
         f"distill from {d.teacher} ({shape.num_hidden_layers} layers, hidden {shape.hidden_size}, "
-        f"{d.teacher_dtype or cfg.model.dtype}; {divergence}, temperature {d.temperature:g}, alpha {d.alpha:g})"
+        f"{setup.teacher_model.dtype}; {divergence}, temperature {d.temperature:g}, alpha {d.alpha:g})"
     )
 
 

@@ -195,10 +195,12 @@ def build_distill(
         ),  # a preset teacher's random weights differ from the student's
     )
     teacher_setup = replace(setup, hf_config=setup.teacher_config, model=setup.teacher_model)
-    copy = build_model(teacher_cfg, runtime, teacher_setup, meshes, split, policy, frozen=True)
+    # The student's sequence cut, with the teacher's own attention windows (sliding layers the student may lack).
+    teacher_split = replace(split, attention_windows=attention_windows(setup.teacher_config))
+    copy = build_model(teacher_cfg, runtime, teacher_setup, meshes, teacher_split, policy, frozen=True)
     freeze_teacher(copy.parts)
     modules = copy.runner.modules if copy.runner is not None else copy.parts
-    teacher = TeacherModel(cfg.distill.teacher or "", modules, copy.adapter, split, copy.runner)
+    teacher = TeacherModel(cfg.distill.teacher or "", modules, copy.adapter, teacher_split, copy.runner)
     teacher_softcap = copy.runner.softcap if copy.runner is not None else copy.adapter.logit_softcap(copy.model)
     distill = cfg.distill
     options = DistillOptions(distill.divergence, distill.beta, distill.temperature, distill.alpha)

@@ -228,7 +228,8 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     )
     teacher_model, teacher_config = None, None
     if cfg.train.objective == "distill":
-        teacher_model, teacher_config = _teacher(cfg, dims, tokenizer, hf_config, micro, device_type)
+        compute = str(precision.compute_dtype).removeprefix("torch.") if precision.compute_dtype else None
+        teacher_model, teacher_config = _teacher(cfg, dims, tokenizer, hf_config, micro, device_type, compute)
     check_mlp_tiles(cfg.train.mlp_tiles, hf_config)
     check_router_balance(cfg.moe.router_balance, hf_config)
     router_loss_enabled(cfg.moe.router_aux_loss, hf_config)  # refuses a router loss the model cannot have
@@ -266,10 +267,13 @@ def preflight(cfg: Config, world_size: int, device_type: str) -> RunSetup:
     )
 
 
-def _teacher(cfg: Config, dims: ParallelDims, tokenizer, student_config, local_batch: int, device_type: str):
+def _teacher(
+    cfg: Config, dims: ParallelDims, tokenizer, student_config, local_batch: int, device_type: str, compute: str | None
+):
     """(the teacher's model settings, its Hugging Face config) of ``train.objective=distill``, refused in one line
-    where its folder, tokenizer, vocabulary or shape does not fit the student and the run's layout."""
-    teacher_model = pinned_teacher(teacher_model_config(cfg.distill, cfg.model))
+    where its folder, tokenizer, vocabulary or shape does not fit the student and the run's layout (``compute``: the
+    run's compute dtype under mixed precision, else None)."""
+    teacher_model = pinned_teacher(teacher_model_config(cfg.distill, cfg.model, compute))
     teacher_config = load_teacher_config(teacher_model, tokenizer.vocab_size, student_config)
     folder = model_folder(teacher_model)
     if folder:

@@ -88,6 +88,7 @@ def parallelize_options(cfg: Config, setup: RunSetup) -> ParallelizeOptions:
         fsdp=cfg.fsdp,
         precision=setup.precision,
         compiled=setup.compiled,
+        static_shapes=cfg.train.objective == "distill",  # the teacher's blocks beside the student's
         float8=cfg.precision.float8,
         float8_recipe=cfg.precision.float8_recipe,
         mask_documents=cfg.data.mask_documents,
