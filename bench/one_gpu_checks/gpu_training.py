@@ -98,6 +98,58 @@ def preference_dpo(out) -> dict:
     }
 
 
+DISTILL = ("train.objective=distill", "distill.teacher=llama-small", "distill.divergence=jsd", "distill.alpha=0.5",
+           "distill.temperature=2.0", "optimizer.lr=3e-3", "schedule.warmup_steps=1")  # fmt: skip
+"""llama-tiny distilled from llama-small (random weights): the fused loss's widest path (the jsd mixture, a
+temperature, the cross-entropy beside the divergence)."""
+
+
+def distill(out) -> dict:
+    """``train.objective=distill`` on the GPU against the CPU (fp32, 3 steps): losses, cross-entropies and
+    divergences; the teacher's bytes on the GPU as planned (fp32, then bf16); then bf16 with compiled blocks and a
+    bf16 teacher on the GPU: the fused loss (chunks of 16 tokens) equals the unfused one within 2e-2, and it learns."""
+    import torch
+
+    runs = _cpu_against_gpu(out / "fp32", *DISTILL)
+    figures = {"loss_rel_diff": expect_close("losses", runs["gpu"].losses, runs["cpu"].losses, 1e-5)}
+    rows = {side: metrics_rows(out / "fp32" / side) for side in ("cpu", "gpu")}
+    for key in ("nll_loss", "divergence"):
+        got, want = ([row[key] for row in rows[side]] for side in ("gpu", "cpu"))
+        figures[f"{key}_rel_diff"] = expect_close(key, got, want, 1e-5)
+    bf16 = {name: _distill_bf16(out / name, chunk) for name, chunk in (("fused", 16), ("unfused", 0))}
+    teacher = {"fp32": (runs["gpu"].teacher_bytes, _planned_teacher(settings_for(out, *FP32, *DISTILL))),
+               "bf16": (bf16["fused"].teacher_bytes, _planned_teacher(_bf16_distill_settings(out, 16)))}  # fmt: skip
+    figures["teacher_bytes_fp32_bf16"] = [measured for measured, _ in teacher.values()]
+    record(**figures)
+    for dtype, (measured, planned) in teacher.items():
+        assert measured == planned > 0, f"{dtype} teacher: {measured:,} bytes on the GPU, {planned:,} planned"
+    losses = bf16["fused"].losses
+    figures["bf16_compiled_losses"] = [round(x, 4) for x in losses]
+    record(**figures)
+    assert all(map(torch.isfinite, map(torch.tensor, losses))), losses
+    figures["fused_vs_unfused_rel_diff"] = expect_close("fused vs unfused", losses, bf16["unfused"].losses, 2e-2)
+    assert losses[-1] < losses[0], f"bf16 compiled distillation did not learn: {losses}"
+    return figures
+
+
+def _bf16_distill_settings(out, chunk: int) -> list[str]:
+    """The bf16, compiled distillation run with ``train.loss_chunk_size=chunk`` (0: unfused), a bf16 teacher."""
+    return settings_for(out, *DISTILL, "distill.teacher_dtype=bfloat16", "precision.mixed_precision=bf16",
+                        "train.compile=true", f"train.loss_chunk_size={chunk}", device_setting(), steps=6)  # fmt: skip
+
+
+def _distill_bf16(out, chunk: int):
+    return train_here(cuda_device(), _bf16_distill_settings(out, chunk))
+
+
+def _planned_teacher(settings: list[str]) -> int:
+    """The planner's teacher bytes for one rank of ``settings``."""
+    from meshtron.config import load_config
+    from meshtron.plan.memory import planned_teacher_bytes
+
+    return planned_teacher_bytes(load_config(None, settings, env={}), 1, 0)
+
+
 def validation(out) -> dict:
     """``[eval]`` on held-out documents every 2 steps on the GPU against the CPU: the evaluation losses."""
     runs = _cpu_against_gpu(out, "eval.holdout_documents=4", "eval.interval=2", "eval.batches=2")
