@@ -60,7 +60,7 @@ CHECKS = (
     # Issue 59's preference objectives: first, while their issue is open.
     Check("preference_dpo", "gpu_training:preference_dpo", 90, 180, ("Preference objectives",)),
     # Issue 60's distillation: a frozen teacher, the fused loss of both heads.
-    Check("distill", "gpu_training:distill", 100, 200, finding="issue 60: train.objective=distill on the GPU"),
+    Check("distill", "gpu_training:distill", 100, 200, ("Distillation (`train.objective=distill`",)),
     # found failing on the first run (an H200, 2026-11-28) and fixed: first, to re-run
     Check("fused_loss", "gpu_kernels:fused_loss", 15, 60, ("Mixed precision",), cuda=False),
     Check("varlen_attention", "gpu_kernels:varlen_attention", 20, 90, ("Document-masked attention",)),
