@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from meshtron.data.labels import IGNORE_INDEX
-from meshtron.train.loss.fused import _add_float32, _scaled, head_logits, vocabulary_slices
+from meshtron.train.loss.fused import ChunkGradients, _scaled, head_logits, vocabulary_slices
 from meshtron.train.loss.head import _replicated
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -158,9 +158,7 @@ class _FusedDistill(torch.autograd.Function):
         h, w = hidden.to(compute), weight.to(compute)
         b = bias.to(compute) if bias is not None else None
         chunk_fn = _compiled_chunk() if compiled and group is None else _distill_chunk
-        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(h) if want_hidden else None
-        grad_weight = grad_bias = None  # float32 sums over the chunks; the first chunk's is assigned, not added
+        grads = ChunkGradients(h, ctx.needs_input_grad[:3])
         sums = torch.zeros(2, dtype=torch.float32, device=hidden.device)
         th, tw, tb = teacher
         for part in _chunks(labels.shape[0], chunk_size):
@@ -168,18 +166,9 @@ class _FusedDistill(torch.autograd.Function):
                 h[part], w, b, th[part], tw, tb, labels[part], vocab_start, softcaps, options, group, True
             )
             sums += chunk_sums
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, w, out=grad_hidden[part])
-            if want_weight:
-                grad_weight = _add_float32(grad_weight, grad_logits.t() @ h[part])
-            if want_bias:
-                grad_bias = _add_float32(grad_bias, grad_logits.sum(0))
+            grads.add(part, grad_logits, h, w)
             del grad_logits
-        if want_weight and grad_weight is None:  # no tokens
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if want_bias and grad_bias is None:
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(grads.hidden, *grads.sums_or_zeros(weight, bias))
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.compute = compute
         ctx.mark_non_differentiable(sums)

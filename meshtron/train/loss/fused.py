@@ -121,6 +121,36 @@ def _compiled_chunk():
     return torch.compile(_chunk, dynamic=False)
 
 
+class ChunkGradients:
+    """The gradients a chunked head writes chunk by chunk from each chunk's gradient with respect to its logits: the
+    hidden states' (written in place, in the compute dtype) and the head weight's and bias's (float32 sums over the
+    chunks; the first chunk's is assigned, not added). Shared by the fused cross-entropy, the per-token
+    log-probabilities (meshtron.train.loss.token_logps) and the distillation loss (meshtron.train.loss.distill)."""
+
+    def __init__(self, h: torch.Tensor, wanted) -> None:
+        want_hidden, self.want_weight, self.want_bias = wanted
+        self.hidden = torch.empty_like(h) if want_hidden else None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def add(self, part: slice, grad_logits: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        """Chunk ``part``'s share, from ``grad_logits`` (the chunk's, in ``w``'s dtype)."""
+        if self.hidden is not None:
+            torch.matmul(grad_logits, w, out=self.hidden[part])
+        if self.want_weight:
+            self.weight = _add_float32(self.weight, grad_logits.t() @ h[part])
+        if self.want_bias:
+            self.bias = _add_float32(self.bias, grad_logits.sum(0))
+
+    def sums_or_zeros(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """(weight, bias) gradient sums, float32 zeros where wanted and no chunk had tokens."""
+        if self.want_weight and self.weight is None:
+            self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if self.want_bias and self.bias is None:
+            self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        return self.weight, self.bias
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size, compute_dtype, vocab_start, softcap, group, compiled):
@@ -129,26 +159,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         b = bias.to(compute) if bias is not None else None
         h = hidden.to(compute)
         chunk_fn = _compiled_chunk() if compiled and group is None else _chunk
-        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(h) if want_hidden else None
-        grad_weight = grad_bias = None  # float32 sums over the chunks; the first chunk's is assigned, not added
+        grads = ChunkGradients(h, ctx.needs_input_grad[:3])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, labels.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
             loss, grad_logits = chunk_fn(h[part], w, b, labels[part], vocab_start, softcap, group, True)
             total += loss
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, w, out=grad_hidden[part])
-            if want_weight:
-                grad_weight = _add_float32(grad_weight, grad_logits.t() @ h[part])
-            if want_bias:
-                grad_bias = _add_float32(grad_bias, grad_logits.sum(0))
+            grads.add(part, grad_logits, h, w)
             del grad_logits
-        if want_weight and grad_weight is None:  # no tokens
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if want_bias and grad_bias is None:
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(grads.hidden, *grads.sums_or_zeros(weight, bias))
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.compute = compute
         return total

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from meshtron.train.loss.fused import _add_float32, chunk_statistics, vocabulary_slices
+from meshtron.train.loss.fused import ChunkGradients, chunk_statistics, vocabulary_slices
 from meshtron.train.loss.head import _replicated
 
 
@@ -81,24 +81,17 @@ class _HeadTokenLogps(torch.autograd.Function):
         chunk_size, compute_dtype, vocab_start, softcap, group, compiled = ctx.settings
         h, w, b = _cast(hidden, weight, bias, compute_dtype)
         chunk_fn = _chunk_function(compiled, group)
-        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(h) if want_hidden else None
-        grad_weight = grad_bias = None  # float32 sums over the chunks
+        grads = ChunkGradients(h, ctx.needs_input_grad[:3])
         for start in range(0, labels.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
             _, grad_logits = chunk_fn(h[part], w, b, labels[part], vocab_start, softcap, group, grad_logps[part])
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, w, out=grad_hidden[part])
-            if want_weight:
-                grad_weight = _add_float32(grad_weight, grad_logits.t() @ h[part])
-            if want_bias:
-                grad_bias = _add_float32(grad_bias, grad_logits.sum(0))
+            grads.add(part, grad_logits, h, w)
             del grad_logits
         # Each gradient is rounded to the compute dtype once, as the fused loss rounds its own (see fused.py).
         return (
-            grad_hidden.to(hidden.dtype) if want_hidden else None,
-            _rounded(grad_weight, weight, w.dtype) if want_weight else None,
-            _rounded(grad_bias, bias, w.dtype) if want_bias else None,
+            grads.hidden.to(hidden.dtype) if grads.hidden is not None else None,
+            _rounded(grads.weight, weight, w.dtype) if grads.want_weight else None,
+            _rounded(grads.bias, bias, w.dtype) if grads.want_bias else None,
             *([None] * 7),
         )
 
