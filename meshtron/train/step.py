@@ -203,7 +203,7 @@ def _forward_backward(
         last = index == len(batches) - 1
         set_gradient_sync(model, last, ctx.options.accumulate_unsharded)
         if ctx.distill is not None:  # the teacher's forward first: only its final hidden states stay
-            labels = with_teacher_hidden(input_ids, labels, bounds, ctx)
+            labels = teacher_targets(input_ids, labels, bounds, ctx)
         with contextlib.ExitStack() as recording:
             if routing is not None:
                 recording.enter_context(ctx.router.recording())
@@ -245,7 +245,7 @@ def preference_loss(model, hidden, target, ctx: StepContext, counts: PairCounts 
     return ctx.preference.loss(hidden, target, *compute_head(model, ctx.adapter), counts)
 
 
-def with_teacher_hidden(input_ids, labels, bounds, ctx: StepContext) -> torch.Tensor | None:
+def teacher_targets(input_ids, labels, bounds, ctx: StepContext) -> torch.Tensor | None:
     """A distillation micro-batch's targets: its labels with the teacher's final hidden states of its sequences
     (meshtron.train.distill.targets); under pipeline parallelism the batch's, on the last stage's rank (None on
     the others, whose schedule takes no targets)."""
@@ -467,7 +467,7 @@ def _pipeline_forward_backward(
     token loss (and a preference objective's metric sums)."""
     ((input_ids, labels, bounds),) = batches
     if ctx.distill is not None:  # the teacher's pipeline forward over the whole batch, then the student's schedule
-        labels = with_teacher_hidden(input_ids, labels, bounds, ctx)
+        labels = teacher_targets(input_ids, labels, bounds, ctx)
     with ctx.balance.recording() if ctx.balance is not None else contextlib.nullcontext():
         loss = ctx.runner.run(input_ids, labels, scales.loss, scales.aux, bounds, counts)
     if ctx.distill is not None:

@@ -36,7 +36,7 @@ from meshtron.train.step import (
     preference_loss,
     step_sequences,
     with_reference_logps,
-    with_teacher_hidden,
+    teacher_targets,
 )
 from meshtron.train.step_stats import global_loss_sum, global_target_count, host_values
 
@@ -214,7 +214,7 @@ class Evaluator:
         """(3,) this rank's summed loss, cross-entropy and divergence of one micro-batch (the last pipeline
         stage's; zeros on the other stages)."""
         ctx, distill = self.ctx, self.ctx.distill
-        target = with_teacher_hidden(input_ids, labels, bounds, ctx)
+        target = teacher_targets(input_ids, labels, bounds, ctx)
         if ctx.runner is None:
             hidden = model(**sequence_inputs(input_ids, ctx.split, bounds))
             with loss_parallel() if ctx.loss_parallel else contextlib.nullcontext():
