@@ -35,8 +35,8 @@ from meshtron.train.step import (
     pair_counts,
     preference_loss,
     step_sequences,
-    with_reference_logps,
     teacher_targets,
+    with_reference_logps,
 )
 from meshtron.train.step_stats import global_loss_sum, global_target_count, host_values
 
