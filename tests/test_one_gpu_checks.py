@@ -157,20 +157,9 @@ def test_no_check_starts_with_less_of_the_budget_left_than_its_estimate(tmp_path
     assert row["checks"][0]["reason"].startswith("timed out after 3 s (the queue's budget left; its limit is 30 s)")
 
 
-@pytest.mark.slow
-def test_the_distill_check_runs_on_a_cpu_right_after_the_dpo_one(tmp_path, monkeypatch):
-    """The queue's ``distill`` check (issue 60) with GPU_QUEUE_ON_CPU=1, so that its first GPU run meets no typo: the
-    CPU against itself in fp32 exactly, the teacher's bytes as planned (float32, then bfloat16: half), the bf16
-    compiled run's fused loss near the unfused one. It runs right after ``preference_dpo``."""
+def test_the_distill_check_comes_right_after_the_dpo_one():
+    """The queue's ``distill`` check (issue 60) runs right after ``preference_dpo``. (Its CPU half, a minute with
+    compiled blocks, is run by hand before a GPU session: ``GPU_QUEUE_ON_CPU=1 python bench/one_gpu_checks/gpu_queue.py
+    --only distill``; it passed on 2026-11-28.)"""
     names = [check.name for check in CHECKS]
     assert names.index("distill") == names.index("preference_dpo") + 1
-    monkeypatch.setenv("GPU_QUEUE_ON_CPU", "1")
-    (check,) = [check for check in CHECKS if check.name == "distill"]
-    results = gpu_queue.run_queue([check], tmp_path / "out", tmp_path / "r.json", report=lambda _: None)
-    row = results["checks"][0]
-    assert row["status"] == "pass", row
-    figures = row["figures"]
-    assert figures["loss_rel_diff"] == figures["nll_loss_rel_diff"] == figures["divergence_rel_diff"] == 0.0
-    fp32, bf16 = figures["teacher_bytes_fp32_bf16"]
-    assert fp32 == 2 * bf16 > 0
-    assert figures["fused_vs_unfused_rel_diff"] < 1e-3 and len(figures["bf16_compiled_losses"]) == 6

@@ -754,7 +754,8 @@ REFERENCES["llama-deep-distill"] = [
     "distill.beta=0.5",
 ]
 for _name, _overrides in TWO_RANK_LAYOUTS.items():
-    LAYOUTS[f"{_name}_distill"] = (2, _overrides, "llama-distill")
+    if _name != "fsdp2":  # FSDP: fsdp2_distill_lora, hsdp2x2_distill and fsdp2_tp2_distill_unfused below
+        LAYOUTS[f"{_name}_distill"] = (2, _overrides, "llama-distill")
 LAYOUTS["hsdp2x2_distill"] = (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], "llama-distill")
 LAYOUTS["cp2_ulysses_distill"] = (2, ["parallel.cp=2", "parallel.cp_method=ulysses"], "llama-distill")
 LAYOUTS["pp2_zbv_distill"] = (2, ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"], "llama-deep-distill")
@@ -765,11 +766,10 @@ LAYOUTS["fsdp2_tp2_distill_unfused"] = (
     ["parallel.dp_shard=2", "parallel.tp=2", "train.loss_chunk_size=0"],
     "llama-distill",
 )
-# An MoE student (experts all-to-all'd, router loss on) learning from a dense teacher.
-REFERENCES["moe-aux-distill"] = [*_MOE_AUX, *_DISTILL]
-LAYOUTS["ep2_moe_aux_distill"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-distill")
-# And from an MoE teacher of twice the depth, its experts split over ep as the student's.
-REFERENCES["moe-aux-moe-teacher"] = [*REFERENCES["moe-aux-distill"], f"distill.teacher={{cache_dir}}/{MOE4_AUX}"]
+# An MoE student (experts all-to-all'd, router loss on) learning from an MoE teacher of twice its depth, the
+# teacher's experts split over ep as the student's. (A dense teacher under an MoE student's ep also passed,
+# 2026-11-28; left out for the suite's time.)
+REFERENCES["moe-aux-moe-teacher"] = [*_MOE_AUX, *_DISTILL, f"distill.teacher={{cache_dir}}/{MOE4_AUX}"]
 LAYOUTS["ep2_moe_teacher_distill"] = (2, ["parallel.dp_shard=2", "parallel.ep=2"], "moe-aux-moe-teacher")
 REFERENCES["llama-distill-lora"] = [*REFERENCES["llama-distill"], *_LORA, "optimizer.lr=5e-3"]
 LAYOUTS["fsdp2_distill_lora"] = (2, ["parallel.dp_shard=2"], "llama-distill-lora")

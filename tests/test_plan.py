@@ -337,6 +337,7 @@ NON_DEFAULT_SETTINGS = {
     "preference.reference_dtype": "bfloat16",
     "distill.teacher": None,
     "distill.teacher_dtype": None,
+    "distill.divergence": "forward_kl",
 }
 """A value other than the default for every setting the planner's Workload holds but the teacher's, which a
 preference objective cannot take (``DISTILL_SETTINGS``)."""
@@ -348,6 +349,7 @@ DISTILL_SETTINGS = {
     "preference.reference_dtype": None,
     "distill.teacher": "llama-mini",
     "distill.teacher_dtype": "float32",
+    "distill.divergence": "jsd",
 }
 """The other settings of ``NON_DEFAULT_SETTINGS`` with a distillation teacher instead of a preference objective."""
 

@@ -102,7 +102,9 @@ class Workload:
     teacher: Teacher | None = None
     """``distill.teacher`` resolved (meshtron.plan.teacher): the teacher of ``distill``, None for the others."""
     teacher_dtype: str | None = None
-    """``distill.teacher_dtype``: the teacher's storage dtype; None: ``model_dtype``."""
+    """``distill.teacher_dtype``: the teacher's storage dtype; None: as a run resolves it (teacher_storage_dtype)."""
+    divergence: str = "forward_kl"
+    """``distill.divergence``: what the unfused divergence keeps for backward depends on it."""
 
     def __post_init__(self):
         if self.compute_dtype != self.model_dtype and self.compute_dtype not in MIXED_PRECISION_DTYPES.values():
@@ -290,6 +292,7 @@ WORKLOAD_SETTINGS = (
     WorkloadSetting("preference.reference_dtype", "reference_dtype"),
     WorkloadSetting("distill.teacher", "teacher", _teacher, _teacher_name),
     WorkloadSetting("distill.teacher_dtype", "teacher_dtype"),
+    WorkloadSetting("distill.divergence", "divergence"),
 )
 """The one map between a Config and a Workload, read by ``Workload.from_config`` and written by
 ``Workload.write_to``: every Workload field but ``device`` (where the run is planned, not a setting)."""

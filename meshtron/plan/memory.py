@@ -375,7 +375,14 @@ def outer_activation_per_token(shape: ModelShape, layout: Layout, workload: Work
         )  # norm, head, labels
         if not fused_loss(workload) and not workload.preference and not workload.distill:
             total += FP32 * loss_vocab(shape, layout) * (1 + shape.logit_softcap)  # log-softmax output, capped logits
+        if not fused_loss(workload) and workload.distill:  # the unfused divergence's autograd graph, logits gathered
+            total += FP32 * shape.vocab * (UNFUSED_DIVERGENCE_SAVED[workload.divergence] + shape.logit_softcap)
     return total
+
+
+UNFUSED_DIVERGENCE_SAVED = {"forward_kl": 3, "reverse_kl": 4, "jsd": 8}
+"""float32 ``tokens x vocab`` tensors autograd keeps for the unfused divergence's backward (``train.loss_chunk_size=0``;
+measured with saved-tensor hooks on meshtron.train.loss.distill's unfused path, any alpha)."""
 
 
 def loss_vocab(shape: ModelShape, layout: Layout) -> int:

@@ -204,9 +204,12 @@ def _distill_summary(cfg, setup) -> str:
 def computed_summary(cfg, setup) -> str:
     """The objective and every setting that changes what a step computes or where its tensors live, briefly."""
     d, t = cfg.data, cfg.train
-    objective = {"causal_lm": "causal LM", "distill": _distill_summary(cfg, setup)}.get(t.objective) or (
-        _preference_summary(cfg)
-    )
+    if t.objective == "causal_lm":
+        objective = "causal LM"
+    elif t.objective == "distill":
+        objective = _distill_summary(cfg, setup)
+    else:
+        objective = _preference_summary(cfg)
     if d.format == "chat":
         objective += ", chat: loss on " + ("the assistant's tokens" if d.train_on == "assistant" else "all tokens")
     parts = [objective]
