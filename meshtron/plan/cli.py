@@ -191,7 +191,8 @@ def add_plan_parser(sub) -> None:
     plan.add_argument(
         "--teacher-dtype",
         choices=("float32", "bfloat16"),
-        help="distill.teacher_dtype: the teacher's storage dtype (default --model-dtype's)",
+        help="distill.teacher_dtype: the teacher's storage dtype (default: bfloat16 under bf16 compute, else "
+        "--model-dtype's)",
     )
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON instead of the table")
