@@ -15,7 +15,8 @@ from meshtron.data.labels import IGNORE_INDEX
 from meshtron.distributed.data_parallel import apply_fsdp
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.distill.targets import pack_targets, unpack_targets
-from meshtron.train.distill.teacher import TeacherModel, freeze
+from meshtron.train.distill.teacher import TeacherModel
+from meshtron.train.preference.reference import freeze
 
 
 def test_the_teacher_keeps_only_its_head_gathered_until_released(one_rank_mesh):  # noqa: F811

@@ -115,10 +115,3 @@ class TeacherModel:
         release_compute_weights(*self.modules)
         reshard_all(*self.modules)
         forget_forwards(*self.modules)
-
-
-def freeze(modules: list[nn.Module]) -> None:
-    """No parameter takes a gradient; eval mode (no dropout, no router jitter)."""
-    for module in modules:
-        module.requires_grad_(False)
-        module.eval()

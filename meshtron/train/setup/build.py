@@ -26,7 +26,6 @@ from meshtron.models.moe import moe_layer_indices
 from meshtron.train.batch import SequenceSplit
 from meshtron.train.distill.head import DistillHead
 from meshtron.train.distill.teacher import TeacherModel
-from meshtron.train.distill.teacher import freeze as freeze_teacher
 from meshtron.train.loss.distill import DistillOptions
 from meshtron.train.loss.preference import preference_objective
 from meshtron.train.pipeline.runner import PipelineRunner, build_pipeline_runner
@@ -198,7 +197,7 @@ def build_distill(
     # The student's sequence cut, with the teacher's own attention windows (sliding layers the student may lack).
     teacher_split = replace(split, attention_windows=attention_windows(setup.teacher_config))
     copy = build_model(teacher_cfg, runtime, teacher_setup, meshes, teacher_split, policy, frozen=True)
-    freeze_teacher(copy.parts)
+    freeze(copy.parts)  # as a reference copy: no gradients, eval mode
     modules = copy.runner.modules if copy.runner is not None else copy.parts
     teacher = TeacherModel(cfg.distill.teacher or "", modules, copy.adapter, teacher_split, copy.runner)
     teacher_softcap = copy.runner.softcap if copy.runner is not None else copy.adapter.logit_softcap(copy.model)
