@@ -35,6 +35,25 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=rank)  # stable: the order within a module, and of the other modules, is kept
 
 
+def pytest_sessionstart(session) -> None:
+    """In each process that runs tests: import what nearly every test module imports (torch, transformers, the
+    training loop), then move every object made so far into the generation the garbage collector never scans
+    (``gc.freeze``, as tests/parity_worker.py does before forking). Full collections of this process, and of the
+    ranks it forks, then skip those ~330K objects instead of walking them again and again (five modules, 192 tests,
+    in one process, measured twice: 138 -> 113 s and 153 -> 127 s, 17% less CPU). The xdist controller runs no
+    test and imports nothing."""
+    import gc
+
+    if session.config.getoption("numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import meshtron.train.trainer  # noqa: F401
+
+    gc.freeze()
+
+
 PORTS_PER_WORKER = 2000
 """Rendezvous ports each pytest worker (and the processes it starts) hands out: disjoint ranges per worker."""
 
