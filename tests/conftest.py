@@ -40,8 +40,8 @@ def pytest_sessionstart(session) -> None:
     training loop), then move every object made so far into the generation the garbage collector never scans
     (``gc.freeze``, as tests/parity_worker.py does before forking). Full collections of this process, and of the
     ranks it forks, then skip those ~330K objects instead of walking them again and again (five modules, 192 tests,
-    in one process, measured twice: 138 -> 113 s and 153 -> 127 s, 17% less CPU). The xdist controller runs no
-    test and imports nothing."""
+    in one process, three back-to-back pairs on a machine whose speed varies: 138 -> 113 s, 153 -> 127 s,
+    147 -> 135 s). The xdist controller runs no test and imports nothing."""
     import gc
 
     if session.config.getoption("numprocesses", None) and not hasattr(session.config, "workerinput"):
