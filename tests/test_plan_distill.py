@@ -125,7 +125,7 @@ def test_planned_teacher_bytes_of_a_config_rank():
     assert planned_teacher_bytes(causal, 1, 0) == 0
 
 
-def test_planned_teacher_bytes_within_10_percent_of_the_measured(tmp_path, cache_dir):
+def test_planned_teacher_bytes_within_10_percent_of_the_measured(tmp_path, cache_dir, monkeypatch):
     """The issue's acceptance: the planner's teacher bytes within 10% of the measured (they are exact). The first
     and the last rank of pp2 x fsdp2 x tp2 (a bf16 llama-small teacher of llama-tiny, its own pipeline split),
     rehearsed by ``bench/rehearse_layouts.py``'s distillation row, and a one-process run with an fp32 teacher;
@@ -150,11 +150,8 @@ def test_planned_teacher_bytes_within_10_percent_of_the_measured(tmp_path, cache
     bench_command += [f"--cache-dir={cache_dir}", f"--output-dir={tmp_path / 'runs'}", f"--json={rows_file}"]
     done = subprocess.run(bench_command, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        bench = importlib.import_module("rehearse_layouts")
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    bench = importlib.import_module("rehearse_layouts")
     (rehearsed,) = bench.select(layout)
     cfg = load_config(None, bench.jobs_of(rehearsed, True, 2, tmp_path, None)[0]["overrides"], env={})
     figures = {}
